@@ -1,0 +1,1 @@
+"""gpusched accounting: applies usage records exactly once and answers usage queries."""

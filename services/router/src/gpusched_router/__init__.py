@@ -1,0 +1,1 @@
+"""gpusched router: OpenAI-compatible HTTP front door that publishes requests to Kafka."""

@@ -1,0 +1,1 @@
+"""gpusched scheduler: keeps cluster state, places requests on GPUs, emits placements."""

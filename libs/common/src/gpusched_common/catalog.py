@@ -1,0 +1,102 @@
+"""The model catalog, tenant directory and GPU type table, loaded from the config folder.
+
+Pure data: services load them once at start-up and pass them where they are needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusched_common.contracts import Name, PriorityClass
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Name
+    parameters_b: float = Field(gt=0, description="Parameters, in billions.")
+    weight_memory_mib: int = Field(gt=0)
+    kv_cache_bytes_per_token: int = Field(gt=0)
+    context_limit_tokens: int = Field(gt=0)
+
+    def kv_cache_mib(self, tokens: int) -> int:
+        """GPU memory of the KV cache for `tokens` tokens, rounded up to whole MiB."""
+        return -(-tokens * self.kv_cache_bytes_per_token // (1024 * 1024))
+
+
+class ModelCatalog(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: tuple[ModelSpec, ...]
+
+    def get(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+
+class Tenant(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Name
+    api_keys: tuple[str, ...]
+    default_priority_class: PriorityClass = "standard"
+    weight: float = Field(default=1.0, gt=0, description="Fair-share weight inside a class.")
+
+
+class TenantDirectory(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tenants: tuple[Tenant, ...]
+    admin_api_keys: tuple[str, ...] = ()
+
+    def by_api_key(self, key: str) -> Tenant | None:
+        return next((t for t in self.tenants if key in t.api_keys), None)
+
+    def get(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+class GpuType(BaseModel):
+    """Datasheet figures of a GPU model (dense BF16 tensor TFLOPS, HBM bandwidth)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    memory_mib: int
+    bf16_tflops: float
+    memory_bandwidth_gb_s: float
+
+
+# NVIDIA datasheets (dense BF16, no sparsity): H100 SXM 989 TFLOPS / 3.35 TB/s; H200 SXM
+# 989 / 4.8 TB/s; A100 SXM 312 / 1.555 (40 GB) and 2.039 TB/s (80 GB); L4 121 / 0.3 TB/s.
+GPU_TYPES: dict[str, GpuType] = {
+    g.name: g
+    for g in (
+        GpuType(name="H100-80GB", memory_mib=81559, bf16_tflops=989, memory_bandwidth_gb_s=3350),
+        GpuType(name="H200-141GB", memory_mib=143771, bf16_tflops=989, memory_bandwidth_gb_s=4800),
+        GpuType(name="A100-80GB", memory_mib=81920, bf16_tflops=312, memory_bandwidth_gb_s=2039),
+        GpuType(name="A100-40GB", memory_mib=40960, bf16_tflops=312, memory_bandwidth_gb_s=1555),
+        GpuType(name="L4-24GB", memory_mib=23034, bf16_tflops=121, memory_bandwidth_gb_s=300),
+    )
+}
+
+
+def load_models(config_dir: Path) -> ModelCatalog:
+    """Read `models.yaml`; raises ValueError naming the file when it is invalid."""
+    return ModelCatalog.model_validate(_read_yaml(config_dir / "models.yaml"))
+
+
+def load_tenants(config_dir: Path) -> TenantDirectory:
+    """Read `tenants.yaml`; raises ValueError naming the file when it is invalid."""
+    return TenantDirectory.model_validate(_read_yaml(config_dir / "tenants.yaml"))
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a YAML mapping")
+    return data

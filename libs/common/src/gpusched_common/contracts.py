@@ -1,0 +1,206 @@
+"""Versioned message contracts for every Kafka topic of gpusched.
+
+Each message carries a `type` tag and a `version`; consumers parse raw bytes once with the
+`TypeAdapter`s below and dispatch on the type. Field units are in the names.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+PriorityClass = Literal["interactive", "standard", "batch"]
+PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch")
+"""Highest first: the scheduler serves them in this order."""
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@-]+$")]
+
+MAX_PROMPT_CHARS = 200_000
+"""Largest prompt accepted anywhere (router and Kafka); the model's context limit also applies."""
+
+
+class Message(BaseModel):
+    """Base of every contract: immutable, strict about unknown fields, versioned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: Literal[1] = 1
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class InferenceRequest(Message):
+    """A request to generate text; produced by the router or by any Kafka client.
+
+    `attempt` grows each time the request is handed back for scheduling (agent refused it,
+    its node was lost, it was preempted); (request_id, attempt) identifies one placement.
+    """
+
+    type: Literal["inference_request"] = "inference_request"
+    request_id: RequestId
+    tenant: Name
+    priority_class: PriorityClass = "standard"
+    model: Name
+    prompt: str = Field(max_length=MAX_PROMPT_CHARS)
+    max_tokens: int = Field(default=64, ge=1, le=32_768)
+    prompt_tokens: int | None = Field(
+        default=None, ge=1, description="Override the counted prompt length (trace replays)."
+    )
+    seed: int | None = None
+    attempt: int = Field(default=0, ge=0, le=100)
+    created_at_ms: int = Field(ge=0)
+
+
+class GpuState(BaseModel):
+    """One schedulable GPU (or MIG instance) of a node, as its agent sees it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    index: int = Field(ge=0)
+    uuid: str
+    gpu_type: str = Field(description="Catalog name, e.g. 'H100-80GB'.")
+    memory_total_mib: int = Field(ge=0)
+    memory_free_mib: int = Field(description="Total minus loaded weights minus reserved KV cache.")
+    healthy: bool = True
+    loaded_models: tuple[str, ...] = ()
+    running_requests: int = Field(default=0, ge=0)
+
+
+class NodeState(Message):
+    """The full state of one node; compacted topic keyed by node id, so the latest wins.
+
+    `active_placement_ids` lists placements whose memory is already counted in
+    `memory_free_mib`; the scheduler keeps its own reservation for any other placement.
+    """
+
+    type: Literal["node_state"] = "node_state"
+    node_id: Name
+    status: Literal["ready", "draining", "stopped"] = "ready"
+    seq: int = Field(ge=0, description="Grows with every report of one agent run.")
+    started_at_ms: int
+    reported_at_ms: int
+    gpus: tuple[GpuState, ...]
+    active_placement_ids: tuple[str, ...] = ()
+
+
+class Placement(Message):
+    """A scheduler's command to run one request on one GPU of one node (keyed by node id)."""
+
+    type: Literal["placement"] = "placement"
+    placement_id: str = Field(description="'<request_id>#<attempt>': unique per attempt.")
+    node_id: Name
+    gpu_index: int = Field(ge=0)
+    kv_cache_mib: int = Field(ge=0, description="GPU memory reserved for this request's KV cache.")
+    scheduler_epoch: int = Field(ge=0, description="Fencing token of the scheduler that placed it.")
+    placed_at_ms: int
+    request: InferenceRequest
+
+
+class TokenChunk(Message):
+    """Some generated tokens of a request, in order of `seq`."""
+
+    type: Literal["token_chunk"] = "token_chunk"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    text: str
+    token_count: int = Field(ge=0)
+
+
+class RequestResult(Message):
+    """The terminal outcome of an accepted request; exactly one per request reaches clients."""
+
+    type: Literal["request_result"] = "request_result"
+    request_id: RequestId
+    tenant: str
+    model: str
+    status: Literal["completed", "failed", "cancelled"]
+    finish_reason: str = Field(description="'length', 'stop', or what went wrong.")
+    text: str = ""
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    node_id: str | None = None
+    gpu_index: int | None = None
+    queued_ms: float = Field(ge=0, description="From creation to start of execution.")
+    total_ms: float = Field(ge=0, description="From creation to the last token.")
+    ttft_ms: float | None = Field(default=None, description="From creation to the first token.")
+
+
+class Rejection(Message):
+    """A request refused before running; the client's terminal answer, with a reason."""
+
+    type: Literal["rejection"] = "rejection"
+    request_id: RequestId
+    tenant: str | None = None
+    status_code: int = Field(ge=400, le=599, description="HTTP-equivalent: 400, 404, 429, ...")
+    reason: str
+
+
+class UsageRecord(Message):
+    """Metered consumption of one request on one node; billed exactly once by `event_id`.
+
+    `final` marks the last record of a placement; non-final ones are periodic partials,
+    each covering only what was consumed since the previous record (deltas, never totals).
+    """
+
+    type: Literal["usage"] = "usage"
+    event_id: str = Field(min_length=1, max_length=200)
+    request_id: RequestId
+    placement_id: str
+    tenant: str
+    model: str
+    priority_class: PriorityClass
+    node_id: str
+    gpu_type: str
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    gpu_seconds: float = Field(ge=0, description="Share of one GPU integrated over the run.")
+    final: bool = True
+    started_at_ms: int
+    ended_at_ms: int
+
+
+class DeadLetter(Message):
+    """A record a service could not process, kept with the reason and where it came from."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    source_topic: str
+    partition: int
+    offset: int
+    key: str | None
+    payload: str = Field(description="The record's value as text (UTF-8, replaced), truncated.")
+    reason: str
+    service: str
+    at_ms: int
+
+
+ResultEvent = Annotated[TokenChunk | RequestResult | Rejection, Field(discriminator="type")]
+RESULT_EVENT = TypeAdapter(ResultEvent)
+REQUEST = TypeAdapter(InferenceRequest)
+NODE_STATE = TypeAdapter(NodeState)
+PLACEMENT = TypeAdapter(Placement)
+USAGE = TypeAdapter(UsageRecord)
+DEAD_LETTER = TypeAdapter(DeadLetter)
+
+DEAD_LETTER_PAYLOAD_CHARS = 65_536
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a record value as a JSON object; raises ValueError with a readable reason."""
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"value is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"value must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def count_prompt_tokens(prompt: str) -> int:
+    """The token count gpusched bills for a prompt without a tokenizer: ceil(UTF-8 bytes / 4).
+
+    Four bytes per token is the usual English average of BPE tokenizers; a request may carry
+    an explicit `prompt_tokens` instead.
+    """
+    return max(1, -(-len(prompt.encode()) // 4))

@@ -1,0 +1,49 @@
+"""Typed settings shared by every service, read from GPUSCHED_* environment variables.
+
+Each service composes these into its own settings object, validated once at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_CONFIG_DIR = Path(__file__).resolve().parents[4] / "config"
+
+
+class KafkaSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUSCHED_KAFKA_", extra="ignore")
+    bootstrap: str = Field(
+        default="127.0.0.1:9092", description="Kafka bootstrap servers, host:port[,host:port]."
+    )
+
+
+class RedisSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUSCHED_REDIS_", extra="ignore")
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL.")
+
+
+class TelemetrySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUSCHED_", extra="ignore")
+    otlp_endpoint: str | None = Field(
+        default="http://127.0.0.1:4318",
+        description="OTLP/HTTP base URL of the trace collector (Jaeger); empty disables export.",
+    )
+    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service has; a service subclasses it with its own."""
+
+    model_config = SettingsConfigDict(env_prefix="GPUSCHED_", extra="ignore")
+    http_port: int = Field(default=8080, ge=0, le=65535, description="HTTP port (0 = any).")
+    http_host: str = Field(default="127.0.0.1", description="Address the HTTP server binds.")
+    config_dir: Path = Field(
+        default=REPO_CONFIG_DIR, description="Folder with models.yaml and tenants.yaml."
+    )
+    log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

@@ -1,0 +1,52 @@
+"""OpenTelemetry set-up: one tracer provider per service exporting spans over OTLP/HTTP.
+
+The W3C trace context rides in Kafka headers (see `broker.make_broker`), so one request is
+one trace across router, scheduler, agent and accounting.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+from gpusched_common.settings import TelemetrySettings
+
+log = logging.getLogger(__name__)
+
+
+def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
+    """A provider exporting to `settings.otlp_endpoint`; call `.shutdown()` on exit to flush."""
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name}),
+        sampler=ParentBasedTraceIdRatio(settings.trace_sample_ratio),
+    )
+    if settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    return provider
+
+
+def current_carrier() -> dict[str, str]:
+    """The current trace context as W3C headers, to carry it across an in-process queue."""
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    return carrier
+
+
+def context_from(carrier: dict[str, str]) -> Context:
+    return extract(carrier)
+
+
+def trace_id_hex(span: trace.Span | None = None) -> str | None:
+    """The 32-hex-digit trace id of `span` (default: the current span), None when unsampled."""
+    ctx = (span or trace.get_current_span()).get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else None

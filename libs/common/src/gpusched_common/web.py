@@ -1,0 +1,42 @@
+"""The HTTP face every service shares: /healthz, /metrics, and uvicorn start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from gpusched_common.settings import ServiceSettings
+
+
+def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
+    """GET /healthz (200 when `ready()`, else 503) and GET /metrics (Prometheus text)."""
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> Response:
+        ok = ready()
+        return Response("ok" if ok else "starting", status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def serve(app: FastAPI, settings: ServiceSettings) -> None:
+    """Run `app` until SIGINT/SIGTERM; uvicorn runs the lifespan (broker start and drain)."""
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        lifespan="on",
+    )
+    asyncio.run(uvicorn.Server(config).serve())

@@ -1,0 +1,10 @@
+"""`python -m gpusched_accounting`: run accounting with settings from the environment."""
+
+from gpusched_common.web import serve
+
+from gpusched_accounting.main import create_app
+from gpusched_accounting.settings import AccountingSettings
+
+if __name__ == "__main__":
+    settings = AccountingSettings()
+    serve(create_app(settings), settings)

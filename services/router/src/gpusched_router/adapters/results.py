@@ -1,0 +1,91 @@
+"""Fan-in of the results topic: hands each event to the HTTP request waiting for it and
+remembers every terminal outcome in Redis for GET /v1/requests/{id}."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiokafka.structs import ConsumerRecord
+from gpusched_common.contracts import (
+    RESULT_EVENT,
+    InferenceRequest,
+    Rejection,
+    RequestResult,
+    ResultEvent,
+)
+from redis.asyncio import Redis
+
+STATUS_KEY = "gpusched:request:{}"
+
+
+class ResultsHub:
+    """Routes result events to waiting clients by request id; one per router process."""
+
+    def __init__(self, redis: Redis, status_ttl_s: int) -> None:
+        self._redis = redis
+        self._ttl_s = status_ttl_s
+        self._waiters: dict[str, asyncio.Queue[ResultEvent]] = {}
+
+    def open(self, request_id: str) -> asyncio.Queue[ResultEvent]:
+        """Register before publishing the request, so no event can be missed."""
+        queue: asyncio.Queue[ResultEvent] = asyncio.Queue()
+        self._waiters[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._waiters.pop(request_id, None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def accepted(self, request: InferenceRequest, trace_id: str | None) -> None:
+        key = STATUS_KEY.format(request.request_id)
+        fields = {"status": "queued", "tenant": request.tenant, "model": request.model,
+                  "priority_class": request.priority_class,
+                  "created_at_ms": request.created_at_ms, "trace_id": trace_id or ""}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+
+    async def dispatch(self, records: list[ConsumerRecord]) -> None:
+        """Hand every event to its waiter; store terminal ones (one pipelined round trip)."""
+        finals: list[RequestResult | Rejection] = []
+        for record in records:
+            try:
+                event = RESULT_EVENT.validate_json(record.value)
+            except ValueError:
+                continue  # results are written by our agents and scheduler only
+            queue = self._waiters.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+            if isinstance(event, RequestResult | Rejection):
+                finals.append(event)
+        if not finals:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for event in finals:
+                key = STATUS_KEY.format(event.request_id)
+                pipe.hset(key, mapping=_status_fields(event))
+                pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+
+    async def status(self, request_id: str) -> dict[str, Any] | None:
+        raw = await self._redis.hgetall(STATUS_KEY.format(request_id))
+        if not raw:
+            return None
+        out: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        if "result" in out:
+            out["result"] = json.loads(out["result"])
+        out["request_id"] = request_id
+        return out
+
+
+def _status_fields(event: RequestResult | Rejection) -> dict[str, str]:
+    if isinstance(event, Rejection):
+        return {"status": "rejected", "result": event.model_dump_json()}
+    return {"status": event.status, "tenant": event.tenant, "model": event.model,
+            "result": event.model_dump_json()}

@@ -1,0 +1,155 @@
+"""OpenAI-compatible request parsing and response shaping; pure, no I/O.
+
+`parse_*` turn a decoded JSON body into an `InferenceRequest` or an `ApiError` (a value,
+with the HTTP status and a reason a user can act on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gpusched_common.catalog import ModelCatalog, Tenant
+from gpusched_common.contracts import (
+    MAX_PROMPT_CHARS,
+    PRIORITY_CLASSES,
+    InferenceRequest,
+    count_prompt_tokens,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_MAX_TOKENS = 16
+"""What OpenAI's completions API uses when `max_tokens` is absent."""
+
+
+@dataclass(frozen=True)
+class ApiError:
+    status_code: int
+    message: str
+    code: str = "invalid_request_error"
+    param: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.code, "param": self.param,
+                          "code": self.status_code}}
+
+
+class _Body(BaseModel):
+    # Unknown OpenAI fields (temperature, top_p, user, ...) are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1, max_length=128)
+    max_tokens: int | None = Field(default=None, ge=1, le=32_768)
+    stream: bool = False
+    seed: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=32_768)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request: InferenceRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(
+    body: Any, tenant: Tenant, priority_header: str | None, catalog: ModelCatalog,
+    request_id: str, now_ms: int,
+) -> ParsedRequest | ApiError:
+    parsed = _validate(CompletionBody, body)
+    if isinstance(parsed, ApiError):
+        return parsed
+    if isinstance(parsed.prompt, list):
+        if len(parsed.prompt) != 1:
+            return ApiError(400, "prompt must be a string or a list of exactly one string",
+                            param="prompt")
+        prompt = parsed.prompt[0]
+    else:
+        prompt = parsed.prompt
+    return _finish(parsed, prompt, parsed.max_tokens, tenant, priority_header, catalog,
+                   request_id, now_ms)
+
+
+def parse_chat(
+    body: Any, tenant: Tenant, priority_header: str | None, catalog: ModelCatalog,
+    request_id: str, now_ms: int,
+) -> ParsedRequest | ApiError:
+    parsed = _validate(ChatBody, body)
+    if isinstance(parsed, ApiError):
+        return parsed
+    prompt = render_chat(parsed.messages)
+    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    return _finish(parsed, prompt, max_tokens, tenant, priority_header, catalog,
+                   request_id, now_ms)
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """A plain chat template: one `role: text` line per message, then `assistant:`."""
+    lines = []
+    for m in messages:
+        if isinstance(m.content, list):
+            text = "".join(str(p.get("text", "")) for p in m.content if p.get("type") == "text")
+        else:
+            text = m.content or ""
+        lines.append(f"{m.role}: {text}")
+    lines.append("assistant:")
+    return "\n".join(lines)
+
+
+def _validate(model: type[_Body], body: Any) -> Any:
+    if not isinstance(body, dict):
+        return ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or None
+        return ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where)
+
+
+def _finish(
+    parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
+    priority_header: str | None, catalog: ModelCatalog, request_id: str, now_ms: int,
+) -> ParsedRequest | ApiError:
+    spec = catalog.get(parsed.model)
+    if spec is None:
+        return ApiError(404, f"model '{parsed.model}' does not exist; available models: "
+                        f"{', '.join(catalog.names)}", code="model_not_found", param="model")
+    if priority_header is not None and priority_header not in PRIORITY_CLASSES:
+        return ApiError(400, f"X-Priority-Class '{priority_header}' is not one of "
+                        f"{', '.join(PRIORITY_CLASSES)}", param="X-Priority-Class")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return ApiError(400, f"prompt is {len(prompt)} characters; the limit is "
+                        f"{MAX_PROMPT_CHARS}", param="prompt")
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    prompt_tokens = count_prompt_tokens(prompt)
+    if prompt_tokens + max_tokens > spec.context_limit_tokens:
+        return ApiError(400, f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                        f"exceeds {spec.name}'s context limit of {spec.context_limit_tokens} "
+                        "tokens; shorten the prompt or lower max_tokens", param="max_tokens")
+    request = InferenceRequest(
+        request_id=request_id,
+        tenant=tenant.name,
+        priority_class=priority_header or tenant.default_priority_class,  # type: ignore[arg-type]
+        model=spec.name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        seed=parsed.seed,
+        created_at_ms=now_ms,
+    )
+    include_usage = bool((parsed.stream_options or {}).get("include_usage"))
+    return ParsedRequest(request=request, stream=parsed.stream, include_usage=include_usage)

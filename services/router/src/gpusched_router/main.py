@@ -1,0 +1,266 @@
+"""Router service: wires HTTP routes, the Kafka broker, Redis and telemetry together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from gpusched_common import topics
+from gpusched_common.broker import make_broker
+from gpusched_common.catalog import load_models, load_tenants
+from gpusched_common.contracts import Rejection, RequestResult, ResultEvent, TokenChunk
+from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
+from gpusched_common.web import add_ops_routes
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from redis.asyncio import Redis
+
+from gpusched_router.adapters.results import ResultsHub
+from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
+from gpusched_router.settings import RouterSettings
+
+SERVICE = "router"
+PRIORITY_HEADER = "x-priority-class"
+
+
+def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
+    catalog = load_models(settings.config_dir)
+    tenants = load_tenants(settings.config_dir)
+    registry = CollectorRegistry()
+    provider = make_tracer_provider(SERVICE, settings.telemetry)
+    tracer = provider.get_tracer(SERVICE)
+    broker = make_broker(settings.kafka, SERVICE, provider, registry)
+    redis = Redis.from_url(settings.redis.url)
+    hub = ResultsHub(redis, settings.status_ttl_s)
+    accepted = Counter("gpusched_router_requests_total", "Requests by outcome.",
+                       ["priority_class", "outcome"], registry=registry)
+    latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
+                        ["priority_class"], registry=registry)
+    started = False
+
+    @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
+                       auto_offset_reset="latest", batch_timeout_ms=10, max_records=500)
+    async def on_results(msg: Any) -> None:  # KafkaMessage; records of one fetch
+        await hub.dispatch(msg.raw_message)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal started
+        await topics.ensure_topics(settings.kafka.bootstrap)
+        await broker.start()
+        started = True
+        try:
+            yield
+        finally:
+            started = False
+            await broker.stop()
+            await redis.aclose()
+            provider.shutdown()
+
+    app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
+    add_ops_routes(app, registry, lambda: started)
+
+    def error(err: ApiError, priority_class: str = "unknown") -> JSONResponse:
+        accepted.labels(priority_class, f"http_{err.status_code}").inc()
+        return JSONResponse(err.body(), status_code=err.status_code)
+
+    async def authenticate(request: Request) -> Any:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        tenant = tenants.by_api_key(key.strip())
+        if tenant is None:
+            return ApiError(401, "unknown API key", code="invalid_api_key")
+        return tenant
+
+    async def read_json(request: Request) -> Any:
+        body = await request.body()
+        if len(body) > settings.max_body_bytes:
+            return ApiError(413, f"request body is {len(body)} bytes; the limit is "
+                            f"{settings.max_body_bytes}")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return ApiError(400, f"request body is not valid JSON: {exc}")
+
+    async def handle(request: Request, parse: Any, kind: str) -> Response:
+        tenant = await authenticate(request)
+        if isinstance(tenant, ApiError):
+            return error(tenant)
+        body = await read_json(request)
+        if isinstance(body, ApiError):
+            return error(body)
+        request_id = f"req-{uuid.uuid4().hex}"
+        parsed = parse(body, tenant, request.headers.get(PRIORITY_HEADER), catalog,
+                       request_id, clock())
+        if isinstance(parsed, ApiError):
+            return error(parsed)
+        req = parsed.request
+        queue = hub.open(request_id)
+        with tracer.start_as_current_span(
+            f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
+            attributes={"gpusched.request_id": request_id, "gpusched.tenant": req.tenant,
+                        "gpusched.priority_class": req.priority_class,
+                        "gpusched.model": req.model},
+        ) as span:
+            trace_id = trace_id_hex(span)
+            try:
+                await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
+                                     key=request_id.encode(),
+                                     headers={"content-type": "application/json"})
+            except Exception:
+                hub.close(request_id)
+                raise
+        await hub.accepted(req, trace_id)
+        accepted.labels(req.priority_class, "accepted").inc()
+        headers = {"x-request-id": request_id, "x-trace-id": trace_id or ""}
+        started_s = time.monotonic()
+
+        def observe() -> None:
+            hub.close(request_id)
+            latency.labels(req.priority_class).observe(time.monotonic() - started_s)
+
+        if parsed.stream:
+            return StreamingResponse(
+                _sse(parsed, kind, queue, settings.request_timeout_s, observe),
+                media_type="text/event-stream", headers=headers)
+        try:
+            final = await _wait_final(queue, settings.request_timeout_s)
+        finally:
+            observe()
+        if isinstance(final, ApiError):
+            return JSONResponse(final.body(), status_code=final.status_code, headers=headers)
+        return JSONResponse(_full_response(parsed, kind, final), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, parse_completion, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, parse_chat, "chat/completions")
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "gpusched",
+             "parameters_b": m.parameters_b, "weight_memory_mib": m.weight_memory_mib,
+             "kv_cache_bytes_per_token": m.kv_cache_bytes_per_token,
+             "context_limit_tokens": m.context_limit_tokens}
+            for m in catalog.models]}
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str) -> Response:
+        m = catalog.get(name)
+        if m is None:
+            return error(ApiError(404, f"model '{name}' does not exist; available models: "
+                                  f"{', '.join(catalog.names)}", code="model_not_found"))
+        return JSONResponse({"id": m.name, "object": "model", "created": 0,
+                             "owned_by": "gpusched"})
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_status(request_id: str, request: Request) -> Response:
+        tenant = await authenticate(request)
+        if isinstance(tenant, ApiError):
+            return error(tenant)
+        status = await hub.status(request_id)
+        if status is None or status.get("tenant") not in (tenant.name, None):
+            return error(ApiError(404, f"request '{request_id}' is unknown (or expired)"))
+        return JSONResponse(status)
+
+    app.state.broker = broker
+    app.state.hub = hub
+    return app
+
+
+async def _wait_final(queue: asyncio.Queue[ResultEvent], timeout_s: float
+                      ) -> RequestResult | ApiError:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                event = await queue.get()
+                if isinstance(event, RequestResult):
+                    return event
+                if isinstance(event, Rejection):
+                    return ApiError(event.status_code, event.reason)
+    except TimeoutError:
+        return ApiError(504, f"no result within {timeout_s:.0f} s; the request is still "
+                        "queued: poll GET /v1/requests/{id}", code="timeout")
+
+
+def _finish_reason(result: RequestResult) -> str:
+    return result.finish_reason if result.status == "completed" else "error"
+
+
+def _usage(result: RequestResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> dict[str, Any]:
+    req = parsed.request
+    common = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
+              "model": req.model, "usage": _usage(result)}
+    if kind == "completions":
+        return {**common, "object": "text_completion", "choices": [
+            {"index": 0, "text": result.text, "logprobs": None,
+             "finish_reason": _finish_reason(result)}]}
+    return {**common, "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": result.text},
+         "logprobs": None, "finish_reason": _finish_reason(result)}]}
+
+
+async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEvent],
+               timeout_s: float, done: Any) -> AsyncIterator[bytes]:
+    """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`."""
+    req = parsed.request
+    base = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
+            "model": req.model}
+    chat = kind != "completions"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(text: str | None, finish: str | None, first: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n".encode()
+
+    try:
+        if chat:
+            yield event("", None, first=True)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, TokenChunk):
+                    yield event(ev.text, None)
+                elif isinstance(ev, RequestResult):
+                    yield event(None if chat else "", _finish_reason(ev))
+                    if parsed.include_usage:
+                        payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
+                        yield f"data: {json.dumps(payload)}\n\n".encode()
+                    break
+                elif isinstance(ev, Rejection):
+                    err = ApiError(ev.status_code, ev.reason).body()
+                    yield f"data: {json.dumps(err)}\n\n".encode()
+                    break
+        yield b"data: [DONE]\n\n"
+    except TimeoutError:
+        err = ApiError(504, f"no result within {timeout_s:.0f} s", code="timeout").body()
+        yield f"data: {json.dumps(err)}\n\n".encode()
+    finally:
+        done()

@@ -1,0 +1,15 @@
+"""Router settings (GPUSCHED_* environment variables)."""
+
+from gpusched_common.settings import ServiceSettings
+from pydantic import Field
+
+
+class RouterSettings(ServiceSettings):
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    request_timeout_s: float = Field(
+        default=300.0, gt=0, le=3600, description="Longest a client waits for a terminal result."
+    )
+    status_ttl_s: int = Field(
+        default=86_400, ge=60, description="How long GET /v1/requests/{id} remembers a request."
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body.")
