@@ -96,7 +96,8 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError as exc:
-        raise ValueError(f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
+        raise ValueError(
+            f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping")
     return data

@@ -1,9 +1,8 @@
 """`python -m gpusched_accounting`: run accounting with settings from the environment."""
 
-from gpusched_common.web import serve
-
 from gpusched_accounting.main import create_app
 from gpusched_accounting.settings import AccountingSettings
+from gpusched_common.web import serve
 
 if __name__ == "__main__":
     settings = AccountingSettings()

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
-from gpusched_common import topics
-from gpusched_common.contracts import USAGE, Message
-from gpusched_common.kafka_records import WallClockMs, dead_letter
+from faststream.kafka.annotations import KafkaMessage
 from pydantic import ValidationError
 
 from gpusched_accounting.adapters.store import UsageStore
 from gpusched_accounting.domain.usage import increment_for
+from gpusched_common import topics
+from gpusched_common.contracts import USAGE, Message
+from gpusched_common.kafka_records import WallClockMs, dead_letter
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = "gpusched-accounting"
@@ -31,7 +31,7 @@ def register(broker: KafkaBroker, store: UsageStore, clock: WallClockMs,
     @broker.subscriber(topics.USAGE.name, batch=True, group_id=CONSUMER_GROUP,
                        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
                        max_records=max_records, batch_timeout_ms=20)
-    async def on_usage(msg: Any) -> None:
+    async def on_usage(msg: KafkaMessage) -> None:
         increments = []
         for record in msg.raw_message:
             try:

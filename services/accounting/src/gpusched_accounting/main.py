@@ -6,12 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Header, HTTPException, Query
-from gpusched_common import topics
-from gpusched_common.broker import make_broker
-from gpusched_common.catalog import load_tenants
-from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
-from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
@@ -19,6 +13,12 @@ from gpusched_accounting import handlers
 from gpusched_accounting.adapters.store import UsageStore
 from gpusched_accounting.handlers import SERVICE
 from gpusched_accounting.settings import AccountingSettings
+from gpusched_common import topics
+from gpusched_common.broker import make_broker
+from gpusched_common.catalog import load_tenants
+from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.telemetry import make_tracer_provider
+from gpusched_common.web import add_ops_routes
 
 
 def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:

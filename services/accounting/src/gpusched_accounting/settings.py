@@ -1,7 +1,8 @@
 """Accounting settings (GPUSCHED_* environment variables)."""
 
-from gpusched_common.settings import ServiceSettings
 from pydantic import Field
+
+from gpusched_common.settings import ServiceSettings
 
 
 class AccountingSettings(ServiceSettings):

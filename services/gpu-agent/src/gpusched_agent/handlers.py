@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, TopicPartition
-from gpusched_common import topics
-from gpusched_common.contracts import PLACEMENT
+from faststream.kafka.annotations import KafkaMessage
 from pydantic import ValidationError
 
 from gpusched_agent.runtime import AgentRuntime
+from gpusched_common import topics
+from gpusched_common.contracts import PLACEMENT
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def register(broker: KafkaBroker, runtime: AgentRuntime) -> None:
     @broker.subscriber(partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
                        group_id=f"gpusched-agent-{runtime.node_id}",
                        auto_offset_reset="latest", ack_policy=AckPolicy.NACK_ON_ERROR)
-    async def on_placement(msg: Any) -> None:
+    async def on_placement(msg: KafkaMessage) -> None:
         record = msg.raw_message
         if record.key is not None and record.key.decode(errors="replace") != runtime.node_id:
             return  # another node's placement sharing this partition

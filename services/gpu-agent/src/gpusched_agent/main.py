@@ -8,13 +8,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from gpusched_common import topics
-from gpusched_common.broker import make_broker
-from gpusched_common.catalog import load_models
-from gpusched_common.contracts import Message
-from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
-from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes
 from prometheus_client import CollectorRegistry, Gauge
 from redis.asyncio import Redis
 
@@ -25,6 +18,13 @@ from gpusched_agent.domain.inventory import GpuInfo, parse_simulated
 from gpusched_agent.domain.node import NodeModel
 from gpusched_agent.runtime import AgentRuntime
 from gpusched_agent.settings import AgentSettings
+from gpusched_common import topics
+from gpusched_common.broker import make_broker
+from gpusched_common.catalog import load_models
+from gpusched_common.contracts import Message
+from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.telemetry import make_tracer_provider
+from gpusched_common.web import add_ops_routes
 
 SERVICE = "gpu-agent"
 

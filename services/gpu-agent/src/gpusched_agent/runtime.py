@@ -9,6 +9,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from redis.asyncio import Redis
+
+from gpusched_agent.adapters.simulated import SimulatedExecutor
+from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
@@ -20,10 +24,6 @@ from gpusched_common.contracts import (
     count_prompt_tokens,
 )
 from gpusched_common.kafka_records import WallClockMs
-from redis.asyncio import Redis
-
-from gpusched_agent.adapters.simulated import SimulatedExecutor
-from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 
 log = logging.getLogger(__name__)
 

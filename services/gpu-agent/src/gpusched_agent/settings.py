@@ -2,8 +2,9 @@
 
 import socket
 
-from gpusched_common.settings import ServiceSettings
 from pydantic import Field
+
+from gpusched_common.settings import ServiceSettings
 
 
 class AgentSettings(ServiceSettings):

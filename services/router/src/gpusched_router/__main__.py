@@ -1,7 +1,6 @@
 """`python -m gpusched_router`: run the router with settings from the environment."""
 
 from gpusched_common.web import serve
-
 from gpusched_router.main import create_app
 from gpusched_router.settings import RouterSettings
 

@@ -12,6 +12,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from faststream.kafka.annotations import KafkaMessage
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from redis.asyncio import Redis
+
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
@@ -19,10 +24,6 @@ from gpusched_common.contracts import Rejection, RequestResult, ResultEvent, Tok
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes
-from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from redis.asyncio import Redis
-
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
 from gpusched_router.settings import RouterSettings
@@ -48,7 +49,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
                        auto_offset_reset="latest", batch_timeout_ms=10, max_records=500)
-    async def on_results(msg: Any) -> None:  # KafkaMessage; records of one fetch
+    async def on_results(msg: KafkaMessage) -> None:
         await hub.dispatch(msg.raw_message)
 
     @asynccontextmanager

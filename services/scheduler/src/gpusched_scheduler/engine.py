@@ -11,6 +11,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from pydantic import ValidationError
+
 from gpusched_common import topics
 from gpusched_common.catalog import ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
@@ -27,10 +31,6 @@ from gpusched_common.contracts import (
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
-from opentelemetry import trace
-from opentelemetry.propagate import extract
-from pydantic import ValidationError
-
 from gpusched_scheduler.domain.cluster import ClusterView, FreeGpu, Reservation
 from gpusched_scheduler.domain.placement import Placed, Unschedulable, place_one
 from gpusched_scheduler.domain.queue import Pending, PendingQueue

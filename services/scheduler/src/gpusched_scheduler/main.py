@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
@@ -15,8 +17,6 @@ from gpusched_common.contracts import PRIORITY_CLASSES, Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from gpusched_scheduler import handlers
 from gpusched_scheduler.engine import SERVICE, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from gpusched_common.catalog import GPU_TYPES
-
 from gpusched_agent.domain.inventory import GpuInfo
+from gpusched_common.catalog import GPU_TYPES
 
 log = logging.getLogger(__name__)
 

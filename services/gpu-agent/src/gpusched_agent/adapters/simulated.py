@@ -7,10 +7,9 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from gpusched_agent.domain import perf_model
 from gpusched_common.catalog import GpuType, ModelSpec
 from gpusched_common.contracts import InferenceRequest
-
-from gpusched_agent.domain import perf_model
 
 _WORDS = ("the", "scheduler", "packs", "tokens", "into", "GPU", "memory", "while", "tenants",
           "share", "a", "fleet", "of", "accelerators", "and", "every", "request", "is", "billed",

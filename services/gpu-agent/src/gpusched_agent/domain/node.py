@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gpusched_common.catalog import ModelSpec
-from gpusched_common.contracts import GpuState, NodeState, Placement
-
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo
+from gpusched_common.catalog import ModelSpec
+from gpusched_common.contracts import GpuState, NodeState, Placement
 
 
 @dataclass

@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
+from redis.asyncio import Redis
+
 from gpusched_common.contracts import (
     RESULT_EVENT,
     InferenceRequest,
@@ -15,7 +17,6 @@ from gpusched_common.contracts import (
     RequestResult,
     ResultEvent,
 )
-from redis.asyncio import Redis
 
 STATUS_KEY = "gpusched:request:{}"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from gpusched_common.catalog import ModelCatalog, Tenant
 from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
@@ -16,7 +18,6 @@ from gpusched_common.contracts import (
     InferenceRequest,
     count_prompt_tokens,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_MAX_TOKENS = 16
 """What OpenAI's completions API uses when `max_tokens` is absent."""

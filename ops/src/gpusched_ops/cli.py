@@ -1,0 +1,240 @@
+"""`gpusched`: the operator's command line (local stack, submit, usage, nodes, demo, bench)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpusched_ops.services import service_specs, urls
+from gpusched_ops.stack import LocalStack, StackError, default_cache_dir
+
+app = typer.Typer(help="gpusched: share a GPU fleet between inference workloads and tenants.",
+                  no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks that print numbers next to a baseline.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+RunDir = Annotated[Path, typer.Option(envvar="GPUSCHED_RUN_DIR", help="State, logs, pids.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+DEFAULT_RUN_DIR = default_cache_dir() / "run"
+
+
+def _stack(run_dir: Path) -> LocalStack:
+    return LocalStack(run_dir)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
+    """Install (cached) and start Kafka, Redis, Jaeger and the services with two simulated
+    GPU nodes; returns once every one is ready."""
+    stack = _stack(run_dir)
+    try:
+        with console.status("installing Kafka, Redis and Jaeger (cached after the first run)"):
+            stack.install()
+        with console.status("starting Kafka, Redis and Jaeger"):
+            endpoints = stack.start_infra()
+        for spec in service_specs(endpoints):
+            with console.status(f"starting {spec.name}"):
+                stack.start_service(spec)
+    except StackError as exc:
+        _fail(str(exc))
+    console.print(f"[green]up[/green]: router {urls()['router']}, accounting "
+                  f"{urls()['accounting']}, Jaeger {endpoints.jaeger_query_url}; logs in "
+                  f"{run_dir / 'logs'}")
+
+
+@app.command()
+def down(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
+    """Stop every process of the local stack (data stays in the run folder)."""
+    _stack(run_dir).stop()
+    console.print("[green]down[/green]")
+
+
+@app.command()
+def status(run_dir: RunDir = DEFAULT_RUN_DIR, as_json: JsonOut = False) -> None:
+    """Each process of the local stack: pid, alive, resident memory, log file."""
+    rows = _stack(run_dir).status()
+    if as_json:
+        print(json.dumps([{"name": r.name, "pid": r.pid, "alive": r.alive,
+                           "rss_mib": r.rss_mib, "log": str(r.log_path)} for r in rows]))
+        return
+    table = Table("process", "pid", "state", "RSS MiB", "log")
+    total = 0.0
+    for r in rows:
+        total += r.rss_mib or 0
+        table.add_row(r.name, str(r.pid or "-"), "[green]up[/green]" if r.alive else
+                      "[red]down[/red]", f"{r.rss_mib:.0f}" if r.rss_mib else "-",
+                      str(r.log_path))
+    table.add_row("total", "", "", f"{total:.0f}", "")
+    console.print(table)
+
+
+@app.command()
+def nodes(as_json: JsonOut = False,
+          scheduler_url: str = typer.Option(urls()["scheduler"], envvar="GPUSCHED_SCHEDULER_URL"),
+          ) -> None:
+    """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models."""
+    try:
+        data = httpx.get(f"{scheduler_url}/v1/cluster", timeout=5).json()
+    except httpx.HTTPError as exc:
+        _fail(f"scheduler not reachable at {scheduler_url} ({exc}); is the stack up?")
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
+    for node in data["nodes"]:
+        for gpu in node["gpus"]:
+            table.add_row(node["node_id"], node["status"], str(gpu["index"]), gpu["gpu_type"],
+                          f"{gpu['memory_free_mib']} / {gpu['memory_total_mib']}",
+                          str(gpu["running_requests"]), ", ".join(gpu["loaded_models"]))
+    console.print(table)
+    console.print(f"pending: {data['pending']}, reservations: {data['reservations']}")
+
+
+@app.command()
+def submit(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    model: str = typer.Option("qwen2.5-1.5b"),
+    max_tokens: int = typer.Option(32),
+    api_key: str = typer.Option("sk-acme-demo", envvar="GPUSCHED_API_KEY"),
+    priority: str | None = typer.Option(None, help="interactive, standard or batch."),
+    router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
+    as_json: JsonOut = False,
+) -> None:
+    """Send one completion through the router and stream its tokens."""
+    from openai import APIStatusError, OpenAI
+
+    client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key)
+    headers = {"X-Priority-Class": priority} if priority else {}
+    try:
+        if as_json:
+            result = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                               extra_headers=headers)
+            print(result.model_dump_json())
+            return
+        for chunk in client.completions.create(model=model, prompt=prompt, stream=True,
+                                               max_tokens=max_tokens, extra_headers=headers):
+            if chunk.choices:
+                sys.stdout.write(chunk.choices[0].text)
+                sys.stdout.flush()
+        print()
+    except APIStatusError as exc:
+        _fail(f"{exc.status_code}: {exc.message}")
+
+
+@app.command()
+def usage(
+    tenant: str | None = typer.Option(None),
+    api_key: str = typer.Option("sk-admin-demo", envvar="GPUSCHED_API_KEY"),
+    accounting_url: str = typer.Option(urls()["accounting"], envvar="GPUSCHED_ACCOUNTING_URL"),
+    as_json: JsonOut = False,
+) -> None:
+    """Tokens and GPU-seconds per tenant and model, from accounting."""
+    params = {"group_by": "model", **({"tenant": tenant} if tenant else {})}
+    resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
+                     headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    if resp.status_code != 200:
+        _fail(f"{resp.status_code}: {resp.text}")
+    data = resp.json()
+    if as_json:
+        print(json.dumps(data))
+        return
+    console.print(usage_table(data))
+
+
+def usage_table(data: dict) -> Table:
+    table = Table("tenant", "model", "requests", "prompt tokens", "completion tokens",
+                  "GPU-seconds", title="usage (from accounting)")
+    for t in data["tenants"]:
+        tot = t["totals"]
+        table.add_row(t["tenant"], "[b]all[/b]", str(tot["requests"]), str(tot["prompt_tokens"]),
+                      str(tot["completion_tokens"]), f"{tot['gpu_seconds']:.3f}")
+        for row in t.get("by_model", []):
+            table.add_row("", row["model"], str(row["requests"]), str(row["prompt_tokens"]),
+                          str(row["completion_tokens"]), f"{row['gpu_seconds']:.3f}")
+    return table
+
+
+@app.command()
+def demo(
+    requests: int = typer.Option(60, min=1, max=5000, help="Requests in the workload."),
+    seed: int = typer.Option(7),
+    run_dir: RunDir = DEFAULT_RUN_DIR,
+    as_json: JsonOut = False,
+) -> None:
+    """Start the local stack, run a short mixed workload from several tenants and priority
+    classes, and print a report read back from the router, accounting and Jaeger."""
+    from gpusched_ops.workload import make_plan, percentile, run_workload
+
+    up(run_dir)
+    endpoints = _stack(run_dir).endpoints()
+    plans = make_plan(requests, seed)
+    started = time.perf_counter()
+    with console.status(f"running {requests} requests"):
+        outcomes = asyncio.run(run_workload(plans, urls()["router"], endpoints.kafka_bootstrap))
+    wall_s = time.perf_counter() - started
+    time.sleep(1.0)  # let the last usage records land before reading accounting back
+    usage_data = httpx.get(f"{urls()['accounting']}/v1/usage", params={"group_by": "model"},
+                           headers={"Authorization": "Bearer sk-admin-demo"}, timeout=10).json()
+    traced = next((o for o in outcomes if o.trace_id), None)
+    report = {
+        "requests": len(outcomes), "wall_s": round(wall_s, 2),
+        "by_class": {}, "usage": usage_data,
+        "trace_url": f"{endpoints.jaeger_query_url}/trace/{traced.trace_id}" if traced else None,
+        "trace_api": f"{endpoints.jaeger_query_url}/api/traces/{traced.trace_id}"
+        if traced else None,
+        "errors": [o.error for o in outcomes if o.error][:5],
+    }
+    for cls in ("interactive", "standard", "batch"):
+        mine = [o for o in outcomes if o.priority_class == cls]
+        ok = [o.latency_ms for o in mine if o.status == "completed"]
+        report["by_class"][cls] = {
+            "requests": len(mine), "completed": len(ok),
+            "via_kafka": sum(o.via == "kafka" for o in mine),
+            "p50_ms": round(percentile(ok, 50), 1), "p95_ms": round(percentile(ok, 95), 1),
+            "p99_ms": round(percentile(ok, 99), 1)}
+    if as_json:
+        print(json.dumps(report))
+    else:
+        table = Table("priority class", "requests", "completed", "via Kafka", "p50 ms",
+                      "p95 ms", "p99 ms", title=f"{len(outcomes)} requests in {wall_s:.1f} s")
+        for cls, row in report["by_class"].items():
+            table.add_row(cls, *(str(row[k]) for k in ("requests", "completed", "via_kafka",
+                                                       "p50_ms", "p95_ms", "p99_ms")))
+        console.print(table)
+        console.print(usage_table(usage_data))
+        console.print(f"one trace in Jaeger: {report['trace_url']}")
+        if report["errors"]:
+            console.print(f"[red]errors:[/red] {report['errors']}")
+    done = sum(r["completed"] for r in report["by_class"].values())
+    if done != len(outcomes):
+        _fail(f"{len(outcomes) - done} of {len(outcomes)} requests did not complete")
+
+
+@bench_app.command("solver", context_settings={"allow_extra_args": True,
+                                               "ignore_unknown_options": True})
+def bench_solver(ctx: typer.Context) -> None:
+    """Placement solver: openb replay vs FGD, throughput vs the Python reference, optimality.
+    Options: --quick, --json PATH, --dump DIR, --traces DIR."""
+    from gpusched_scheduler.bench.solver import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+if __name__ == "__main__":
+    app()

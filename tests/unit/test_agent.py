@@ -1,0 +1,105 @@
+"""GPU agent domain: inventories, memory admission with eviction, GPU-second shares."""
+
+from pathlib import Path
+
+import pytest
+
+from gpusched_agent.adapters.nvml import catalog_type
+from gpusched_agent.domain import perf_model
+from gpusched_agent.domain.gpu_share import ShareMeter
+from gpusched_agent.domain.inventory import GpuInfo, parse_simulated
+from gpusched_agent.domain.node import Admitted, NodeModel, Refused
+from gpusched_common.catalog import GPU_TYPES, load_models
+from gpusched_common.contracts import InferenceRequest, Placement
+
+CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
+SMALL, BIG = CATALOG.get("qwen2.5-1.5b"), CATALOG.get("llama-3.1-8b")
+
+
+def placement(pid: str, gpu: int, kv_mib: int, model: str) -> Placement:
+    req = InferenceRequest(request_id=pid, tenant="t", model=model, prompt="x",
+                           created_at_ms=0)
+    return Placement(placement_id=pid, node_id="n", gpu_index=gpu, kv_cache_mib=kv_mib,
+                     scheduler_epoch=1, placed_at_ms=0, request=req)
+
+
+@pytest.mark.parametrize("spec,count,types", [
+    ("8xH100-80GB", 8, {"H100-80GB"}),
+    ("2xA100-40GB,4xL4-24GB", 6, {"A100-40GB", "L4-24GB"}),
+    (" 1 x H200-141GB ", 1, {"H200-141GB"}),
+])
+def test_simulated_inventories(spec: str, count: int, types: set[str]) -> None:
+    gpus = parse_simulated(spec, "n1")
+    assert len(gpus) == count and {g.gpu_type for g in gpus} == types
+    assert [g.index for g in gpus] == list(range(count))
+    assert len({g.uuid for g in gpus}) == count
+
+
+@pytest.mark.parametrize("spec,needle", [("8xB200", "unknown GPU type"), ("eight", "<count>x"),
+                                         ("0xH100-80GB", "1..64")])
+def test_bad_inventory_spec_says_what_is_wrong(spec: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        parse_simulated(spec, "n1")
+
+
+def test_node_state_reports_every_gpu_and_health() -> None:
+    node = NodeModel.from_inventory([GpuInfo(0, "u0", "L4-24GB", 23034),
+                                     GpuInfo(1, "u1", "L4-24GB", 23034, healthy=False)])
+    state = node.state("n", seq=1, started_at_ms=0, now_ms=5)
+    assert [g.healthy for g in state.gpus] == [True, False]
+    assert state.gpus[0].memory_free_mib == 23034
+
+
+def test_unhealthy_gpu_gets_no_work() -> None:
+    node = NodeModel.from_inventory([GpuInfo(0, "u0", "L4-24GB", 23034, healthy=False)])
+    assert isinstance(node.admit(placement("p", 0, 10, SMALL.name), SMALL), Refused)
+
+
+def test_admission_loads_once_then_evicts_idle_models_when_memory_is_needed() -> None:
+    node = NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n"))
+    first = node.admit(placement("p1", 0, 100, SMALL.name), SMALL)
+    assert isinstance(first, Admitted) and first.needs_load
+    second = node.admit(placement("p2", 0, 100, SMALL.name), SMALL)
+    assert isinstance(second, Admitted) and not second.needs_load
+    # BIG does not fit next to SMALL while SMALL is in use...
+    assert isinstance(node.admit(placement("p3", 0, 6000, BIG.name), BIG), Refused)
+    node.finish("p1", 0)
+    node.finish("p2", 0)
+    # ...and does once SMALL is idle and can be evicted.
+    third = node.admit(placement("p3", 0, 6000, BIG.name), BIG)
+    assert isinstance(third, Admitted) and third.evicted == (SMALL.name,)
+    assert node.gpus[0].free_mib() == 23034 - BIG.weight_memory_mib - 6000
+
+
+def test_gpu_shares_add_up_to_busy_time() -> None:
+    meter = ShareMeter()
+    meter.start("a", 0.0)
+    meter.start("b", 1.0)   # a alone for 1 s
+    a = meter.stop("a", 3.0)  # shared for 2 s
+    b = meter.stop("b", 4.0)  # b alone for 1 s
+    assert a == pytest.approx(2.0) and b == pytest.approx(2.0)
+    assert a + b == pytest.approx(4.0)
+
+
+def test_partial_takes_are_deltas_that_sum_to_the_total() -> None:
+    meter = ShareMeter()
+    meter.start("a", 0.0)
+    parts = [meter.take("a", 1.0), meter.take("a", 2.5), meter.stop("a", 4.0)]
+    assert sum(parts) == pytest.approx(4.0)
+
+
+def test_performance_model_orders_gpus_and_models_sensibly() -> None:
+    h100, l4 = GPU_TYPES["H100-80GB"], GPU_TYPES["L4-24GB"]
+    assert perf_model.decode_step_s(SMALL, h100, 0) < perf_model.decode_step_s(SMALL, l4, 0)
+    assert perf_model.decode_step_s(SMALL, h100, 0) < perf_model.decode_step_s(BIG, h100, 0)
+    assert perf_model.decode_step_s(BIG, h100, 10_000) > perf_model.decode_step_s(BIG, h100, 0)
+    # an 8B model decodes at roughly 100-200 tokens/s on one H100 (bandwidth-bound)
+    assert 100 < 1 / perf_model.decode_step_s(BIG, h100, 0) < 200
+
+
+@pytest.mark.parametrize("name,mib,expected", [
+    ("NVIDIA H200", 143771, "H200-141GB"), ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
+    ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"), ("NVIDIA L4", 23034, "L4-24GB"),
+])
+def test_nvml_names_map_to_catalog_types(name: str, mib: int, expected: str) -> None:
+    assert catalog_type(name, mib) == expected

@@ -1,0 +1,78 @@
+"""Message contracts: type tags, versions, strictness, and the documented Kafka shape."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gpusched_common.contracts import (
+    REQUEST,
+    RESULT_EVENT,
+    InferenceRequest,
+    Rejection,
+    TokenChunk,
+    count_prompt_tokens,
+    decode_json_object,
+)
+from gpusched_common.topics import ALL_TOPICS, NODE_STATE, REQUESTS, partition_for_key
+
+
+def test_documented_kafka_request_shape_parses() -> None:
+    raw = json.dumps({"request_id": "r-1", "tenant": "acme", "priority_class": "batch",
+                      "model": "qwen2.5-1.5b", "prompt": "hello", "max_tokens": 8,
+                      "created_at_ms": 1})
+    request = REQUEST.validate_json(raw)
+    assert request.type == "inference_request" and request.version == 1
+    assert request.attempt == 0
+
+
+@pytest.mark.parametrize("change", [
+    {"version": 2}, {"type": "other"}, {"max_tokens": 0}, {"priority_class": "urgent"},
+    {"request_id": "has space"}, {"unknown_field": 1},
+])
+def test_request_rejects_what_it_does_not_know(change: dict) -> None:
+    base = {"request_id": "r-1", "tenant": "acme", "model": "m", "prompt": "p",
+            "created_at_ms": 1}
+    with pytest.raises(ValidationError):
+        REQUEST.validate_python(base | change)
+
+
+def test_result_events_dispatch_on_type_tag() -> None:
+    chunk = TokenChunk(request_id="r", seq=0, text=" a", token_count=1)
+    rejection = Rejection(request_id="r", status_code=404, reason="no such model")
+    assert isinstance(RESULT_EVENT.validate_json(chunk.to_bytes()), TokenChunk)
+    assert isinstance(RESULT_EVENT.validate_json(rejection.to_bytes()), Rejection)
+
+
+def test_messages_round_trip_unchanged() -> None:
+    request = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p",
+                               created_at_ms=5)
+    assert REQUEST.validate_json(request.to_bytes()) == request
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_decode_json_object_says_what_is_wrong(raw: bytes) -> None:
+    with pytest.raises(ValueError, match="JSON"):
+        decode_json_object(raw)
+
+
+def test_prompt_tokens_are_four_bytes_each_rounded_up() -> None:
+    assert count_prompt_tokens("") == 1
+    assert count_prompt_tokens("abcd") == 1
+    assert count_prompt_tokens("abcde") == 2
+    assert count_prompt_tokens("tok " * 100) == 100
+
+
+def test_topics_are_named_once_with_a_class_each() -> None:
+    names = [t.name for t in ALL_TOPICS]
+    assert len(names) == len(set(names))
+    assert set(REQUESTS) == {"interactive", "standard", "batch"}
+    assert NODE_STATE.cleanup_policy == "compact"
+
+
+def test_partition_for_key_matches_kafka_default_partitioner() -> None:
+    from aiokafka.partitioner import DefaultPartitioner
+
+    parts = list(range(6))
+    for key in ("node-1", "node-2", "gpu-host-17"):
+        assert partition_for_key(key, 6) == DefaultPartitioner()(key.encode(), parts, parts)

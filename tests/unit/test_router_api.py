@@ -1,0 +1,66 @@
+"""OpenAI-compatible parsing: what the router accepts, and the reasons it gives otherwise."""
+
+from pathlib import Path
+
+import pytest
+
+from gpusched_common.catalog import load_models, load_tenants
+from gpusched_router.domain.openai_api import ApiError, parse_chat, parse_completion
+
+CONFIG = Path(__file__).resolve().parents[2] / "config"
+CATALOG = load_models(CONFIG)
+ACME = load_tenants(CONFIG).get("acme")
+
+
+def completion(body: object, priority: str | None = None):
+    return parse_completion(body, ACME, priority, CATALOG, "req-1", 1000)
+
+
+def test_valid_completion_becomes_a_request_in_the_tenants_default_class() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 5})
+    assert not isinstance(parsed, ApiError)
+    assert parsed.request.tenant == "acme"
+    assert parsed.request.priority_class == ACME.default_priority_class
+    assert parsed.request.max_tokens == 5 and not parsed.stream
+
+
+def test_priority_header_overrides_default_class() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}, priority="batch")
+    assert parsed.request.priority_class == "batch"
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": "nope", "prompt": "x"}, 404, "available models"),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "qwen2.5-1.5b", "prompt": ["a", "b"]}, 400, "exactly one"),
+    ({"model": "qwen2.5-1.5b", "prompt": 5}, 400, "prompt"),
+    ("a string", 400, "JSON object"),
+    ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
+     "context limit"),
+])
+def test_bad_completions_get_a_status_and_reason(body: object, status: int, needle: str) -> None:
+    parsed = completion(body)
+    assert isinstance(parsed, ApiError)
+    assert parsed.status_code == status
+    assert needle in parsed.message
+
+
+def test_unknown_priority_class_is_rejected() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, priority="urgent")
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+
+
+def test_chat_messages_render_to_one_prompt() -> None:
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "max_completion_tokens": 3, "stream": True,
+                         "messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hello"}]},
+                        ACME, None, CATALOG, "req-2", 1)
+    assert not isinstance(parsed, ApiError)
+    assert parsed.request.prompt == "system: be brief\nuser: hello\nassistant:"
+    assert parsed.request.max_tokens == 3 and parsed.stream
+
+
+def test_chat_without_messages_is_rejected() -> None:
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": []}, ACME, None, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and "messages" in parsed.message
