@@ -1,0 +1,1 @@
+"""Benchmarks of the scheduler's pure domain code (``gpusched bench ...``)."""

@@ -1,0 +1,483 @@
+"""Numba kernels of the placement solver: feasibility, per-policy node scores, the batch driver.
+
+Every kernel is pure over the arrays it is given except ``solve_kernel``, which mutates the
+working copy of the state it receives (the public ``solve`` hands it a copy). The plain-
+Python twin of each function lives in ``reference.py`` and must make identical decisions.
+
+Tuples used throughout (all int64 unless noted):
+  S = (node_cpu_free, node_mem_free, node_cpu_total, node_mem_total, node_gpu_start,
+       gpu_type, gpu_milli_free, gpu_mem_free, gpu_healthy[bool], gpu_models[G, K])
+  U = (num_gpu, gpu_milli, gpu_mem, cpu, mem, type_mask, model, weight)
+  W = (shape_cpu, shape_mem, shape_num_gpu, shape_milli, shape_gpu_mem, shape_mask,
+       shape_weight)  -- the workload's typical shapes, used by fgd and gpusched
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+INF = np.inf
+
+# policy ids (keep in sync with policies.py)
+FIRST_FIT = 0
+BEST_FIT = 1
+DOT_PRODUCT = 2
+GPU_PACKING = 3
+FGD = 4
+GPUSCHED = 5
+
+# reason codes (keep in sync with result.Reason)
+PLACED = 0
+INVALID_REQUEST = 1
+NO_ALLOWED_GPU_TYPE = 2
+GANG_TOO_LARGE = 3
+INSUFFICIENT_CPU_MEMORY = 4
+INSUFFICIENT_GPU_SHARE = 5
+INSUFFICIENT_GPU_MEMORY = 6
+
+TIER_MILLI = 1.0e7
+"""Score step between gpu-packing tiers (larger than any free milli-GPU of one node)."""
+
+
+@njit(cache=True)
+def model_loaded(gpu_models, g, model):
+    if model < 0:
+        return False
+    for j in range(gpu_models.shape[1]):
+        if gpu_models[g, j] == model:
+            return True
+    return False
+
+
+@njit(cache=True)
+def gpu_fits(S, g, milli, gmem, mask, model, weight):
+    """Can GPU ``g`` host one GPU's worth of the unit (share, memory, type, health)?"""
+    if not S[8][g]:
+        return False
+    if (mask >> S[5][g]) & 1 == 0:
+        return False
+    if S[6][g] < milli:
+        return False
+    need = gmem
+    if model >= 0 and not model_loaded(S[9], g, model):
+        need += weight
+    return S[7][g] >= need
+
+
+@njit(cache=True)
+def node_frag(n_gpus, milli, gtype, gmem, healthy, cpu_free, mem_free, W):
+    """FGD node fragmentation: sum over shapes of weight x free milli-GPU the shape can't use.
+
+    ``milli``/``gtype``/``gmem``/``healthy`` describe the node's GPUs (first ``n_gpus``).
+    A shape that cannot fit the node at all (CPU, memory, too few usable GPUs) or needs no
+    GPU sees all free share as fragmented; otherwise the share on GPUs it cannot use is.
+    """
+    total = 0
+    for i in range(n_gpus):
+        if healthy[i]:
+            total += milli[i]
+    frag_sum = 0.0
+    for s in range(W[0].shape[0]):
+        w = W[6][s]
+        k = W[2][s]
+        if k == 0 or cpu_free < W[0][s] or mem_free < W[1][s]:
+            frag_sum += w * total
+            continue
+        fit = 0
+        frag = 0
+        for i in range(n_gpus):
+            if not healthy[i]:
+                continue
+            if (W[5][s] >> gtype[i]) & 1 and milli[i] >= W[3][s] and gmem[i] >= W[4][s]:
+                fit += 1
+            else:
+                frag += milli[i]
+        if fit < k:
+            frag_sum += w * total
+        else:
+            frag_sum += w * frag
+    return frag_sum
+
+
+@njit(cache=True)
+def node_frag_now(S, n, W, buf_milli, buf_type, buf_mem, buf_ok):
+    lo = S[4][n]
+    m = S[4][n + 1] - lo
+    for i in range(m):
+        buf_milli[i] = S[6][lo + i]
+        buf_type[i] = S[5][lo + i]
+        buf_mem[i] = S[7][lo + i]
+        buf_ok[i] = S[8][lo + i]
+    return node_frag(m, buf_milli, buf_type, buf_mem, buf_ok, S[0][n], S[1][n], W)
+
+
+@njit(cache=True)
+def frag_after(S, n, u, U, sel, k, frag_before_unused, W, buf_milli, buf_type, buf_mem, buf_ok):
+    """Node fragmentation after placing unit ``u`` on GPUs ``sel[:k]`` of node ``n``."""
+    lo = S[4][n]
+    m = S[4][n + 1] - lo
+    for i in range(m):
+        buf_milli[i] = S[6][lo + i]
+        buf_type[i] = S[5][lo + i]
+        buf_mem[i] = S[7][lo + i]
+        buf_ok[i] = S[8][lo + i]
+    for j in range(k):
+        i = sel[j] - lo
+        buf_milli[i] -= U[1][u]
+        need = U[2][u]
+        if U[6][u] >= 0 and not model_loaded(S[9], sel[j], U[6][u]):
+            need += U[7][u]
+        buf_mem[i] -= need
+    return node_frag(m, buf_milli, buf_type, buf_mem, buf_ok, S[0][n] - U[3][u], S[1][n] - U[4][u], W)
+
+
+@njit(cache=True)
+def node_gpu_free_total(S, n):
+    tot = 0
+    cap = 0
+    for g in range(S[4][n], S[4][n + 1]):
+        if S[8][g]:
+            tot += S[6][g]
+            cap += 1000
+    return tot, cap
+
+
+@njit(cache=True)
+def stranded_milli(gpu_free_milli, cpu_free_milli, mem_free_mib, params):
+    """Free GPU share a node cannot use because its free CPU or memory runs out first, at
+    the workload's average CPU (params[2]) and memory (params[3]) per milli-GPU."""
+    s = 0.0
+    if params[2] > 0:
+        s = max(s, gpu_free_milli - cpu_free_milli / params[2])
+    if params[3] > 0:
+        s = max(s, gpu_free_milli - mem_free_mib / params[3])
+    return s
+
+
+@njit(cache=True)
+def node_active(S, n):
+    for g in range(S[4][n], S[4][n + 1]):
+        if S[8][g] and S[6][g] < 1000:
+            return True
+    return False
+
+
+@njit(cache=True)
+def eval_node(policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo, params):
+    """Score of placing unit ``u`` on node ``n`` (lower is better; inf = does not fit).
+
+    Writes the chosen GPU indices to ``sel[:num_gpu]``. GPUs are ranked by a per-policy key
+    (ties: lower GPU index) and the ``num_gpu`` best are taken. ``frag_cache[n]`` holds the
+    node's current FGD fragmentation or NaN when unknown; it is filled here on demand.
+    """
+    k = U[0][u]
+    if S[0][n] < U[3][u] or S[1][n] < U[4][u]:
+        return INF
+    lo = S[4][n]
+    hi = S[4][n + 1]
+    milli = U[1][u]
+    # ---- candidate GPUs ------------------------------------------------------------
+    nc = 0
+    if k > 0:
+        for g in range(lo, hi):
+            if gpu_fits(S, g, milli, U[2][u], U[5][u], U[6][u], U[7][u]):
+                cand[nc] = g
+                nc += 1
+        if nc < k:
+            return INF
+    use_frag = policy == FGD or policy == GPUSCHED
+    fnow = 0.0
+    if use_frag:
+        fnow = frag_cache[n]
+        if np.isnan(fnow):
+            fnow = node_frag_now(S, n, W, fb, bt, bm, bo)
+            frag_cache[n] = fnow
+    # ---- per-GPU keys --------------------------------------------------------------
+    for c in range(nc):
+        g = cand[c]
+        if policy == FIRST_FIT:
+            keys[c] = 0.0
+        elif policy == BEST_FIT or policy == DOT_PRODUCT:
+            keys[c] = S[6][g]
+        elif policy == GPU_PACKING:
+            keys[c] = S[6][g] if S[6][g] < 1000 else 2000.0
+        else:
+            # fragmentation delta of putting one GPU's share on g; identical GPUs share it
+            dup = -1
+            for d in range(c):
+                h = cand[d]
+                if (
+                    S[6][h] == S[6][g]
+                    and S[5][h] == S[5][g]
+                    and S[7][h] == S[7][g]
+                    and model_loaded(S[9], h, U[6][u]) == model_loaded(S[9], g, U[6][u])
+                ):
+                    dup = d
+                    break
+            if dup >= 0:
+                keys[c] = keys[dup]
+            else:
+                sel[0] = g
+                keys[c] = frag_after(S, n, u, U, sel, 1, fnow, W, fb, bt, bm, bo) - fnow
+                if policy == GPUSCHED and model_loaded(S[9], g, U[6][u]):
+                    keys[c] -= params[0] * params[4]
+    # ---- pick the k lowest (key, GPU index); cand is ascending so strict < keeps ties low --
+    first_key = 0.0
+    for j in range(k):
+        best = -1
+        for c in range(nc):
+            if keys[c] == INF:
+                continue
+            if best < 0 or keys[c] < keys[best]:
+                best = c
+        if j == 0:
+            first_key = keys[best]
+        sel[j] = cand[best]
+        keys[best] = INF
+    # keep the chosen GPUs in ascending index order (stable output)
+    for j in range(1, k):
+        x = sel[j]
+        i = j - 1
+        while i >= 0 and sel[i] > x:
+            sel[i + 1] = sel[i]
+            i -= 1
+        sel[i + 1] = x
+    # ---- node score ----------------------------------------------------------------
+    if policy == FIRST_FIT:
+        return 0.0
+    cpu_after = S[0][n] - U[3][u]
+    mem_after = S[1][n] - U[4][u]
+    gfree, gcap = node_gpu_free_total(S, n)
+    greq = k * milli
+    if policy == BEST_FIT:
+        sc = cpu_after / max(S[2][n], 1) + mem_after / max(S[3][n], 1)
+        if gcap > 0:
+            sc += (gfree - greq) / gcap
+        return sc
+    if policy == DOT_PRODUCT:
+        sc = (U[3][u] / max(S[2][n], 1)) * (S[0][n] / max(S[2][n], 1))
+        sc += (U[4][u] / max(S[3][n], 1)) * (S[1][n] / max(S[3][n], 1))
+        if gcap > 0:
+            sc += (greq / gcap) * (gfree / gcap)
+        return -sc
+    if policy == GPU_PACKING:
+        tier = 2.0
+        if k > 0 and first_key < 1000:
+            tier = 0.0
+        elif node_active(S, n):
+            tier = 1.0
+        return tier * TIER_MILLI + (gfree - greq)
+    # FGD and GPUSCHED: growth of the node's fragmentation
+    if k <= 1:
+        delta = first_key if k == 1 else frag_after(S, n, u, U, sel, 0, fnow, W, fb, bt, bm, bo) - fnow
+    else:
+        delta = frag_after(S, n, u, U, sel, k, fnow, W, fb, bt, bm, bo) - fnow
+        if policy == GPUSCHED:
+            for j in range(k):
+                if model_loaded(S[9], sel[j], U[6][u]):
+                    delta -= params[0] * params[4]
+    if policy == FGD:
+        return delta
+    # gpusched: fragmentation per unit of workload (milli-GPU) plus the growth of GPU share
+    # stranded by missing CPU/memory at the workload's CPU and memory per milli-GPU
+    before = stranded_milli(gfree, S[0][n], S[1][n], params)
+    after = stranded_milli(gfree - greq, cpu_after, mem_after, params)
+    return delta / params[4] + params[1] * (after - before)
+
+
+@njit(cache=True)
+def apply_unit(S, n, u, U, sel):
+    """Commit unit ``u`` to node ``n`` / GPUs ``sel[:num_gpu]`` (loads its model there)."""
+    S[0][n] -= U[3][u]
+    S[1][n] -= U[4][u]
+    model = U[6][u]
+    for j in range(U[0][u]):
+        g = sel[j]
+        S[6][g] -= U[1][u]
+        need = U[2][u]
+        if model >= 0 and not model_loaded(S[9], g, model):
+            need += U[7][u]
+            for s in range(S[9].shape[1]):
+                if S[9][g, s] < 0:
+                    S[9][g, s] = model
+                    break
+        S[7][g] -= need
+
+
+@njit(cache=True)
+def diagnose(S, u, U):
+    """Reason code for a unit that fits no node (first failing requirement, most basic first)."""
+    k = U[0][u]
+    milli = U[1][u]
+    if k < 0 or k > 8 or milli < 0 or milli > 1000 or (k > 0 and milli == 0):
+        return INVALID_REQUEST
+    if U[3][u] < 0 or U[4][u] < 0 or U[2][u] < 0 or U[7][u] < 0:
+        return INVALID_REQUEST
+    any_type = k == 0
+    gang_ok = k == 0
+    cpu_ok = False
+    share_ok = False
+    n_nodes = S[0].shape[0]
+    for n in range(n_nodes):
+        typed = 0
+        shared = 0
+        for g in range(S[4][n], S[4][n + 1]):
+            if S[8][g] and (U[5][u] >> S[5][g]) & 1:
+                typed += 1
+                if S[6][g] >= milli:
+                    shared += 1
+        if typed > 0:
+            any_type = True
+        if typed < k:
+            continue
+        gang_ok = True
+        if S[0][n] < U[3][u] or S[1][n] < U[4][u]:
+            continue
+        cpu_ok = True
+        if shared >= k:
+            share_ok = True
+    if not any_type:
+        return NO_ALLOWED_GPU_TYPE
+    if not gang_ok:
+        return GANG_TOO_LARGE
+    if not cpu_ok:
+        return INSUFFICIENT_CPU_MEMORY
+    if not share_ok:
+        return INSUFFICIENT_GPU_SHARE
+    return INSUFFICIENT_GPU_MEMORY
+
+
+@njit(cache=True)
+def tree_update(tree, score, n, size):
+    """Tournament tree over nodes: ``tree[1]`` is the node with the lowest (score, index)."""
+    i = (n + size) >> 1
+    while i >= 1:
+        a = tree[2 * i]
+        b = tree[2 * i + 1]
+        if b < 0:
+            w = a
+        elif a < 0:
+            w = b
+        elif score[b] < score[a]:  # left subtree holds the lower indices: ties go left
+            w = b
+        else:
+            w = a
+        tree[i] = w
+        i >>= 1
+
+
+@njit(cache=True)
+def tree_build(tree, score, n_nodes, size):
+    for i in range(size):
+        tree[size + i] = i if i < n_nodes else -1
+    for i in range(size - 1, 0, -1):
+        a = tree[2 * i]
+        b = tree[2 * i + 1]
+        if b < 0:
+            tree[i] = a
+        elif a < 0:
+            tree[i] = b
+        elif score[b] < score[a]:
+            tree[i] = b
+        else:
+            tree[i] = a
+
+
+@njit(cache=True)
+def solve_kernel(
+    policy, S, U, W, order, shape_of, n_slots, out_node, out_gpus, out_reason, params
+):
+    """Place units in ``order``, one at a time, each seeing the previous placements.
+
+    ``shape_of[u]`` is the unit's cache slot (units with equal requests share one) or -1.
+    For a slot, node scores are kept in a tournament tree and only nodes changed since the
+    slot's last use are rescored, so a placement costs O(changed nodes x log N), not O(N).
+    Writes out_node[u] (-1 = unschedulable), out_gpus[u, :num_gpu], out_reason[u].
+    """
+    n_nodes = S[0].shape[0]
+    max_g = 1
+    for n in range(n_nodes):
+        max_g = max(max_g, S[4][n + 1] - S[4][n])
+    sel = np.empty(max(max_g, 8), np.int64)
+    best_sel = np.empty(max(max_g, 8), np.int64)
+    cand = np.empty(max_g, np.int64)
+    keys = np.empty(max_g, np.float64)
+    fb = np.empty(max_g, np.int64)
+    bt = np.empty(max_g, np.int64)
+    bm = np.empty(max_g, np.int64)
+    bo = np.empty(max_g, np.bool_)
+    frag_cache = np.full(n_nodes, np.nan)
+    size = 1
+    while size < n_nodes:
+        size *= 2
+    scores = np.empty((n_slots, n_nodes), np.float64)
+    trees = np.empty((n_slots, 2 * size), np.int64)
+    built = np.zeros(n_slots, np.bool_)
+    cursor = np.zeros(n_slots, np.int64)
+    changed = np.empty(len(order) + 1, np.int64)
+    n_changed = 0
+    stamp = np.zeros(n_nodes, np.int64)  # last log position that touched the node
+    for idx in range(len(order)):
+        u = order[idx]
+        k = U[0][u]
+        slot = shape_of[u]
+        best = -1
+        if k < 0 or k > 8:
+            out_node[u] = -1
+            out_reason[u] = INVALID_REQUEST
+            continue
+        if slot >= 0:
+            sc = scores[slot]
+            tr = trees[slot]
+            if not built[slot]:
+                for n in range(n_nodes):
+                    sc[n] = eval_node(
+                        policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                        params,
+                    )
+                tree_build(tr, sc, n_nodes, size)
+                built[slot] = True
+            else:
+                for c in range(cursor[slot], n_changed):
+                    n = changed[c]
+                    if stamp[n] != c:
+                        continue  # a later log entry rescored/will rescore this node
+                    sc[n] = eval_node(
+                        policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                        params,
+                    )
+                    tree_update(tr, sc, n, size)
+            cursor[slot] = n_changed
+            cand_best = tr[1]
+            if cand_best >= 0 and sc[cand_best] < INF:
+                best = cand_best
+                eval_node(
+                    policy, S, best, u, U, W, best_sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                    params,
+                )
+        else:
+            best_score = INF
+            for n in range(n_nodes):
+                s = eval_node(
+                    policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                    params,
+                )
+                if s < best_score:
+                    best_score = s
+                    best = n
+                    for j in range(k):
+                        best_sel[j] = sel[j]
+        if best < 0:
+            out_node[u] = -1
+            out_reason[u] = diagnose(S, u, U)
+            continue
+        apply_unit(S, best, u, U, best_sel)
+        frag_cache[best] = np.nan
+        out_node[u] = best
+        out_reason[u] = PLACED
+        for j in range(k):
+            out_gpus[u, j] = best_sel[j]
+        changed[n_changed] = best
+        stamp[best] = n_changed
+        n_changed += 1

@@ -1,0 +1,276 @@
+"""The solver's entry points: ``solve`` a batch against a snapshot, ``apply``/``release`` work.
+
+Adapters pass plain arrays in and read plain arrays out; no I/O, clock or globals here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels as K
+from .policies import DEFAULT_POLICY, get_policy
+from .result import SolveResult
+from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, ClusterState, WorkBatch
+
+SHAPE_CACHE_BUDGET_BYTES = 48 << 20
+"""Memory the per-shape score caches of one solve may use (beyond it units are scanned)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeDistribution:
+    """The workload's typical unit shapes and their frequencies (integer counts).
+
+    FGD-style policies measure fragmentation against these shapes. Built from a sample of
+    the workload (never from the order of future arrivals).
+    """
+
+    cpu_milli: np.ndarray
+    mem_mib: np.ndarray
+    num_gpu: np.ndarray
+    gpu_milli: np.ndarray
+    gpu_mem_mib: np.ndarray
+    type_sets: tuple[frozenset[str] | None, ...]
+    count: np.ndarray
+    cpu_per_gpu_milli: float = 0.0  # workload's CPU milli per milli-GPU (GPU units)
+    mem_per_gpu_milli: float = 0.0  # workload's memory MiB per milli-GPU (GPU units)
+
+    @classmethod
+    def from_batch(
+        cls, batch: WorkBatch, coverage: float = 0.95, with_memory: bool = False
+    ) -> ShapeDistribution:
+        """Most frequent shapes (CPU, GPUs, share, GPU memory, allowed types, and host memory
+        when ``with_memory``) that together cover ``coverage`` of the units. Like the FGD
+        paper, host memory is left out of the shapes by default."""
+        if len(batch) == 0:
+            return cls.empty()
+        cols = np.stack(
+            [
+                batch.cpu_milli,
+                batch.mem_mib if with_memory else np.zeros(len(batch), np.int64),
+                batch.num_gpu,
+                batch.gpu_milli,
+                batch.gpu_mem_mib,
+                batch.type_set,
+            ],
+            axis=1,
+        )
+        uniq, counts = np.unique(cols, axis=0, return_counts=True)
+        order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, stable
+        cum = np.cumsum(counts[order])
+        keep = order[: int(np.searchsorted(cum, coverage * cum[-1]) + 1)]
+        u = uniq[keep]
+        gpu_units = batch.num_gpu > 0
+        gpu_milli = int((batch.num_gpu * batch.gpu_milli)[gpu_units].sum())
+        return cls(
+            cpu_milli=u[:, 0].copy(),
+            mem_mib=u[:, 1].copy(),
+            num_gpu=u[:, 2].copy(),
+            gpu_milli=u[:, 3].copy(),
+            gpu_mem_mib=u[:, 4].copy(),
+            type_sets=tuple(None if t < 0 else batch.type_sets[t] for t in u[:, 5]),
+            count=counts[keep].astype(np.int64),
+            cpu_per_gpu_milli=float(batch.cpu_milli[gpu_units].sum()) / max(gpu_milli, 1),
+            mem_per_gpu_milli=float(batch.mem_mib[gpu_units].sum()) / max(gpu_milli, 1),
+        )
+
+    @classmethod
+    def empty(cls) -> ShapeDistribution:
+        z = np.zeros(0, np.int64)
+        return cls(z, z, z, z, z, (), z)
+
+    def arrays(self, state: ClusterState) -> tuple:
+        masks = np.array([state.type_mask(t) for t in self.type_sets], np.int64).reshape(-1)
+        return (
+            self.cpu_milli,
+            self.mem_mib,
+            self.num_gpu,
+            self.gpu_milli,
+            self.gpu_mem_mib,
+            masks,
+            self.count,
+        )
+
+
+def state_tuple(state: ClusterState) -> tuple:
+    return (
+        state.node_cpu_free_milli,
+        state.node_mem_free_mib,
+        state.node_cpu_total_milli,
+        state.node_mem_total_mib,
+        state.node_gpu_start,
+        state.gpu_type,
+        state.gpu_milli_free,
+        state.gpu_mem_free_mib,
+        state.gpu_healthy,
+        state.gpu_models,
+    )
+
+
+def resolve(state: ClusterState, batch: WorkBatch) -> tuple[ClusterState, tuple]:
+    """Map the batch's names onto the state's codes: (state with merged model table, U)."""
+    masks = np.array(
+        [state.type_mask(t) for t in batch.type_sets] + [int(ANY_GPU_TYPE)], np.int64
+    )
+    type_mask = masks[batch.type_set]  # -1 indexes the trailing "any"
+    model_names = state.model_names + tuple(
+        m for m in batch.model_names if m not in state.model_names
+    )
+    if model_names != state.model_names:
+        state = state.with_models(model_names)
+    remap = np.array([model_names.index(m) for m in batch.model_names] + [-1], np.int64)
+    model = remap[batch.model]
+    units = (
+        batch.num_gpu,
+        batch.gpu_milli,
+        batch.gpu_mem_mib,
+        batch.cpu_milli,
+        batch.mem_mib,
+        type_mask,
+        model,
+        batch.model_weight_mib,
+    )
+    return state, units
+
+
+def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
+    """Cache slot per unit: units with identical requests share one; rare shapes get -1."""
+    n = len(units[0])
+    if n == 0:
+        return np.zeros(0, np.int64), 0
+    cols = np.stack(units, axis=1)
+    _, inverse, counts = np.unique(cols, axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    size = 1 << max(0, int(n_nodes - 1).bit_length())
+    per_slot = 8 * (n_nodes + 2 * size)
+    budget = max(1, SHAPE_CACHE_BUDGET_BYTES // max(per_slot, 1))
+    # slots go to repeated shapes, most frequent first
+    eligible = np.flatnonzero(counts >= 2)
+    eligible = eligible[np.argsort(-counts[eligible], kind="stable")][:budget]
+    slot_of_shape = np.full(len(counts), -1, np.int64)
+    slot_of_shape[eligible] = np.arange(len(eligible))
+    return slot_of_shape[inverse], len(eligible)
+
+
+def lookahead_order(batch: WorkBatch) -> np.ndarray:
+    """Order for a batch the solver may see whole: biggest GPU demand first (then CPU),
+    stable, i.e. first-fit-decreasing style. Results are still reported in batch order."""
+    demand = batch.num_gpu * batch.gpu_milli
+    return np.lexsort((np.arange(len(batch)), -batch.cpu_milli, -demand)).astype(np.int64)
+
+
+def solve(
+    state: ClusterState,
+    batch: WorkBatch,
+    policy: str = DEFAULT_POLICY,
+    *,
+    shapes: ShapeDistribution | None = None,
+    lookahead: bool = False,
+    affinity_bonus_milli: float = 200.0,
+    stranded_weight: float = 1.0,
+) -> SolveResult:
+    """Place every unit of ``batch`` on ``state`` with the named policy.
+
+    Units are considered in batch order, each seeing the placements before it (online);
+    with ``lookahead=True`` the whole batch is reordered biggest-first before placing.
+    ``shapes`` is the workload distribution FGD-style policies score against (default: the
+    batch's own). Never over-commits CPU, memory, GPU share or GPU memory; a unit that
+    fits nowhere gets node -1 and a reason. ``state`` is left untouched.
+    """
+    pol = get_policy(policy)
+    work, units = resolve(state.copy(), batch)
+    dist = ShapeDistribution.empty()
+    if pol.uses_shapes:
+        dist = shapes or ShapeDistribution.from_batch(batch)
+    w = dist.arrays(work)
+    params = np.array(
+        [
+            affinity_bonus_milli,
+            stranded_weight,
+            dist.cpu_per_gpu_milli,
+            dist.mem_per_gpu_milli,
+            max(float(dist.count.sum()), 1.0),
+        ],
+        np.float64,
+    )
+    slots, n_slots = shape_slots(units, work.num_nodes)
+    order = lookahead_order(batch) if lookahead else np.arange(len(batch), dtype=np.int64)
+    n = len(batch)
+    out_node = np.full(n, -1, np.int64)
+    out_gpus = np.full((n, MAX_GANG_GPUS), -1, np.int64)
+    out_reason = np.zeros(n, np.int64)
+    if work.num_nodes == 0:
+        out_reason[:] = K.NO_ALLOWED_GPU_TYPE  # nothing to place on
+        out_reason[batch.num_gpu == 0] = K.INSUFFICIENT_CPU_MEMORY
+    else:
+        K.solve_kernel(
+            pol.kernel_id,
+            state_tuple(work),
+            units,
+            w,
+            order,
+            slots,
+            n_slots,
+            out_node,
+            out_gpus,
+            out_reason,
+            params,
+        )
+    return SolveResult(out_node, out_gpus, out_reason, work, pol.name)
+
+
+def release(
+    state: ClusterState,
+    batch: WorkBatch,
+    node: np.ndarray,
+    gpus: np.ndarray,
+    *,
+    inplace: bool = False,
+) -> ClusterState:
+    """Give back the resources of finished units (rows of ``batch`` placed at ``node`` /
+    ``gpus`` as returned by ``solve``; rows with node -1 are ignored). Loaded models stay
+    loaded (their weight memory stays charged) until ``unload_model``."""
+    out = state if inplace else state.copy()
+    placed = np.flatnonzero(np.asarray(node) >= 0)
+    np.add.at(out.node_cpu_free_milli, node[placed], batch.cpu_milli[placed])
+    np.add.at(out.node_mem_free_mib, node[placed], batch.mem_mib[placed])
+    g = gpus[placed]
+    mask = g >= 0
+    rows = np.broadcast_to(placed[:, None], g.shape)[mask]
+    np.add.at(out.gpu_milli_free, g[mask], batch.gpu_milli[rows])
+    np.add.at(out.gpu_mem_free_mib, g[mask], batch.gpu_mem_mib[rows])
+    return out
+
+
+def apply(
+    state: ClusterState, batch: WorkBatch, node: np.ndarray, gpus: np.ndarray, *,
+    inplace: bool = False,
+) -> ClusterState:
+    """Charge already-decided placements (e.g. replayed from a log) to a state. Same
+    accounting as ``solve``: a unit's model weight is charged on GPUs where it is not
+    loaded, and the model is then recorded as loaded there."""
+    out = state if inplace else state.copy()
+    out, units = resolve(out, batch)
+    sel = np.empty(MAX_GANG_GPUS, np.int64)
+    s = state_tuple(out)
+    for u in np.flatnonzero(np.asarray(node) >= 0):
+        sel[:] = gpus[u]
+        K.apply_unit(s, int(node[u]), int(u), units, sel)
+    return out
+
+
+def unload_model(state: ClusterState, gpu: int, model: str, weight_mib: int, *,
+                 inplace: bool = False) -> ClusterState:
+    """Forget that ``model`` is loaded on cluster-wide GPU index ``gpu`` and give back its
+    weight memory. No-op when it is not loaded there."""
+    out = state if inplace else state.copy()
+    if model not in out.model_names:
+        return out
+    code = out.model_names.index(model)
+    row = out.gpu_models[gpu]
+    hit = np.flatnonzero(row == code)
+    if len(hit):
+        row[hit[0]] = -1
+        out.gpu_mem_free_mib[gpu] += weight_mib
+    return out

@@ -1,0 +1,60 @@
+"""The Numba kernels make exactly the decisions of the plain-Python reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpusched_scheduler.domain.solver import POLICIES, ShapeDistribution, solve
+from gpusched_scheduler.domain.solver.reference import reference_solve
+
+from .conftest import batches, clusters
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@SETTINGS
+@given(state=clusters(), batch=batches(), lookahead=st.booleans())
+def test_kernel_matches_reference(policy, state, batch, lookahead):
+    fast = solve(state, batch, policy, lookahead=lookahead)
+    slow = reference_solve(state, batch, policy, lookahead=lookahead)
+    np.testing.assert_array_equal(fast.node, slow.node)
+    np.testing.assert_array_equal(fast.gpus, slow.gpus)
+    np.testing.assert_array_equal(fast.reason, slow.reason)
+    for name in ("node_cpu_free_milli", "node_mem_free_mib", "gpu_milli_free",
+                 "gpu_mem_free_mib", "gpu_models"):
+        np.testing.assert_array_equal(getattr(fast.state, name), getattr(slow.state, name))
+
+
+@pytest.mark.parametrize("policy", ["fgd", "gpusched"])
+@SETTINGS
+@given(state=clusters(), batch=batches(max_units=12), shape_source=batches(max_units=12))
+def test_kernel_matches_reference_with_foreign_shapes(policy, state, batch, shape_source):
+    """Shape weights from another sample of the workload (as the live scheduler passes)."""
+    shapes = ShapeDistribution.from_batch(shape_source, coverage=1.0, with_memory=True)
+    fast = solve(state, batch, policy, shapes=shapes)
+    slow = reference_solve(state, batch, policy, shapes=shapes)
+    np.testing.assert_array_equal(fast.node, slow.node)
+    np.testing.assert_array_equal(fast.gpus, slow.gpus)
+
+
+@SETTINGS
+@given(state=clusters(max_nodes=6), batch=batches(max_units=30))
+def test_cached_scores_match_full_scan(state, batch):
+    """Repeated shapes go through the per-shape tournament trees; same answers as a scan."""
+    from gpusched_scheduler.domain.solver import solve as solve_mod
+
+    rep = batch.take(np.repeat(np.arange(len(batch)), 3))  # every shape at least 3 times
+    cached = solve(state, rep, "gpusched")
+    old = solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"]
+    solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"] = 0
+    try:
+        scanned = solve(state, rep, "gpusched")
+    finally:
+        solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"] = old
+    np.testing.assert_array_equal(cached.node, scanned.node)
+    np.testing.assert_array_equal(cached.gpus, scanned.gpus)
