@@ -46,6 +46,12 @@ def context_from(carrier: dict[str, str]) -> Context:
     return extract(carrier)
 
 
+def record_carrier(headers: object) -> dict[str, str]:
+    """The W3C trace headers of a Kafka record (a batch consumer's per-record parent)."""
+    return {k: v.decode(errors="replace") for k, v in (headers or ())  # type: ignore[attr-defined]
+            if k in ("traceparent", "tracestate") and isinstance(v, bytes)}
+
+
 def trace_id_hex(span: trace.Span | None = None) -> str | None:
     """The 32-hex-digit trace id of `span` (default: the current span), None when unsampled."""
     ctx = (span or trace.get_current_span()).get_span_context()

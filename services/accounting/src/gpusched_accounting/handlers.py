@@ -7,6 +7,7 @@ import logging
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from gpusched_accounting.adapters.store import UsageStore
@@ -14,6 +15,7 @@ from gpusched_accounting.domain.usage import increment_for
 from gpusched_common import topics
 from gpusched_common.contracts import USAGE, Message
 from gpusched_common.kafka_records import WallClockMs, dead_letter
+from gpusched_common.telemetry import context_from, record_carrier
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = "gpusched-accounting"
@@ -21,7 +23,7 @@ SERVICE = "accounting"
 
 
 def register(broker: KafkaBroker, store: UsageStore, clock: WallClockMs,
-             max_records: int) -> None:
+             max_records: int, tracer: trace.Tracer) -> None:
     async def publish(message: Message, topic: str, key: str) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"})
@@ -42,4 +44,8 @@ def register(broker: KafkaBroker, store: UsageStore, clock: WallClockMs,
                               topics.DEAD_LETTERS.name, record.topic)
                 continue
             increments.append((increment_for(usage), usage.model))
+            # one span per record, in the trace of the request it bills
+            tracer.start_span("bill usage", context=context_from(record_carrier(record.headers)),
+                              attributes={"gpusched.request_id": usage.request_id,
+                                          "gpusched.event_id": usage.event_id}).end()
         await store.apply(increments)

@@ -28,7 +28,8 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = Redis.from_url(settings.redis.url)
     store = UsageStore(redis, settings.dedup_ttl_s)
-    handlers.register(broker, store, clock, settings.fetch_max_records)
+    handlers.register(broker, store, clock, settings.fetch_max_records,
+                      provider.get_tracer(SERVICE))
     started = False
 
     @asynccontextmanager

@@ -48,9 +48,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = Redis.from_url(settings.redis.url)
 
-    async def publish(message: Message, topic: str, key: str) -> None:
+    async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
-                             headers={"content-type": "application/json"})
+                             headers={"content-type": "application/json"}, no_confirm=not wait)
 
     runtime = AgentRuntime(
         settings.node_id, NodeModel.from_inventory(inventory), load_models(settings.config_dir),

@@ -27,7 +27,9 @@ from gpusched_common.kafka_records import WallClockMs
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[Message, str, str], Awaitable[None]]
+Publish = Callable[..., Awaitable[None]]
+"""publish(message, topic, key, wait=True); wait=False pipelines the send (token chunks:
+same key, same partition, so they stay in order before the final result)."""
 PLACEMENT_KEY = "gpusched:agent:placement:{}"
 MAX_ATTEMPTS = 5
 
@@ -138,8 +140,8 @@ class AgentRuntime:
                 self._kv_tokens[pid] = (placement.gpu_index, prompt_tokens + len(pieces))
                 if len(chunk) >= self._chunk_tokens:
                     await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                                   text="".join(chunk), token_count=len(chunk)),
-                                        topics.RESULTS.name, request.request_id)
+                                                       text="".join(chunk), token_count=len(chunk)),
+                                        topics.RESULTS.name, request.request_id, wait=False)
                     seq, chunk = seq + 1, []
             if chunk:
                 await self._publish(TokenChunk(request_id=request.request_id, seq=seq,

@@ -31,6 +31,7 @@ from gpusched_common.contracts import (
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
+from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.domain.cluster import ClusterView, FreeGpu, Reservation
 from gpusched_scheduler.domain.placement import Placed, Unschedulable, place_one
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
@@ -105,9 +106,7 @@ def parse_request_record(
         return refuse(f"prompt plus max_tokens ({request_tokens(request)} tokens) exceeds "
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
                       tenant)
-    carrier = {k: v.decode(errors="replace") for k, v in (record.headers or ())
-               if k in ("traceparent", "tracestate")}
-    return Admitted(request, carrier)
+    return Admitted(request, record_carrier(record.headers))
 
 
 def request_tokens(request: InferenceRequest) -> int:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for gpusched: a virtual environment with every package of the
+# workspace installed editable (plus test tools), then Kafka, Redis and Jaeger (cached in
+# ${GPUSCHED_CACHE:-~/.cache/gpusched}). Idempotent; fast when nothing changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+venv="${VENV:-$root/.venv}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null || python=python3
+"$python" - <<'PY'
+import sys
+if sys.version_info[:2] < (3, 11):
+    sys.exit(f"gpusched needs Python 3.11+, found {sys.version.split()[0]}")
+PY
+
+stamp="$venv/.gpusched-installed"
+manifest="$(cat "$root"/libs/common/pyproject.toml "$root"/services/*/pyproject.toml \
+  "$root"/ops/pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$manifest" ]]; then
+  echo "bootstrap: installing Python packages into $venv"
+  [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet \
+    -e "$root/libs/common" -e "$root/services/router" -e "$root/services/scheduler" \
+    -e "$root/services/gpu-agent" -e "$root/services/accounting" -e "$root/ops[dev]"
+  echo "$manifest" > "$stamp"
+fi
+bash "$root/ops/scripts/install-all.sh"

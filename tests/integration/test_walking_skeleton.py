@@ -1,0 +1,197 @@
+"""One request end to end over the real Kafka, Redis and Jaeger: through the router (with
+the official openai client) or straight to Kafka, placed, executed, streamed, billed and
+traced; bad input gets a clear error and never a silent loss."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaProducer
+from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError
+from stack_helpers import end_offsets, eventually, read_topic
+
+from gpusched_common import topics
+from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, RequestResult
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+MODEL = "qwen2.5-1.5b"
+
+
+def client(stack, key: str = "sk-acme-demo") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{stack.router_url}/v1", api_key=key, max_retries=0)
+
+
+async def produce(stack, topic: str, value: bytes, key: bytes | None = None) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value, key=key)
+    finally:
+        await producer.stop()
+
+
+async def result_of(stack, request_id: str) -> RequestResult:
+    def mine(key: bytes | None, value: bytes) -> bool:
+        return key == request_id.encode() and b'"request_result"' in value
+
+    records = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name, mine)
+    assert records, f"no result for {request_id} on {topics.RESULTS.name}"
+    return RESULT_EVENT.validate_json(records[-1][1])
+
+
+async def test_openai_client_streams_a_completion_through_the_router(stack) -> None:
+    stream = await client(stack).completions.create(model=MODEL, prompt="Say hi", max_tokens=20,
+                                                    stream=True)
+    pieces, finish = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+    assert len("".join(pieces).split()) == 20
+    assert finish == "length"
+
+
+async def test_openai_chat_completion_non_streaming(stack) -> None:
+    reply = await client(stack).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=7)
+    assert reply.choices[0].message.role == "assistant"
+    assert len(reply.choices[0].message.content.split()) == 7
+    assert reply.usage.completion_tokens == 7
+
+
+async def test_request_produced_straight_to_kafka_completes(stack) -> None:
+    request_id = f"kcat-{uuid.uuid4().hex[:8]}"
+    # The documented shape, as `kcat -P -t gpusched.requests.batch -k <id>` would send it:
+    # plain JSON, no headers, no created_at_ms (the record timestamp is used).
+    payload = {"request_id": request_id, "tenant": "globex", "model": MODEL,
+               "prompt": "from kafka", "max_tokens": 5}
+    await produce(stack, topics.REQUESTS["batch"].name, json.dumps(payload).encode(),
+                  request_id.encode())
+    result = await result_of(stack, request_id)
+    assert result.status == "completed" and result.completion_tokens == 5
+    # the router saw it too, so its status is queryable over HTTP
+    async with httpx.AsyncClient(base_url=stack.router_url) as http:
+        async def status():
+            r = await http.get(f"/v1/requests/{request_id}",
+                               headers={"Authorization": "Bearer sk-globex-demo"})
+            return r.json() if r.status_code == 200 else None
+        body = await eventually(status, what="request status")
+    assert body["status"] == "completed"
+
+
+async def test_accounting_returns_exactly_the_tokens_used(stack) -> None:
+    headers = {"Authorization": "Bearer sk-initech-demo"}
+    async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+        async def totals() -> dict:
+            r = await http.get("/v1/usage", params={"tenant": "initech"}, headers=headers)
+            return r.json()["tenants"][0]["totals"]
+
+        before = await totals()
+        replies = [await client(stack, "sk-initech-demo").completions.create(
+            model=MODEL, prompt="tok " * n, max_tokens=n) for n in (3, 11, 30)]
+        want_prompt = before["prompt_tokens"] + sum(r.usage.prompt_tokens for r in replies)
+        want_completion = before["completion_tokens"] + sum(
+            r.usage.completion_tokens for r in replies)
+
+        async def settled():
+            now = await totals()
+            return now if now["completion_tokens"] >= want_completion else None
+
+        after = await eventually(settled, what="usage to reach accounting")
+        time.sleep(1.0)  # anything counted twice would show up by now
+        again = await totals()
+    assert (after["prompt_tokens"], after["completion_tokens"]) == (want_prompt, want_completion)
+    assert again == after
+    assert after["requests"] == before["requests"] + 3
+    assert after["gpu_seconds"] > before["gpu_seconds"]
+
+
+async def test_one_trace_spans_router_scheduler_agent_and_accounting(stack) -> None:
+    raw = await client(stack).completions.with_raw_response.create(
+        model=MODEL, prompt="trace me", max_tokens=4)
+    trace_id = raw.headers["x-trace-id"]
+    assert len(trace_id) == 32
+    want = {"router", "scheduler", "gpu-agent", "accounting"}
+    async with httpx.AsyncClient(base_url=stack.endpoints.jaeger_query_url) as http:
+        async def services():
+            r = await http.get(f"/api/traces/{trace_id}")
+            if r.status_code != 200 or not r.json().get("data"):
+                return None
+            [trace] = r.json()["data"]
+            names = {p["serviceName"] for p in trace["processes"].values()}
+            return names if want <= names else None
+        found = await eventually(services, timeout_s=30, what=f"trace {trace_id} in Jaeger")
+    assert want <= found
+
+
+@pytest.mark.parametrize("key,body,status", [
+    ("sk-acme-demo", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+    ("sk-acme-demo", {"model": MODEL}, 400),
+    ("sk-acme-demo", "not json at all", 400),
+    ("sk-wrong", {"model": MODEL, "prompt": "x"}, 401),
+    (None, {"model": MODEL, "prompt": "x"}, 401),
+    ("sk-acme-demo", {"model": "gpt-17", "prompt": "x"}, 404),
+    ("sk-acme-demo", {"model": MODEL, "prompt": "tok " * 40_000}, 400),
+])
+async def test_bad_requests_get_4xx_and_nothing_reaches_kafka(stack, key, body, status) -> None:
+    names = [t.name for t in topics.REQUESTS.values()]
+    before = await end_offsets(stack.endpoints.kafka_bootstrap, names)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    async with httpx.AsyncClient(base_url=stack.router_url) as http:
+        resp = await http.post("/v1/completions", content=content, headers=headers)
+    assert resp.status_code == status
+    assert resp.json()["error"]["message"]  # a reason, not an empty error
+    after = await end_offsets(stack.endpoints.kafka_bootstrap, names)
+    assert after == before
+
+
+async def test_openai_client_raises_typed_errors(stack) -> None:
+    with pytest.raises(NotFoundError, match="available models"):
+        await client(stack).completions.create(model="gpt-17", prompt="x")
+    with pytest.raises(AuthenticationError):
+        await client(stack, "sk-wrong").completions.create(model=MODEL, prompt="x")
+    with pytest.raises(BadRequestError, match="context limit"):
+        await client(stack).completions.create(model="llama-3.1-8b", prompt="x",
+                                                max_tokens=8_192)
+
+
+async def test_malformed_record_is_dead_lettered_and_the_next_request_completes(stack) -> None:
+    marker = uuid.uuid4().hex
+    await produce(stack, topics.REQUESTS["standard"].name,
+                  f'{{"tenant": "acme", "oops": "{marker}"'.encode())
+
+    def ours(_key: bytes | None, value: bytes) -> bool:
+        return marker.encode() in value
+
+    [(_, raw)] = await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name, ours)
+    dead = DEAD_LETTER.validate_json(raw)
+    assert dead.source_topic == topics.REQUESTS["standard"].name
+    assert "not valid JSON" in dead.reason and dead.service == "scheduler"
+
+    request_id = f"after-{marker[:8]}"
+    await produce(stack, topics.REQUESTS["standard"].name,
+                  json.dumps({"request_id": request_id, "tenant": "acme", "model": MODEL,
+                              "prompt": "still alive", "max_tokens": 3}).encode(),
+                  request_id.encode())
+    assert (await result_of(stack, request_id)).status == "completed"
+
+
+async def test_valid_json_with_bad_fields_is_dead_lettered_with_the_field(stack) -> None:
+    request_id = f"bad-{uuid.uuid4().hex[:8]}"
+    await produce(stack, topics.REQUESTS["interactive"].name,
+                  json.dumps({"request_id": request_id, "tenant": "acme", "model": MODEL,
+                              "prompt": "x", "max_tokens": "many"}).encode())
+
+    def ours(_key: bytes | None, value: bytes) -> bool:
+        return request_id.encode() in value
+
+    [(_, raw)] = await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name, ours)
+    assert "max_tokens" in DEAD_LETTER.validate_json(raw).reason
+    rejection = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name,
+                                 lambda k, v: request_id.encode() in v)
+    assert rejection and b'"rejection"' in rejection[-1][1]
