@@ -1,7 +1,8 @@
 """Scheduler settings (GPUSCHED_* environment variables)."""
 
-from gpusched_common.settings import ServiceSettings
 from pydantic import Field
+
+from gpusched_common.settings import ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):

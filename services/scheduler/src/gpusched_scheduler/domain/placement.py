@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpusched_common.catalog import ModelSpec
-
 from gpusched_scheduler.domain.cluster import FreeGpu
 
 
