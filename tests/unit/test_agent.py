@@ -19,7 +19,7 @@ SMALL, BIG = CATALOG.get("qwen2.5-1.5b"), CATALOG.get("llama-3.1-8b")
 def placement(pid: str, gpu: int, kv_mib: int, model: str) -> Placement:
     req = InferenceRequest(request_id=pid, tenant="t", model=model, prompt="x",
                            created_at_ms=0)
-    return Placement(placement_id=pid, node_id="n", gpu_index=gpu, kv_cache_mib=kv_mib,
+    return Placement(placement_id=pid, node_id="n", gpu_indices=(gpu,), kv_cache_mib=kv_mib,
                      scheduler_epoch=1, placed_at_ms=0, request=req)
 
 
@@ -63,8 +63,8 @@ def test_admission_loads_once_then_evicts_idle_models_when_memory_is_needed() ->
     assert isinstance(second, Admitted) and not second.needs_load
     # BIG does not fit next to SMALL while SMALL is in use...
     assert isinstance(node.admit(placement("p3", 0, 6000, BIG.name), BIG), Refused)
-    node.finish("p1", 0)
-    node.finish("p2", 0)
+    node.finish(placement("p1", 0, 100, SMALL.name))
+    node.finish(placement("p2", 0, 100, SMALL.name))
     # ...and does once SMALL is idle and can be evicted.
     third = node.admit(placement("p3", 0, 6000, BIG.name), BIG)
     assert isinstance(third, Admitted) and third.evicted == (SMALL.name,)
@@ -103,3 +103,19 @@ def test_performance_model_orders_gpus_and_models_sensibly() -> None:
 ])
 def test_nvml_names_map_to_catalog_types(name: str, mib: int, expected: str) -> None:
     assert catalog_type(name, mib) == expected
+
+
+def test_a_gang_is_admitted_on_all_its_gpus_or_none() -> None:
+    node = NodeModel.from_inventory(parse_simulated("2xH100-80GB", "n"))
+    huge = CATALOG.get("llama-3.1-70b")
+    gang = placement("g", 0, 1000, huge.name).model_copy(update={"gpu_indices": (0, 1)})
+    out = node.admit(gang, huge)
+    assert isinstance(out, Admitted) and out.needs_load
+    per_gpu = -(-huge.weight_memory_mib // 2) + 1000
+    assert [g.free_mib() for g in node.gpus] == [81559 - per_gpu] * 2
+    node.finish(gang)
+    # GPU 1 unhealthy: nothing is reserved anywhere
+    sick = NodeModel.from_inventory([GpuInfo(0, "a", "H100-80GB", 81559),
+                                     GpuInfo(1, "b", "H100-80GB", 81559, healthy=False)])
+    assert isinstance(sick.admit(gang, huge), Refused)
+    assert [g.free_mib() for g in sick.gpus] == [81559, 81559]

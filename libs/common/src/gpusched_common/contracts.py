@@ -50,7 +50,13 @@ class InferenceRequest(Message):
         default=None, ge=1, description="Override the counted prompt length (trace replays)."
     )
     seed: int | None = None
+    num_gpus: int = Field(
+        default=1, ge=1, le=8, description="GPUs of one node that run it together (a gang: "
+        "tensor parallel; weights and KV cache are split evenly across them).")
     attempt: int = Field(default=0, ge=0, le=100)
+    requeued: Literal["handback", "preempted", "node_lost"] | None = Field(
+        default=None, description="Why this attempt was queued again; preempted and node_lost "
+        "attempts go to the front of their class.")
     created_at_ms: int = Field(ge=0)
 
 
@@ -86,16 +92,39 @@ class NodeState(Message):
 
 
 class Placement(Message):
-    """A scheduler's command to run one request on one GPU of one node (keyed by node id)."""
+    """A scheduler's command to run one request on GPUs of one node (keyed by node id)."""
 
     type: Literal["placement"] = "placement"
     placement_id: str = Field(description="'<request_id>#<attempt>': unique per attempt.")
     node_id: Name
-    gpu_index: int = Field(ge=0)
-    kv_cache_mib: int = Field(ge=0, description="GPU memory reserved for this request's KV cache.")
+    gpu_indices: tuple[int, ...] = Field(min_length=1, max_length=8,
+                                         description="All GPUs of the gang; one usually.")
+    kv_cache_mib: int = Field(ge=0, description="KV cache reserved on each of its GPUs.")
     scheduler_epoch: int = Field(ge=0, description="Fencing token of the scheduler that placed it.")
     placed_at_ms: int
     request: InferenceRequest
+
+
+class Preempt(Message):
+    """A scheduler's command to stop a running placement so that higher-priority work fits;
+    the agent bills usage so far and hands the request back with requeued='preempted'."""
+
+    type: Literal["preempt"] = "preempt"
+    placement_id: str
+    request_id: RequestId
+    node_id: Name
+    scheduler_epoch: int = Field(ge=0)
+    reason: str
+
+
+class Cancel(Message):
+    """Stop a request wherever it runs (the client went away, or asked to); the agent bills
+    usage so far and ends it with status 'cancelled'. Keyed by request id."""
+
+    type: Literal["cancel"] = "cancel"
+    request_id: RequestId
+    reason: str
+    at_ms: int
 
 
 class TokenChunk(Message):
@@ -121,7 +150,7 @@ class RequestResult(Message):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     node_id: str | None = None
-    gpu_index: int | None = None
+    gpu_indices: tuple[int, ...] = ()
     queued_ms: float = Field(ge=0, description="From creation to start of execution.")
     total_ms: float = Field(ge=0, description="From creation to the last token.")
     ttft_ms: float | None = Field(default=None, description="From creation to the first token.")
@@ -161,6 +190,30 @@ class UsageRecord(Message):
     ended_at_ms: int
 
 
+class BudgetExhausted(Message):
+    """A tenant spent its budget for a period; the router answers 429 until it resets."""
+
+    type: Literal["budget_exhausted"] = "budget_exhausted"
+    tenant: str
+    period: str = Field(description="e.g. 'day:2026-11-30'.")
+    limit: float
+    spent: float
+    unit: Literal["tokens", "usd"]
+    at_ms: int
+
+
+class ScalingSignal(Message):
+    """GPUs wanted per model to meet each class's latency target, for an external
+    autoscaler (KEDA, HPA)."""
+
+    type: Literal["scaling_signal"] = "scaling_signal"
+    model: str
+    gpus_wanted: int = Field(ge=0)
+    gpus_in_use: int = Field(ge=0)
+    queue_depth: dict[str, int]
+    at_ms: int
+
+
 class DeadLetter(Message):
     """A record a service could not process, kept with the reason and where it came from."""
 
@@ -176,7 +229,12 @@ class DeadLetter(Message):
 
 
 ResultEvent = Annotated[TokenChunk | RequestResult | Rejection, Field(discriminator="type")]
+PlacementCommand = Annotated[Placement | Preempt, Field(discriminator="type")]
+Event = Annotated[BudgetExhausted | ScalingSignal, Field(discriminator="type")]
 RESULT_EVENT = TypeAdapter(ResultEvent)
+PLACEMENT_COMMAND = TypeAdapter(PlacementCommand)
+EVENT = TypeAdapter(Event)
+CANCEL = TypeAdapter(Cancel)
 REQUEST = TypeAdapter(InferenceRequest)
 NODE_STATE = TypeAdapter(NodeState)
 PLACEMENT = TypeAdapter(Placement)

@@ -36,6 +36,10 @@ NODE_STATE = TopicSpec("gpusched.node-state", key="node_id", partitions=3, clean
 PLACEMENTS = TopicSpec("gpusched.placements", key="node_id", partitions=6)
 RESULTS = TopicSpec("gpusched.results", key="request_id", partitions=6)
 USAGE = TopicSpec("gpusched.usage", key="tenant", partitions=6, retention_ms=30 * 24 * 3600 * 1000)
+CONTROL = TopicSpec("gpusched.control", key="request_id", partitions=3)
+"""Cancels; every agent reads every partition (no group) and acts on what it runs."""
+EVENTS = TopicSpec("gpusched.events", key="tenant or model", partitions=3)
+"""Budget and scaling events for operators and autoscalers."""
 DEAD_LETTERS = TopicSpec("gpusched.dead-letters", key="source topic", partitions=1)
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
@@ -44,6 +48,8 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (
     PLACEMENTS,
     RESULTS,
     USAGE,
+    CONTROL,
+    EVENTS,
     DEAD_LETTERS,
 )
 

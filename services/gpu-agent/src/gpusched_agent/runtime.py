@@ -16,7 +16,6 @@ from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
-    Message,
     Placement,
     RequestResult,
     TokenChunk,
@@ -114,14 +113,14 @@ class AgentRuntime:
         if isinstance(admitted, Refused):
             await self._handback(placement, admitted.reason)
             return
-        slot = self.node.gpus[placement.gpu_index]
+        slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep
         gpu_type = GPU_TYPES[slot.info.gpu_type]
         prompt_tokens = request.prompt_tokens or count_prompt_tokens(request.prompt)
         pid = placement.placement_id
         self._dirty.set()
         started_ms = self._clock()
         slot.meter.start(pid, self._mono())
-        self._kv_tokens[pid] = (placement.gpu_index, prompt_tokens)
+        self._kv_tokens[pid] = (slot.info.index, prompt_tokens)
         pieces: list[str] = []
         chunk: list[str] = []
         seq = 0
@@ -132,12 +131,12 @@ class AgentRuntime:
                 await self._executor.load(model)
             async for token in self._executor.generate(
                     request, prompt_tokens, model, gpu_type,
-                    lambda gi=placement.gpu_index: self._batch_kv_tokens(gi)):
+                    lambda gi=slot.info.index: self._batch_kv_tokens(gi)):
                 if ttft_ms is None:
                     ttft_ms = self._clock() - request.created_at_ms
                 pieces.append(token)
                 chunk.append(token)
-                self._kv_tokens[pid] = (placement.gpu_index, prompt_tokens + len(pieces))
+                self._kv_tokens[pid] = (slot.info.index, prompt_tokens + len(pieces))
                 if len(chunk) >= self._chunk_tokens:
                     await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
                                                        text="".join(chunk), token_count=len(chunk)),
@@ -155,7 +154,7 @@ class AgentRuntime:
         finally:
             gpu_seconds = slot.meter.stop(pid, self._mono()) / self._scale
             self._kv_tokens.pop(pid, None)
-            self.node.finish(pid, placement.gpu_index)
+            self.node.finish(placement)
             self._dirty.set()
         ended_ms = self._clock()
         await self._publish(UsageRecord(
@@ -168,7 +167,7 @@ class AgentRuntime:
             request_id=request.request_id, tenant=request.tenant, model=model.name,
             status=status, finish_reason=finish_reason, text="".join(pieces),  # type: ignore[arg-type]
             prompt_tokens=prompt_tokens, completion_tokens=len(pieces), node_id=self.node_id,
-            gpu_index=placement.gpu_index,
+            gpu_indices=placement.gpu_indices,
             queued_ms=max(0.0, started_ms - request.created_at_ms),
             total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms),
             topics.RESULTS.name, request.request_id)

@@ -218,7 +218,7 @@ class SchedulingEngine:
             if isinstance(outcome, Placed):
                 placement = Placement(
                     placement_id=f"{request.request_id}#{request.attempt}",
-                    node_id=outcome.node_id, gpu_index=outcome.gpu_index,
+                    node_id=outcome.node_id, gpu_indices=(outcome.gpu_index,),
                     kv_cache_mib=outcome.kv_cache_mib, scheduler_epoch=self._epoch,
                     placed_at_ms=now, request=request)
                 self.view.reserve(Reservation(placement.placement_id, outcome.node_id,
@@ -253,7 +253,7 @@ class SchedulingEngine:
         ) as span:
             if isinstance(message, Placement):
                 span.set_attribute("gpusched.node_id", message.node_id)
-                span.set_attribute("gpusched.gpu_index", message.gpu_index)
+                span.set_attribute("gpusched.gpu_indices", list(message.gpu_indices))
                 await self._publish(message, topics.PLACEMENTS.name, message.node_id)
             else:
                 span.set_attribute("gpusched.rejected", message.reason)

@@ -50,33 +50,51 @@ class NodeModel:
         return cls([GpuSlot(info) for info in inventory])
 
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
-        if placement.gpu_index >= len(self.gpus):
-            return Refused(f"node has no GPU {placement.gpu_index}")
-        slot = self.gpus[placement.gpu_index]
-        if not slot.info.healthy:
-            return Refused(f"GPU {placement.gpu_index} is unhealthy")
-        if placement.placement_id in slot.active:
+        """Reserve the placement on every GPU of its gang, or on none (all or nothing).
+        A gang of n GPUs holds 1/n of the weights on each (tensor parallel)."""
+        indices = placement.gpu_indices
+        if len(set(indices)) != len(indices):
+            return Refused(f"GPU indices {indices} repeat")
+        missing = [i for i in indices if i >= len(self.gpus)]
+        if missing:
+            return Refused(f"node has no GPU {missing[0]}")
+        slots = [self.gpus[i] for i in indices]
+        sick = [s.info.index for s in slots if not s.info.healthy]
+        if sick:
+            return Refused(f"GPU {sick[0]} is unhealthy")
+        if any(placement.placement_id in s.active for s in slots):
             return Refused("placement already running")
-        loaded = model.name in slot.loaded_mib
-        need = placement.kv_cache_mib + (0 if loaded else model.weight_memory_mib)
-        evicted: list[str] = []
-        if slot.free_mib() < need:
+        weight_mib = -(-model.weight_memory_mib // len(indices))
+        plan: list[tuple[GpuSlot, list[str]]] = []
+        for slot in slots:
+            need = placement.kv_cache_mib + (0 if model.name in slot.loaded_mib else weight_mib)
             in_use = {m for m, _ in slot.active.values()}
-            for name in [m for m in slot.loaded_mib if m not in in_use and m != model.name]:
-                if slot.free_mib() >= need:
+            idle = [m for m in slot.loaded_mib if m not in in_use and m != model.name]
+            evict: list[str] = []
+            free = slot.free_mib()
+            for name in idle:
+                if free >= need:
                     break
+                free += slot.loaded_mib[name]
+                evict.append(name)
+            if free < need:
+                return Refused(f"GPU {slot.info.index} has {slot.free_mib()} MiB free "
+                               f"(after evicting idle models: {free}), needs {need} MiB")
+            plan.append((slot, evict))
+        needs_load = any(model.name not in slot.loaded_mib for slot in slots)
+        evicted: list[str] = []
+        for slot, evict in plan:
+            for name in evict:
                 del slot.loaded_mib[name]
-                evicted.append(name)
-        if slot.free_mib() < need:
-            return Refused(f"GPU {placement.gpu_index} has {slot.free_mib()} MiB free, "
-                           f"needs {need} MiB")
-        slot.loaded_mib[model.name] = model.weight_memory_mib
-        slot.loaded_mib.move_to_end(model.name)
-        slot.active[placement.placement_id] = (model.name, placement.kv_cache_mib)
-        return Admitted(needs_load=not loaded, evicted=tuple(evicted))
+            evicted += evict
+            slot.loaded_mib[model.name] = slot.loaded_mib.get(model.name, weight_mib)
+            slot.loaded_mib.move_to_end(model.name)
+            slot.active[placement.placement_id] = (model.name, placement.kv_cache_mib)
+        return Admitted(needs_load=needs_load, evicted=tuple(evicted))
 
-    def finish(self, placement_id: str, gpu_index: int) -> None:
-        self.gpus[gpu_index].active.pop(placement_id, None)
+    def finish(self, placement: Placement) -> None:
+        for i in placement.gpu_indices:
+            self.gpus[i].active.pop(placement.placement_id, None)
 
     def state(self, node_id: str, seq: int, started_at_ms: int, now_ms: int,
               status: str = "ready") -> NodeState:

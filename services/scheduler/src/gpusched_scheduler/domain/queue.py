@@ -26,12 +26,17 @@ class PendingQueue:
     keys: set[tuple[str, int]] = field(default_factory=set)
 
     def push(self, item: Pending) -> bool:
-        """False when the same (request id, attempt) is already waiting (a redelivery)."""
+        """Queue at the back of its class, or at the front when it was preempted or lost
+        with its node; False when the same (request id, attempt) is already waiting."""
         key = (item.request.request_id, item.request.attempt)
         if key in self.keys:
             return False
         self.keys.add(key)
-        self.by_class[item.request.priority_class].append(item)
+        queue = self.by_class[item.request.priority_class]
+        if item.request.requeued in ("preempted", "node_lost"):
+            queue.appendleft(item)  # it waited its turn once already
+        else:
+            queue.append(item)
         return True
 
     def in_order(self) -> Iterator[Pending]:
