@@ -1,0 +1,73 @@
+"""Offline checks of docker-compose.yml: it validates against the compose-spec schema and runs
+exactly the gpusched stack, each service wired to the shared infrastructure and health-checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+INFRA = {"kafka", "redis", "jaeger"}
+SERVICE_PORTS = {
+    "router": 8080,
+    "scheduler": 8081,
+    "accounting": 8082,
+    "agent-1": 8090,
+    "agent-2": 8091,
+}
+
+
+def _compose() -> dict[str, Any]:
+    loaded = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def _check_jsonschema() -> list[str]:
+    """The check-jsonschema command: this interpreter's module, else the one on PATH."""
+    if importlib.util.find_spec("check_jsonschema") is not None:
+        return [sys.executable, "-m", "check_jsonschema"]
+    if executable := shutil.which("check-jsonschema"):
+        return [executable]
+    pytest.skip("check-jsonschema is not installed (pip install check-jsonschema)")
+
+
+def test_compose_file_is_valid_against_compose_spec() -> None:
+    command = [*_check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_runs_exactly_the_gpusched_stack() -> None:
+    assert set(_compose()["services"]) == INFRA | set(SERVICE_PORTS)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS))
+def test_service_is_wired_to_the_stack_and_health_checked(name: str) -> None:
+    service = _compose()["services"][name]
+    port = SERVICE_PORTS[name]
+    env = service["environment"]
+    assert service["build"]["context"] == "."
+    assert env["GPUSCHED_KAFKA_BOOTSTRAP"] == "kafka:9092"
+    assert env["GPUSCHED_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["GPUSCHED_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    assert env["GPUSCHED_HTTP_PORT"] == str(port)
+    assert f"{port}:{port}" in service["ports"]
+    assert f"http://127.0.0.1:{port}/healthz" in " ".join(service["healthcheck"]["test"])
+    assert set(service["depends_on"]) == INFRA
+
+
+def test_agents_simulate_distinct_nodes() -> None:
+    services = _compose()["services"]
+    agents = [services["agent-1"]["environment"], services["agent-2"]["environment"]]
+    assert {env["GPUSCHED_NODE_ID"] for env in agents} == {"node-1", "node-2"}
+    assert len({env["GPUSCHED_SIMULATE"] for env in agents}) == 2
