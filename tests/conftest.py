@@ -7,6 +7,7 @@ run as local processes against either. Unit tests never touch it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,10 +17,15 @@ import pytest
 
 from gpusched_ops.services import ServicePorts, service_specs
 from gpusched_ops.stack import LocalStack, StackEndpoints
-from gpusched_ops.testing import start_test_stack
+from gpusched_ops.testing import TEST_PORTS, start_test_stack
 
-TEST_SERVICE_PORTS = ServicePorts(router=28080, scheduler=28081, accounting=28082,
-                                  first_agent=28090)
+PORT_OFFSET = int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
+"""Shifts every test port, so several test sessions can run side by side on one machine."""
+TEST_SERVICE_PORTS = ServicePorts(router=28080 + PORT_OFFSET, scheduler=28081 + PORT_OFFSET,
+                                  accounting=28082 + PORT_OFFSET, first_agent=28090 + PORT_OFFSET)
+INFRA_PORTS = dataclasses.replace(
+    TEST_PORTS, **{f.name: getattr(TEST_PORTS, f.name) + PORT_OFFSET
+                   for f in dataclasses.fields(TEST_PORTS)})
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
@@ -36,7 +42,7 @@ class RunningStack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     run_dir = Path(os.environ.get("GPUSCHED_TEST_RUN_DIR") or tmp_path_factory.mktemp("stack"))
-    endpoints, stop_infra, local = start_test_stack(run_dir)
+    endpoints, stop_infra, local = start_test_stack(run_dir, INFRA_PORTS)
     processes = local or LocalStack(run_dir / "services")
     try:
         for spec in service_specs(endpoints, TEST_SERVICE_PORTS,

@@ -60,10 +60,11 @@ def docker_available(timeout_s: float = 2.0) -> bool:
 
 
 def start_test_stack(
-    run_dir: Path,
+    run_dir: Path, ports: StackPorts = TEST_PORTS,
 ) -> tuple[StackEndpoints, Callable[[], None], LocalStack | None]:
     """Start Kafka, Redis and Jaeger for a test session and wait until each answers.
 
+    `ports` applies to the process stack only (containers get free host ports).
     Returns (endpoints, stop, stack): `stop` tears everything down and is idempotent; `stack`
     is the LocalStack (for starting services and fault injection) or None with containers.
     Nothing is left running when this raises.
@@ -71,7 +72,7 @@ def start_test_stack(
     if docker_available():
         endpoints, stop = _start_containers()
         return endpoints, stop, None
-    stack = LocalStack(run_dir, TEST_PORTS)
+    stack = LocalStack(run_dir, ports)
     stack.install()
     try:
         endpoints = stack.start_infra()
