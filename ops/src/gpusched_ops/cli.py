@@ -226,14 +226,46 @@ def demo(
         _fail(f"{len(outcomes) - done} of {len(outcomes)} requests did not complete")
 
 
-@bench_app.command("solver", context_settings={"allow_extra_args": True,
-                                               "ignore_unknown_options": True})
-def bench_solver(ctx: typer.Context) -> None:
-    """Placement solver: openb replay vs FGD, throughput vs the Python reference, optimality.
-    Options: --quick, --json PATH, --dump DIR, --traces DIR."""
-    from gpusched_scheduler.bench.solver import main
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                "help_option_names": []}
+"""Benchmarks and tools parse their own options (argparse); `--help` reaches them too."""
 
-    raise typer.Exit(main(list(ctx.args)))
+
+def _delegate(ctx: typer.Context, target: str) -> None:
+    import importlib
+
+    module, _, func = target.partition(":")
+    raise typer.Exit(getattr(importlib.import_module(module), func)(list(ctx.args)))
+
+
+@bench_app.command("solver", context_settings=PASS_THROUGH)
+def bench_solver(ctx: typer.Context) -> None:
+    """Placement solver: openb replay vs FGD, throughput vs the Python reference, optimality."""
+    _delegate(ctx, "gpusched_scheduler.bench.solver:main")
+
+
+@bench_app.command("scheduler", context_settings=PASS_THROUGH)
+def bench_scheduler(ctx: typer.Context) -> None:
+    """Placements/s and publish-to-placement latency through real Kafka."""
+    _delegate(ctx, "gpusched_scheduler.bench.scheduler:main")
+
+
+@bench_app.command("agent", context_settings=PASS_THROUGH)
+def bench_agent(ctx: typer.Context) -> None:
+    """Executor tokens/s and GPU-seconds per request; simulated executor overhead."""
+    _delegate(ctx, "gpusched_agent.bench:main")
+
+
+@bench_app.command("accounting", context_settings=PASS_THROUGH)
+def bench_accounting(ctx: typer.Context) -> None:
+    """Usage events/s applied through real Kafka and Redis, exact totals, query latency."""
+    _delegate(ctx, "gpusched_accounting.bench:main")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def reconcile(ctx: typer.Context) -> None:
+    """Recompute usage totals from the usage topic and report differences from Redis."""
+    _delegate(ctx, "gpusched_accounting.reconcile:main")
 
 
 if __name__ == "__main__":
