@@ -66,70 +66,81 @@ def gpu_fits(S, g, milli, gmem, mask, model, weight):
 
 
 @njit(cache=True)
-def node_frag(n_gpus, milli, gtype, gmem, healthy, cpu_free, mem_free, W):
-    """FGD node fragmentation: sum over shapes of weight x free milli-GPU the shape can't use.
+def frag_rows(S, n, W, C):
+    """Cache node ``n``'s FGD bookkeeping in C = (frag_now[N], fit[N, M], frag[N, M],
+    total[N]): per shape, how many GPUs could host one GPU's worth of it and how much free
+    share sits on the GPUs that could not; ``frag_now`` is the node's fragmentation.
 
-    ``milli``/``gtype``/``gmem``/``healthy`` describe the node's GPUs (first ``n_gpus``).
-    A shape that cannot fit the node at all (CPU, memory, too few usable GPUs) or needs no
-    GPU sees all free share as fragmented; otherwise the share on GPUs it cannot use is.
+    Fragmentation (FGD, Weng et al. ATC'23): sum over shapes of weight x the free milli-GPU
+    the shape cannot use -- all of it when the shape needs no GPU or cannot fit the node
+    (CPU, memory, too few usable GPUs), else the share on GPUs it cannot use.
     """
+    lo = S[4][n]
+    hi = S[4][n + 1]
     total = 0
-    for i in range(n_gpus):
-        if healthy[i]:
-            total += milli[i]
-    frag_sum = 0.0
+    for g in range(lo, hi):
+        if S[8][g]:
+            total += S[6][g]
+    f = 0.0
     for s in range(W[0].shape[0]):
-        w = W[6][s]
-        k = W[2][s]
-        if k == 0 or cpu_free < W[0][s] or mem_free < W[1][s]:
-            frag_sum += w * total
-            continue
         fit = 0
         frag = 0
-        for i in range(n_gpus):
-            if not healthy[i]:
+        for g in range(lo, hi):
+            if not S[8][g]:
                 continue
-            if (W[5][s] >> gtype[i]) & 1 and milli[i] >= W[3][s] and gmem[i] >= W[4][s]:
+            if (W[5][s] >> S[5][g]) & 1 and S[6][g] >= W[3][s] and S[7][g] >= W[4][s]:
                 fit += 1
             else:
-                frag += milli[i]
-        if fit < k:
-            frag_sum += w * total
+                frag += S[6][g]
+        C[1][n, s] = fit
+        C[2][n, s] = frag
+        k = W[2][s]
+        if k == 0 or S[0][n] < W[0][s] or S[1][n] < W[1][s] or fit < k:
+            f += W[6][s] * total
         else:
-            frag_sum += w * frag
-    return frag_sum
+            f += W[6][s] * frag
+    C[3][n] = total
+    C[0][n] = f
+    return f
 
 
 @njit(cache=True)
-def node_frag_now(S, n, W, buf_milli, buf_type, buf_mem, buf_ok):
-    lo = S[4][n]
-    m = S[4][n + 1] - lo
-    for i in range(m):
-        buf_milli[i] = S[6][lo + i]
-        buf_type[i] = S[5][lo + i]
-        buf_mem[i] = S[7][lo + i]
-        buf_ok[i] = S[8][lo + i]
-    return node_frag(m, buf_milli, buf_type, buf_mem, buf_ok, S[0][n], S[1][n], W)
-
-
-@njit(cache=True)
-def frag_after(S, n, u, U, sel, k, frag_before_unused, W, buf_milli, buf_type, buf_mem, buf_ok):
-    """Node fragmentation after placing unit ``u`` on GPUs ``sel[:k]`` of node ``n``."""
-    lo = S[4][n]
-    m = S[4][n + 1] - lo
-    for i in range(m):
-        buf_milli[i] = S[6][lo + i]
-        buf_type[i] = S[5][lo + i]
-        buf_mem[i] = S[7][lo + i]
-        buf_ok[i] = S[8][lo + i]
-    for j in range(k):
-        i = sel[j] - lo
-        buf_milli[i] -= U[1][u]
-        need = U[2][u]
-        if U[6][u] >= 0 and not model_loaded(S[9], sel[j], U[6][u]):
-            need += U[7][u]
-        buf_mem[i] -= need
-    return node_frag(m, buf_milli, buf_type, buf_mem, buf_ok, S[0][n] - U[3][u], S[1][n] - U[4][u], W)
+def frag_after(S, n, u, U, sel, k, W, C):
+    """Node fragmentation after placing unit ``u`` on GPUs ``sel[:k]`` of node ``n``,
+    updated from the cached rows in O(shapes x k) (same sums, same order as frag_rows)."""
+    cpu_after = S[0][n] - U[3][u]
+    mem_after = S[1][n] - U[4][u]
+    milli = U[1][u]
+    total = C[3][n] - k * milli
+    f = 0.0
+    for s in range(W[0].shape[0]):
+        ks = W[2][s]
+        if ks == 0 or cpu_after < W[0][s] or mem_after < W[1][s]:
+            f += W[6][s] * total
+            continue
+        fit = C[1][n, s]
+        frag = C[2][n, s]
+        for j in range(k):
+            g = sel[j]
+            a = S[6][g]
+            b = S[7][g]
+            need = U[2][u]
+            if U[6][u] >= 0 and not model_loaded(S[9], g, U[6][u]):
+                need += U[7][u]
+            typed = (W[5][s] >> S[5][g]) & 1
+            if typed and a >= W[3][s] and b >= W[4][s]:
+                fit -= 1
+            else:
+                frag -= a
+            if typed and a - milli >= W[3][s] and b - need >= W[4][s]:
+                fit += 1
+            else:
+                frag += a - milli
+        if fit < ks:
+            f += W[6][s] * total
+        else:
+            f += W[6][s] * frag
+    return f
 
 
 @njit(cache=True)
@@ -164,12 +175,12 @@ def node_active(S, n):
 
 
 @njit(cache=True)
-def eval_node(policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo, params):
+def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
     """Score of placing unit ``u`` on node ``n`` (lower is better; inf = does not fit).
 
     Writes the chosen GPU indices to ``sel[:num_gpu]``. GPUs are ranked by a per-policy key
-    (ties: lower GPU index) and the ``num_gpu`` best are taken. ``frag_cache[n]`` holds the
-    node's current FGD fragmentation or NaN when unknown; it is filled here on demand.
+    (ties: lower GPU index) and the ``num_gpu`` best are taken. ``C[0][n]`` holds the
+    node's current FGD fragmentation or NaN when unknown; rows are filled on demand.
     """
     k = U[0][u]
     if S[0][n] < U[3][u] or S[1][n] < U[4][u]:
@@ -189,10 +200,9 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo
     use_frag = policy == FGD or policy == GPUSCHED
     fnow = 0.0
     if use_frag:
-        fnow = frag_cache[n]
+        fnow = C[0][n]
         if np.isnan(fnow):
-            fnow = node_frag_now(S, n, W, fb, bt, bm, bo)
-            frag_cache[n] = fnow
+            fnow = frag_rows(S, n, W, C)
     # ---- per-GPU keys --------------------------------------------------------------
     for c in range(nc):
         g = cand[c]
@@ -219,7 +229,7 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo
                 keys[c] = keys[dup]
             else:
                 sel[0] = g
-                keys[c] = frag_after(S, n, u, U, sel, 1, fnow, W, fb, bt, bm, bo) - fnow
+                keys[c] = frag_after(S, n, u, U, sel, 1, W, C) - fnow
                 if policy == GPUSCHED and model_loaded(S[9], g, U[6][u]):
                     keys[c] -= params[0] * params[4]
     # ---- pick the k lowest (key, GPU index); cand is ascending so strict < keeps ties low --
@@ -270,9 +280,9 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo
         return tier * TIER_MILLI + (gfree - greq)
     # FGD and GPUSCHED: growth of the node's fragmentation
     if k <= 1:
-        delta = first_key if k == 1 else frag_after(S, n, u, U, sel, 0, fnow, W, fb, bt, bm, bo) - fnow
+        delta = first_key if k == 1 else frag_after(S, n, u, U, sel, 0, W, C) - fnow
     else:
-        delta = frag_after(S, n, u, U, sel, k, fnow, W, fb, bt, bm, bo) - fnow
+        delta = frag_after(S, n, u, U, sel, k, W, C) - fnow
         if policy == GPUSCHED:
             for j in range(k):
                 if model_loaded(S[9], sel[j], U[6][u]):
@@ -386,7 +396,7 @@ def tree_build(tree, score, n_nodes, size):
 
 @njit(cache=True)
 def solve_kernel(
-    policy, S, U, W, order, shape_of, n_slots, out_node, out_gpus, out_reason, params
+    policy, S, U, W, order, shape_of, scores, trees, C, out_node, out_gpus, out_reason, params
 ):
     """Place units in ``order``, one at a time, each seeing the previous placements.
 
@@ -394,6 +404,8 @@ def solve_kernel(
     For a slot, node scores are kept in a tournament tree and only nodes changed since the
     slot's last use are rescored, so a placement costs O(changed nodes x log N), not O(N).
     Writes out_node[u] (-1 = unschedulable), out_gpus[u, :num_gpu], out_reason[u].
+    Work buffers come from the caller (``work_buffers``) so their memory is accounted:
+    scores[slots, N], trees[slots, 2P] and the FGD row cache C (see ``frag_rows``).
     """
     n_nodes = S[0].shape[0]
     max_g = 1
@@ -403,16 +415,8 @@ def solve_kernel(
     best_sel = np.empty(max(max_g, 8), np.int64)
     cand = np.empty(max_g, np.int64)
     keys = np.empty(max_g, np.float64)
-    fb = np.empty(max_g, np.int64)
-    bt = np.empty(max_g, np.int64)
-    bm = np.empty(max_g, np.int64)
-    bo = np.empty(max_g, np.bool_)
-    frag_cache = np.full(n_nodes, np.nan)
-    size = 1
-    while size < n_nodes:
-        size *= 2
-    scores = np.empty((n_slots, n_nodes), np.float64)
-    trees = np.empty((n_slots, 2 * size), np.int64)
+    n_slots = scores.shape[0]
+    size = trees.shape[1] // 2
     built = np.zeros(n_slots, np.bool_)
     cursor = np.zeros(n_slots, np.int64)
     changed = np.empty(len(order) + 1, np.int64)
@@ -433,7 +437,7 @@ def solve_kernel(
             if not built[slot]:
                 for n in range(n_nodes):
                     sc[n] = eval_node(
-                        policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                        policy, S, n, u, U, W, sel, cand, keys, C,
                         params,
                     )
                 tree_build(tr, sc, n_nodes, size)
@@ -444,7 +448,7 @@ def solve_kernel(
                     if stamp[n] != c:
                         continue  # a later log entry rescored/will rescore this node
                     sc[n] = eval_node(
-                        policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                        policy, S, n, u, U, W, sel, cand, keys, C,
                         params,
                     )
                     tree_update(tr, sc, n, size)
@@ -453,14 +457,14 @@ def solve_kernel(
             if cand_best >= 0 and sc[cand_best] < INF:
                 best = cand_best
                 eval_node(
-                    policy, S, best, u, U, W, best_sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                    policy, S, best, u, U, W, best_sel, cand, keys, C,
                     params,
                 )
         else:
             best_score = INF
             for n in range(n_nodes):
                 s = eval_node(
-                    policy, S, n, u, U, W, sel, cand, keys, frag_cache, fb, bt, bm, bo,
+                    policy, S, n, u, U, W, sel, cand, keys, C,
                     params,
                 )
                 if s < best_score:
@@ -473,7 +477,7 @@ def solve_kernel(
             out_reason[u] = diagnose(S, u, U)
             continue
         apply_unit(S, best, u, U, best_sel)
-        frag_cache[best] = np.nan
+        C[0][best] = np.nan
         out_node[u] = best
         out_reason[u] = PLACED
         for j in range(k):

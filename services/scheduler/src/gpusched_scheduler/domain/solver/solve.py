@@ -56,7 +56,9 @@ class ShapeDistribution:
             ],
             axis=1,
         )
-        uniq, counts = np.unique(cols, axis=0, return_counts=True)
+        gid, counts = group_rows(tuple(cols.T))
+        uniq = np.zeros((len(counts), cols.shape[1]), np.int64)
+        uniq[gid] = cols
         order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, stable
         cum = np.cumsum(counts[order])
         keep = order[: int(np.searchsorted(cum, coverage * cum[-1]) + 1)]
@@ -134,14 +136,34 @@ def resolve(state: ClusterState, batch: WorkBatch) -> tuple[ClusterState, tuple]
     return state, units
 
 
+def group_rows(cols: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Group equal rows across equally long int columns: (group id per row, group sizes).
+    Group ids follow the order of each group's first row (stable, deterministic)."""
+    n = len(cols[0])
+    order = np.lexsort(cols[::-1])
+    change = np.zeros(n, np.bool_)
+    change[0] = True
+    for c in cols:
+        cs = c[order]
+        change[1:] |= cs[1:] != cs[:-1]
+    sorted_gid = np.cumsum(change) - 1
+    gid = np.empty(n, np.int64)
+    gid[order] = sorted_gid
+    # renumber groups by first appearance
+    first = np.full(int(sorted_gid[-1]) + 1, n, np.int64)
+    np.minimum.at(first, gid, np.arange(n))
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    gid = rank[gid]
+    return gid, np.bincount(gid)
+
+
 def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
     """Cache slot per unit: units with identical requests share one; rare shapes get -1."""
     n = len(units[0])
     if n == 0:
         return np.zeros(0, np.int64), 0
-    cols = np.stack(units, axis=1)
-    _, inverse, counts = np.unique(cols, axis=0, return_inverse=True, return_counts=True)
-    inverse = inverse.reshape(-1)
+    inverse, counts = group_rows(units)
     size = 1 << max(0, int(n_nodes - 1).bit_length())
     per_slot = 8 * (n_nodes + 2 * size)
     budget = max(1, SHAPE_CACHE_BUDGET_BYTES // max(per_slot, 1))
@@ -151,6 +173,23 @@ def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
     slot_of_shape = np.full(len(counts), -1, np.int64)
     slot_of_shape[eligible] = np.arange(len(eligible))
     return slot_of_shape[inverse], len(eligible)
+
+
+def work_buffers(n_nodes: int, n_slots: int, n_shapes: int, uses_shapes: bool):
+    """(scores, trees, C) for ``solve_kernel``: per-slot node scores and tournament trees,
+    and the FGD per-node row cache (empty when the policy does not use shapes)."""
+    size = 1 << max(0, int(n_nodes - 1).bit_length())
+    rows = n_nodes if uses_shapes else 0
+    return (
+        np.empty((n_slots, n_nodes), np.float64),
+        np.empty((n_slots, 2 * size), np.int64),
+        (
+            np.full(n_nodes, np.nan),
+            np.zeros((rows, n_shapes), np.int64),
+            np.zeros((rows, n_shapes), np.int64),
+            np.zeros(n_nodes, np.int64),
+        ),
+    )
 
 
 def lookahead_order(batch: WorkBatch) -> np.ndarray:
@@ -211,7 +250,7 @@ def solve(
             w,
             order,
             slots,
-            n_slots,
+            *work_buffers(work.num_nodes, n_slots, len(w[0]), pol.uses_shapes),
             out_node,
             out_gpus,
             out_reason,

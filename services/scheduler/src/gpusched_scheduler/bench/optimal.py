@@ -1,0 +1,146 @@
+"""Distance to optimal: GPUs used by each policy vs the CP-SAT optimum (small instances,
+optional ``bench`` extra with OR-Tools) and vs a simple lower bound (larger instances).
+
+An instance is a batch of units that must all be placed on identical nodes; the objective
+is the number of GPUs with anything on them. Policies run online (batch order) and with
+look-ahead (the whole batch, biggest first).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpusched_scheduler.domain.solver import ClusterState, WorkBatch, solve
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    n_nodes: int
+    gpus_per_node: int
+    cpu_per_node: int
+    batch: WorkBatch
+
+    def state(self) -> ClusterState:
+        n = self.n_nodes
+        return ClusterState.from_arrays(
+            [f"n{i}" for i in range(n)],
+            [self.cpu_per_node] * n,
+            [1 << 20] * n,
+            [self.gpus_per_node] * n,
+            ["G"] * n,
+        )
+
+
+def random_instance(seed: int, n_units: int, n_nodes: int, gpus_per_node: int = 4) -> Instance:
+    """Units shaped like openb's mix: mostly sharing single-GPU, some whole, a few gangs."""
+    rng = np.random.default_rng(seed)
+    shares = np.array([110, 230, 320, 470, 590, 650, 810, 1000, 1000, 1000])
+    k = np.where(rng.random(n_units) < 0.12, rng.choice([2, 4], n_units), 1)
+    k = np.minimum(k, gpus_per_node)
+    milli = np.where(k > 1, 1000, rng.choice(shares, n_units))
+    cpu = rng.choice([2, 4, 6, 8], n_units) * k
+    return Instance(
+        f"rand-{n_units}u-{n_nodes}x{gpus_per_node}-s{seed}",
+        n_nodes,
+        gpus_per_node,
+        8 * gpus_per_node + 8,
+        WorkBatch.from_units(num_gpu=k, gpu_milli=milli, cpu_milli=cpu,
+                             mem_mib=np.zeros(n_units, np.int64)),
+    )
+
+
+def gpus_used(state: ClusterState) -> int:
+    return int((state.gpu_milli_free < 1000).sum())
+
+
+def lower_bound(inst: Instance) -> int:
+    """Whole-GPU units need their own GPUs; sharing units need at least their total share;
+    and the busiest CPU demand needs enough nodes (each contributes >= 1 used GPU)."""
+    b = inst.batch
+    whole = b.gpu_milli >= 1000
+    lb_gpu = int((b.num_gpu * whole).sum()) + math.ceil(
+        int((b.num_gpu * b.gpu_milli * ~whole).sum()) / 1000
+    )
+    lb_nodes = math.ceil(int(b.cpu_milli[b.num_gpu > 0].sum()) / inst.cpu_per_node)
+    return max(lb_gpu, lb_nodes)
+
+
+def cp_sat_optimum(inst: Instance, time_limit_s: float = 10.0) -> tuple[int | None, bool]:
+    """(GPUs used, proven optimal) from CP-SAT, or (None, False) without OR-Tools."""
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        return None, False
+    b = inst.batch
+    n_units = len(b)
+    G = inst.gpus_per_node
+    N = inst.n_nodes
+    m = cp_model.CpModel()
+    y = [[m.new_bool_var(f"y{u}_{n}") for n in range(N)] for u in range(n_units)]
+    x = [[m.new_bool_var(f"x{u}_{g}") for g in range(N * G)] for u in range(n_units)]
+    used = [m.new_bool_var(f"used{g}") for g in range(N * G)]
+    for u in range(n_units):
+        m.add_exactly_one(y[u])
+        for n in range(N):
+            m.add(sum(x[u][n * G + j] for j in range(G)) == int(b.num_gpu[u]) * y[u][n])
+    for g in range(N * G):
+        m.add(sum(int(b.gpu_milli[u]) * x[u][g] for u in range(n_units)) <= 1000 * used[g])
+    for n in range(N):
+        m.add(sum(int(b.cpu_milli[u]) * y[u][n] for u in range(n_units)) <= inst.cpu_per_node)
+    # symmetry: GPUs within a node fill in index order
+    for n in range(N):
+        for j in range(G - 1):
+            m.add(used[n * G + j] >= used[n * G + j + 1])
+    m.minimize(sum(used))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 2
+    status = solver.solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, False
+    return int(round(solver.objective_value)), status == cp_model.OPTIMAL
+
+
+@dataclass(frozen=True)
+class OptimalityRow:
+    instance: str
+    policy: str
+    mode: str
+    gpus_used: int | None  # None when the policy could not place every unit
+    optimum: int | None
+    proven_optimal: bool
+    lower_bound: int
+    gap_pct: float | None  # vs optimum (small) or lower bound (large)
+
+
+def evaluate(inst: Instance, policies: list[str], exact: bool, time_limit_s: float
+             ) -> list[OptimalityRow]:
+    opt, proven = cp_sat_optimum(inst, time_limit_s) if exact else (None, False)
+    lb = lower_bound(inst)
+    rows = []
+    for pol in policies:
+        for mode, la in (("online", False), ("lookahead", True)):
+            res = solve(inst.state(), inst.batch, pol, lookahead=la)
+            used = gpus_used(res.state) if res.placed.all() else None
+            ref = opt if opt is not None else lb
+            gap = None if used is None or not ref else round(100.0 * (used - ref) / ref, 2)
+            rows.append(OptimalityRow(inst.name, pol, mode, used, opt, proven, lb, gap))
+    return rows
+
+
+def run(policies: list[str], quick: bool, seed: int = 0) -> tuple[list[OptimalityRow], float]:
+    t0 = time.perf_counter()
+    rows: list[OptimalityRow] = []
+    n_small = 3 if quick else 12
+    for i in range(n_small):
+        inst = random_instance(seed + i, n_units=12, n_nodes=4, gpus_per_node=4)
+        rows += evaluate(inst, policies, exact=True, time_limit_s=5.0 if quick else 20.0)
+    for i in range(1 if quick else 4):
+        inst = random_instance(1000 + seed + i, n_units=400, n_nodes=120, gpus_per_node=8)
+        rows += evaluate(inst, policies, exact=False, time_limit_s=0)
+    return rows, time.perf_counter() - t0

@@ -1,0 +1,328 @@
+"""``gpusched bench solver``: openb replay vs published FGD numbers, throughput vs the
+pure-Python reference, and distance to optimal. Prints tables; ``--json``/``--dump`` files.
+
+Run as ``python -m gpusched_scheduler.bench.solver [--quick] [--json PATH] [--dump DIR]
+[--traces DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from gpusched_scheduler.domain.solver import POLICIES
+
+from . import openb, optimal, throughput
+
+def _default_traces() -> Path:
+    """``../shared/data/openb`` beside the repository root (source checkout), else beside
+    the working directory."""
+    here = Path(__file__).resolve()
+    for root in (here.parents[5] if len(here.parents) > 5 else None, Path.cwd()):
+        if root is not None:
+            cand = root.parent / "shared" / "data" / "openb"
+            if cand.exists():
+                return cand
+    return Path.cwd().parent / "shared" / "data" / "openb"
+
+
+DEFAULT_TRACES = _default_traces()
+
+PUBLISHED_POLICY = {
+    "01-Random": "random",
+    "02-DotProd": "dot-product",
+    "03-GpuClustering": "gpu-clustering",
+    "04-GpuPacking": "gpu-packing",
+    "05-BestFit": "best-fit",
+    "06-FGD": "fgd",
+}
+BEST_POLICY = "gpusched"
+LOOKAHEAD_BATCHES = (16, 64)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpusched bench solver", description=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="a run under 60 s: default pod list, 2 seeds, small throughput grid")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write all results as JSON")
+    p.add_argument("--dump", type=Path, metavar="DIR",
+                   help="write one CSV of placements per (policy, pod list, seed)")
+    p.add_argument("--traces", type=Path, default=DEFAULT_TRACES, metavar="DIR",
+                   help=f"folder with the openb node list and pod lists (default {DEFAULT_TRACES})")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per pod list (default 10, quick 2)")
+    p.add_argument("--pod-lists", default=None,
+                   help="comma-separated pod lists (default: every openb_pod_list_*.csv; "
+                   "quick: default)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated policies to replay")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: openb,"
+                   "throughput,optimal")
+    return p
+
+
+def load_published(traces: Path) -> dict[tuple[str, str], dict]:
+    path = traces / "fgd_reference.csv"
+    out: dict[tuple[str, str], dict] = {}
+    if not path.exists():
+        return out
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            trace = r["workload"].removeprefix(openb.POD_PREFIX)
+            out[(trace, PUBLISHED_POLICY.get(r["policy"], r["policy"]))] = {
+                "alloc_pct_100": float(r["alloc_pct_at_100"]),
+                "alloc_pct_130": float(r["alloc_pct_at_130"]),
+                "unalloc_gpus_130": float(r["unalloc_gpus_at_130_of_6212"]),
+            }
+    return out
+
+
+def dump_csv(path: Path, nodes: openb.NodeList, pods: openb.PodList, r: openb.ReplayResult,
+             gpu_start: np.ndarray) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["seq", "pod", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli",
+                    "gpu_spec", "node", "gpus"])
+        for i, (p, n) in enumerate(zip(r.sequence.tolist(), r.node.tolist())):
+            if n >= 0:
+                local = [str(g - int(gpu_start[n])) for g in r.gpus[i].tolist() if g >= 0]
+                node, gpus = nodes.sn[n], "|".join(local)
+            else:
+                node, gpus = "", ""
+            w.writerow([i, pods.pod_names[p], int(pods.cpu_milli[p]), int(pods.memory_mib[p]),
+                        int(pods.num_gpu[p]), int(pods.gpu_milli[p]), pods.gpu_spec[p], node,
+                        gpus])
+
+
+def run_openb(args, traces: Path, out: dict) -> None:
+    nodes = openb.load_nodes(traces / openb.NODE_LIST)
+    gpu_start = nodes.state().node_gpu_start
+    published = load_published(traces)
+    if args.pod_lists:
+        names = args.pod_lists.split(",")
+    elif args.quick:
+        names = ["default"]
+    else:
+        names = openb.pod_list_names(traces)
+    seeds = args.seeds or (2 if args.quick else 10)
+    policies = args.policies.split(",")
+    rows, lookahead_rows = [], []
+    t0 = time.perf_counter()
+    for name in names:
+        pods = openb.load_pods(traces / f"{openb.POD_PREFIX}{name}.csv")
+        for policy in policies:
+            for seed in range(seeds):
+                r = openb.replay(nodes, pods, policy, seed)
+                rows.append(r)
+                if args.dump:
+                    dump_csv(args.dump / f"{policy}__{name}__{seed}.csv", nodes, pods, r,
+                             gpu_start)
+        for bs in LOOKAHEAD_BATCHES:
+            for seed in range(seeds):
+                lookahead_rows.append(openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs))
+    elapsed = time.perf_counter() - t0
+
+    def fields(r: openb.ReplayResult) -> dict:
+        return {"trace": r.trace, "policy": r.policy, "seed": r.seed, "mode": r.mode,
+                "alloc_pct_100": r.alloc_pct_100, "alloc_pct_130": r.alloc_pct_130,
+                "unalloc_gpus_130": r.unalloc_gpus_130, "seconds": round(r.seconds, 3)}
+
+    out["openb"] = [fields(r) for r in rows]
+    out["openb_lookahead"] = [fields(r) for r in lookahead_rows]
+    # ---- summary table: mean over seeds next to the published numbers -------------------
+    groups: dict[tuple[str, str, str], list[openb.ReplayResult]] = defaultdict(list)
+    for r in rows + lookahead_rows:
+        groups[(r.trace, r.policy, r.mode)].append(r)
+    summary = []
+    print(f"\n== 1. openb replay (FGD protocol, arrival-only, {seeds} seed(s), "
+          f"{elapsed:.1f} s) ==")
+    print("online rows place each pod before seeing the next; batchN rows (look-ahead over N "
+          "arrivals) are reported separately")
+    hdr = (f"{'pod list':<12} {'policy':<12} {'mode':<8} {'alloc@100':>9} {'alloc@130':>9} "
+           f"{'unalloc':>8} | {'published@100':>13} {'@130':>7} {'unalloc':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for name in names:
+        pub_rows = sorted(p for (t, p) in published if t == name)
+        for (trace, policy, mode), rs in groups.items():
+            if trace != name:
+                continue
+            a100 = float(np.mean([r.alloc_pct_100 for r in rs]))
+            a130 = float(np.mean([r.alloc_pct_130 for r in rs]))
+            un = float(np.mean([r.unalloc_gpus_130 for r in rs]))
+            pub = published.get((name, policy)) if mode == "online" else None
+            summary.append({"trace": name, "policy": policy, "mode": mode, "seeds": len(rs),
+                            "alloc_pct_100": round(a100, 3), "alloc_pct_130": round(a130, 3),
+                            "unalloc_gpus_130": round(un, 1), "published": pub})
+            p_txt = (f"{pub['alloc_pct_100']:>13.2f} {pub['alloc_pct_130']:>7.2f} "
+                     f"{pub['unalloc_gpus_130']:>8.0f}" if pub else f"{'':>13} {'':>7} {'':>8}")
+            print(f"{name:<12} {policy:<12} {mode:<8} {a100:>9.2f} {a130:>9.2f} {un:>8.1f} | "
+                  f"{p_txt}")
+        for p in pub_rows:
+            if p not in policies:
+                pub = published[(name, p)]
+                print(f"{name:<12} {p:<12} {'(paper)':<8} {'':>9} {'':>9} {'':>8} | "
+                      f"{pub['alloc_pct_100']:>13.2f} {pub['alloc_pct_130']:>7.2f} "
+                      f"{pub['unalloc_gpus_130']:>8.0f}")
+    out["openb_summary"] = summary
+    # ---- targets ---------------------------------------------------------------------
+    checks = []
+    for name in names:
+        fgd_pub = published.get((name, "fgd"))
+        ours = {(s["policy"], s["mode"]): s for s in summary if s["trace"] == name}
+        if fgd_pub and ("fgd", "online") in ours:
+            d = ours[("fgd", "online")]["alloc_pct_130"] - fgd_pub["alloc_pct_130"]
+            checks.append({"target": f"our fgd within 0.5 of published FGD@130 on {name}",
+                           "value": round(d, 3), "ok": abs(d) <= 0.5})
+        if fgd_pub and (BEST_POLICY, "online") in ours:
+            b = ours[(BEST_POLICY, "online")]
+            checks.append({"target": f"{BEST_POLICY} beats published FGD@130 on {name}",
+                           "value": round(b["alloc_pct_130"] - fgd_pub["alloc_pct_130"], 3),
+                           "ok": b["alloc_pct_130"] > fgd_pub["alloc_pct_130"]})
+            if name == "default":
+                checks.append({"target": f"{BEST_POLICY} leaves <= 220 GPUs unallocated on "
+                               "default", "value": b["unalloc_gpus_130"],
+                               "ok": b["unalloc_gpus_130"] <= 220})
+    out.setdefault("targets", []).extend(checks)
+
+
+def run_throughput(args, traces: Path, out: dict) -> None:
+    nodes = openb.load_nodes(traces / openb.NODE_LIST)
+    pods = openb.load_pods(traces / f"{openb.POD_PREFIX}default.csv")
+    if args.quick:
+        grid = [(4096, 1000), (4096, 10000)]
+        policies = [BEST_POLICY]
+        budget = 0.3
+    else:
+        grid = [(g, b) for g in (512, 4096, 16384) for b in (1000, 10000, 50000)]
+        policies = [BEST_POLICY, "best-fit"]
+        budget = 1.0
+    rows = []
+    print("\n== 2. throughput (single core, single-GPU units, openb shapes scaled to ~90% "
+          "fill; reference timed on a prefix) ==")
+    hdr = (f"{'policy':<10} {'order':<9} {'gpus':>6} {'batch':>6} {'numba/s':>10} "
+           f"{'ref/s':>8} {'x ref':>7} {'p50 ms':>8} {'p99 ms':>8} {'placed%':>7} "
+           f"{'peak MiB':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for gpus, batch in grid:
+        state = throughput.cluster_of(nodes, gpus)
+        units = throughput.single_gpu_batch(pods, batch, gpus, seed=gpus + batch)
+        for policy in policies:
+            for lookahead in (False, True):
+                repeats = max(3, min(15, 30000 // batch))
+                r = throughput.measure(policy, state, units, repeats, budget, lookahead)
+                row = asdict(r)
+                rows.append(row)
+                print(f"{r.policy:<10} {r.order:<9} {r.gpus:>6} {r.batch:>6} "
+                      f"{r.numba_per_s:>10.0f} {r.reference_per_s:>8.1f} {r.speedup:>7.0f} "
+                      f"{r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.placed_pct:>7.1f} "
+                      f"{r.peak_mib:>8.2f}")
+                sys.stdout.flush()
+    out["throughput"] = rows
+    at4k = [r for r in rows if r["gpus"] == 4096]
+    if at4k:
+        best = max(at4k, key=lambda r: r["numba_per_s"])
+        out.setdefault("targets", []).append(
+            {"target": ">= 100,000 placements/s at 4,096 GPUs (best row)",
+             "value": best["numba_per_s"], "ok": best["numba_per_s"] >= 100_000,
+             "row": {k: best[k] for k in ("policy", "order", "batch")}})
+        worst = min(r["speedup"] for r in at4k)
+        out["targets"].append({"target": ">= 100x the pure-Python reference (every row at "
+                               "4,096 GPUs)", "value": worst, "ok": worst >= 100})
+    big = [r for r in rows if r["gpus"] == 16384 and r["batch"] == 50000]
+    if big:
+        peak = max(r["peak_mib"] for r in big)
+        out["targets"].append({"target": "< 100 MiB solver memory at 16,384 GPUs x 50,000 "
+                               "units", "value": peak, "ok": peak < 100})
+
+
+def run_optimal(args, out: dict) -> None:
+    policies = list(POLICIES)
+    rows, secs = optimal.run(policies, args.quick)
+    out["optimal"] = [asdict(r) for r in rows]
+    print(f"\n== 3. distance to optimal (GPUs used; CP-SAT on 12-unit instances, lower bound "
+          f"on 400-unit ones; {secs:.1f} s) ==")
+    have_opt = any(r.optimum is not None for r in rows)
+    if not have_opt:
+        print("OR-Tools not installed (pip install 'gpusched-scheduler[bench]'): exact optima "
+              "skipped, lower bounds only")
+    print(f"{'policy':<12} {'mode':<10} {'small: used/opt':>16} {'gap%':>6} "
+          f"{'large: used/LB':>15} {'gap%':>6}")
+    agg = []
+    for policy in policies:
+        for mode in ("online", "lookahead"):
+            sel = [r for r in rows if r.policy == policy and r.mode == mode]
+            small = [r for r in sel if r.optimum is not None]
+            large = [r for r in sel if r.optimum is None]
+
+            def total(rs, ref):
+                if not rs or any(r.gpus_used is None for r in rs):
+                    return None, None
+                used = sum(r.gpus_used for r in rs)
+                base = sum(getattr(r, ref) for r in rs)
+                return used, base
+
+            su, so = total(small, "optimum")
+            lu, lb = total(large, "lower_bound")
+            sg = None if su is None else round(100.0 * (su - so) / so, 2)
+            lg = None if lu is None else round(100.0 * (lu - lb) / lb, 2)
+            agg.append({"policy": policy, "mode": mode, "small_used": su, "small_opt": so,
+                        "small_gap_pct": sg, "large_used": lu, "large_lb": lb,
+                        "large_gap_pct": lg,
+                        "small_unplaced": sum(1 for r in small if r.gpus_used is None)})
+            s_txt = "n/a" if su is None else f"{su}/{so}"
+            l_txt = "n/a" if lu is None else f"{lu}/{lb}"
+            print(f"{policy:<12} {mode:<10} {s_txt:>16} {sg if sg is not None else '-':>6} "
+                  f"{l_txt:>15} {lg if lg is not None else '-':>6}")
+    out["optimal_summary"] = agg
+    best = [a for a in agg if a["policy"] == BEST_POLICY and a["small_gap_pct"] is not None]
+    if best:
+        g = min(a["small_gap_pct"] for a in best)
+        out.setdefault("targets", []).append(
+            {"target": f"{BEST_POLICY} within 3% of the optimum on the small instances",
+             "value": g, "ok": g <= 3.0})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    traces: Path = args.traces
+    skip = set(filter(None, args.skip.split(",")))
+    t0 = time.perf_counter()
+    out: dict = {"quick": args.quick, "traces": str(traces), "pid": os.getpid()}
+    have_traces = (traces / openb.NODE_LIST).exists()
+    if not have_traces:
+        print(f"openb traces not found in {traces}: pass --traces DIR pointing at a folder "
+              f"with {openb.NODE_LIST} and openb_pod_list_*.csv", file=sys.stderr)
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+    if have_traces and "openb" not in skip:
+        run_openb(args, traces, out)
+    if have_traces and "throughput" not in skip:
+        run_throughput(args, traces, out)
+    if "optimal" not in skip:
+        run_optimal(args, out)
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    if out.get("targets"):
+        print("\n== targets ==")
+        for t in out["targets"]:
+            print(f"[{'ok' if t['ok'] else 'MISS'}] {t['target']}: {t['value']}")
+    print(f"\ntotal {out['seconds']} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=float))
+        print(f"wrote {args.json}")
+    return 0 if have_traces or "openb" in skip else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
