@@ -72,6 +72,17 @@ class GpuState(BaseModel):
     healthy: bool = True
     loaded_models: tuple[str, ...] = ()
     running_requests: int = Field(default=0, ge=0)
+    name: str = Field(default="", description="NVML name, e.g. 'NVIDIA H100 80GB HBM3'.")
+    mig_parent_uuid: str | None = Field(
+        default=None, description="Set when this device is a MIG instance of that GPU.")
+    kv_cache_free_mib: int | None = Field(
+        default=None, description="Memory a new request of a loaded model can use for its KV "
+        "cache: free memory plus the weights of idle (evictable) models.")
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_uncorrected_errors: int | None = None
+    unhealthy_reason: str | None = None
 
 
 class NodeState(Message):
@@ -89,6 +100,9 @@ class NodeState(Message):
     reported_at_ms: int
     gpus: tuple[GpuState, ...]
     active_placement_ids: tuple[str, ...] = ()
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    executor: str | None = Field(default=None, description="simulated, torch or openai.")
 
 
 class Placement(Message):
