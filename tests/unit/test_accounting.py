@@ -1,7 +1,30 @@
-"""Accounting domain: which counters a usage record touches, in exact integer units."""
+"""Accounting domain: counters a usage record adds (exact integer units), cost, windows as
+buckets, the recomputation used by `gpusched reconcile`, and budgets."""
 
-from gpusched_accounting.domain.usage import increment_for, totals_from_hash
+from pathlib import Path
+
+import pytest
+
+from gpusched_accounting.domain import budgets as b
+from gpusched_accounting.domain.usage import (
+    GRANULARITY_S,
+    ModelPrice,
+    PriceTable,
+    Totals,
+    cover,
+    fields_of,
+    finest_kept,
+    load_prices,
+    recompute,
+    row_for,
+    unpack,
+)
 from gpusched_common.contracts import UsageRecord
+
+CONFIG = Path(__file__).resolve().parents[2] / "config"
+PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
+                    model_usd_per_million_tokens={"m": ModelPrice(prompt=1.0, completion=2.0)})
+H, D = 3_600_000, 86_400_000
 
 
 def usage(**kw) -> UsageRecord:
@@ -12,19 +35,102 @@ def usage(**kw) -> UsageRecord:
     return UsageRecord(**(base | kw))
 
 
-def test_increment_touches_tenant_and_tenant_model_counters() -> None:
-    inc = increment_for(usage())
-    assert inc.hashes == ("gpusched:usage:tenant:acme", "gpusched:usage:tenant:acme:model:m")
-    assert dict(inc.fields) == {"prompt_tokens": 10, "completion_tokens": 5, "requests": 1,
-                                "gpu_us": 123457}
-    assert inc.dedup_key.endswith("p#0:final")
+def test_row_counts_gpu_time_in_microseconds_and_cost_in_nano_usd() -> None:
+    row = row_for(usage(gpu_seconds=1.0), PRICES)
+    assert row.gpu_us == 1_000_000
+    # 1 s at $3.6/h = $0.001; 10 prompt tokens at $1/M + 5 at $2/M = $0.00002
+    assert row.cost_nusd == 1_000_000 + 20_000
+    assert row.counts_request
 
 
-def test_partial_records_do_not_count_a_request() -> None:
-    assert dict(increment_for(usage(final=False)).fields)["requests"] == 0
+@pytest.mark.parametrize("kw", [{"final": False}, {"gpu_type": "none"}])
+def test_partials_and_hand_backs_do_not_count_a_request(kw: dict) -> None:
+    assert not row_for(usage(**kw), PRICES).counts_request
 
 
-def test_totals_convert_microseconds_back() -> None:
-    totals = totals_from_hash({b"gpu_us": b"1500000", b"prompt_tokens": b"7"})
-    assert totals == {"prompt_tokens": 7, "completion_tokens": 0, "requests": 0,
-                      "gpu_seconds": 1.5}
+def test_unknown_gpu_type_and_model_cost_the_default_entry() -> None:
+    prices = PriceTable(gpu_hour_usd={"default": 3.6})
+    assert prices.cost_nusd("X", 1_000_000, "unknown", 0, 0) == 1_000_000
+    assert prices.cost_nusd("none", 1_000_000, "unknown", 0, 0) == 0
+
+
+def test_shipped_price_table_loads() -> None:
+    assert load_prices(CONFIG).gpu_hour_usd["H100-80GB"] > 0
+
+
+def test_fields_cover_every_dimension_and_tenant_only_in_all_scope() -> None:
+    row = row_for(usage(), PRICES)
+    assert fields_of(row, False) == ["t", "m:m", "n:n", "g:H100-80GB", "c:batch"]
+    assert fields_of(row, True)[-1] == "u:acme"
+
+
+def test_unpack_reads_the_lua_packing() -> None:
+    assert unpack(b"1 2 3 4 5") == Totals(1, 2, 3, 4, 5)
+    assert unpack(None) == Totals()
+    assert Totals(1, 2, 3, 1_500_000, 2_000_000_000).public()["cost_usd"] == 2.0
+
+
+@pytest.mark.parametrize("start_ms,end_ms,expect", [
+    # whole day
+    (D, 2 * D, [("day", 86_400)]),
+    # 23:58 to 01:02 next day: two minutes, one hour, two minutes
+    (D - 2 * 60_000, D + H + 2 * 60_000,
+     [("minute", 86_280), ("minute", 86_340), ("hour", 86_400), ("minute", 90_000),
+      ("minute", 90_060)]),
+    # unaligned edges widen to the minute
+    (D + 30_000, D + 90_500, [("minute", 86_400), ("minute", 86_460)]),
+])
+def test_cover_tiles_a_window_with_the_fewest_buckets(start_ms, end_ms, expect) -> None:
+    assert list(cover(start_ms, end_ms).buckets) == expect
+
+
+def test_cover_is_exact_and_gapless_for_a_day_back_from_now() -> None:
+    now = 1_700_000_123_456
+    plan = cover(now - D, now)
+    spans = sorted((s, s + GRANULARITY_S[g]) for g, s in plan.buckets)
+    assert spans[0][0] == plan.start_s and spans[-1][1] == plan.end_s
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(plan.buckets) < 140
+
+
+def test_old_windows_fall_back_to_coarser_buckets() -> None:
+    keep = {"minute": 3600, "hour": 86_400, "day": 10 * 86_400}
+    assert finest_kept(10 * H - 60_000, 10 * H, keep) == "minute"
+    assert finest_kept(0, 10 * H, keep) == "hour"
+    assert finest_kept(0, 3 * D, keep) == "day"
+    assert cover(H + 60_000, 3 * H, "hour").buckets == (("hour", 3600), ("hour", 7200))
+
+
+def test_recompute_ignores_repeats_and_counts_a_request_once() -> None:
+    first = row_for(usage(event_id="r#0:final", placement_id="r#0"), PRICES)
+    preempted_rerun = row_for(usage(event_id="r#1:final", placement_id="r#1",
+                                    ended_at_ms=D + 5), PRICES)
+    partial = row_for(usage(event_id="r#1:p1", final=False, ended_at_ms=D + 1), PRICES)
+    rows = [first, partial, preempted_rerun, first, partial]
+    totals = recompute(rows)
+    assert totals[("acme", 0)].requests == 1 and totals[("acme", 86_400)].requests == 0
+    assert sum(t.completion_tokens for t in totals.values()) == 15
+    assert recompute(list(reversed(rows)))[("acme", 86_400)].completion_tokens == 10
+
+
+def test_day_and_month_periods() -> None:
+    at = 1_764_504_000_000  # 2025-11-30T12:00:00Z
+    day = b.period_of(at, "day")
+    assert day.label == "day:2025-11-30" and day.end_ms - day.start_ms == D
+    month = b.period_of(at, "month")
+    assert month.label == "month:2025-11" and len(month.day_starts_s) == 30
+    assert month.end_ms == 1_764_547_200_000  # 2025-12-01T00:00:00Z
+
+
+def test_budget_exhaustion_and_reason() -> None:
+    budget = b.Budget(tenant="acme", period="day", limit=100, unit="tokens")
+    assert not b.is_exhausted(budget, Totals(prompt_tokens=60, completion_tokens=39))
+    assert b.is_exhausted(budget, Totals(prompt_tokens=60, completion_tokens=40))
+    usd = b.Budget(tenant="acme", period="month", limit=1.5, unit="usd")
+    assert b.is_exhausted(usd, Totals(cost_nusd=1_500_000_000))
+    text = b.reason(budget, b.period_of(0, "day"), Totals(prompt_tokens=100))
+    assert "100 of 100 tokens" in text and "1970-01-02T00:00:00Z" in text
+
+
+def test_shipped_budgets_load() -> None:
+    assert b.load_budgets(CONFIG).of("initech")

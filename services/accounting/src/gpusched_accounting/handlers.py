@@ -1,51 +1,104 @@
-"""Kafka subscriber of accounting: usage records, applied before their offsets commit."""
+"""Kafka subscriber of accounting: usage records applied in Redis before their offsets
+commit, then the budgets of the tenants in the batch checked."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from gpusched_accounting.adapters.store import UsageStore
-from gpusched_accounting.domain.usage import increment_for
+from gpusched_accounting.adapters.store import APPLIED, DUPLICATE, STALE, UsageStore
+from gpusched_accounting.domain import budgets as budget_rules
+from gpusched_accounting.domain.budgets import BudgetTable
+from gpusched_accounting.domain.usage import PriceTable, row_for
 from gpusched_common import topics
-from gpusched_common.contracts import USAGE, Message
+from gpusched_common.contracts import USAGE, BudgetExhausted, Message
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import context_from, record_carrier
 
 log = logging.getLogger(__name__)
-CONSUMER_GROUP = "gpusched-accounting"
 SERVICE = "accounting"
+Publish = Callable[[Message, str, str], Awaitable[None]]
 
 
-def register(broker: KafkaBroker, store: UsageStore, clock: WallClockMs,
-             max_records: int, tracer: trace.Tracer) -> None:
+async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[str],
+                          now_ms: int, publish: Publish) -> None:
+    """Flag each given tenant whose budget for the current period is spent (the router then
+    answers 429) and publish one `budget_exhausted` event when the flag is new; clear the
+    flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
+    totals, so running it again after a redelivery changes nothing."""
+    for tenant in tenants:
+        for budget in table.of(tenant):
+            window = budget_rules.period_of(now_ms, budget.period)
+            spending = await store.spending(tenant, window.day_starts_s)
+            if not budget_rules.is_exhausted(budget, spending):
+                await store.clear_exhausted(tenant)
+                continue
+            spent = budget_rules.spent(spending, budget.unit)
+            flag = {"period": window.label, "limit": budget.limit, "spent": spent,
+                    "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}
+            if await store.set_exhausted(tenant, flag, window.end_ms):
+                log.warning("budget exhausted: %s", flag["reason"])
+                await publish(BudgetExhausted(tenant=tenant, period=window.label,
+                                              limit=budget.limit, spent=spent,
+                                              unit=budget.unit, at_ms=now_ms),
+                              topics.EVENTS.name, tenant)
+            break  # one flag per tenant: the first exhausted budget names the reason
+
+
+def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
+             clock: WallClockMs, consumer_group: str, max_records: int, tracer: trace.Tracer,
+             registry: CollectorRegistry | None = None) -> None:
+    outcomes = Counter("gpusched_accounting_usage_records_total",
+                       "Usage records by outcome (applied, duplicate, stale, invalid).",
+                       ["outcome"], registry=registry)
+
     async def publish(message: Message, topic: str, key: str) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"})
 
     # At-least-once delivery + idempotent apply = exactly-once effect: a batch is applied
-    # in Redis first; only then is its offset committed; on error it is redelivered.
-    @broker.subscriber(topics.USAGE.name, batch=True, group_id=CONSUMER_GROUP,
+    # in Redis first (one atomic script); only then is its offset committed; on error it
+    # is redelivered and the already-applied event ids change nothing.
+    @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
                        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
                        max_records=max_records, batch_timeout_ms=20)
     async def on_usage(msg: KafkaMessage) -> None:
-        increments = []
+        now_ms = clock()
+        rows, sources = [], []
         for record in msg.raw_message:
             try:
                 usage = USAGE.validate_json(record.value)
             except ValidationError as exc:
+                outcomes.labels("invalid").inc()
                 await publish(dead_letter(record, f"invalid usage record: {exc.errors()[0]}",
-                                          SERVICE, clock()),
+                                          SERVICE, now_ms),
                               topics.DEAD_LETTERS.name, record.topic)
                 continue
-            increments.append((increment_for(usage), usage.model))
-            # one span per record, in the trace of the request it bills
-            tracer.start_span("bill usage", context=context_from(record_carrier(record.headers)),
-                              attributes={"gpusched.request_id": usage.request_id,
-                                          "gpusched.event_id": usage.event_id}).end()
-        await store.apply(increments)
+            rows.append(row_for(usage, prices))
+            sources.append(record)
+        statuses = await store.apply(rows, now_ms)
+        for status, name in ((APPLIED, "applied"), (DUPLICATE, "duplicate"), (STALE, "stale")):
+            if n := statuses.count(status):
+                outcomes.labels(name).inc(n)
+        for row, record, status in zip(rows, sources, statuses):
+            if status == STALE:
+                await publish(dead_letter(
+                    record, f"usage record ended at {row.ended_at_ms}, before the dedup window "
+                    f"({store.dedup_ttl_s} s): not applied, since it cannot be told apart from a "
+                    "duplicate; check it with `gpusched reconcile`", SERVICE, now_ms),
+                    topics.DEAD_LETTERS.name, record.topic)
+            # one span per traced record, in the trace of the request it bills
+            carrier = record_carrier(record.headers)
+            if carrier:
+                tracer.start_span("bill usage", context=context_from(carrier), attributes={
+                    "gpusched.request_id": row.request_id, "gpusched.event_id": row.event_id,
+                    "gpusched.applied": status == APPLIED}).end()
+        if budgets.budgets:
+            await enforce_budgets(store, budgets, {r.tenant for r in rows}, now_ms, publish)

@@ -1,16 +1,20 @@
-"""Accounting service: usage consumer plus the usage query API."""
+"""Accounting service: the usage consumer (exactly-once apply, budgets) plus the usage query
+API; `create_app(settings)` wires broker, Redis, config tables and routes."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Header, HTTPException, Query
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from gpusched_accounting import handlers
-from gpusched_accounting.adapters.store import UsageStore
+from gpusched_accounting.adapters.store import Retention, UsageStore
+from gpusched_accounting.api import build_router
+from gpusched_accounting.domain.budgets import load_budgets
+from gpusched_accounting.domain.usage import load_prices
 from gpusched_accounting.handlers import SERVICE
 from gpusched_accounting.settings import AccountingSettings
 from gpusched_common import topics
@@ -23,13 +27,16 @@ from gpusched_common.web import add_ops_routes
 
 def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
     tenants = load_tenants(settings.config_dir)
+    prices = load_prices(settings.config_dir)
+    budgets = load_budgets(settings.config_dir)
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = Redis.from_url(settings.redis.url)
-    store = UsageStore(redis, settings.dedup_ttl_s)
-    handlers.register(broker, store, clock, settings.fetch_max_records,
-                      provider.get_tracer(SERVICE))
+    store = UsageStore(redis, settings.dedup_ttl_s, Retention(
+        settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
+    handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,
+                      settings.fetch_max_records, provider.get_tracer(SERVICE), registry)
     started = False
 
     @asynccontextmanager
@@ -46,37 +53,10 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
             await redis.aclose()
             provider.shutdown()
 
-    app = FastAPI(title="gpusched accounting", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
+                  description="Usage totals per tenant, model, node, GPU type and priority "
+                  "class in minute, hour and day buckets; cost; per-request usage; CSV.")
     add_ops_routes(app, registry, lambda: started)
-
-    def caller(authorization: str | None) -> str | None:
-        """The tenant a key belongs to; None for an admin key; 401 otherwise."""
-        scheme, _, key = (authorization or "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'")
-        if key in tenants.admin_api_keys:
-            return None
-        tenant = tenants.by_api_key(key)
-        if tenant is None:
-            raise HTTPException(401, "unknown API key")
-        return tenant.name
-
-    @app.get("/v1/usage")
-    async def usage(
-        tenant: str | None = Query(default=None, description="Tenant; default: the caller's."),
-        group_by: str | None = Query(default=None, pattern="^model$",
-                                     description="'model' adds a row per model."),
-        authorization: str | None = Header(default=None),
-    ) -> dict:
-        """Token and GPU-second totals. A tenant's key reads only that tenant; an admin key
-        reads any tenant, or all of them when `tenant` is omitted."""
-        who = caller(authorization)
-        if who is not None and tenant not in (None, who):
-            raise HTTPException(403, f"this API key belongs to tenant '{who}' and cannot read "
-                                f"'{tenant}'")
-        wanted = [tenant or who] if (tenant or who) else await store.tenants()
-        return {"tenants": [await store.tenant_totals(t, group_by == "model") for t in wanted]}
-
+    app.include_router(build_router(store, tenants, clock))
     app.state.store = store
     return app

@@ -1,13 +1,36 @@
 """Accounting settings (GPUSCHED_* environment variables)."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gpusched_common.settings import ServiceSettings
+
+DAY_S = 86_400
 
 
 class AccountingSettings(ServiceSettings):
     http_port: int = Field(default=8082, ge=0, le=65535)
+    consumer_group: str = Field(
+        default="gpusched-accounting", min_length=1, description="Kafka consumer group of the "
+        "usage topic; instances in one group share its partitions.")
     dedup_ttl_s: int = Field(
-        default=14 * 86_400, ge=3600, description="How long an applied usage event id is "
-        "remembered; must exceed the longest possible redelivery (topic retention).")
-    fetch_max_records: int = Field(default=2000, ge=1, le=50_000)
+        default=7 * DAY_S, ge=3600, description="How long a request's applied event ids are "
+        "remembered after its last record. Records that ended longer ago are refused (dead "
+        "letter), so it must exceed the longest redelivery (a consumer down this long needs "
+        "`gpusched reconcile`).")
+    minute_retention_s: int = Field(
+        default=2 * DAY_S, ge=3600, description="How long minute buckets are kept after they "
+        "end (about 0.7 KiB per active tenant-minute); older windows use hour buckets.")
+    hour_retention_s: int = Field(default=35 * DAY_S, ge=DAY_S,
+                                  description="How long hour buckets are kept.")
+    day_retention_s: int = Field(default=400 * DAY_S, ge=32 * DAY_S,
+                                 description="How long day buckets are kept (month budgets "
+                                 "are summed from them, hence at least 32 days).")
+    fetch_max_records: int = Field(default=2000, ge=1, le=50_000,
+                                   description="Usage records applied per Lua call.")
+
+    @model_validator(mode="after")
+    def _retention_grows(self) -> "AccountingSettings":
+        if not self.minute_retention_s <= self.hour_retention_s <= self.day_retention_s:
+            raise ValueError("retention must grow with the bucket size: minute_retention_s <= "
+                             "hour_retention_s <= day_retention_s")
+        return self

@@ -1,0 +1,246 @@
+"""The usage query API (HTTP, OpenAPI at /openapi.json): totals per tenant and window with a
+group-by, top tenants, per-request usage and CSV export. A tenant's key reads only that
+tenant; an admin key reads every tenant."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Literal
+
+from fastapi import APIRouter, Header, HTTPException, Path, Query
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from gpusched_accounting.adapters.store import UsageStore
+from gpusched_accounting.domain.usage import (
+    DIMENSION_CODE,
+    GRANULARITY_S,
+    Dimension,
+    Granularity,
+    Totals,
+    cover,
+    finest_kept,
+)
+from gpusched_common.catalog import TenantDirectory
+from gpusched_common.kafka_records import WallClockMs
+
+DEFAULT_WINDOW_MS = 86_400_000
+MAX_CSV_BUCKETS = 100_000
+
+
+class UsageTotals(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    requests: int = Field(description="Requests that ran, each counted once.")
+    gpu_seconds: float
+    cost_usd: float
+
+
+class GroupRow(UsageTotals):
+    group: str = Field(description="Value of the group_by dimension (a model name, ...).")
+
+
+class TenantUsage(BaseModel):
+    tenant: str
+    totals: UsageTotals
+    groups: list[GroupRow] | None = None
+
+
+class UsageReport(BaseModel):
+    start_ms: int = Field(description="Window start actually used (bucket-aligned).")
+    end_ms: int = Field(description="Window end (exclusive), bucket-aligned.")
+    granularity: Granularity = Field(description="Finest bucket used at the window's edges.")
+    group_by: Dimension | None
+    tenants: list[TenantUsage]
+
+
+class TopTenant(UsageTotals):
+    tenant: str
+
+
+class TopReport(BaseModel):
+    start_ms: int
+    end_ms: int
+    by: str
+    tenants: list[TopTenant]
+
+
+class RequestUsage(UsageTotals):
+    request_id: str
+    tenant: str
+    model: str
+    final: bool = Field(description="False while only partial records have arrived.")
+
+
+def _parse_time(value: str | None, default_ms: int, name: str) -> int:
+    """Epoch milliseconds or an ISO 8601 time (UTC unless it says otherwise)."""
+    if value is None:
+        return default_ms
+    if value.isdigit():
+        return int(value)
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise HTTPException(400, f"{name}={value!r} is neither epoch milliseconds nor an ISO "
+                            "8601 time like 2026-11-30T10:00:00Z") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs) -> APIRouter:
+    api = APIRouter(prefix="/v1/usage", tags=["usage"])
+
+    def caller(authorization: str | None) -> str | None:
+        """The tenant a key belongs to; None for an admin key; 401 otherwise."""
+        scheme, _, key = (authorization or "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'")
+        if key in tenants.admin_api_keys:
+            return None
+        tenant = tenants.by_api_key(key)
+        if tenant is None:
+            raise HTTPException(401, "unknown API key")
+        return tenant.name
+
+    def readable(who: str | None, tenant: str | None) -> str | None:
+        """The tenant to read (None: all, admin only); 403 for another tenant's data."""
+        if who is not None and tenant not in (None, who):
+            raise HTTPException(403, f"this API key belongs to tenant '{who}' and cannot read "
+                                f"'{tenant}'; use that tenant's key or an admin key")
+        return tenant or who
+
+    def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
+        now = clock()
+        end_ms = _parse_time(end, now, "end")
+        start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
+        if start_ms >= end_ms:
+            raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms})")
+        return start_ms, end_ms, finest_kept(start_ms, now, store.retention.as_dict())
+
+    Start = Query(default=None, description="Window start: epoch ms or ISO 8601; default "
+                  "end - 24 h.")
+    End = Query(default=None, description="Window end (exclusive): epoch ms or ISO 8601; "
+                "default now.")
+    Auth = Header(default=None, description="Bearer <API key>")
+
+    @api.get("", response_model=UsageReport, response_model_exclude_none=True)
+    async def usage(
+        tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
+                                   "an admin key without it reads every tenant."),
+        group_by: Dimension | None = Query(default=None, description="Adds a row per value."),
+        start: str | None = Start, end: str | None = End,
+        authorization: str | None = Auth,
+    ) -> UsageReport:
+        """Token, request, GPU-second and cost totals of tenants over a window."""
+        who = caller(authorization)
+        wanted = readable(who, tenant)
+        start_ms, end_ms, finest = window(start, end)
+        plan = cover(start_ms, end_ms, finest)
+        names = [wanted] if wanted else await store.tenants()
+        prefix = f"{DIMENSION_CODE[group_by]}:" if group_by else None
+        rows = []
+        if wanted is None and group_by is None:  # every tenant from the all-tenants buckets
+            _, per_tenant = await store.window(None, plan.buckets, "u:")
+            rows = [TenantUsage(tenant=t, totals=UsageTotals(**per_tenant.get(t, Totals())
+                                                              .public())) for t in names]
+        else:
+            for name in names:
+                total, groups = await store.window(name, plan.buckets, prefix)
+                rows.append(TenantUsage(
+                    tenant=name, totals=UsageTotals(**total.public()),
+                    groups=[GroupRow(group=k, **v.public()) for k, v in sorted(groups.items())]
+                    if group_by else None))
+        return UsageReport(start_ms=plan.start_s * 1000, end_ms=plan.end_s * 1000,
+                           granularity=finest, group_by=group_by, tenants=rows)
+
+    @api.get("/top", response_model=TopReport)
+    async def top(
+        by: Literal["cost_usd", "tokens", "gpu_seconds", "requests"] = "cost_usd",
+        limit: int = Query(default=10, ge=1, le=1000),
+        start: str | None = Start, end: str | None = End,
+        authorization: str | None = Auth,
+    ) -> TopReport:
+        """The tenants that used the most over a window (admin key only)."""
+        if caller(authorization) is not None:
+            raise HTTPException(403, "top tenants compares every tenant: use an admin key")
+        start_ms, end_ms, finest = window(start, end)
+        plan = cover(start_ms, end_ms, finest)
+        _, per_tenant = await store.window(None, plan.buckets, "u:")
+
+        def score(t: Totals) -> float:
+            return {"cost_usd": t.cost_nusd, "tokens": t.tokens, "gpu_seconds": t.gpu_us,
+                    "requests": t.requests}[by]
+
+        ranked = sorted(per_tenant.items(), key=lambda kv: (-score(kv[1]), kv[0]))[:limit]
+        return TopReport(start_ms=plan.start_s * 1000, end_ms=plan.end_s * 1000, by=by,
+                         tenants=[TopTenant(tenant=t, **v.public()) for t, v in ranked])
+
+    @api.get("/requests/{request_id}", response_model=RequestUsage)
+    async def request_usage(request_id: str = Path(max_length=128),
+                            authorization: str | None = Auth) -> RequestUsage:
+        """What one request has been billed so far (partial records included); kept for the
+        dedup window after its last record."""
+        who = caller(authorization)
+        found = await store.request_usage(request_id)
+        if found is None:
+            raise HTTPException(404, f"no usage recorded for request '{request_id}' (unknown, "
+                                "not billed yet, or older than the dedup window)")
+        readable(who, found["tenant"])
+        return RequestUsage(**found)
+
+    @api.get("/export.csv", response_class=StreamingResponse,
+             responses={200: {"content": {"text/csv": {}}}})
+    async def export_csv(
+        tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
+                                   "an admin key without it exports every tenant."),
+        granularity: Granularity = "hour",
+        start: str | None = Start, end: str | None = End,
+        authorization: str | None = Auth,
+    ) -> StreamingResponse:
+        """One CSV row per bucket, tenant and field (the total and every model, node, GPU type
+        and priority class), in bucket order."""
+        who = caller(authorization)
+        wanted = readable(who, tenant)
+        start_ms, end_ms, _ = window(start, end)
+        span = GRANULARITY_S[granularity]
+        plan = cover(start_ms, end_ms, granularity)
+        starts = list(range(plan.start_s, plan.end_s, span))
+        names = [wanted] if wanted else await store.tenants()
+        if len(starts) * len(names) > MAX_CSV_BUCKETS:
+            raise HTTPException(400, f"{len(starts) * len(names)} buckets requested; the limit "
+                                f"is {MAX_CSV_BUCKETS}: narrow the window or use a coarser "
+                                "granularity")
+        codes = {f"{c}:": d for d, c in DIMENSION_CODE.items()}
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["bucket_start", "granularity", "tenant", "dimension", "value",
+                         "prompt_tokens", "completion_tokens", "requests", "gpu_seconds",
+                         "cost_usd"])
+        lines: list[str] = [out.getvalue()]
+        for name in names:
+            buckets = await store.buckets(name, [(granularity, s) for s in starts])
+            for s, fields in zip(starts, buckets):
+                stamp = datetime.fromtimestamp(s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                for field, totals in sorted(fields.items()):
+                    dim, value = ("total", "") if field == "t" else (
+                        codes.get(field[:2], field[:1]), field[2:])
+                    out.seek(0)
+                    out.truncate()
+                    p = totals.public()
+                    writer.writerow([stamp, granularity, name, dim, value, p["prompt_tokens"],
+                                     p["completion_tokens"], p["requests"], p["gpu_seconds"],
+                                     p["cost_usd"]])
+                    lines.append(out.getvalue())
+
+        def body() -> Iterator[str]:
+            yield from lines
+
+        return StreamingResponse(body(), media_type="text/csv", headers={
+            "content-disposition": 'attachment; filename="usage.csv"'})
+
+    return api

@@ -1,0 +1,92 @@
+"""Per-tenant budgets: which period a moment falls in, what was spent, and whether the
+budget is exhausted. Pure; the store reads the spending and sets the router's flag."""
+
+from __future__ import annotations
+
+import calendar
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusched_accounting.domain.usage import Totals
+
+Period = Literal["day", "month"]
+Unit = Literal["tokens", "usd"]
+EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
+"""Set (with a TTL to the period's end) while a tenant's budget is spent; the router reads
+it per request and answers 429. Value: JSON with period, limit, spent and unit."""
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tenant: str
+    period: Period = Field(description="Calendar day or month, UTC.")
+    limit: float = Field(gt=0, description="Tokens (prompt + completion) or USD per period.")
+    unit: Unit
+
+
+class BudgetTable(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    budgets: tuple[Budget, ...] = ()
+
+    def of(self, tenant: str) -> tuple[Budget, ...]:
+        return tuple(b for b in self.budgets if b.tenant == tenant)
+
+
+def load_budgets(config_dir: Path) -> BudgetTable:
+    """Read `budgets.yaml`; a missing file means no budgets."""
+    path = config_dir / "budgets.yaml"
+    if not path.is_file():
+        return BudgetTable()
+    try:
+        return BudgetTable.model_validate(yaml.safe_load(path.read_text()) or {})
+    except ValueError as exc:
+        raise ValueError(f"{path} is invalid: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PeriodWindow:
+    label: str
+    """'day:2026-11-30' or 'month:2026-11'."""
+    start_ms: int
+    end_ms: int
+    day_starts_s: tuple[int, ...]
+    """Start of every day bucket in the period (what the spending is summed over)."""
+
+
+def period_of(at_ms: int, period: Period) -> PeriodWindow:
+    moment = datetime.fromtimestamp(at_ms / 1000, UTC)
+    if period == "day":
+        start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+        start_s = int(start.timestamp())
+        return PeriodWindow(f"day:{start:%Y-%m-%d}", start_s * 1000, (start_s + 86_400) * 1000,
+                            (start_s,))
+    start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    days = calendar.monthrange(start.year, start.month)[1]
+    start_s = int(start.timestamp())
+    return PeriodWindow(f"month:{start:%Y-%m}", start_s * 1000,
+                        (start_s + days * 86_400) * 1000,
+                        tuple(start_s + d * 86_400 for d in range(days)))
+
+
+def spent(totals: Totals, unit: Unit) -> float:
+    return float(totals.tokens) if unit == "tokens" else totals.cost_usd
+
+
+def is_exhausted(budget: Budget, spending: Totals) -> bool:
+    return spent(spending, budget.unit) >= budget.limit
+
+
+def reason(budget: Budget, window: PeriodWindow, spending: Totals) -> str:
+    """What a client is told with its 429."""
+    amount = (f"{spent(spending, 'tokens'):.0f} of {budget.limit:.0f} tokens"
+              if budget.unit == "tokens" else
+              f"${spent(spending, 'usd'):.2f} of ${budget.limit:.2f}")
+    ends = datetime.fromtimestamp(window.end_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (f"tenant '{budget.tenant}' has spent its {budget.period} budget ({amount} in "
+            f"{window.label}); new requests are accepted again from {ends}, or raise the "
+            "budget in budgets.yaml")
