@@ -4,10 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusched_agent.adapters.nvml import catalog_type
 from gpusched_agent.domain import perf_model
 from gpusched_agent.domain.gpu_share import ShareMeter
-from gpusched_agent.domain.inventory import GpuInfo, parse_simulated
+from gpusched_agent.domain.inventory import GpuInfo, catalog_type, parse_simulated
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_common.catalog import GPU_TYPES, load_models
 from gpusched_common.contracts import InferenceRequest, Placement
@@ -67,7 +66,7 @@ def test_admission_loads_once_then_evicts_idle_models_when_memory_is_needed() ->
     node.finish(placement("p2", 0, 100, SMALL.name))
     # ...and does once SMALL is idle and can be evicted.
     third = node.admit(placement("p3", 0, 6000, BIG.name), BIG)
-    assert isinstance(third, Admitted) and third.evicted == (SMALL.name,)
+    assert isinstance(third, Admitted) and third.evicted == ((0, SMALL.name),)
     assert node.gpus[0].free_mib() == 23034 - BIG.weight_memory_mib - 6000
 
 

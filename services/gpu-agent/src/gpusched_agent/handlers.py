@@ -1,25 +1,35 @@
-"""Kafka subscriber of the agent: this node's share of the placements topic."""
+"""Kafka subscribers of the agent: this node's share of the placements topic (placements and
+preempts), and every partition of the control topic (cancels)."""
 
 from __future__ import annotations
 
 import logging
 
+from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, TopicPartition
 from faststream.kafka.annotations import KafkaMessage
+from prometheus_client import Counter
 from pydantic import ValidationError
 
-from gpusched_agent.runtime import AgentRuntime
+from gpusched_agent.runtime import AgentRuntime, Stale
 from gpusched_common import topics
-from gpusched_common.contracts import PLACEMENT
+from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND
+from gpusched_common.kafka_records import dead_letter
 
 log = logging.getLogger(__name__)
+SERVICE = "gpu-agent"
 
 
-def register(broker: KafkaBroker, runtime: AgentRuntime) -> None:
+def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter) -> None:
+    """`commands` counts commands by type and outcome (started, stale, invalid, ...)."""
     # Placements are keyed by node id: this agent reads only the partition its id hashes
     # to, committing offsets in its own group so a restart resumes where it stopped.
     partition = topics.partition_for_key(runtime.node_id, topics.PLACEMENTS.partitions)
+
+    async def reject(record: ConsumerRecord, reason: str) -> None:
+        await broker.publish(dead_letter(record, reason, SERVICE, runtime.now_ms()).to_bytes(),
+                             topics.DEAD_LETTERS.name, key=record.topic.encode())
 
     @broker.subscriber(partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
                        group_id=f"gpusched-agent-{runtime.node_id}",
@@ -27,10 +37,28 @@ def register(broker: KafkaBroker, runtime: AgentRuntime) -> None:
     async def on_placement(msg: KafkaMessage) -> None:
         record = msg.raw_message
         if record.key is not None and record.key.decode(errors="replace") != runtime.node_id:
-            return  # another node's placement sharing this partition
+            return  # another node's command sharing this partition
         try:
-            placement = PLACEMENT.validate_json(record.value)
-        except ValidationError:
-            log.error("invalid placement at offset %s skipped", record.offset)
+            command = PLACEMENT_COMMAND.validate_json(record.value)
+        except ValidationError as exc:
+            commands.labels("unknown", "invalid").inc()
+            log.error("invalid command at offset %s dead-lettered: %s", record.offset, exc)
+            await reject(record, f"not a placement or preempt: {exc}")
             return
-        await runtime.accept(placement)
+        outcome = await runtime.command(command)
+        commands.labels(command.type, type(outcome).__name__.lower()).inc()
+        if isinstance(outcome, Stale):
+            log.warning("rejected %s %s: %s", command.type, getattr(command, "placement_id", ""),
+                        outcome.reason)
+            await reject(record, outcome.reason)
+
+    @broker.subscriber(partitions=[TopicPartition(topics.CONTROL.name, p)
+                                   for p in range(topics.CONTROL.partitions)],
+                       group_id=None, auto_offset_reset="latest")
+    async def on_control(msg: KafkaMessage) -> None:
+        try:
+            cancel = CANCEL.validate_json(msg.raw_message.value)
+        except ValidationError:
+            return  # control records of other kinds are not the agent's
+        outcome = runtime.cancel(cancel)
+        commands.labels("cancel", type(outcome).__name__.lower()).inc()

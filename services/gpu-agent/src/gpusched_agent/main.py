@@ -1,22 +1,26 @@
-"""GPU agent service: discovers GPUs, wires the runtime to Kafka, Redis and telemetry."""
+"""GPU agent service: discovers GPUs, builds the executor, wires the runtime to Kafka, Redis
+and telemetry; SIGTERM drains (see `AgentRuntime.drain`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import Redis
 
 from gpusched_agent import handlers
 from gpusched_agent.adapters import nvml
+from gpusched_agent.adapters.executor import Executor
+from gpusched_agent.adapters.ledger import RedisLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
-from gpusched_agent.domain.inventory import GpuInfo, parse_simulated
+from gpusched_agent.domain.inventory import GpuInfo, Inventory, build_inventory, simulated_reading
 from gpusched_agent.domain.node import NodeModel
-from gpusched_agent.runtime import AgentRuntime
+from gpusched_agent.runtime import AgentRuntime, ReadInventory
 from gpusched_agent.settings import AgentSettings
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
@@ -29,20 +33,55 @@ from gpusched_common.web import add_ops_routes
 SERVICE = "gpu-agent"
 
 
-def discover_inventory(settings: AgentSettings) -> list[GpuInfo]:
-    """The simulated inventory when one is configured, else NVML's GPUs; a clear error when
-    neither gives any."""
+def discover_inventory(settings: AgentSettings, nvml_module: Any = None
+                       ) -> tuple[Inventory, ReadInventory]:
+    """The inventory (simulated when configured, else NVML's GPUs) and how to re-read it for
+    heartbeats; a clear error when neither gives any GPU."""
     if settings.simulate:
-        return parse_simulated(settings.simulate, settings.node_id)
-    found = nvml.discover()
-    if not found:
+        spec, node_id = settings.simulate, settings.node_id
+        inventory = build_inventory(simulated_reading(spec, node_id))
+
+        async def read_simulated() -> Sequence[GpuInfo]:
+            return inventory.gpus
+
+        return inventory, read_simulated
+    module = nvml_module if nvml_module is not None else nvml.load_pynvml()
+    reading = nvml.discover(module) if module is not None else None
+    if reading is None:
         raise ValueError("no GPU found through NVML; set GPUSCHED_SIMULATE (e.g. 8xH100-80GB) "
                          "to run with a simulated inventory")
-    return found
+
+    async def read_nvml() -> Sequence[GpuInfo]:
+        again = await asyncio.to_thread(nvml.discover, module)
+        return build_inventory(again).gpus if again is not None else ()
+
+    return build_inventory(reading), read_nvml
+
+
+def make_executor(settings: AgentSettings) -> Executor:
+    """The executor the settings select; torch is imported only when it is selected."""
+    if settings.executor == "torch":
+        try:
+            from gpusched_agent.adapters.torch_executor import TorchExecutor
+            from gpusched_agent.adapters.torch_model import TinyConfig
+        except ImportError as exc:
+            raise ValueError("GPUSCHED_EXECUTOR=torch needs PyTorch: pip install "
+                             "'gpusched-agent[torch]'") from exc
+        return TorchExecutor(settings.torch_device, settings.seed,
+                             TinyConfig(dim=settings.torch_dim, layers=settings.torch_layers),
+                             threads=settings.torch_threads)
+    if settings.executor == "openai":
+        from gpusched_agent.adapters.openai_executor import OpenAIExecutor
+
+        assert settings.openai_base_url is not None  # validated by the settings
+        return OpenAIExecutor(settings.openai_base_url, settings.openai_model,
+                              settings.openai_api_key)
+    return SimulatedExecutor(settings.time_scale, settings.seed)
 
 
 def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
-    inventory = discover_inventory(settings)
+    inventory, read_inventory = discover_inventory(settings)
+    executor = make_executor(settings)
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
@@ -52,12 +91,17 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"}, no_confirm=not wait)
 
+    node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
+                                    inventory.cuda_version)
     runtime = AgentRuntime(
-        settings.node_id, NodeModel.from_inventory(inventory), load_models(settings.config_dir),
-        SimulatedExecutor(settings.time_scale, settings.seed), publish, redis, clock,
-        chunk_tokens=settings.chunk_tokens, heartbeat_s=settings.heartbeat_s,
-        time_scale=settings.time_scale)
-    handlers.register(broker, runtime)
+        settings.node_id, node, load_models(settings.config_dir), executor, publish,
+        RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,
+        heartbeat_s=settings.heartbeat_s, usage_interval_s=settings.usage_interval_s,
+        read_inventory=read_inventory)
+    commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
+                       "commands by outcome (stale = rejected, from a deposed scheduler).",
+                       ["command", "outcome"], registry=registry)
+    handlers.register(broker, runtime, commands)
     Gauge("gpusched_agent_requests_in_flight", "Placements running.", registry=registry
           ).set_function(lambda: runtime.in_flight)
     started = False
@@ -76,8 +120,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
-            await runtime.drain(timeout_s=20)
+            await runtime.drain(timeout_s=settings.drain_timeout_s)
             await broker.stop()
+            await executor.close()
             await redis.aclose()
             provider.shutdown()
 
@@ -85,8 +130,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     add_ops_routes(app, registry, lambda: started)
 
     @app.get("/v1/node")
-    async def node() -> dict:
-        return runtime.node.state(settings.node_id, 0, 0, clock(), runtime.status).model_dump()
+    async def node_state() -> dict:
+        return runtime.node.state(settings.node_id, 0, 0, clock(), runtime.status,
+                                  executor.name).model_dump()
 
     app.state.runtime = runtime
     return app

@@ -1,5 +1,12 @@
-"""The agent at work: admits placements, runs them on the executor, streams chunks, meters
-usage, and reports node state on change and as a heartbeat."""
+"""The agent at work: takes placement, preempt and cancel commands, runs placements on the
+executor, streams chunks, meters usage (periodic partial deltas plus one final record), and
+reports node state on start, on change and as a heartbeat.
+
+Invariants: a placement runs at most once per node (claimed in the ledger before it starts);
+commands from a deposed scheduler (stale fencing epoch) never run; every started placement
+ends with exactly one final usage record, and with either a `request_result` or the request
+handed back to its class topic (preempted, drained), never both and never neither.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +14,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-
-from gpusched_agent.adapters.simulated import SimulatedExecutor
+from gpusched_agent.adapters.executor import Executor, Job
+from gpusched_agent.adapters.ledger import PlacementLedger
+from gpusched_agent.domain.fencing import stale_reason
+from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
+    Cancel,
+    InferenceRequest,
     Placement,
+    Preempt,
     RequestResult,
     TokenChunk,
     UsageRecord,
@@ -29,157 +42,316 @@ log = logging.getLogger(__name__)
 Publish = Callable[..., Awaitable[None]]
 """publish(message, topic, key, wait=True); wait=False pipelines the send (token chunks:
 same key, same partition, so they stay in order before the final result)."""
-PLACEMENT_KEY = "gpusched:agent:placement:{}"
+ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
+REMEMBERED_CANCELS = 10_000
+
+
+@dataclass(frozen=True)
+class Started:
+    placement_id: str
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """Not for this node, a duplicate, or nothing to act on; `reason` says which."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Rejected: sent by a deposed scheduler. The caller dead-letters it with `reason`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopping:
+    placement_id: str
+
+
+Outcome = Started | Ignored | Stale | Stopping
+
+
+@dataclass
+class _Running:
+    placement: Placement
+    task: asyncio.Task[None] | None = None
+    stop_reason: str | None = None
+    """'cancelled', 'preempted' or 'drained' once asked to stop."""
+    detail: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    billed_prompt: int = 0
+    billed_completion: int = 0
+    partials: int = 0
+    last_billed_ms: int = 0
+    started_ms: int = 0
+    gpu_type: str = "none"
+    gpu_slots: tuple[int, ...] = field(default_factory=tuple)
 
 
 class AgentRuntime:
     def __init__(self, node_id: str, node: NodeModel, catalog: ModelCatalog,
-                 executor: SimulatedExecutor, publish: Publish, redis: Redis,
+                 executor: Executor, publish: Publish, ledger: PlacementLedger,
                  clock: WallClockMs, *, chunk_tokens: int, heartbeat_s: float,
-                 monotonic: Callable[[], float] = time.monotonic, time_scale: float = 1.0) -> None:
+                 usage_interval_s: float = 5.0, read_inventory: ReadInventory | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.node_id = node_id
         self.node = node
         self.catalog = catalog
-        self._executor = executor
+        self.executor = executor
         self._publish = publish
-        self._redis = redis
+        self._ledger = ledger
         self._clock = clock
         self._mono = monotonic
-        self._scale = time_scale
         self._chunk_tokens = chunk_tokens
         self._heartbeat_s = heartbeat_s
+        self._usage_interval_s = usage_interval_s
+        self._read_inventory = read_inventory
         self._started_at_ms = clock()
         self._seq = 0
         self.status = "ready"
+        self.highest_epoch = 0
         self._dirty = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._kv_tokens: dict[str, tuple[int, int]] = {}
-        """Placement id -> (GPU index, tokens in its KV cache now)."""
+        self._running: dict[str, _Running] = {}
+        """Placement id -> its run, from claim to its final usage record."""
+        self._cancelled: OrderedDict[str, str] = OrderedDict()
+        """Request ids cancelled lately (a placement may arrive after its cancel)."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:
         """Publish node state at start, on every change (at most every 50 ms), and as a
-        heartbeat every `heartbeat_s`."""
+        heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time."""
         while True:
             await self.report()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
             self._dirty.clear()
+            if self._read_inventory is not None:
+                try:
+                    if self.node.refresh(await self._read_inventory()):
+                        log.warning("GPU health changed: %s", [
+                            (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
+                except Exception:  # a failed read must not stop the heartbeat
+                    log.exception("re-reading the GPU inventory failed")
             await asyncio.sleep(0.05)
 
     async def report(self) -> None:
         self._seq += 1
         state = self.node.state(self.node_id, self._seq, self._started_at_ms, self._clock(),
-                                self.status)
+                                self.status, self.executor.name)
         await self._publish(state, topics.NODE_STATE.name, self.node_id)
 
-    # --- placements ----------------------------------------------------------------------
-    async def accept(self, placement: Placement) -> None:
-        """Start a placement unless this node already took it (idempotent across
-        redeliveries and restarts: the first delivery claims it in Redis)."""
-        if placement.node_id != self.node_id:
-            return
-        claimed = await self._redis.set(PLACEMENT_KEY.format(placement.placement_id),
-                                        self.node_id, nx=True, ex=7 * 86_400)
-        if not claimed:
-            log.info("placement %s already taken; ignoring the duplicate", placement.placement_id)
-            return
-        task = asyncio.create_task(self._run(placement), name=placement.placement_id)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def drain(self, timeout_s: float) -> None:
-        """Stop taking work, let running requests finish for up to `timeout_s`."""
-        self.status = "draining"
-        await self.report()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        self.status = "stopped"
-        await self.report()
+    def now_ms(self) -> int:
+        return self._clock()
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        return len(self._running)
 
-    async def _run(self, placement: Placement) -> None:
+    # --- commands ------------------------------------------------------------------------
+    async def command(self, cmd: Placement | Preempt) -> Outcome:
+        """Act on a command from the placements topic. Idempotent: a placement delivered
+        twice runs once; a stale one (deposed scheduler) is returned as `Stale`."""
+        if cmd.node_id != self.node_id:
+            return Ignored(f"for node {cmd.node_id}")
+        reason = stale_reason(cmd.scheduler_epoch, await self._ledger.leader_epoch(),
+                              self.highest_epoch)
+        if reason is not None:
+            return Stale(reason)
+        self.highest_epoch = max(self.highest_epoch, cmd.scheduler_epoch)
+        if isinstance(cmd, Preempt):
+            return self._stop(cmd.placement_id, "preempted", cmd.reason)
+        if cmd.placement_id in self._running or not await self._ledger.claim(
+                cmd.placement_id, self.node_id):
+            log.info("placement %s already taken; ignoring the duplicate", cmd.placement_id)
+            return Ignored("duplicate")
+        run = self._running[cmd.placement_id] = _Running(cmd)
+        run.task = asyncio.create_task(self._run(run), name=cmd.placement_id)
+        return Started(cmd.placement_id)
+
+    def cancel(self, cancel: Cancel) -> Outcome:
+        """Stop the request if it runs here (usage so far is billed; it ends 'cancelled');
+        remembered for a while in case its placement arrives later."""
+        self._cancelled[cancel.request_id] = cancel.reason
+        while len(self._cancelled) > REMEMBERED_CANCELS:
+            self._cancelled.popitem(last=False)
+        for pid, run in self._running.items():
+            if run.placement.request.request_id == cancel.request_id:
+                return self._stop(pid, "cancelled", cancel.reason)
+        return Ignored("not running here")
+
+    def _stop(self, placement_id: str, why: str, detail: str) -> Outcome:
+        run = self._running.get(placement_id)
+        if run is None or run.task is None:
+            return Ignored(f"placement {placement_id} is not running here")
+        if run.stop_reason is None:
+            run.stop_reason, run.detail = why, detail
+            run.task.cancel()
+        return Stopping(placement_id)
+
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM: stop taking work, let running requests finish for up to `timeout_s`,
+        hand back what still runs (usage so far billed), publish the final state."""
+        self.status = "draining"
+        await self.report()
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        for pid in list(self._running):
+            self._stop(pid, "drained", "the agent is shutting down")
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        self.status = "stopped"
+        await self.report()
+
+    # --- one placement -------------------------------------------------------------------
+    async def _run(self, run: _Running) -> None:
+        placement = run.placement
         request = placement.request
-        model = self.catalog.get(request.model)
-        if model is None:
-            await self._handback(placement, f"model '{request.model}' unknown to this agent")
-            return
-        admitted = self.node.admit(placement, model) if self.status == "ready" else \
-            Refused(f"node is {self.status}")
-        if isinstance(admitted, Refused):
-            await self._handback(placement, admitted.reason)
-            return
+        pid = placement.placement_id
+        try:
+            if request.request_id in self._cancelled:
+                await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
+                return
+            model = self.catalog.get(request.model)
+            admitted: Admitted | Refused
+            if model is None:
+                admitted = Refused(f"model '{request.model}' unknown to this agent")
+            elif self.status != "ready":
+                admitted = Refused(f"node is {self.status}")
+            else:
+                admitted = self.node.admit(placement, model)
+            if isinstance(admitted, Refused) or model is None:
+                await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
+                return
+            await self._execute(run, admitted, model)
+        except asyncio.CancelledError:
+            if run.started_ms == 0:  # stopped before it started: nothing ran, nothing billed
+                await self._end_unstarted(run, run.stop_reason or "drained", run.detail)
+        finally:
+            self._running.pop(pid, None)
+            self._dirty.set()
+
+    async def _execute(self, run: _Running, admitted: Admitted, model) -> None:  # noqa: ANN001
+        placement, request = run.placement, run.placement.request
+        pid = placement.placement_id
         slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep
         gpu_type = GPU_TYPES[slot.info.gpu_type]
-        prompt_tokens = request.prompt_tokens or count_prompt_tokens(request.prompt)
-        pid = placement.placement_id
+        run.gpu_type, run.gpu_slots = gpu_type.name, placement.gpu_indices
+        run.prompt_tokens = request.prompt_tokens or count_prompt_tokens(request.prompt)
+        run.started_ms = run.last_billed_ms = self._clock()
+        for index in placement.gpu_indices:
+            self.node.gpus[index].meter.start(pid, self._mono())
         self._dirty.set()
-        started_ms = self._clock()
-        slot.meter.start(pid, self._mono())
-        self._kv_tokens[pid] = (slot.info.index, prompt_tokens)
         pieces: list[str] = []
         chunk: list[str] = []
         seq = 0
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
+        last_partial_s = self._mono()
         try:
-            if isinstance(admitted, Admitted) and admitted.needs_load:
-                await self._executor.load(model)
-            async for token in self._executor.generate(
-                    request, prompt_tokens, model, gpu_type,
-                    lambda gi=slot.info.index: self._batch_kv_tokens(gi)):
+            for gpu, name in admitted.evicted:
+                await self.executor.unload(name, gpu)
+            if admitted.needs_load:
+                await self.executor.load(model, slot.info.index)
+            job = Job(request, run.prompt_tokens, model, gpu_type, slot.info.index, pid)
+            async for token in self.executor.generate(job):
                 if ttft_ms is None:
-                    ttft_ms = self._clock() - request.created_at_ms
+                    ttft_ms = float(self._clock() - request.created_at_ms)
                 pieces.append(token)
                 chunk.append(token)
-                self._kv_tokens[pid] = (slot.info.index, prompt_tokens + len(pieces))
+                run.completion_tokens = len(pieces)
                 if len(chunk) >= self._chunk_tokens:
                     await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                                       text="".join(chunk), token_count=len(chunk)),
+                                                   text="".join(chunk), token_count=len(chunk)),
                                         topics.RESULTS.name, request.request_id, wait=False)
                     seq, chunk = seq + 1, []
-            if chunk:
-                await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                               text="".join(chunk), token_count=len(chunk)),
-                                    topics.RESULTS.name, request.request_id)
+                if self._mono() - last_partial_s >= self._usage_interval_s:
+                    last_partial_s = self._mono()
+                    await self._publish_usage(run, final=False)
         except asyncio.CancelledError:
-            status, finish_reason = "cancelled", "cancelled"
+            status = "cancelled"
+            finish_reason = run.stop_reason or "cancelled"
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
         finally:
-            gpu_seconds = slot.meter.stop(pid, self._mono()) / self._scale
-            self._kv_tokens.pop(pid, None)
             self.node.finish(placement)
-            self._dirty.set()
+        if chunk and run.stop_reason not in ("preempted", "drained"):
+            await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
+                                           text="".join(chunk), token_count=len(chunk)),
+                                topics.RESULTS.name, request.request_id)
+        await self._publish_usage(run, final=True)
+        if run.stop_reason in ("preempted", "drained"):
+            log.info("placement %s %s after %d tokens: %s", pid, run.stop_reason, len(pieces),
+                     run.detail)
+            await self._requeue(request, "preempted" if run.stop_reason == "preempted"
+                                else "node_lost")
+            return
         ended_ms = self._clock()
-        await self._publish(UsageRecord(
-            event_id=f"{pid}:final", request_id=request.request_id, placement_id=pid,
-            tenant=request.tenant, model=model.name, priority_class=request.priority_class,
-            node_id=self.node_id, gpu_type=gpu_type.name, prompt_tokens=prompt_tokens,
-            completion_tokens=len(pieces), gpu_seconds=round(gpu_seconds, 6), final=True,
-            started_at_ms=started_ms, ended_at_ms=ended_ms), topics.USAGE.name, request.tenant)
         await self._publish(RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,
             status=status, finish_reason=finish_reason, text="".join(pieces),  # type: ignore[arg-type]
-            prompt_tokens=prompt_tokens, completion_tokens=len(pieces), node_id=self.node_id,
-            gpu_indices=placement.gpu_indices,
-            queued_ms=max(0.0, started_ms - request.created_at_ms),
+            prompt_tokens=run.prompt_tokens, completion_tokens=len(pieces),
+            node_id=self.node_id, gpu_indices=placement.gpu_indices,
+            queued_ms=max(0.0, run.started_ms - request.created_at_ms),
             total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms),
             topics.RESULTS.name, request.request_id)
 
-    def _batch_kv_tokens(self, gpu_index: int) -> int:
-        return sum(t for g, t in self._kv_tokens.values() if g == gpu_index)
+    async def _publish_usage(self, run: _Running, final: bool) -> None:
+        """Bill what `run` consumed since its previous record (deltas): the prompt once, new
+        completion tokens, and its share of each of its GPUs. Event ids are deterministic
+        (`<placement>:<n>`, `<placement>:final`), so a replayed record is applied once."""
+        pid = run.placement.placement_id
+        now_s, now_ms = self._mono(), self._clock()
+        gpu_seconds = 0.0
+        for index in run.gpu_slots:
+            meter = self.node.gpus[index].meter
+            gpu_seconds += (meter.stop(pid, now_s) if final else meter.take(pid, now_s))
+        gpu_seconds /= self.executor.time_scale
+        prompt = run.prompt_tokens - run.billed_prompt
+        completion = run.completion_tokens - run.billed_completion
+        run.billed_prompt, run.billed_completion = run.prompt_tokens, run.completion_tokens
+        started, run.last_billed_ms = run.last_billed_ms, now_ms
+        if final:
+            event_id = f"{pid}:final"
+        else:
+            run.partials += 1
+            event_id = f"{pid}:{run.partials}"
+        request = run.placement.request
+        await self._publish(UsageRecord(
+            event_id=event_id, request_id=request.request_id, placement_id=pid,
+            tenant=request.tenant, model=request.model, priority_class=request.priority_class,
+            node_id=self.node_id, gpu_type=run.gpu_type, prompt_tokens=prompt,
+            completion_tokens=completion, gpu_seconds=round(gpu_seconds, 6), final=final,
+            started_at_ms=started or now_ms, ended_at_ms=now_ms), topics.USAGE.name,
+            request.tenant)
 
-    async def _handback(self, placement: Placement, reason: str) -> None:
+    async def _end_unstarted(self, run: _Running, why: str, detail: str) -> None:
+        """A placement stopped before it ran: a zero final usage releases the scheduler's
+        reservation; then the request ends (cancelled) or goes back (preempted, drained)."""
+        await self._publish_usage(run, final=True)
+        request = run.placement.request
+        if why == "cancelled":
+            await self._publish(RequestResult(
+                request_id=request.request_id, tenant=request.tenant, model=request.model,
+                status="cancelled", finish_reason=f"cancelled: {detail}", prompt_tokens=0,
+                completion_tokens=0, node_id=self.node_id, queued_ms=0, total_ms=0),
+                topics.RESULTS.name, request.request_id)
+        else:
+            await self._requeue(request, "preempted" if why == "preempted" else "node_lost")
+
+    async def _handback(self, run: _Running, reason: str, why: str) -> None:
         """Return a placement this node cannot run to the scheduler as a new attempt; after
         MAX_ATTEMPTS it ends with a failed result instead of bouncing forever."""
-        request = placement.request
-        log.warning("handing back %s: %s", placement.placement_id, reason)
+        request = run.placement.request
+        log.warning("handing back %s: %s", run.placement.placement_id, reason)
+        # The scheduler reserved memory for this placement: a zero final usage releases it.
+        await self._publish_usage(run, final=True)
         if request.attempt + 1 >= MAX_ATTEMPTS:
             await self._publish(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
@@ -187,14 +359,9 @@ class AgentRuntime:
                 f"{reason}", prompt_tokens=0, completion_tokens=0, queued_ms=0, total_ms=0),
                 topics.RESULTS.name, request.request_id)
             return
-        retry = request.model_copy(update={"attempt": request.attempt + 1})
+        await self._requeue(request, why)
+
+    async def _requeue(self, request: InferenceRequest, why: str) -> None:
+        retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why})
         await self._publish(retry, topics.REQUESTS[request.priority_class].name,
                             request.request_id)
-        # The scheduler reserved memory for this placement: a zero final usage releases it.
-        await self._publish(UsageRecord(
-            event_id=f"{placement.placement_id}:final", request_id=request.request_id,
-            placement_id=placement.placement_id, tenant=request.tenant, model=request.model,
-            priority_class=request.priority_class, node_id=self.node_id, gpu_type="none",
-            prompt_tokens=0, completion_tokens=0, gpu_seconds=0.0, final=True,
-            started_at_ms=self._clock(), ended_at_ms=self._clock()),
-            topics.USAGE.name, request.tenant)

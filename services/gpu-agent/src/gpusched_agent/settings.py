@@ -1,8 +1,9 @@
-"""Agent settings (GPUSCHED_* environment variables)."""
+"""Agent settings (GPUSCHED_* environment variables), validated at start-up."""
 
 import socket
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gpusched_common.settings import ServiceSettings
 
@@ -12,11 +13,43 @@ class AgentSettings(ServiceSettings):
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128,
                          pattern=r"^[A-Za-z0-9._:/@-]+$", description="This node's id.")
     simulate: str | None = Field(
-        default=None, description="Simulated inventory such as '8xH100-80GB' or "
-        "'2xA100-40GB,4xL4-24GB'; used when set, or when NVML finds no GPU.")
+        default=None, description="Simulated inventory such as '8xH100-80GB', "
+        "'2xA100-40GB,4xL4-24GB', or a YAML file (.yaml); without it the agent reads its GPUs "
+        "through NVML.")
+    executor: Literal["simulated", "torch", "openai"] = Field(
+        default="simulated", description="What runs requests: the performance model, a real "
+        "small transformer in PyTorch (extra 'torch'), or an OpenAI-compatible server.")
+    openai_base_url: str | None = Field(
+        default=None, pattern=r"^https?://", description="Inference server on this node, e.g. "
+        "http://127.0.0.1:8000 (executor=openai).")
+    openai_model: str | None = Field(
+        default=None, description="Model name sent to the server instead of the catalog's.")
+    openai_api_key: str | None = Field(default=None, description="Bearer key of the server.")
+    torch_device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                              description="Where the torch executor runs.")
+    torch_threads: int = Field(default=0, ge=0, le=256,
+                               description="CPU threads of torch (0: torch's default).")
+    torch_dim: int = Field(default=256, ge=16, le=8192, description="Width of the torch model.")
+    torch_layers: int = Field(default=4, ge=1, le=128, description="Layers of the torch model.")
     heartbeat_s: float = Field(default=2.0, gt=0, le=60, description="Node state period.")
+    usage_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="Partial usage records of a running request "
+        "at most this far apart (a crash loses at most one interval of billing).")
+    drain_timeout_s: float = Field(
+        default=20.0, ge=0, le=3600, description="On SIGTERM, running requests get this long "
+        "to finish before they are handed back to the scheduler.")
     time_scale: float = Field(
         default=1.0, gt=0, le=100, description="Simulated durations are multiplied by this "
         "(0.1 runs ten times faster); billed GPU-seconds stay in model time.")
     chunk_tokens: int = Field(default=8, ge=1, le=1024, description="Tokens per stream chunk.")
-    seed: int = Field(default=0, description="Seed of the simulated executor's text.")
+    seed: int = Field(default=0, description="Seed of the executor's text and weights.")
+
+    @model_validator(mode="after")
+    def _executor_needs(self) -> "AgentSettings":
+        if self.executor == "openai" and not self.openai_base_url:
+            raise ValueError("GPUSCHED_EXECUTOR=openai needs GPUSCHED_OPENAI_BASE_URL (the "
+                             "inference server on this node, e.g. http://127.0.0.1:8000)")
+        if self.torch_dim % 4:
+            raise ValueError(f"GPUSCHED_TORCH_DIM={self.torch_dim} must be a multiple of 4 "
+                             "(the model has 4 attention heads)")
+        return self

@@ -1,58 +1,115 @@
-"""GPU discovery through NVML (pynvml); None when NVML or a GPU is not there."""
+"""GPU discovery through NVML: reads every GPU (and MIG instance) into `DeviceReading`s.
+
+The NVML module is passed in (`pynvml`, or a fake in tests), so discovery is testable
+without a GPU; health and MIG expansion happen afterwards in `domain.inventory`.
+"""
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
+from typing import Any
 
-from gpusched_agent.domain.inventory import GpuInfo
-from gpusched_common.catalog import GPU_TYPES
+from gpusched_agent.domain.inventory import DeviceReading, MigReading, NodeReading
 
 log = logging.getLogger(__name__)
+MIB = 1024 * 1024
 
 
-def discover() -> list[GpuInfo] | None:
+def load_pynvml() -> ModuleType | None:
     try:
         import pynvml
     except ImportError:
         return None
+    return pynvml
+
+
+def discover(nvml: Any) -> NodeReading | None:
+    """Every GPU NVML sees, or None when NVML cannot start (no driver, no GPU). A GPU that
+    NVML cannot read is still listed, with `error` set (it becomes unhealthy)."""
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
         log.info("NVML not available (%s); use a simulated inventory", exc)
         return None
     try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            memory_mib = pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1024 * 1024)
-            gpus.append(GpuInfo(index=index, uuid=uuid, gpu_type=catalog_type(name, memory_mib),
-                                memory_total_mib=int(memory_mib), healthy=_healthy(handle)))
-        return gpus or None
+        count = nvml.nvmlDeviceGetCount()
+        devices = tuple(read_device(nvml, index) for index in range(count))
+        if not devices:
+            return None
+        return NodeReading(devices, _text(_try(nvml, nvml.nvmlSystemGetDriverVersion)),
+                           _cuda_version(_try(nvml, nvml.nvmlSystemGetCudaDriverVersion)))
     finally:
-        pynvml.nvmlShutdown()
+        nvml.nvmlShutdown()
 
 
-def catalog_type(nvml_name: str, memory_mib: int) -> str:
-    """Map an NVML name ('NVIDIA H200') to the catalog type with the closest memory size."""
-    family = next((f for f in ("H200", "H100", "A100", "L4") if f in nvml_name), None)
-    candidates = [t for t in GPU_TYPES.values() if family and t.name.startswith(family + "-")]
-    if not candidates:
-        candidates = list(GPU_TYPES.values())
-    return min(candidates, key=lambda t: abs(t.memory_mib - memory_mib)).name
-
-
-def _healthy(handle: object) -> bool:
-    import pynvml
-
+def read_device(nvml: Any, index: int) -> DeviceReading:
     try:
-        errors = pynvml.nvmlDeviceGetTotalEccErrors(
-            handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
-        return errors == 0
-    except pynvml.NVMLError_NotSupported:
-        return True
-    except pynvml.NVMLError:
-        return False
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        name = _text(nvml.nvmlDeviceGetName(handle))
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    except nvml.NVMLError as exc:
+        return DeviceReading(index=index, uuid=f"GPU-unreadable-{index}", name="unreadable",
+                             memory_total_mib=0, error=str(exc) or type(exc).__name__)
+    util = _try(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
+    temperature = _try(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+    power_mw = _try(nvml, nvml.nvmlDeviceGetPowerUsage, handle)
+    ecc, ecc_error = _ecc(nvml, handle)
+    mig_enabled, migs = _mig(nvml, handle)
+    return DeviceReading(
+        index=index, uuid=uuid, name=name, memory_total_mib=int(memory.total // MIB),
+        memory_used_mib=int(memory.used // MIB),
+        utilization_pct=float(util.gpu) if util is not None else None,
+        temperature_c=float(temperature) if temperature is not None else None,
+        power_w=power_mw / 1000.0 if power_mw is not None else None,
+        ecc_uncorrected_errors=ecc, mig_enabled=mig_enabled, mig_instances=migs,
+        error=ecc_error)
+
+
+def _ecc(nvml: Any, handle: Any) -> tuple[int | None, str | None]:
+    """(uncorrectable volatile ECC errors, or None where ECC is unsupported; read error)."""
+    try:
+        return int(nvml.nvmlDeviceGetTotalEccErrors(
+            handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)), None
+    except nvml.NVMLError_NotSupported:
+        return None, None
+    except nvml.NVMLError as exc:
+        return None, f"ECC counters unreadable: {exc}"
+
+
+def _mig(nvml: Any, handle: Any) -> tuple[bool, tuple[MigReading, ...]]:
+    mode = _try(nvml, nvml.nvmlDeviceGetMigMode, handle)
+    if mode is None or mode[0] != nvml.NVML_DEVICE_MIG_ENABLE:
+        return False, ()
+    instances = []
+    for slot in range(_try(nvml, nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
+        mig = _try(nvml, nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+        if mig is None:
+            continue  # an empty slot
+        memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+        name = _text(_try(nvml, nvml.nvmlDeviceGetName, mig) or "MIG")
+        instances.append(MigReading(uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
+                                    profile=name.rsplit(" ", 1)[-1],
+                                    memory_total_mib=int(memory.total // MIB),
+                                    memory_used_mib=int(memory.used // MIB)))
+    return True, tuple(instances)
+
+
+def _try(nvml: Any, func: Any, *args: Any) -> Any:
+    """NVML's value, or None when this GPU or driver does not support the query."""
+    try:
+        return func(*args)
+    except nvml.NVMLError:
+        return None
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cuda_version(value: int | None) -> str | None:
+    """NVML gives 12040 for CUDA 12.4."""
+    return None if value is None else f"{value // 1000}.{value % 1000 // 10}"

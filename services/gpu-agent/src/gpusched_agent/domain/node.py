@@ -8,7 +8,8 @@ fit, after evicting models that nothing is using, least recently used first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo
@@ -27,13 +28,24 @@ class GpuSlot:
 
     def free_mib(self) -> int:
         kv = sum(mib for _, mib in self.active.values())
-        return self.info.memory_total_mib - sum(self.loaded_mib.values()) - kv
+        return (self.info.memory_total_mib - self.info.memory_reserved_mib
+                - sum(self.loaded_mib.values()) - kv)
+
+    def idle_models(self) -> list[str]:
+        """Loaded models nothing runs now, least recently used first (evictable)."""
+        in_use = {m for m, _ in self.active.values()}
+        return [m for m in self.loaded_mib if m not in in_use]
+
+    def kv_cache_free_mib(self) -> int:
+        """What a new request of a loaded model could reserve, evicting idle models."""
+        return self.free_mib() + sum(self.loaded_mib[m] for m in self.idle_models())
 
 
 @dataclass(frozen=True)
 class Admitted:
     needs_load: bool
-    evicted: tuple[str, ...]
+    evicted: tuple[tuple[int, str], ...]
+    """(GPU index, model name) unloaded to make room; the executor must free them too."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +57,27 @@ class Refused:
 class NodeModel:
     gpus: list[GpuSlot]
 
+    driver_version: str | None = None
+    cuda_version: str | None = None
+
     @classmethod
-    def from_inventory(cls, inventory: list[GpuInfo]) -> NodeModel:
-        return cls([GpuSlot(info) for info in inventory])
+    def from_inventory(cls, inventory: Sequence[GpuInfo], driver_version: str | None = None,
+                       cuda_version: str | None = None) -> NodeModel:
+        return cls([GpuSlot(info) for info in inventory], driver_version, cuda_version)
+
+    def refresh(self, inventory: Sequence[GpuInfo]) -> bool:
+        """Take new readings (health, telemetry) of the same devices; True when health
+        changed. Devices are matched by UUID; unknown ones are ignored."""
+        by_uuid = {g.uuid: g for g in inventory}
+        changed = False
+        for slot in self.gpus:
+            new = by_uuid.get(slot.info.uuid)
+            if new is None:
+                continue
+            changed |= new.healthy != slot.info.healthy
+            slot.info = replace(new, index=slot.info.index,
+                                memory_reserved_mib=slot.info.memory_reserved_mib)
+        return changed
 
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
         """Reserve the placement on every GPU of its gang, or on none (all or nothing).
@@ -61,15 +91,15 @@ class NodeModel:
         slots = [self.gpus[i] for i in indices]
         sick = [s.info.index for s in slots if not s.info.healthy]
         if sick:
-            return Refused(f"GPU {sick[0]} is unhealthy")
+            reason = self.gpus[sick[0]].info.unhealthy_reason or "unhealthy"
+            return Refused(f"GPU {sick[0]} is unhealthy: {reason}")
         if any(placement.placement_id in s.active for s in slots):
             return Refused("placement already running")
         weight_mib = -(-model.weight_memory_mib // len(indices))
         plan: list[tuple[GpuSlot, list[str]]] = []
         for slot in slots:
             need = placement.kv_cache_mib + (0 if model.name in slot.loaded_mib else weight_mib)
-            in_use = {m for m, _ in slot.active.values()}
-            idle = [m for m in slot.loaded_mib if m not in in_use and m != model.name]
+            idle = [m for m in slot.idle_models() if m != model.name]
             evict: list[str] = []
             free = slot.free_mib()
             for name in idle:
@@ -82,30 +112,40 @@ class NodeModel:
                                f"(after evicting idle models: {free}), needs {need} MiB")
             plan.append((slot, evict))
         needs_load = any(model.name not in slot.loaded_mib for slot in slots)
-        evicted: list[str] = []
+        evicted: list[tuple[int, str]] = []
         for slot, evict in plan:
             for name in evict:
                 del slot.loaded_mib[name]
-            evicted += evict
+            evicted += [(slot.info.index, name) for name in evict]
             slot.loaded_mib[model.name] = slot.loaded_mib.get(model.name, weight_mib)
             slot.loaded_mib.move_to_end(model.name)
             slot.active[placement.placement_id] = (model.name, placement.kv_cache_mib)
         return Admitted(needs_load=needs_load, evicted=tuple(evicted))
+
+    def evict(self, gpu_index: int, model_name: str) -> None:
+        self.gpus[gpu_index].loaded_mib.pop(model_name, None)
 
     def finish(self, placement: Placement) -> None:
         for i in placement.gpu_indices:
             self.gpus[i].active.pop(placement.placement_id, None)
 
     def state(self, node_id: str, seq: int, started_at_ms: int, now_ms: int,
-              status: str = "ready") -> NodeState:
+              status: str = "ready", executor: str | None = None) -> NodeState:
         return NodeState(
             node_id=node_id, status=status, seq=seq, started_at_ms=started_at_ms,  # type: ignore[arg-type]
-            reported_at_ms=now_ms,
+            reported_at_ms=now_ms, driver_version=self.driver_version,
+            cuda_version=self.cuda_version, executor=executor,
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
                          memory_total_mib=s.info.memory_total_mib, memory_free_mib=s.free_mib(),
                          healthy=s.info.healthy, loaded_models=tuple(s.loaded_mib),
-                         running_requests=len(s.active))
+                         running_requests=len(s.active), name=s.info.name,
+                         mig_parent_uuid=s.info.mig_parent_uuid,
+                         kv_cache_free_mib=s.kv_cache_free_mib(),
+                         utilization_pct=s.info.utilization_pct,
+                         temperature_c=s.info.temperature_c, power_w=s.info.power_w,
+                         ecc_uncorrected_errors=s.info.ecc_uncorrected_errors,
+                         unhealthy_reason=s.info.unhealthy_reason)
                 for s in self.gpus),
             active_placement_ids=tuple(p for s in self.gpus for p in s.active),
         )

@@ -1,0 +1,110 @@
+"""Continuous batching: one loop per (device, model) decodes one token for every running
+sequence per step; sequences join after their prefill and leave when done or cancelled.
+
+Executors supply `prefill(seq) -> first token` and `step(seqs) -> one token each`; the
+batcher never waits for a batch to fill, and a cancelled consumer leaves at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Sequence:
+    key: str
+    max_tokens: int
+    kv_tokens: int
+    """Tokens in its KV cache now (prompt + generated)."""
+    state: Any = None
+    """Executor-specific: a KV cache, a random generator."""
+    produced: int = 0
+    out: asyncio.Queue[str | BaseException | None] = field(default_factory=asyncio.Queue)
+    left: bool = False
+
+
+Prefill = Callable[[Sequence], Awaitable[str]]
+Step = Callable[[list[Sequence]], Awaitable[list[str]]]
+
+
+class ContinuousBatcher:
+    def __init__(self, prefill: Prefill, step: Step, max_batch: int = 256) -> None:
+        self._prefill = prefill
+        self._step = step
+        self._max_batch = max_batch
+        self._joining: list[Sequence] = []
+        self.active: list[Sequence] = []
+        self._loop: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self.active)
+
+    @property
+    def size(self) -> int:
+        return len(self.active) + len(self._joining)
+
+    async def run(self, seq: Sequence) -> AsyncIterator[str]:
+        """The tokens of `seq` as the batch produces them."""
+        self._joining.append(seq)
+        self._wake.set()
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.create_task(self._forever(), name=f"batch-{seq.key}")
+        try:
+            while True:
+                item = await seq.out.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            seq.left = True
+            with contextlib.suppress(ValueError):
+                self._joining.remove(seq)
+            with contextlib.suppress(ValueError):
+                self.active.remove(seq)
+
+    async def close(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+
+    def _emit(self, seq: Sequence, token: str) -> None:
+        seq.out.put_nowait(token)
+        seq.produced += 1
+        seq.kv_tokens += 1
+        if seq.produced >= seq.max_tokens:
+            seq.out.put_nowait(None)
+            seq.left = True
+            with contextlib.suppress(ValueError):
+                self.active.remove(seq)
+
+    async def _forever(self) -> None:
+        while self._joining or self.active:
+            try:
+                while self._joining and len(self.active) < self._max_batch:
+                    seq = self._joining.pop(0)
+                    if seq.left:
+                        continue
+                    first = await self._prefill(seq)
+                    if not seq.left:
+                        self.active.append(seq)
+                        self._emit(seq, first)
+                batch = [s for s in self.active if not s.left]
+                if batch:
+                    tokens = await self._step(batch)
+                    for seq, token in zip(batch, tokens):
+                        if not seq.left:
+                            self._emit(seq, token)
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting consumer
+                for seq in [*self.active, *self._joining]:
+                    seq.out.put_nowait(exc)
+                self.active.clear()
+                self._joining.clear()

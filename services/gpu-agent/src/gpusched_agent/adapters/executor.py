@@ -1,0 +1,50 @@
+"""The executor interface the runtime drives: load and unload models, generate tokens.
+
+Three implementations: `simulated` (performance model), `torch` (a real transformer on CPU
+or CUDA) and `openai` (forwards to an inference server on the node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpusched_common.catalog import GpuType, ModelSpec
+from gpusched_common.contracts import InferenceRequest
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request to generate on one device (the first GPU of its gang)."""
+
+    request: InferenceRequest
+    prompt_tokens: int
+    model: ModelSpec
+    gpu_type: GpuType
+    gpu_index: int
+    key: str
+    """The placement id: unique per attempt."""
+
+
+class Executor(Protocol):
+    name: str
+    time_scale: float
+    """Wall seconds per model second: GPU-seconds are billed as measured / time_scale."""
+
+    async def load(self, model: ModelSpec, gpu_index: int) -> None:
+        """Make `model` ready on the device (idempotent)."""
+
+    async def unload(self, model_name: str, gpu_index: int) -> None:
+        """Free the model's memory on the device (idempotent)."""
+
+    def generate(self, job: Job) -> AsyncIterator[str]:
+        """Yield the text of each generated token, one token per item, up to max_tokens.
+        Closing the iterator (or cancelling its consumer) stops the request promptly."""
+
+    async def close(self) -> None:
+        """Release clients, threads and device memory."""
+
+
+class ExecutorError(RuntimeError):
+    """A request failed inside the executor (the agent survives; the request ends failed)."""

@@ -1,0 +1,67 @@
+"""The openai-compatible executor: forwards each request to an inference server on the node
+(vLLM, SGLang, TGI, llama.cpp server) over its streaming /v1/completions API.
+
+The engine does the batching and owns the memory; every streamed text delta counts as one
+token (vLLM and llama.cpp stream one token per event), so billed completion tokens are the
+deltas the client received. Closing the stream closes the connection: engines abort there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+
+from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_common.catalog import ModelSpec
+
+
+class OpenAIExecutor:
+    name = "openai"
+    time_scale = 1.0
+
+    def __init__(self, base_url: str, model_override: str | None = None,
+                 api_key: str | None = None, timeout_s: float = 600.0,
+                 client: httpx.AsyncClient | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._model_override = model_override
+        self._client = client or httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    async def load(self, model: ModelSpec, gpu_index: int) -> None:
+        """The engine loads its own models; nothing to do."""
+
+    async def unload(self, model_name: str, gpu_index: int) -> None:
+        """The engine owns its memory; nothing to do."""
+
+    async def generate(self, job: Job) -> AsyncIterator[str]:
+        request = job.request
+        body = {"model": self._model_override or job.model.name, "prompt": request.prompt,
+                "max_tokens": request.max_tokens, "stream": True}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    detail = (await resp.aread()).decode(errors="replace")[:500]
+                    raise ExecutorError(f"inference server answered {resp.status_code}: {detail}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise ExecutorError(f"inference server error: {event['error']}")
+                    for choice in event.get("choices") or ():
+                        if choice.get("text"):
+                            yield choice["text"]
+        except httpx.HTTPError as exc:
+            raise ExecutorError(f"inference server at {self._client.base_url} unreachable or "
+                                f"broke the stream: {exc!r}") from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()

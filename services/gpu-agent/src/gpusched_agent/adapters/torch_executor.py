@@ -1,0 +1,152 @@
+"""The torch executor: really runs a small seeded transformer (adapters/torch_model.py) on
+CPU or CUDA, token by token, continuously batched per (device, model).
+
+Every catalog model is stood in for by a `TinyLM` seeded from its name, so generation,
+memory and tokens/s are real while the catalog's sizes keep driving admission. Compute runs
+in a worker thread so the event loop keeps streaming and heartbeating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_agent.adapters.torch_model import VOCAB, TinyConfig, TinyLM, parameter_bytes, tokenize
+from gpusched_common.catalog import ModelSpec
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int]
+    cache: torch.Tensor
+    generator: torch.Generator
+    next_token: int = 0
+
+
+class TorchExecutor:
+    name = "torch"
+    time_scale = 1.0
+
+    def __init__(self, device: str = "auto", seed: int = 0, config: TinyConfig = TinyConfig(),
+                 threads: int = 0, temperature: float = 1.0) -> None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("GPUSCHED_TORCH_DEVICE=cuda but torch sees no CUDA device; use "
+                             "'cpu' or install a CUDA build of torch")
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.device_kind = device
+        self._seed = seed
+        self._config = config
+        self._temperature = temperature
+        self._models: dict[tuple[int, str], TinyLM] = {}
+        self._batches: dict[tuple[int, str], ContinuousBatcher] = {}
+        self._lock = asyncio.Lock()
+
+    def _device(self, gpu_index: int) -> torch.device:
+        if self.device_kind.startswith("cuda") and ":" not in self.device_kind:
+            return torch.device("cuda", gpu_index % max(1, torch.cuda.device_count()))
+        return torch.device(self.device_kind)
+
+    def _dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device_kind.startswith("cuda") else torch.float32
+
+    async def load(self, model: ModelSpec, gpu_index: int) -> None:
+        key = (gpu_index, model.name)
+        async with self._lock:
+            if key in self._models:
+                return
+            seed = self._seed ^ int(hashlib.sha256(model.name.encode()).hexdigest()[:8], 16)
+            self._models[key] = await asyncio.to_thread(
+                TinyLM, self._config, seed, self._device(gpu_index), self._dtype())
+
+    async def unload(self, model_name: str, gpu_index: int) -> None:
+        batch = self._batches.pop((gpu_index, model_name), None)
+        if batch is not None:
+            await batch.close()
+        self._models.pop((gpu_index, model_name), None)
+        if self.device_kind.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Weights and KV caches held now (CUDA: what the allocator has handed out)."""
+        weights = sum(parameter_bytes(m) for m in self._models.values())
+        kv = sum(s.state.cache.numel() * s.state.cache.element_size()
+                 for b in self._batches.values() for s in b.active)
+        out = {"weights": weights, "kv_cache": kv}
+        if self.device_kind.startswith("cuda"):
+            out["cuda_allocated"] = int(torch.cuda.memory_allocated())
+            out["cuda_peak_allocated"] = int(torch.cuda.max_memory_allocated())
+        return out
+
+    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> int:
+        if self._temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self._temperature, dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def _batch(self, job: Job) -> ContinuousBatcher:
+        key = (job.gpu_index, job.model.name)
+        batch = self._batches.get(key)
+        if batch is not None:
+            return batch
+        lm = self._models.get(key)
+        if lm is None:
+            raise ExecutorError(f"model {job.model.name} is not loaded on GPU {job.gpu_index}")
+
+        def prefill_sync(seq: Sequence) -> str:
+            st: _SeqState = seq.state
+            st.next_token = self._sample(lm.prefill(st.tokens, st.cache), st.generator)
+            return VOCAB[st.next_token]
+
+        def step_sync(seqs: list[Sequence]) -> list[str]:
+            states: list[_SeqState] = [s.state for s in seqs]
+            logits = lm.decode([st.next_token for st in states],
+                               [s.kv_tokens - 1 for s in seqs], [st.cache for st in states])
+            out = []
+            for st, row in zip(states, logits):
+                st.next_token = self._sample(row, st.generator)
+                out.append(VOCAB[st.next_token])
+            return out
+
+        async def prefill(seq: Sequence) -> str:
+            return await asyncio.to_thread(prefill_sync, seq)
+
+        async def step(seqs: list[Sequence]) -> list[str]:
+            return await asyncio.to_thread(step_sync, seqs)
+
+        batch = self._batches[key] = ContinuousBatcher(prefill, step)
+        return batch
+
+    def generate(self, job: Job) -> AsyncIterator[str]:
+        request = job.request
+        limit = self._config.max_positions
+        if job.prompt_tokens + request.max_tokens > limit:
+            raise ExecutorError(f"prompt ({job.prompt_tokens}) + max_tokens "
+                                f"({request.max_tokens}) exceed the torch model's {limit} "
+                                "positions; send a shorter request")
+        batch = self._batch(job)
+        lm = self._models[(job.gpu_index, job.model.name)]
+        gen = torch.Generator().manual_seed(
+            request.seed if request.seed is not None
+            else int(hashlib.sha256(request.request_id.encode()).hexdigest()[:8], 16))
+        state = _SeqState(tokens=tokenize(request.prompt, job.prompt_tokens),
+                          cache=lm.new_cache(job.prompt_tokens + request.max_tokens),
+                          generator=gen)
+        # kv_tokens counts the prompt; the token sampled at prefill enters the cache at the
+        # first decode step, at position kv_tokens - 1 after the batcher's increment.
+        seq = Sequence(job.key, request.max_tokens, job.prompt_tokens, state=state)
+        return batch.run(seq)
+
+    async def close(self) -> None:
+        for batch in self._batches.values():
+            await batch.close()
+        self._batches.clear()
+        self._models.clear()

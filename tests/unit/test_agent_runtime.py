@@ -1,0 +1,218 @@
+"""The agent runtime with the simulated executor and in-memory publish and ledger: duplicate
+and stale placements, cancel and preempt mid-stream, partial usage deltas, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gpusched_agent.adapters.ledger import MemoryLedger
+from gpusched_agent.adapters.simulated import SimulatedExecutor
+from gpusched_agent.domain.inventory import parse_simulated
+from gpusched_agent.domain.node import NodeModel
+from gpusched_agent.runtime import AgentRuntime, Ignored, Stale, Started, Stopping
+from gpusched_common import topics
+from gpusched_common.catalog import load_models
+from gpusched_common.contracts import (
+    Cancel,
+    InferenceRequest,
+    Message,
+    NodeState,
+    Placement,
+    Preempt,
+    RequestResult,
+    TokenChunk,
+    UsageRecord,
+)
+
+CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
+MODEL = "qwen2.5-1.5b"
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Message, str, str]] = []
+
+    async def __call__(self, message: Message, topic: str, key: str, wait: bool = True) -> None:
+        self.sent.append((message, topic, key))
+
+    def of(self, kind: type) -> list:
+        return [m for m, _, _ in self.sent if isinstance(m, kind)]
+
+
+def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | None = None,
+         spec: str = "2xH100-80GB") -> tuple[AgentRuntime, Sink, MemoryLedger]:
+    sink, ledger = Sink(), MemoryLedger(epoch)
+    runtime = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated(spec, "n1")),
+                           CATALOG, SimulatedExecutor(time_scale, seed=7), sink, ledger,
+                           lambda: 1_000, chunk_tokens=4, heartbeat_s=1.0,
+                           usage_interval_s=usage_interval_s)
+    return runtime, sink, ledger
+
+
+def placement(rid: str, max_tokens: int = 8, epoch: int = 1, gpu: int = 0,
+              attempt: int = 0) -> Placement:
+    req = InferenceRequest(request_id=rid, tenant="acme", model=MODEL, prompt="hello there",
+                           max_tokens=max_tokens, created_at_ms=0, attempt=attempt)
+    return Placement(placement_id=f"{rid}#{attempt}", node_id="n1", gpu_indices=(gpu,),
+                     kv_cache_mib=64, scheduler_epoch=epoch, placed_at_ms=0, request=req)
+
+
+async def settle(runtime: AgentRuntime, timeout_s: float = 10) -> None:
+    async with asyncio.timeout(timeout_s):
+        while runtime.in_flight:
+            await asyncio.sleep(0.005)
+
+
+async def until_tokens(sink: Sink, n: int) -> int:
+    async with asyncio.timeout(10):
+        while sum(c.token_count for c in sink.of(TokenChunk)) < n:
+            await asyncio.sleep(0.001)
+    return sum(c.token_count for c in sink.of(TokenChunk))
+
+
+def usage_sum(sink: Sink, rid: str) -> tuple[int, int, float]:
+    records = [u for u in sink.of(UsageRecord) if u.request_id == rid]
+    assert len({u.event_id for u in records}) == len(records)  # unique event ids
+    return (sum(u.prompt_tokens for u in records), sum(u.completion_tokens for u in records),
+            sum(u.gpu_seconds for u in records))
+
+
+async def test_a_placement_runs_and_bills_once_even_when_delivered_twice() -> None:
+    runtime, sink, _ = make()
+    p = placement("r1")
+    assert isinstance(await runtime.command(p), Started)
+    assert await runtime.command(p) == Ignored("duplicate")
+    await settle(runtime)
+    assert await runtime.command(p) == Ignored("duplicate")  # also after it finished
+    [result] = sink.of(RequestResult)
+    assert result.status == "completed" and result.completion_tokens == 8
+    assert len(result.text.split()) == 8
+    [usage] = sink.of(UsageRecord)
+    assert usage.event_id == "r1#0:final" and usage.completion_tokens == 8
+    assert usage.prompt_tokens == result.prompt_tokens and usage.gpu_seconds > 0
+
+
+async def test_stale_scheduler_epochs_are_rejected() -> None:
+    runtime, sink, ledger = make(epoch=5)
+    out = await runtime.command(placement("old", epoch=4))
+    assert isinstance(out, Stale) and "current leader's 5" in out.reason
+    assert isinstance(await runtime.command(placement("new", epoch=7)), Started)
+    out = await runtime.command(placement("zombie", epoch=6))  # >= Redis's 5, < seen 7
+    assert isinstance(out, Stale) and "already took commands from" in out.reason
+    stale_preempt = Preempt(placement_id="new#0", request_id="new", node_id="n1",
+                            scheduler_epoch=3, reason="x")
+    assert isinstance(await runtime.command(stale_preempt), Stale)
+    await settle(runtime)
+    assert [r.request_id for r in sink.of(RequestResult)] == ["new"]
+    assert "old#0" not in ledger.claims  # a stale placement claims nothing
+
+
+async def test_cancel_mid_stream_stops_promptly_and_bills_what_was_produced() -> None:
+    runtime, sink, _ = make(time_scale=1.0)
+    await runtime.command(placement("c1", max_tokens=2000))
+    await until_tokens(sink, 8)
+    assert isinstance(runtime.cancel(Cancel(request_id="c1", reason="client went away",
+                                            at_ms=0)), Stopping)
+    await settle(runtime, timeout_s=1)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled" and 8 <= result.completion_tokens < 2000
+    streamed = sum(c.token_count for c in sink.of(TokenChunk))
+    prompt, completion, gpu_s = usage_sum(sink, "c1")
+    assert completion == result.completion_tokens == streamed
+    assert prompt == result.prompt_tokens and gpu_s > 0
+    assert [u.final for u in sink.of(UsageRecord)] == [True]
+
+
+async def test_cancel_that_arrives_before_its_placement_ends_it_unbilled() -> None:
+    runtime, sink, _ = make()
+    runtime.cancel(Cancel(request_id="early", reason="client went away", at_ms=0))
+    await runtime.command(placement("early"))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled" and result.completion_tokens == 0
+    assert usage_sum(sink, "early") == (0, 0, 0.0)
+
+
+async def test_preempt_bills_usage_so_far_and_hands_the_request_back_in_front() -> None:
+    runtime, sink, _ = make(time_scale=1.0)
+    await runtime.command(placement("p1", max_tokens=2000))
+    await until_tokens(sink, 4)
+    out = await runtime.command(Preempt(placement_id="p1#0", request_id="p1", node_id="n1",
+                                        scheduler_epoch=1, reason="interactive work"))
+    assert isinstance(out, Stopping)
+    await settle(runtime, timeout_s=1)
+    assert sink.of(RequestResult) == []  # the client keeps waiting for the next attempt
+    [usage] = sink.of(UsageRecord)
+    assert usage.final and 4 <= usage.completion_tokens < 2000
+    [(again, topic, key)] = [s for s in sink.sent if isinstance(s[0], InferenceRequest)]
+    assert topic == topics.REQUESTS["standard"].name and key == "p1"
+    assert (again.attempt, again.requeued) == (1, "preempted")
+    # its memory is free again
+    assert runtime.node.gpus[0].active == {}
+
+
+async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
+    runtime, sink, _ = make(time_scale=1.0, usage_interval_s=0.02)
+    await runtime.command(placement("long", max_tokens=150))
+    await settle(runtime)
+    records = sink.of(UsageRecord)
+    assert len(records) >= 3 and [r.final for r in records] == [False] * (len(records) - 1) + [True]
+    assert [r.event_id for r in records[:2]] == ["long#0:1", "long#0:2"]
+    [result] = sink.of(RequestResult)
+    prompt, completion, _ = usage_sum(sink, "long")
+    assert (prompt, completion) == (result.prompt_tokens, 150)
+    assert records[0].prompt_tokens == result.prompt_tokens  # the prompt is billed once
+
+
+async def test_requests_share_a_gpu_and_their_gpu_seconds_add_up_to_busy_time() -> None:
+    runtime, sink, _ = make(time_scale=1.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for i in range(4):
+        await runtime.command(placement(f"s{i}", max_tokens=60))
+    await settle(runtime)
+    busy_s = loop.time() - t0
+    results = sink.of(RequestResult)
+    assert len(results) == 4 and all(r.completion_tokens == 60 for r in results)
+    billed = sum(u.gpu_seconds for u in sink.of(UsageRecord))
+    assert 0 < billed <= busy_s * 1.05
+    # batched: four requests together take far less than four times one alone
+    alone_runtime, alone_sink, _ = make(time_scale=1.0)
+    t1 = loop.time()
+    await alone_runtime.command(placement("solo", max_tokens=60))
+    await settle(alone_runtime)
+    assert busy_s < 2.5 * (loop.time() - t1)
+
+
+async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stopped() -> None:
+    runtime, sink, _ = make(time_scale=1.0)
+    await runtime.command(placement("short", max_tokens=5))
+    await runtime.command(placement("long", max_tokens=5000, gpu=1))
+    await until_tokens(sink, 5)
+    await runtime.drain(timeout_s=0.3)
+    assert runtime.in_flight == 0 and runtime.status == "stopped"
+    assert [r.request_id for r in sink.of(RequestResult)] == ["short"]
+    [again] = [m for m in sink.of(InferenceRequest)]
+    assert (again.request_id, again.attempt, again.requeued) == ("long", 1, "node_lost")
+    assert usage_sum(sink, "long")[1] > 0
+    states = sink.of(NodeState)
+    assert [s.status for s in states][-2:] == ["draining", "stopped"]
+    # while draining or stopped, new work is handed back, not run
+    await runtime.command(placement("late"))
+    await settle(runtime)
+    assert [m.request_id for m in sink.of(InferenceRequest)] == ["long", "late"]
+
+
+@pytest.mark.parametrize("spec", ["1xL4-24GB"])
+async def test_placement_that_does_not_fit_is_handed_back_with_a_zero_final_usage(spec) -> None:
+    runtime, sink, _ = make(spec=spec)
+    big = placement("big").model_copy(update={"kv_cache_mib": 30_000})
+    await runtime.command(big)
+    await settle(runtime)
+    [usage] = sink.of(UsageRecord)
+    assert usage.final and (usage.prompt_tokens, usage.completion_tokens) == (0, 0)
+    [again] = sink.of(InferenceRequest)
+    assert again.requeued == "handback" and again.attempt == 1
