@@ -120,6 +120,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
         if start_ms >= end_ms:
             raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms})")
+        start_ms = max(start_ms, now - store.retention.day_s * 1000)  # nothing older is kept
         return start_ms, end_ms, finest_kept(start_ms, now, store.retention.as_dict())
 
     Start = Query(default=None, description="Window start: epoch ms or ISO 8601; default "

@@ -30,6 +30,9 @@ from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
 PRIORITY_HEADER = "x-priority-class"
+BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
+"""Set by accounting (JSON with a `reason`, TTL to the period's end) while a tenant's budget
+is spent; read once per request."""
 
 
 def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -98,6 +101,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
             return error(tenant)
+        spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
+        if spent is not None:
+            return error(_budget_error(spent))
         body = await read_json(request)
         if isinstance(body, ApiError):
             return error(body)
@@ -182,6 +188,15 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     app.state.broker = broker
     app.state.hub = hub
     return app
+
+
+def _budget_error(flag: bytes) -> ApiError:
+    """429 for a tenant whose budget is spent, with accounting's reason."""
+    try:
+        reason = str(json.loads(flag)["reason"])
+    except (ValueError, KeyError, TypeError):
+        reason = "this tenant's budget for the current period is spent"
+    return ApiError(429, reason, code="insufficient_quota")
 
 
 async def _wait_final(queue: asyncio.Queue[ResultEvent], timeout_s: float
