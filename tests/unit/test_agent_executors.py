@@ -1,0 +1,190 @@
+"""The three executors: simulated (deterministic, batched), torch (a real transformer on CPU)
+and openai-compatible (streams from a local server that the test starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_agent.adapters.openai_executor import OpenAIExecutor
+from gpusched_agent.adapters.simulated import SimulatedExecutor
+from gpusched_common.catalog import GPU_TYPES, load_models
+from gpusched_common.contracts import InferenceRequest
+
+CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
+SMALL = CATALOG.get("qwen2.5-1.5b")
+H100 = GPU_TYPES["H100-80GB"]
+
+
+def job(rid: str, max_tokens: int = 12, seed: int | None = None, prompt: str = "hello world",
+        gpu: int = 0) -> Job:
+    req = InferenceRequest(request_id=rid, tenant="t", model=SMALL.name, prompt=prompt,
+                           max_tokens=max_tokens, seed=seed, created_at_ms=0)
+    return Job(req, max(1, len(prompt) // 4), SMALL, H100, gpu, f"{rid}#0")
+
+
+async def collect(it: AsyncIterator[str]) -> list[str]:
+    return [t async for t in it]
+
+
+async def test_simulated_executor_is_deterministic_under_a_seed() -> None:
+    ex = SimulatedExecutor(time_scale=0.001, seed=3)
+    a = await collect(ex.generate(job("a", seed=42)))
+    b = await collect(ex.generate(job("b", seed=42)))
+    c = await collect(ex.generate(job("c", seed=43)))
+    assert a == b != c and len(a) == 12
+    await ex.close()
+
+
+async def test_simulated_decode_slows_down_with_the_batch() -> None:
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        await asyncio.sleep(0)
+
+    ex = SimulatedExecutor(time_scale=1.0, seed=0, sleep=sleep)
+    await collect(ex.generate(job("alone", max_tokens=3)))
+    alone = max(slept[1:])
+    slept.clear()
+    await asyncio.gather(*(collect(ex.generate(job(f"b{i}", max_tokens=3, prompt="x" * 4000)))
+                           for i in range(8)))
+    assert max(slept) > alone  # more KV cache read per step
+    await ex.close()
+
+
+# --- torch -----------------------------------------------------------------------------------
+torch = pytest.importorskip("torch", reason="the torch extra: pip install 'gpusched-agent[torch]'")
+
+
+@pytest.fixture(scope="module")
+def torch_executor():
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+
+    return TorchExecutor("cpu", seed=1, config=TinyConfig(dim=64, layers=2), threads=1)
+
+
+async def test_torch_executor_generates_real_tokens_on_cpu(torch_executor) -> None:
+    from gpusched_agent.adapters.torch_model import VOCAB
+
+    await torch_executor.load(SMALL, 0)
+    tokens = await collect(torch_executor.generate(job("t1", max_tokens=16, seed=5)))
+    assert len(tokens) == 16 and all(t in VOCAB for t in tokens)
+    again = await collect(torch_executor.generate(job("t2", max_tokens=16, seed=5)))
+    assert again == tokens  # same seed, same weights: same text
+    memory = torch_executor.memory_bytes()
+    assert memory["weights"] > 0
+
+
+async def test_torch_batched_decoding_matches_decoding_alone(torch_executor) -> None:
+    """Continuous batching must not change what a sequence generates: a request decoded in a
+    batch with others of different lengths yields the same tokens as alone."""
+    await torch_executor.load(SMALL, 0)
+    alone = await collect(torch_executor.generate(job("x", max_tokens=10, seed=9)))
+    together = await asyncio.gather(
+        collect(torch_executor.generate(job("x", max_tokens=10, seed=9))),
+        collect(torch_executor.generate(job("y", max_tokens=7, seed=1, prompt="a" * 90))),
+        collect(torch_executor.generate(job("z", max_tokens=12, seed=2, prompt="bb"))))
+    assert together[0] == alone
+    assert [len(t) for t in together] == [10, 7, 12]
+
+
+async def test_torch_request_too_long_for_the_model_says_so(torch_executor) -> None:
+    with pytest.raises(ExecutorError, match="shorter request"):
+        torch_executor.generate(job("huge", max_tokens=9000))
+
+
+# --- openai-compatible -----------------------------------------------------------------------
+class LocalServer:
+    """A minimal OpenAI-compatible completions server: streams `max_tokens` deltas."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.bodies: list[dict] = []
+        self.disconnected = 0
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            body = await request.json()
+            self.bodies.append(body)
+
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    for i in range(body["max_tokens"]):
+                        await asyncio.sleep(self.delay_s)
+                        chunk = {"choices": [{"index": 0, "text": f" w{i}"}]}
+                        yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    self.disconnected += 1
+                    raise
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+
+    async def __aenter__(self) -> LocalServer:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def test_openai_executor_streams_from_a_local_server() -> None:
+    async with LocalServer() as server:
+        ex = OpenAIExecutor(server.url, model_override="served-model")
+        tokens = await collect(ex.generate(job("o1", max_tokens=9, seed=4)))
+        await ex.close()
+    assert tokens == [f" w{i}" for i in range(9)]
+    assert server.bodies[0]["model"] == "served-model" and server.bodies[0]["stream"] is True
+    assert server.bodies[0]["seed"] == 4
+
+
+async def test_openai_executor_stops_the_server_stream_when_cancelled() -> None:
+    async with LocalServer(delay_s=0.01) as server:
+        ex = OpenAIExecutor(server.url)
+        got: list[str] = []
+
+        async def consume() -> None:
+            async for token in ex.generate(job("o2", max_tokens=10_000)):
+                got.append(token)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await ex.close()
+        for _ in range(100):
+            if server.disconnected:
+                break
+            await asyncio.sleep(0.01)
+    assert 3 <= len(got) < 10_000 and server.disconnected == 1
+
+
+async def test_openai_executor_reports_an_unreachable_server() -> None:
+    ex = OpenAIExecutor("http://127.0.0.1:9")
+    with pytest.raises(ExecutorError, match="unreachable"):
+        await collect(ex.generate(job("o3")))
+    await ex.close()
