@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import Rejection, RequestResult, ResultEvent, TokenChunk
+from gpusched_common.contracts import Cancel, Rejection, RequestResult, ResultEvent, TokenChunk
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes
@@ -49,6 +49,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
                         ["priority_class"], registry=registry)
     started = False
+    cancels: set[asyncio.Task[None]] = set()
 
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
                        auto_offset_reset="latest", batch_timeout_ms=10, max_records=500)
@@ -138,8 +139,19 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             latency.labels(req.priority_class).observe(time.monotonic() - started_s)
 
         if parsed.stream:
+            def abandoned() -> None:
+                # The client hung up before the end: tell the agent running it to stop (it
+                # bills what was produced). Fire and forget: the stream is being torn down.
+                cancel = Cancel(request_id=request_id, reason="client disconnected",
+                                at_ms=clock())
+                task = asyncio.create_task(broker.publish(
+                    cancel.to_bytes(), topics.CONTROL.name, key=request_id.encode(),
+                    headers={"content-type": "application/json"}))
+                cancels.add(task)
+                task.add_done_callback(cancels.discard)
+
             return StreamingResponse(
-                _sse(parsed, kind, queue, settings.request_timeout_s, observe),
+                _sse(parsed, kind, queue, settings.request_timeout_s, observe, abandoned),
                 media_type="text/event-stream", headers=headers)
         try:
             final = await _wait_final(queue, settings.request_timeout_s)
@@ -237,8 +249,10 @@ def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> d
 
 
 async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEvent],
-               timeout_s: float, done: Any) -> AsyncIterator[bytes]:
-    """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`."""
+               timeout_s: float, done: Any, abandoned: Any = None) -> AsyncIterator[bytes]:
+    """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`.
+    `abandoned()` runs when the client leaves before the request's terminal event."""
+    ended = False
     req = parsed.request
     base = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
             "model": req.model}
@@ -266,11 +280,13 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                     yield event(ev.text, None)
                 elif isinstance(ev, RequestResult):
                     yield event(None if chat else "", _finish_reason(ev))
+                    ended = True
                     if parsed.include_usage:
                         payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
                         yield f"data: {json.dumps(payload)}\n\n".encode()
                     break
                 elif isinstance(ev, Rejection):
+                    ended = True
                     err = ApiError(ev.status_code, ev.reason).body()
                     yield f"data: {json.dumps(err)}\n\n".encode()
                     break
@@ -280,3 +296,5 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
         yield f"data: {json.dumps(err)}\n\n".encode()
     finally:
         done()
+        if not ended and abandoned is not None:
+            abandoned()

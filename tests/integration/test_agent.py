@@ -1,0 +1,178 @@
+"""The GPU agent against the real Kafka and Redis: duplicate and stale placements, a client
+that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
+and SIGTERM drain with work in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaProducer
+from redis.asyncio import Redis
+from stack_helpers import eventually, read_topic
+
+from gpusched_common import topics
+from gpusched_common.contracts import (
+    DEAD_LETTER,
+    NODE_STATE,
+    REQUEST,
+    RESULT_EVENT,
+    USAGE,
+    InferenceRequest,
+    Placement,
+    RequestResult,
+)
+from gpusched_ops.stack import ServiceSpec
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+MODEL = "qwen2.5-1.5b"
+ADMIN = {"Authorization": "Bearer sk-admin-demo"}
+FIRST_AGENT_PORT = 28090 + int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
+"""node-1's HTTP port in the test stack (tests/conftest.py)."""
+
+
+async def leader_epoch(stack) -> int:
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    try:
+        raw = await eventually(lambda: redis.get("gpusched:scheduler:epoch"),
+                               what="a scheduler leader's fencing token in Redis")
+        return int(raw)
+    finally:
+        await redis.aclose()
+
+
+async def send_placements(stack, placements: list[Placement]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+    await producer.start()
+    try:
+        for p in placements:
+            await producer.send_and_wait(topics.PLACEMENTS.name, p.to_bytes(),
+                                         key=p.node_id.encode())
+    finally:
+        await producer.stop()
+
+
+def placement(node: str, rid: str, epoch: int, max_tokens: int = 6, tenant: str = "globex",
+              model: str = MODEL) -> Placement:
+    req = InferenceRequest(request_id=rid, tenant=tenant, model=model, prompt="agent test",
+                           max_tokens=max_tokens, created_at_ms=int(time.time() * 1000))
+    return Placement(placement_id=f"{rid}#0", node_id=node, gpu_indices=(0,), kv_cache_mib=64,
+                     scheduler_epoch=epoch, placed_at_ms=req.created_at_ms, request=req)
+
+
+def for_request(rid: str, marker: bytes):
+    return lambda key, value: key == rid.encode() and marker in value
+
+
+async def test_duplicate_placement_runs_once_and_a_stale_one_is_rejected(stack) -> None:
+    bootstrap = stack.endpoints.kafka_bootstrap
+    epoch = await leader_epoch(stack)
+    rid, stale_rid = f"dup-{uuid.uuid4().hex[:8]}", f"stale-{uuid.uuid4().hex[:8]}"
+    fresh = placement("node-1", rid, epoch)
+    await send_placements(stack, [fresh, fresh, placement("node-1", stale_rid, epoch - 1)])
+    results = await read_topic(bootstrap, topics.RESULTS.name,
+                               for_request(rid, b'"request_result"'))
+    await asyncio.sleep(1.0)  # a second run would have finished by now
+    results = await read_topic(bootstrap, topics.RESULTS.name,
+                               for_request(rid, b'"request_result"'))
+    assert len(results) == 1 and RESULT_EVENT.validate_json(results[0][1]).status == "completed"
+    usage = await read_topic(bootstrap, topics.USAGE.name,
+                             lambda k, v: f'"{rid}#0:final"'.encode() in v)
+    assert len(usage) == 1
+
+    [(_, raw)] = await read_topic(bootstrap, topics.DEAD_LETTERS.name,
+                                  lambda k, v: stale_rid.encode() in v)
+    dead = DEAD_LETTER.validate_json(raw)
+    assert dead.service == "gpu-agent" and f"epoch {epoch - 1} is older" in dead.reason
+    assert await read_topic(bootstrap, topics.RESULTS.name, for_request(stale_rid, b""),
+                            timeout_s=1) == []
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://127.0.0.1:{FIRST_AGENT_PORT}/metrics")).text
+    assert 'gpusched_agent_commands_total{command="placement",outcome="stale"}' in metrics
+
+
+async def usage_totals(stack, tenant: str) -> dict:
+    async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+        r = await http.get("/v1/usage", params={"tenant": tenant, "start": "0"}, headers=ADMIN)
+        r.raise_for_status()
+        return r.json()["tenants"][0]["totals"]
+
+
+async def test_a_stream_cut_by_the_client_is_billed_for_the_tokens_produced(stack) -> None:
+    tenant, bootstrap = "initech", stack.endpoints.kafka_bootstrap
+    before = await usage_totals(stack, tenant)
+    body = {"model": "llama-3.1-8b", "prompt": "tell me a long story", "max_tokens": 6000,
+            "stream": True}
+    received = 0
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=30) as http:
+        async with http.stream("POST", "/v1/completions", json=body,
+                               headers={"Authorization": "Bearer sk-initech-demo"}) as resp:
+            assert resp.status_code == 200
+            rid = resp.headers["x-request-id"]
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    received += len(json.loads(line[6:])["choices"][0]["text"].split())
+                    if received >= 24:
+                        break  # the client goes away mid-generation
+    result = RESULT_EVENT.validate_json((await read_topic(
+        bootstrap, topics.RESULTS.name, for_request(rid, b'"request_result"')))[-1][1])
+    assert isinstance(result, RequestResult) and result.status == "cancelled"
+    records = [USAGE.validate_json(v) for _, v in await read_topic(
+        bootstrap, topics.USAGE.name, lambda k, v: f'"request_id":"{rid}"'.encode() in v)]
+    assert sum(r.final for r in records) == 1
+    prompt = sum(r.prompt_tokens for r in records)
+    completion = sum(r.completion_tokens for r in records)
+    assert completion >= received > 0 and completion < 6000  # stopped, not run to the end
+    assert completion == result.completion_tokens
+
+    async def billed() -> dict | None:
+        now = await usage_totals(stack, tenant)
+        return now if now["completion_tokens"] >= before["completion_tokens"] + completion \
+            else None
+
+    after = await eventually(billed, what="the cut request's usage in accounting")
+    await asyncio.sleep(1.0)
+    assert await usage_totals(stack, tenant) == after  # nothing else, nothing twice
+    assert after["completion_tokens"] - before["completion_tokens"] == completion
+    assert after["prompt_tokens"] - before["prompt_tokens"] == prompt
+
+
+async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stack) -> None:
+    node = f"drain-{uuid.uuid4().hex[:6]}"
+    port = FIRST_AGENT_PORT + 9
+    e = stack.endpoints
+    stack.processes.start_service(ServiceSpec(
+        name=f"agent-{node}", module="gpusched_agent",
+        env={"GPUSCHED_KAFKA_BOOTSTRAP": e.kafka_bootstrap, "GPUSCHED_REDIS_URL": e.redis_url,
+             "GPUSCHED_OTLP_ENDPOINT": e.otlp_http_endpoint, "GPUSCHED_HTTP_PORT": str(port),
+             "GPUSCHED_NODE_ID": node, "GPUSCHED_SIMULATE": "1xL4-24GB",
+             "GPUSCHED_TIME_SCALE": "1", "GPUSCHED_DRAIN_TIMEOUT_S": "1",
+             "GPUSCHED_USAGE_INTERVAL_S": "0.5"},
+        health_url=f"http://127.0.0.1:{port}/healthz"))
+    try:
+        rid = f"drain-{uuid.uuid4().hex[:8]}"
+        await asyncio.sleep(1.0)  # its placements consumer starts at the end of its partition
+        await send_placements(stack, [placement(node, rid, await leader_epoch(stack),
+                                                max_tokens=20_000, tenant="acme")])
+        await read_topic(e.kafka_bootstrap, topics.RESULTS.name,
+                         for_request(rid, b'"token_chunk"'))
+    finally:
+        await asyncio.to_thread(stack.processes.stop_service, f"agent-{node}")
+    usage = [USAGE.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.USAGE.name, lambda k, v: f'"{rid}#0:'.encode() in v)]
+    assert sum(u.final for u in usage) == 1 and sum(u.completion_tokens for u in usage) > 0
+    again = [REQUEST.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.REQUESTS["standard"].name, for_request(rid, b""))]
+    assert [(r.attempt, r.requeued) for r in again][0] == (1, "node_lost")
+    states = [NODE_STATE.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.NODE_STATE.name, lambda k, v: k == node.encode())]
+    assert states[-1].status == "stopped" and "draining" in {s.status for s in states}
+    # the request is not lost: the scheduler places the handed-back attempt elsewhere
+    result = await read_topic(e.kafka_bootstrap, topics.RESULTS.name,
+                              for_request(rid, b'"request_result"'), timeout_s=60)
+    assert result
