@@ -395,8 +395,76 @@ def tree_build(tree, score, n_nodes, size):
 
 
 @njit(cache=True)
+def node_signature(S, n):
+    """Hash of everything a node's score can depend on (free/total CPU and memory, and per
+    GPU: type, free share, free memory, health, loaded models)."""
+    h = np.uint64(1469598103934665603)
+    p = np.uint64(1099511628211)
+    h = (h ^ np.uint64(S[0][n])) * p
+    h = (h ^ np.uint64(S[1][n])) * p
+    h = (h ^ np.uint64(S[2][n])) * p
+    h = (h ^ np.uint64(S[3][n])) * p
+    for g in range(S[4][n], S[4][n + 1]):
+        h = (h ^ np.uint64(S[5][g])) * p
+        h = (h ^ np.uint64(S[6][g])) * p
+        h = (h ^ np.uint64(S[7][g])) * p
+        h = (h ^ np.uint64(1 if S[8][g] else 0)) * p
+        for j in range(S[9].shape[1]):
+            h = (h ^ np.uint64(S[9][g, j] + 1)) * p
+    h = (h ^ np.uint64(S[4][n + 1] - S[4][n])) * p
+    return np.int64(h >> np.uint64(1))
+
+
+@njit(cache=True)
+def nodes_alike(S, a, b):
+    """Exactly equal node states (so every policy scores them the same)."""
+    if S[0][a] != S[0][b] or S[1][a] != S[1][b] or S[2][a] != S[2][b] or S[3][a] != S[3][b]:
+        return False
+    m = S[4][a + 1] - S[4][a]
+    if S[4][b + 1] - S[4][b] != m:
+        return False
+    for i in range(m):
+        ga = S[4][a] + i
+        gb = S[4][b] + i
+        if S[5][ga] != S[5][gb] or S[6][ga] != S[6][gb] or S[7][ga] != S[7][gb]:
+            return False
+        if S[8][ga] != S[8][gb]:
+            return False
+        for j in range(S[9].shape[1]):
+            if S[9][ga, j] != S[9][gb, j]:
+                return False
+    return True
+
+
+@njit(cache=True)
+def score_all(policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table):
+    """sc[n] for every node, evaluating each distinct node state once (a fresh or lightly
+    used cluster has few); returns how many evaluations it took."""
+    mask = table.shape[0] - 1
+    table[:] = -1
+    evals = 0
+    for n in range(S[0].shape[0]):
+        i = sig[n] & mask
+        rep = -1
+        while table[i] >= 0:
+            r = table[i]
+            if sig[r] == sig[n] and nodes_alike(S, r, n):
+                rep = r
+                break
+            i = (i + 1) & mask
+        if rep >= 0:
+            sc[n] = sc[rep]
+        else:
+            table[i] = n
+            sc[n] = eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params)
+            evals += 1
+    return evals
+
+
+@njit(cache=True)
 def solve_kernel(
-    policy, S, U, W, order, shape_of, scores, trees, C, out_node, out_gpus, out_reason, params
+    policy, S, U, W, order, shape_of, scores, trees, C, out_node, out_gpus, out_reason, params,
+    stats,
 ):
     """Place units in ``order``, one at a time, each seeing the previous placements.
 
@@ -406,6 +474,7 @@ def solve_kernel(
     Writes out_node[u] (-1 = unschedulable), out_gpus[u, :num_gpu], out_reason[u].
     Work buffers come from the caller (``work_buffers``) so their memory is accounted:
     scores[slots, N], trees[slots, 2P] and the FGD row cache C (see ``frag_rows``).
+    ``stats`` counts node evaluations: [tree builds, rescored, winner re-evaluations, scans].
     """
     n_nodes = S[0].shape[0]
     max_g = 1
@@ -422,6 +491,14 @@ def solve_kernel(
     changed = np.empty(len(order) + 1, np.int64)
     n_changed = 0
     stamp = np.zeros(n_nodes, np.int64)  # last log position that touched the node
+    sig = np.empty(n_nodes, np.int64)
+    for n in range(n_nodes):
+        sig[n] = node_signature(S, n)
+    tsize = 1
+    while tsize < 2 * n_nodes:
+        tsize *= 2
+    table = np.empty(tsize, np.int64)
+    scan = np.empty(n_nodes, np.float64)
     for idx in range(len(order)):
         u = order[idx]
         k = U[0][u]
@@ -435,11 +512,9 @@ def solve_kernel(
             sc = scores[slot]
             tr = trees[slot]
             if not built[slot]:
-                for n in range(n_nodes):
-                    sc[n] = eval_node(
-                        policy, S, n, u, U, W, sel, cand, keys, C,
-                        params,
-                    )
+                stats[0] += score_all(
+                    policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table
+                )
                 tree_build(tr, sc, n_nodes, size)
                 built[slot] = True
             else:
@@ -452,31 +527,33 @@ def solve_kernel(
                         params,
                     )
                     tree_update(tr, sc, n, size)
+                    stats[1] += 1
             cursor[slot] = n_changed
             cand_best = tr[1]
             if cand_best >= 0 and sc[cand_best] < INF:
                 best = cand_best
+                stats[2] += 1
                 eval_node(
                     policy, S, best, u, U, W, best_sel, cand, keys, C,
                     params,
                 )
         else:
+            stats[3] += score_all(
+                policy, S, u, U, W, sel, cand, keys, C, params, scan, sig, table
+            )
             best_score = INF
             for n in range(n_nodes):
-                s = eval_node(
-                    policy, S, n, u, U, W, sel, cand, keys, C,
-                    params,
-                )
-                if s < best_score:
-                    best_score = s
+                if scan[n] < best_score:
+                    best_score = scan[n]
                     best = n
-                    for j in range(k):
-                        best_sel[j] = sel[j]
+            if best >= 0:
+                eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
         if best < 0:
             out_node[u] = -1
             out_reason[u] = diagnose(S, u, U)
             continue
         apply_unit(S, best, u, U, best_sel)
+        sig[best] = node_signature(S, best)
         C[0][best] = np.nan
         out_node[u] = best
         out_reason[u] = PLACED

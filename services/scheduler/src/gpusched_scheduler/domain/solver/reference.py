@@ -215,7 +215,7 @@ def reference_solve(
     shapes: ShapeDistribution | None = None,
     lookahead: bool = False,
     affinity_bonus_milli: float = 200.0,
-    stranded_weight: float = 1.0,
+    stranded_weight: float = 5.0,
     limit: int | None = None,
 ) -> SolveResult:
     """Same contract as ``solve``; ``limit`` stops after that many units (benchmarks)."""

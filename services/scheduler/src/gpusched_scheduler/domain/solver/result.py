@@ -80,6 +80,7 @@ class SolveResult:
     reason: np.ndarray
     state: ClusterState
     policy: str
+    evaluations: np.ndarray | None = None  # node evaluations: builds, rescored, winners, scans
 
     @property
     def placed(self) -> np.ndarray:

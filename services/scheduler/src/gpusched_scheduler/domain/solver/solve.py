@@ -207,7 +207,7 @@ def solve(
     shapes: ShapeDistribution | None = None,
     lookahead: bool = False,
     affinity_bonus_milli: float = 200.0,
-    stranded_weight: float = 1.0,
+    stranded_weight: float = 5.0,
 ) -> SolveResult:
     """Place every unit of ``batch`` on ``state`` with the named policy.
 
@@ -239,6 +239,7 @@ def solve(
     out_node = np.full(n, -1, np.int64)
     out_gpus = np.full((n, MAX_GANG_GPUS), -1, np.int64)
     out_reason = np.zeros(n, np.int64)
+    stats = np.zeros(4, np.int64)
     if work.num_nodes == 0:
         out_reason[:] = K.NO_ALLOWED_GPU_TYPE  # nothing to place on
         out_reason[batch.num_gpu == 0] = K.INSUFFICIENT_CPU_MEMORY
@@ -255,8 +256,9 @@ def solve(
             out_gpus,
             out_reason,
             params,
+            stats,
         )
-    return SolveResult(out_node, out_gpus, out_reason, work, pol.name)
+    return SolveResult(out_node, out_gpus, out_reason, work, pol.name, stats)
 
 
 def release(
