@@ -140,14 +140,22 @@ def submit(
 @app.command()
 def usage(
     tenant: str | None = typer.Option(None),
+    group_by: str = typer.Option("model", help="model, node, gpu_type, priority_class."),
+    start: str | None = typer.Option(None, help="Window start: ISO 8601 or epoch ms "
+                                     "(default: 24 h before the end)."),
+    end: str | None = typer.Option(None, help="Window end (default: now)."),
     api_key: str = typer.Option("sk-admin-demo", envvar="GPUSCHED_API_KEY"),
     accounting_url: str = typer.Option(urls()["accounting"], envvar="GPUSCHED_ACCOUNTING_URL"),
     as_json: JsonOut = False,
 ) -> None:
-    """Tokens and GPU-seconds per tenant and model, from accounting."""
-    params = {"group_by": "model", **({"tenant": tenant} if tenant else {})}
-    resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
-                     headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    """Tokens, requests, GPU-seconds and cost per tenant over a window, from accounting."""
+    params = {"group_by": group_by, **({"tenant": tenant} if tenant else {}),
+              **({"start": start} if start else {}), **({"end": end} if end else {})}
+    try:
+        resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
+                         headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        _fail(f"accounting not reachable at {accounting_url} ({exc}); is the stack up?")
     if resp.status_code != 200:
         _fail(f"{resp.status_code}: {resp.text}")
     data = resp.json()
@@ -158,15 +166,18 @@ def usage(
 
 
 def usage_table(data: dict) -> Table:
-    table = Table("tenant", "model", "requests", "prompt tokens", "completion tokens",
-                  "GPU-seconds", title="usage (from accounting)")
+    group = data.get("group_by") or "model"
+    table = Table("tenant", group, "requests", "prompt tokens", "completion tokens",
+                  "GPU-seconds", "cost USD", title="usage (from accounting)")
+
+    def cells(row: dict) -> list[str]:
+        return [str(row["requests"]), str(row["prompt_tokens"]), str(row["completion_tokens"]),
+                f"{row['gpu_seconds']:.3f}", f"{row.get('cost_usd', 0):.4f}"]
+
     for t in data["tenants"]:
-        tot = t["totals"]
-        table.add_row(t["tenant"], "[b]all[/b]", str(tot["requests"]), str(tot["prompt_tokens"]),
-                      str(tot["completion_tokens"]), f"{tot['gpu_seconds']:.3f}")
-        for row in t.get("by_model", []):
-            table.add_row("", row["model"], str(row["requests"]), str(row["prompt_tokens"]),
-                          str(row["completion_tokens"]), f"{row['gpu_seconds']:.3f}")
+        table.add_row(t["tenant"], "[b]all[/b]", *cells(t["totals"]))
+        for row in t.get("groups") or []:
+            table.add_row("", row["group"], *cells(row))
     return table
 
 

@@ -47,15 +47,29 @@ local oldest_ms = now_ms - dedup_ttl * 1000
 local fmt = '%d %d %d %d %d'
 local pat = '^(%d+) (%d+) (%d+) (%d+) (%d+)$'
 local agg, names, expire_at, tenants, out = {}, {}, {}, {}, {}
+local per_minute, minute_of = {}, {}
 
+-- rows add into (tenant, minute) tables first; hours, days and the all-tenants scope are
+-- derived from those once per batch, so the per-row work does not grow with them
 local function add(key, field, p, c, r, g, n)
-  local h = agg[key]
-  if not h then h = {}; agg[key] = h; names[key] = {} end
+  local h = per_minute[key]
   local v = h[field]
   if v then
     v[1] = v[1] + p; v[2] = v[2] + c; v[3] = v[3] + r; v[4] = v[4] + g; v[5] = v[5] + n
   else
     h[field] = {p, c, r, g, n}
+  end
+end
+
+local function add_to(key, field, w)
+  local h = agg[key]
+  if not h then h = {}; agg[key] = h; names[key] = {} end
+  local v = h[field]
+  if v then
+    v[1] = v[1] + w[1]; v[2] = v[2] + w[2]; v[3] = v[3] + w[3]; v[4] = v[4] + w[4]
+    v[5] = v[5] + w[5]
+  else
+    h[field] = {w[1], w[2], w[3], w[4], w[5]}
     local list = names[key]
     list[#list + 1] = field
   end
@@ -86,24 +100,36 @@ for i, e in ipairs(rows) do
       redis.call('HSET', rkey, 'u', packed, 'k', tenant .. ' ' .. e[4])
     end
     redis.call('EXPIRE', rkey, dedup_ttl)
-    tenants[tenant] = true
-    local fm, fn, fg, fc = 'm:' .. e[4], 'n:' .. e[5], 'g:' .. e[6], 'c:' .. e[7]
-    local fu = 'u:' .. tenant
     local sec = math.floor(ended_ms / 1000)
-    for _, gr in ipairs(grans) do
-      local start = sec - sec % gr[2]
-      local suffix = gr[1] .. ':' .. start
-      local tk = 'gpusched:usage:t:' .. tenant .. ':' .. suffix
-      local ak = 'gpusched:usage:all:' .. suffix
-      if not expire_at[tk] then
-        expire_at[tk] = start + gr[2] + gr[3]
-        expire_at[ak] = start + gr[2] + gr[3]
-      end
-      add(tk, 't', p, c, r, g, n); add(tk, fm, p, c, r, g, n); add(tk, fn, p, c, r, g, n)
-      add(tk, fg, p, c, r, g, n); add(tk, fc, p, c, r, g, n)
-      add(ak, 't', p, c, r, g, n); add(ak, fm, p, c, r, g, n); add(ak, fn, p, c, r, g, n)
-      add(ak, fg, p, c, r, g, n); add(ak, fc, p, c, r, g, n); add(ak, fu, p, c, r, g, n)
+    local minute = sec - sec % 60
+    local mk = tenant .. ' ' .. minute
+    if not per_minute[mk] then
+      per_minute[mk] = {}
+      minute_of[mk] = {tenant, minute}
+      tenants[tenant] = true
     end
+    add(mk, 't', p, c, r, g, n); add(mk, 'm:' .. e[4], p, c, r, g, n)
+    add(mk, 'n:' .. e[5], p, c, r, g, n); add(mk, 'g:' .. e[6], p, c, r, g, n)
+    add(mk, 'c:' .. e[7], p, c, r, g, n)
+  end
+end
+
+for mk, h in pairs(per_minute) do
+  local tenant, minute = minute_of[mk][1], minute_of[mk][2]
+  local fu = 'u:' .. tenant
+  for _, gr in ipairs(grans) do
+    local start = minute - minute % gr[2]
+    local suffix = gr[1] .. ':' .. start
+    local tk = 'gpusched:usage:t:' .. tenant .. ':' .. suffix
+    local ak = 'gpusched:usage:all:' .. suffix
+    if not expire_at[tk] then
+      expire_at[tk] = start + gr[2] + gr[3]
+      expire_at[ak] = start + gr[2] + gr[3]
+    end
+    for f, v in pairs(h) do
+      add_to(tk, f, v); add_to(ak, f, v)
+    end
+    add_to(ak, fu, h['t'])
   end
 end
 
@@ -137,6 +163,45 @@ return out
 minute, hour and day buckets. Returns one status per row: 1 applied, 0 applied before (no
 change), -1 older than the dedup window (not applied). Keys are built inside the script, so
 this needs one Redis (or a cluster slot per batch), not Redis Cluster across slots."""
+
+
+_WINDOW = """
+local prefix = ARGV[1]
+local plen = #prefix
+local pat = '^(%d+) (%d+) (%d+) (%d+) (%d+)$'
+local sums, order = {}, {}
+for _, key in ipairs(KEYS) do
+  local flat
+  if plen == 0 then
+    local v = redis.call('HGET', key, 't')
+    flat = v and {'t', v} or {}
+  else
+    flat = redis.call('HGETALL', key)
+  end
+  for j = 1, #flat, 2 do
+    local f = flat[j]
+    if f == 't' or string.sub(f, 1, plen) == prefix then
+      local a, b, c, d, e = string.match(flat[j + 1], pat)
+      local v = sums[f]
+      if v then
+        v[1] = v[1] + a; v[2] = v[2] + b; v[3] = v[3] + c; v[4] = v[4] + d; v[5] = v[5] + e
+      else
+        sums[f] = {a + 0, b + 0, c + 0, d + 0, e + 0}
+        order[#order + 1] = f
+      end
+    end
+  end
+end
+local out = {}
+for _, f in ipairs(order) do
+  local v = sums[f]
+  out[#out + 1] = f
+  out[#out + 1] = string.format('%d %d %d %d %d', v[1], v[2], v[3], v[4], v[5])
+end
+return out
+"""
+"""KEYS: bucket hashes; ARGV[1]: field prefix ('' = totals only). Returns the summed total
+and prefixed fields, packed: one round trip and a small reply for a window of any size."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +243,7 @@ class UsageStore:
         self.dedup_ttl_s = dedup_ttl_s
         self.retention = retention
         self._apply = redis.register_script(_APPLY)
+        self._window = redis.register_script(_WINDOW)
 
     async def apply(self, rows: Sequence[UsageRow], now_ms: int) -> list[int]:
         """Apply rows in one atomic script (one round trip); returns a status per row
@@ -212,14 +278,17 @@ class UsageStore:
                      prefix: str | None) -> tuple[Totals, dict[str, Totals]]:
         """Totals over buckets, and per value of one dimension (fields starting with
         `prefix`, e.g. 'm:'); prefix None reads only the totals."""
+        if not buckets:
+            return Totals(), {}
+        flat = await self._window(keys=[bucket_key(tenant, g, s) for g, s in buckets],
+                                  args=[prefix or ""])
         total, groups = Totals(), {}
-        for fields in await self.buckets(tenant, buckets, only_total=prefix is None):
-            for name, value in fields.items():
-                if name == TOTAL_FIELD:
-                    total = total + value
-                elif prefix and name.startswith(prefix):
-                    key = name[len(prefix):]
-                    groups[key] = groups.get(key, Totals()) + value
+        for name, value in zip(flat[::2], flat[1::2]):
+            name = name.decode()
+            if name == TOTAL_FIELD:
+                total = unpack(value)
+            else:
+                groups[name[len(prefix or ""):]] = unpack(value)
         return total, groups
 
     async def request_usage(self, request_id: str) -> dict | None:
