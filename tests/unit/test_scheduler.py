@@ -10,24 +10,30 @@ from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
 
 from gpusched_common import topics
-from gpusched_common.catalog import load_models, load_tenants
+from gpusched_common.catalog import TenantQuota, load_models, load_tenants
 from gpusched_common.contracts import (
     DEAD_LETTER,
     PLACEMENT,
     RESULT_EVENT,
     GpuState,
+    InferenceRequest,
     NodeState,
     Rejection,
 )
 from gpusched_scheduler import handlers
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
-from gpusched_scheduler.domain.placement import Placed, Unschedulable, place_one
-from gpusched_scheduler.engine import SchedulingEngine
+from gpusched_scheduler.domain.ordering import FairShare, order_pending
+from gpusched_scheduler.domain.planner import plan_cycle, snapshot
+from gpusched_scheduler.domain.queue import Pending
+from gpusched_scheduler.domain.quotas import QuotaBook
+from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
 SMALL = CATALOG.get("qwen2.5-1.5b")
+TARGETS = {"interactive": 1000, "standard": 10_000, "batch": 60_000}
 
 
 def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int = 1,
@@ -39,48 +45,117 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
                                          loaded_models=models) for i, f in enumerate(free)))
 
 
-def test_best_fit_prefers_loaded_model_then_tightest_gpu() -> None:
+def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
+         running: list | None = None, may_preempt: dict | None = None):
+    items = [Pending(r, {}, 0, None) for r in requests]
+    chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    snap = snapshot(view.nodes, view.reserved_mib(), view.pending_models(),
+                    view.live_nodes(now, 10_000))
+    return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {})
+
+
+def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
+        max_tokens: int = 100, num_gpus: int = 1) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, tenant=tenant, priority_class=cls, model=model,
+                            prompt="x", max_tokens=max_tokens, num_gpus=num_gpus,
+                            created_at_ms=0)
+
+
+def test_prefers_a_gpu_where_the_model_is_loaded() -> None:
     view = ClusterView()
     view.apply_node_state(node("a", [80000, 40000]), 0)
     view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
-    placed = place_one(100, SMALL, view.schedulable_gpus(0, 10_000))
-    assert isinstance(placed, Placed) and placed.node_id == "b"
-    assert placed.memory_mib == placed.kv_cache_mib  # no weights to load there
-    view2 = ClusterView()
-    view2.apply_node_state(node("a", [80000, 40000]), 0)
-    placed = place_one(100, SMALL, view2.schedulable_gpus(0, 10_000))
-    assert isinstance(placed, Placed) and placed.gpu_index == 1
+    [placed] = plan(view, [req("r")]).placed
+    assert placed.node_id == "b"
+    assert placed.memory_mib_per_gpu == placed.kv_cache_mib  # no weights to load there
 
 
 def test_reservations_count_until_the_agent_reports_the_placement() -> None:
     view = ClusterView()
     view.apply_node_state(node("a", [10000]), 0)
-    view.reserve(Reservation("p1", "a", 0, 6000, SMALL.name))
-    assert view.schedulable_gpus(0, 10_000)[0].free_mib == 4000
+    view.reserve(Reservation("p1", "a", (0,), 6000, SMALL.name))
+    assert view.reserved_mib() == {("a", 0): 6000}
     # the agent now counts p1 in its own free memory
     view.apply_node_state(node("a", [4000], seq=2, active=("p1",)), 0)
-    assert view.schedulable_gpus(0, 10_000)[0].free_mib == 4000
+    assert view.reserved_mib() == {}
 
 
-def test_stale_node_state_is_ignored_and_silent_nodes_get_no_work() -> None:
+def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:
     view = ClusterView()
     view.apply_node_state(node("a", [10000], seq=5), 0)
     assert not view.apply_node_state(node("a", [1], seq=4), 0)
-    assert view.schedulable_gpus(now_ms=20_000, node_timeout_ms=10_000) == []
+    assert view.live_nodes(now_ms=20_000, node_timeout_ms=10_000) == set()
+    assert view.newly_lost(20_000, 10_000) == ["a"]
+    assert view.newly_lost(21_000, 10_000) == []
 
 
-def test_a_model_bigger_than_every_gpu_is_permanently_unschedulable() -> None:
+def test_a_model_bigger_than_every_gpu_is_rejected_with_the_numbers() -> None:
     view = ClusterView()
     view.apply_node_state(node("a", [81559]), 0)
-    out = place_one(100, CATALOG.get("llama-3.1-70b"), view.schedulable_gpus(0, 10_000))
-    assert isinstance(out, Unschedulable) and out.permanent and "MiB" in out.reason
+    decisions = plan(view, [req("big", model="llama-3.1-70b")])
+    [reject] = decisions.rejected
+    assert "MiB" in reject.reason and "num_gpus" in reject.reason
 
 
-def test_no_room_now_means_wait() -> None:
+def test_a_gang_gets_all_its_gpus_on_one_node() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [100]), 0)
-    out = place_one(100, SMALL, view.schedulable_gpus(0, 10_000))
-    assert isinstance(out, Unschedulable) and not out.permanent
+    view.apply_node_state(node("a", [81559]), 0)
+    view.apply_node_state(node("b", [81559, 81559]), 0)
+    [placed] = plan(view, [req("tp2", model="llama-3.1-70b", num_gpus=2)]).placed
+    assert placed.node_id == "b" and sorted(placed.gpu_indices) == [0, 1]
+
+
+def test_no_room_now_means_wait_and_lower_classes_wait_too() -> None:
+    view = ClusterView()
+    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 50]), 0)
+    decisions = plan(view, [req("i", "interactive", max_tokens=30_000), req("b", "batch",
+                                                                             max_tokens=10)])
+    assert not decisions.placed and {p.request.request_id for p in decisions.waiting} == {"i", "b"}
+
+
+def test_aged_batch_work_goes_before_fresh_interactive_work() -> None:
+    items = [Pending(req("b", "batch"), {}, 0, None),
+             Pending(req("i", "interactive"), {}, 299_000, None)]
+    chunks = order_pending(items, 300_001, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    assert [c.name for c in chunks] == ["aged", "interactive"]
+
+
+def test_fair_share_interleaves_tenants_by_weighted_consumption() -> None:
+    fair = FairShare()
+    fair.charge("heavy", 30.0, 0.0)
+    items = [Pending(req(f"h{i}", tenant="heavy"), {}, i, None) for i in range(3)] + \
+        [Pending(req(f"l{i}", tenant="light"), {}, 10 + i, None) for i in range(3)]
+    [chunk] = order_pending(items, 0, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
+                            lambda p: 4.0)
+    # heavy consumed 30 at weight 3 (10 per weight); light starts at 0 and pays 4 per request
+    assert [p.request.request_id for p in chunk.items] == ["l0", "l1", "l2", "h0", "h1", "h2"]
+
+
+def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
+    view = ClusterView()
+    full = SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(8100)
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0)
+    victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
+                                memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
+                                kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=False,
+                                estimate_gpu_s=1.0, placed_at_ms=at,
+                                request=req(f"b{i}", "batch", max_tokens=8000))
+               for i, at in enumerate((0, 9_000))]
+    decisions = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
+                     running=victims, may_preempt={"i": 1})
+    assert full > 0 and not decisions.placed
+    [pre] = decisions.preemptions
+    assert [v.placement_id for v in pre.victims] == ["v1"]  # the one that lost the least
+
+
+def test_quota_limits_tokens_per_minute_and_inflight() -> None:
+    book = QuotaBook()
+    quota = TenantQuota(tokens_per_minute=1000, max_inflight_requests=2)
+    assert book.check("t", quota, 600, inflight=0, now_ms=0) is None
+    book.admit("t", 600, 0)
+    assert "tokens per minute" in book.check("t", quota, 600, inflight=1, now_ms=1000)
+    assert book.check("t", quota, 600, inflight=1, now_ms=61_000) is None
+    assert "in flight" in book.check("t", quota, 1, inflight=2, now_ms=61_000)
 
 
 @pytest.fixture
@@ -92,8 +167,10 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
         sent.setdefault(topic, []).append(message.to_bytes())
 
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: 1000, NoOpTracer(),
-                              epoch=3, cycle_window_ms=0, node_timeout_ms=10**12)
-    handlers.register(broker, engine, SchedulerSettings())
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    engine.lead(3, [])
+    handlers.register_cluster(broker, engine)
+    handlers.register_requests(broker, engine, SchedulerSettings())
     return broker, engine, sent
 
 
@@ -130,9 +207,6 @@ async def test_unknown_model_from_kafka_gets_a_rejection_with_names(wired) -> No
 
 async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) -> None:
     _, engine, sent = wired
-    from gpusched_common.contracts import InferenceRequest
-    from gpusched_scheduler.domain.queue import Pending
-
     for rid, cls in (("b1", "batch"), ("i1", "interactive")):
         req = InferenceRequest(request_id=rid, tenant="acme", priority_class=cls,
                                model=SMALL.name, prompt="x", max_tokens=8, created_at_ms=0)

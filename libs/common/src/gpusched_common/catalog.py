@@ -38,12 +38,27 @@ class ModelCatalog(BaseModel):
         return [m.name for m in self.models]
 
 
+class TenantQuota(BaseModel):
+    """Per-tenant limits. Hard limits (tokens per minute, requests in flight) reject with 429;
+    the GPU memory guarantee is what the tenant keeps under contention: beyond it the tenant
+    only borrows idle memory, which is reclaimed (preempted) when another tenant needs its own
+    guarantee."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tokens_per_minute: int | None = Field(default=None, gt=0,
+                                          description="Prompt + max tokens admitted per minute.")
+    max_inflight_requests: int | None = Field(default=None, gt=0)
+    guaranteed_gpu_memory_mib: int | None = Field(
+        default=None, ge=0, description="None: no guarantee and nothing borrowed (unlimited).")
+
+
 class Tenant(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Name
     api_keys: tuple[str, ...]
     default_priority_class: PriorityClass = "standard"
     weight: float = Field(default=1.0, gt=0, description="Fair-share weight inside a class.")
+    quota: TenantQuota = Field(default_factory=TenantQuota)
 
 
 class TenantDirectory(BaseModel):

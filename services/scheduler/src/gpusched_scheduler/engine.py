@@ -1,11 +1,13 @@
 """The scheduling cycle: admit requests from Kafka records, solve pending work against a
-snapshot of the cluster, publish the cycle's placements together, then release the
-records for commit (at-least-once: an offset is committed only after its placement)."""
+snapshot of the cluster, publish the cycle's placements, preemptions and rejections
+together (with the leader's fencing token), then release the records for commit
+(at-least-once: an offset is committed only after its decision is published)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 from opentelemetry.propagate import extract
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
 from gpusched_common import topics
@@ -26,21 +29,37 @@ from gpusched_common.contracts import (
     InferenceRequest,
     Message,
     Placement,
+    Preempt,
     Rejection,
-    count_prompt_tokens,
+    ScalingSignal,
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import record_carrier
-from gpusched_scheduler.domain.cluster import ClusterView, FreeGpu, Reservation
-from gpusched_scheduler.domain.placement import Placed, Unschedulable, place_one
+from gpusched_scheduler.adapters.redis_state import RunningStore
+from gpusched_scheduler.domain.cluster import ClusterView, Reservation
+from gpusched_scheduler.domain.ordering import FairShare, order_pending
+from gpusched_scheduler.domain.planner import (
+    estimate_gpu_s,
+    plan_cycle,
+    request_tokens,
+    snapshot,
+)
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
+from gpusched_scheduler.domain.quotas import QuotaBook
+from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 
 log = logging.getLogger(__name__)
 SERVICE = "scheduler"
 
 Publish = Callable[[Message, str, str], Awaitable[None]]
 """publish(message, topic, key) in the current trace context."""
+
+
+class LeadershipLost(RuntimeError):
+    """Raised into waiting handlers when this instance stops leading: their records are
+    not committed and the new leader reads them again."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,19 @@ class Refused:
     dead_letter: DeadLetter
     rejection: Rejection | None
     """Sent to the results topic when the record names a request id a client may wait on."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    policy: str = "gpusched"
+    cycle_window_ms: float = 5.0
+    node_timeout_ms: int = 10_000
+    class_target_ms: tuple[tuple[str, float], ...] = (
+        ("interactive", 1_000.0), ("standard", 10_000.0), ("batch", 60_000.0))
+    aging_factor: float = 5.0
+    fair_half_life_s: float = 60.0
+    preemption_timeout_ms: int = 15_000
+    scaling_period_s: float = 5.0
 
 
 def parse_request_record(
@@ -109,31 +141,55 @@ def parse_request_record(
     return Admitted(request, record_carrier(record.headers))
 
 
-def request_tokens(request: InferenceRequest) -> int:
-    return (request.prompt_tokens or count_prompt_tokens(request.prompt)) + request.max_tokens
-
-
 class SchedulingEngine:
-    """Owns the pending queue and the cluster view; all mutation happens on one event loop."""
+    """Owns the pending queue, the cluster view and the placements in flight; all mutation
+    happens on one event loop. Cycles run only while `epoch` is set (this instance leads)."""
 
     def __init__(
         self, catalog: ModelCatalog, tenants: TenantDirectory, publish: Publish,
-        clock: WallClockMs, tracer: trace.Tracer, *, epoch: int, cycle_window_ms: float,
-        node_timeout_ms: int, on_cycle: Callable[[int, float], None] | None = None,
+        clock: WallClockMs, tracer: trace.Tracer, config: EngineConfig = EngineConfig(),
+        store: RunningStore | None = None, registry: CollectorRegistry | None = None,
     ) -> None:
         self.catalog = catalog
         self.tenants = tenants
+        self.config = config
         self.view = ClusterView()
         self.queue = PendingQueue()
+        self.running: dict[str, RunningPlacement] = {}
+        self.fair = FairShare(config.fair_half_life_s)
+        self.quotas = QuotaBook()
+        self.epoch: int | None = None
         self._publish = publish
         self._clock = clock
         self._tracer = tracer
-        self._epoch = epoch
-        self._window_s = cycle_window_ms / 1000
-        self._node_timeout_ms = node_timeout_ms
+        self._store = store
+        self._targets = dict(config.class_target_ms)
+        self._weights = {t.name: t.weight for t in tenants.tenants}
         self._wake = asyncio.Event()
         self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self._on_cycle = on_cycle
+        self._preempting: dict[str, int] = {}
+        """Request id -> ms until which its preemption is in progress (not planned again)."""
+        self._arrivals: dict[str, float] = {}
+        self._service_s: dict[str, float] = {}
+        self._last_scaling_s = 0.0
+        self._metrics = _Metrics(registry or CollectorRegistry())
+
+    # --- leadership ---------------------------------------------------------------------
+    def lead(self, epoch: int, running: list[RunningPlacement]) -> None:
+        """Start leading with fencing token `epoch`, taking over the placements in flight."""
+        self.epoch = epoch
+        self.running = {r.placement_id: r for r in running}
+        for r in running:
+            self._placed[(r.request.request_id, r.request.attempt)] = None
+        self._wake.set()
+
+    def step_down(self) -> None:
+        """Stop leading: waiting handlers fail (their records stay uncommitted)."""
+        self.epoch = None
+        for item in list(self.queue.in_order()):
+            self.queue.remove(item)
+            if not item.token.done():
+                item.token.set_exception(LeadershipLost("another scheduler leads now"))
 
     # --- inputs -------------------------------------------------------------------------
     async def admit(self, records: list[ConsumerRecord]) -> None:
@@ -146,11 +202,24 @@ class SchedulingEngine:
             if isinstance(outcome, Refused):
                 await self._refuse(outcome)
                 continue
-            key = (outcome.request.request_id, outcome.request.attempt)
+            request = outcome.request
+            key = (request.request_id, request.attempt)
             if key in self._placed:
                 continue  # redelivered after its placement was published: nothing to do
+            if request.attempt == 0 and request.requeued is None \
+                    and not self._in_queue(key):
+                over = self._over_quota(request, now)
+                if over is not None:
+                    self._metrics.rejected.labels("quota").inc()
+                    await self._publish(Rejection(request_id=request.request_id,
+                                                  tenant=request.tenant, status_code=429,
+                                                  reason=over),
+                                        topics.RESULTS.name, request.request_id)
+                    continue
+                self.quotas.admit(request.tenant, request_tokens(request), now)
+                self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if self.queue.push(Pending(outcome.request, outcome.carrier, now, done)):
+            if self.queue.push(Pending(request, outcome.carrier, now, done)):
                 waits.append(done)
         if waits:
             self._wake.set()
@@ -170,96 +239,262 @@ class SchedulingEngine:
             self.view.apply_node_state(state, now)
         self._wake.set()
 
-    def usage(self, records: list[ConsumerRecord]) -> None:
-        released = False
+    async def usage(self, records: list[ConsumerRecord]) -> None:
+        """Measured usage: charge fair share; a final record ends its placement."""
+        now_s = self._clock() / 1000
+        ended: list[str] = []
         for record in records:
             try:
                 usage = USAGE.validate_json(record.value)
             except ValidationError:
                 continue
-            if usage.final:
-                self.view.release(usage.placement_id)
-                released = True
-        if released:
+            self.fair.charge(usage.tenant, usage.gpu_seconds, now_s)
+            if not usage.final:
+                continue
+            self.view.release(usage.placement_id)
+            done = self.running.pop(usage.placement_id, None)
+            if done is not None:
+                self.fair.charge(usage.tenant, -done.estimate_gpu_s, now_s)
+                seconds = max(0.0, (usage.ended_at_ms - usage.started_at_ms) / 1000)
+                old = self._service_s.get(usage.model, seconds)
+                self._service_s[usage.model] = 0.8 * old + 0.2 * seconds
+                ended.append(usage.placement_id)
+        if ended:
+            if self._store is not None and self.epoch is not None:
+                await self._store.remove(ended)
             self._wake.set()
 
     # --- the cycle ----------------------------------------------------------------------
     async def run(self) -> None:
         """Cycle whenever woken (new work, node state, released memory), at most once per
-        micro-batch window, and at least once a second (node time-outs)."""
+        micro-batch window, and at least once a second (node time-outs, aging)."""
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
             except TimeoutError:
                 pass
-            if self._window_s:
-                await asyncio.sleep(self._window_s)
+            if self.config.cycle_window_ms:
+                await asyncio.sleep(self.config.cycle_window_ms / 1000)
             self._wake.clear()
+            if self.epoch is None:
+                continue
             try:
                 await self.cycle()
+                await self._maybe_signal_scaling()
             except Exception:  # a fault in one cycle must not stop scheduling
                 log.exception("scheduling cycle failed; retrying")
                 await asyncio.sleep(0.5)
                 self._wake.set()
 
     async def cycle(self) -> int:
-        """One pass over pending work in priority order; returns placements published."""
+        """One pass: recover work of lost nodes, then place pending work in order; returns
+        how many decisions (placements, rejections, preemptions) it published."""
+        if self.epoch is None:
+            return 0
+        now = self._clock()
+        cfg = self.config
+        await self._recover_lost_nodes(now)
+        self._update_depth_gauges()
         if not len(self.queue):
             return 0
-        started = asyncio.get_running_loop().time()
-        now = self._clock()
-        gpus = self.view.schedulable_gpus(now, self._node_timeout_ms)
-        decided: list[tuple[Pending, Placement | Rejection]] = []
-        for item in self.queue.in_order():
-            request = item.request
+        started = time.perf_counter()
+        chunks = order_pending(self.queue.in_order(), now, self.fair, self._weights,
+                               self._targets, cfg.aging_factor, self._estimate)
+        snap = snapshot(self.view.nodes, self.view.reserved_mib(), self.view.pending_models(),
+                        self.view.live_nodes(now, cfg.node_timeout_ms))
+        self._preempting = {r: t for r, t in self._preempting.items() if t > now}
+        solve_started = time.perf_counter()
+        decisions = plan_cycle(snap, chunks, self.catalog, cfg.policy,
+                               list(self.running.values()), now, self._may_preempt(now))
+        self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
+
+        messages: list[tuple[Pending | None, Message, str, str]] = []
+        new_running: list[RunningPlacement] = []
+        used = self._guaranteed_use()
+        for place in decisions.placed:
+            request = place.item.request
             spec = self.catalog.get(request.model)
-            assert spec is not None  # checked at admission
-            outcome = place_one(request_tokens(request), spec, gpus)
-            if isinstance(outcome, Placed):
-                placement = Placement(
-                    placement_id=f"{request.request_id}#{request.attempt}",
-                    node_id=outcome.node_id, gpu_indices=(outcome.gpu_index,),
-                    kv_cache_mib=outcome.kv_cache_mib, scheduler_epoch=self._epoch,
-                    placed_at_ms=now, request=request)
-                self.view.reserve(Reservation(placement.placement_id, outcome.node_id,
-                                              outcome.gpu_index, outcome.memory_mib, spec.name))
-                gpus = _after(gpus, outcome, spec.name)
-                decided.append((item, placement))
-            elif isinstance(outcome, Unschedulable) and outcome.permanent:
-                decided.append((item, Rejection(request_id=request.request_id,
-                                                tenant=request.tenant, status_code=422,
-                                                reason=outcome.reason)))
-        for item, _ in decided:
+            pid = f"{request.request_id}#{request.attempt}"
+            placement = Placement(placement_id=pid, node_id=place.node_id,
+                                  gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
+                                  scheduler_epoch=self.epoch, placed_at_ms=now, request=request)
+            self.view.reserve(Reservation(pid, place.node_id, place.gpu_indices,
+                                          place.memory_mib_per_gpu, spec.name))
+            mib = place.memory_mib_per_gpu * len(place.gpu_indices)
+            used[request.tenant] = used.get(request.tenant, 0) + mib
+            guarantee = self._guarantee(request.tenant)
+            running = RunningPlacement(
+                placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
+                memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
+                borrowed=guarantee is not None and used[request.tenant] > guarantee,
+                estimate_gpu_s=estimate_gpu_s(request, spec), placed_at_ms=now,
+                request=request)
+            self.running[pid] = running
+            new_running.append(running)
+            self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
+            self._preempting.pop(request.request_id, None)
+            messages.append((place.item, placement, topics.PLACEMENTS.name, place.node_id))
+            self._metrics.placement_latency.labels(request.priority_class).observe(
+                max(0.0, now - request.created_at_ms) / 1000)
+        for reject in decisions.rejected:
+            request = reject.item.request
+            self._metrics.rejected.labels("unschedulable").inc()
+            messages.append((reject.item, Rejection(
+                request_id=request.request_id, tenant=request.tenant, status_code=422,
+                reason=reject.reason), topics.RESULTS.name, request.request_id))
+        for pre in decisions.preemptions:
+            self._preempting[pre.item.request.request_id] = now + cfg.preemption_timeout_ms
+            for victim in pre.victims:
+                self._metrics.preemptions.inc()
+                messages.append((pre.item, Preempt(
+                    placement_id=victim.placement_id, request_id=victim.request.request_id,
+                    node_id=victim.node_id, scheduler_epoch=self.epoch,
+                    reason=f"preempted for {pre.item.request.priority_class} request "
+                    f"{pre.item.request.request_id} of tenant {pre.item.request.tenant}"),
+                    topics.PLACEMENTS.name, victim.node_id))
+
+        with self._tracer.start_as_current_span(
+            "scheduling cycle",
+            links=[trace.Link(trace.get_current_span(extract(p.trace_carrier)).get_span_context())
+                   for p, *_ in messages if p is not None],
+            attributes={"gpusched.epoch": self.epoch, "gpusched.placed": len(decisions.placed),
+                        "gpusched.waiting": len(decisions.waiting),
+                        "gpusched.preemptions": len(decisions.preemptions)},
+        ):
+            await asyncio.gather(*(self._emit(item, msg, topic, key)
+                                   for item, msg, topic, key in messages))
+        if self._store is not None:
+            await self._store.save(new_running)
+        finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected]
+        for item in finished:
             self.queue.remove(item)
-        await asyncio.gather(*(self._emit(item, msg) for item, msg in decided))
-        for item, _ in decided:
             self._placed[(item.request.request_id, item.request.attempt)] = None
-            if len(self._placed) > 200_000:
-                self._placed.popitem(last=False)
             if not item.token.done():
                 item.token.set_result(None)
-        if self._on_cycle is not None:
-            self._on_cycle(len(decided), asyncio.get_running_loop().time() - started)
-        return len(decided)
+        while len(self._placed) > 200_000:
+            self._placed.popitem(last=False)
+        self._metrics.cycle_seconds.observe(time.perf_counter() - started)
+        self._metrics.decisions.inc(len(messages))
+        self._update_depth_gauges()
+        return len(messages)
 
-    async def _emit(self, item: Pending, message: Placement | Rejection) -> None:
+    # --- helpers ------------------------------------------------------------------------
+    def _estimate(self, item: Pending) -> float:
+        return estimate_gpu_s(item.request, self.catalog.get(item.request.model))
+
+    def _in_queue(self, key: tuple[str, int]) -> bool:
+        return key in self.queue.keys
+
+    def _guarantee(self, tenant: str) -> int | None:
+        t = self.tenants.get(tenant)
+        return None if t is None else t.quota.guaranteed_gpu_memory_mib
+
+    def _guaranteed_use(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for r in self.running.values():
+            used[r.tenant] = used.get(r.tenant, 0) + r.memory_mib_per_gpu * len(r.gpu_indices)
+        return used
+
+    def _over_quota(self, request: InferenceRequest, now_ms: int) -> str | None:
+        tenant = self.tenants.get(request.tenant)
+        if tenant is None or (tenant.quota.max_inflight_requests is None
+                              and tenant.quota.tokens_per_minute is None):
+            return None
+        inflight = sum(1 for p in self.queue.in_order() if p.request.tenant == tenant.name) + \
+            sum(1 for r in self.running.values() if r.tenant == tenant.name)
+        return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
+                                 now_ms)
+
+    def _may_preempt(self, now_ms: int) -> dict[str, int]:
+        """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
+        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0)."""
+        used = self._guaranteed_use()
+        out: dict[str, int] = {}
+        for item in self.queue.in_order():
+            request = item.request
+            if request.request_id in self._preempting:
+                continue
+            if request.priority_class == "interactive":
+                out[request.request_id] = 1
+                continue
+            guarantee = self._guarantee(request.tenant)
+            if guarantee is not None and used.get(request.tenant, 0) < guarantee:
+                out[request.request_id] = 0
+        return out
+
+    async def _recover_lost_nodes(self, now_ms: int) -> None:
+        """Work on a node silent past the time-out goes back to its class as a new attempt
+        (at the front: requeued='node_lost'); the retry is counted."""
+        lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
+        if not lost:
+            return
+        gone = [r for r in self.running.values() if r.node_id in lost]
+        for r in gone:
+            del self.running[r.placement_id]
+            retry = r.request.model_copy(update={"attempt": r.request.attempt + 1,
+                                                 "requeued": "node_lost"})
+            log.warning("node %s lost: retrying %s as attempt %d", r.node_id,
+                        r.request.request_id, retry.attempt)
+            self._metrics.retried.inc()
+            await self._publish(retry, topics.REQUESTS[retry.priority_class].name,
+                                retry.request_id)
+        if self._store is not None:
+            await self._store.remove([r.placement_id for r in gone])
+
+    async def _maybe_signal_scaling(self) -> None:
+        now_s = self._clock() / 1000
+        period = self.config.scaling_period_s
+        if now_s - self._last_scaling_s < period:
+            return
+        elapsed = now_s - self._last_scaling_s if self._last_scaling_s else period
+        self._last_scaling_s = now_s
+        tightest = min(self._targets.values()) / 1000
+        for spec in self.catalog.models:
+            queued = [p for p in self.queue.in_order() if p.request.model == spec.name]
+            running = [r for r in self.running.values() if r.request.model == spec.name]
+            if not queued and not running and not self._arrivals.get(spec.name):
+                continue
+            gpus = {(r.node_id, g) for r in running for g in r.gpu_indices}
+            per_request_mib = spec.kv_cache_mib(2048)
+            memory = max((g.memory_total_mib for s in self.view.nodes.values() for g in s.gpus),
+                          default=0)
+            load = ModelLoad(
+                model=spec.name, arrivals_per_s=self._arrivals.pop(spec.name, 0) / elapsed,
+                service_s=self._service_s.get(spec.name, 1.0), queued=len(queued),
+                queued_by_class={c: sum(p.request.priority_class == c for p in queued)
+                                 for c in PRIORITY_CLASSES},
+                gpus_in_use=len(gpus),
+                concurrency_per_gpu=max(0.0, (memory - spec.weight_memory_mib)
+                                        / max(per_request_mib, 1)),
+                tightest_target_s=tightest)
+            wanted = gpus_wanted(load)
+            self._metrics.gpus_wanted.labels(spec.name).set(wanted)
+            await self._publish(ScalingSignal(model=spec.name, gpus_wanted=wanted,
+                                              gpus_in_use=len(gpus),
+                                              queue_depth=load.queued_by_class,
+                                              at_ms=int(now_s * 1000)),
+                                topics.EVENTS.name, spec.name)
+
+    def _update_depth_gauges(self) -> None:
+        depth: dict[tuple[str, str], int] = {}
+        for item in self.queue.in_order():
+            key = (item.request.priority_class, item.request.tenant)
+            depth[key] = depth.get(key, 0) + 1
+        self._metrics.depth.clear()
+        for (cls, tenant), n in depth.items():
+            self._metrics.depth.labels(cls, tenant).set(n)
+
+    async def _emit(self, item: Pending | None, message: Message, topic: str, key: str) -> None:
         """Publish one decision as a child span of the request's own trace."""
-        request = item.request
+        carrier = item.trace_carrier if item is not None else {}
         with self._tracer.start_as_current_span(
-            "schedule", context=extract(item.trace_carrier),
-            attributes={"gpusched.request_id": request.request_id,
-                        "gpusched.priority_class": request.priority_class,
-                        "gpusched.queued_ms": self._clock() - item.enqueued_ms},
-        ) as span:
-            if isinstance(message, Placement):
-                span.set_attribute("gpusched.node_id", message.node_id)
-                span.set_attribute("gpusched.gpu_indices", list(message.gpu_indices))
-                await self._publish(message, topics.PLACEMENTS.name, message.node_id)
-            else:
-                span.set_attribute("gpusched.rejected", message.reason)
-                await self._publish(message, topics.RESULTS.name, message.request_id)
+            "schedule", context=extract(carrier),
+            attributes={"gpusched.decision": message.type},  # type: ignore[attr-defined]
+        ):
+            await self._publish(message, topic, key)
 
     async def _refuse(self, refused: Refused) -> None:
+        self._metrics.rejected.labels("invalid").inc()
         await self._publish(refused.dead_letter, topics.DEAD_LETTERS.name,
                             refused.dead_letter.source_topic)
         if refused.rejection is not None:
@@ -267,9 +502,28 @@ class SchedulingEngine:
                                 refused.rejection.request_id)
 
 
-def _after(gpus: list[FreeGpu], placed: Placed, model: str) -> list[FreeGpu]:
-    return [
-        FreeGpu(g.node_id, g.gpu, g.free_mib - placed.memory_mib, g.models | {model})
-        if (g.node_id, g.gpu.index) == (placed.node_id, placed.gpu_index) else g
-        for g in gpus
-    ]
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.depth = Gauge("gpusched_scheduler_queue_depth", "Pending requests.",
+                           ["priority_class", "tenant"], registry=registry)
+        self.decisions = Counter("gpusched_scheduler_decisions_total",
+                                 "Placements, rejections and preemptions published.",
+                                 registry=registry)
+        self.placement_latency = Histogram(
+            "gpusched_scheduler_placement_seconds", "Request creation to placement.",
+            ["priority_class"], registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.cycle_seconds = Histogram("gpusched_scheduler_cycle_seconds", "One cycle.",
+                                       registry=registry)
+        self.solver_seconds = Histogram("gpusched_scheduler_solver_seconds",
+                                        "Solver time of one cycle.", registry=registry)
+        self.preemptions = Counter("gpusched_scheduler_preemptions_total",
+                                   "Running placements preempted.", registry=registry)
+        self.rejected = Counter("gpusched_scheduler_rejections_total", "Requests refused.",
+                                ["reason"], registry=registry)
+        self.retried = Counter("gpusched_scheduler_retries_total",
+                               "Placements retried because their node was lost.",
+                               registry=registry)
+        self.gpus_wanted = Gauge("gpusched_scheduler_gpus_wanted",
+                                 "GPUs wanted per model to meet the latency targets.",
+                                 ["model"], registry=registry)

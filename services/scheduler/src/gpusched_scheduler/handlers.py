@@ -13,24 +13,32 @@ from gpusched_scheduler.settings import SchedulerSettings
 CONSUMER_GROUP = "gpusched-scheduler"
 
 
-def register(broker: KafkaBroker, engine: SchedulingEngine, settings: SchedulerSettings) -> None:
-    # Requests: committed only after their placements are published (NACK_ON_ERROR seeks
-    # back and redelivers when publishing failed).
+def register_requests(broker: KafkaBroker, engine: SchedulingEngine,
+                      settings: SchedulerSettings) -> None:
+    """Request topics, on the broker that runs only while this instance leads. A batch is
+    committed only after all its decisions are published; while the fleet is full the
+    handler waits, so no more is fetched (backpressure: at most `fetch_max_records` pending
+    per class). NACK_ON_ERROR seeks back and redelivers when publishing failed."""
     for spec in topics.REQUESTS.values():
         @broker.subscriber(spec.name, batch=True, group_id=CONSUMER_GROUP,
                            auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
-                           max_records=settings.fetch_max_records, batch_timeout_ms=5)
+                           max_records=settings.fetch_max_records, batch_timeout_ms=5,
+                           max_poll_interval_ms=3_600_000)
         async def on_requests(msg: KafkaMessage) -> None:
             await engine.admit(list(msg.raw_message))
 
-    # Node state: the compacted topic is read from the start by every scheduler (no group).
+
+def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
+    """Node state and usage: every instance, leader or standby, keeps its view warm."""
+
+    # The compacted topic is read from the start by every scheduler (no group).
     @broker.subscriber(topics.NODE_STATE.name, batch=True, group_id=None,
                        auto_offset_reset="earliest", batch_timeout_ms=5)
     async def on_node_state(msg: KafkaMessage) -> None:
         engine.node_states(list(msg.raw_message))
 
-    # Final usage records free the memory a placement reserved.
+    # Usage: measured consumption for fair share; final records end placements.
     @broker.subscriber(topics.USAGE.name, batch=True, group_id=None,
                        auto_offset_reset="latest", batch_timeout_ms=5)
     async def on_usage(msg: KafkaMessage) -> None:
-        engine.usage(list(msg.raw_message))
+        await engine.usage(list(msg.raw_message))

@@ -1,71 +1,119 @@
-"""Scheduler service: wires the engine to Kafka, metrics and telemetry."""
+"""Scheduler service: the engine, its leader lease, Kafka, metrics and telemetry.
+
+Every instance keeps the cluster view warm; only the leader consumes requests (its own
+broker, started on taking the lease and stopped on losing it) and publishes decisions,
+stamped with its fencing token.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
+from redis.asyncio import Redis
 
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import PRIORITY_CLASSES, Message
+from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 from gpusched_scheduler import handlers
-from gpusched_scheduler.engine import SERVICE, SchedulingEngine
+from gpusched_scheduler.adapters.redis_state import LeaderLease, RunningStore
+from gpusched_scheduler.domain.solver import POLICIES
+from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
+    if settings.placement_policy not in POLICIES:
+        raise ValueError(f"GPUSCHED_PLACEMENT_POLICY '{settings.placement_policy}' is not one "
+                         f"of {', '.join(POLICIES)}")
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
-    placements = Counter("gpusched_scheduler_decisions_total", "Placements and rejections.",
-                         registry=registry)
-    cycle_seconds = Histogram("gpusched_scheduler_cycle_seconds", "Time of one cycle.",
-                              registry=registry)
-    depth = Gauge("gpusched_scheduler_queue_depth", "Pending requests.", ["priority_class"],
-                  registry=registry)
+    request_broker = make_broker(settings.kafka, f"{SERVICE}-requests", provider, None)
+    redis = Redis.from_url(settings.redis.url)
+    lease = LeaderLease(redis, settings.instance_id, settings.lease_ttl_ms)
+    store = RunningStore(redis)
 
     async def publish(message: Message, topic: str, key: str) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"})
 
-    def on_cycle(decided: int, seconds: float) -> None:
-        placements.inc(decided)
-        cycle_seconds.observe(seconds)
-
-    engine = SchedulingEngine(
-        load_models(settings.config_dir), load_tenants(settings.config_dir), publish, clock,
-        provider.get_tracer(SERVICE), epoch=settings.scheduler_epoch,
-        cycle_window_ms=settings.cycle_window_ms,
-        node_timeout_ms=int(settings.node_timeout_s * 1000), on_cycle=on_cycle)
-    for cls in PRIORITY_CLASSES:
-        depth.labels(cls).set_function(lambda c=cls: engine.queue.depth()[c])
-    handlers.register(broker, engine, settings)
+    config = EngineConfig(
+        policy=settings.placement_policy, cycle_window_ms=settings.cycle_window_ms,
+        node_timeout_ms=int(settings.node_timeout_s * 1000),
+        class_target_ms=(("interactive", settings.interactive_target_ms),
+                         ("standard", settings.standard_target_ms),
+                         ("batch", settings.batch_target_ms)),
+        aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s)
+    engine = SchedulingEngine(load_models(settings.config_dir), load_tenants(settings.config_dir),
+                              publish, clock, provider.get_tracer(SERVICE), config, store,
+                              registry)
+    handlers.register_cluster(broker, engine)
+    handlers.register_requests(request_broker, engine, settings)
+    leader = Gauge("gpusched_scheduler_leader", "1 while this instance leads.",
+                   registry=registry)
     started = False
+
+    async def keep_lease() -> None:
+        """Renew (or try to take) the lease three times per TTL; follow what it says."""
+        period_s = settings.lease_ttl_ms / 3000
+        while True:
+            try:
+                epoch = await lease.acquire_or_renew()
+            except Exception:  # Redis unreachable: a leader cannot prove it still leads
+                log.exception("leader lease check failed")
+                epoch = None
+            if epoch is not None and engine.epoch != epoch:
+                if engine.epoch is not None:
+                    await _step_down()
+                log.info("leading with fencing token %d", epoch)
+                engine.lead(epoch, await store.load())
+                await request_broker.start()
+                leader.set(1)
+            elif epoch is None and engine.epoch is not None:
+                log.warning("lost the leader lease; stepping down")
+                await _step_down()
+            await asyncio.sleep(period_s)
+
+    async def _step_down() -> None:
+        engine.step_down()
+        leader.set(0)
+        await request_broker.stop()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started
         await topics.ensure_topics(settings.kafka.bootstrap)
+        _warm_up_solver(settings.placement_policy)
         await broker.start()
-        loop_task = asyncio.create_task(engine.run(), name="scheduling-cycle")
+        tasks = [asyncio.create_task(engine.run(), name="scheduling-cycle"),
+                 asyncio.create_task(keep_lease(), name="leader-lease")]
         started = True
         try:
             yield
         finally:
             started = False
-            loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop_task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if engine.epoch is not None:
+                await _step_down()
+                await lease.release()  # a standby takes over without waiting for the TTL
             await broker.stop()
+            await redis.aclose()
             provider.shutdown()
 
     app = FastAPI(title="gpusched scheduler", version="0.1.0", lifespan=lifespan)
@@ -74,14 +122,26 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     @app.get("/v1/cluster")
     async def cluster() -> dict:
         now = clock()
+        live = engine.view.live_nodes(now, config.node_timeout_ms)
         return {
-            "nodes": [s.model_dump() | {"last_seen_ms": engine.view.last_seen_ms.get(n)}
+            "leader": engine.epoch is not None, "epoch": engine.epoch,
+            "instance_id": settings.instance_id,
+            "nodes": [s.model_dump() | {"last_seen_ms": engine.view.last_seen_ms.get(n),
+                                        "live": n in live}
                       for n, s in sorted(engine.view.nodes.items())],
             "reservations": len(engine.view.reservations),
+            "running": len(engine.running),
             "pending": engine.queue.depth(),
-            "schedulable_gpus": len(engine.view.schedulable_gpus(
-                now, int(settings.node_timeout_s * 1000))),
         }
 
     app.state.engine = engine
     return app
+
+
+def _warm_up_solver(policy: str) -> None:
+    """Compile (or load from cache) the solver's kernels before taking traffic."""
+    from gpusched_scheduler.domain.solver import ClusterState, GpuSpec, NodeSpec, WorkBatch, solve
+
+    state = ClusterState.from_nodes([NodeSpec("warm-up", 1, 1, (GpuSpec("any", 1000, 1),))])
+    solve(state, WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[1], model_id=["m"],
+                                      model_weight_mib=[0]), policy)

@@ -1,5 +1,8 @@
 """Scheduler settings (GPUSCHED_* environment variables)."""
 
+import os
+import socket
+
 from pydantic import Field
 
 from gpusched_common.settings import ServiceSettings
@@ -7,10 +10,30 @@ from gpusched_common.settings import ServiceSettings
 
 class SchedulerSettings(ServiceSettings):
     http_port: int = Field(default=8081, ge=0, le=65535)
+    instance_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Identifies this instance in the leader lease.")
+    placement_policy: str = Field(
+        default="gpusched", description="Solver policy: first-fit, best-fit, dot-product, "
+        "gpu-packing, fgd or gpusched.")
     cycle_window_ms: float = Field(
         default=5.0, ge=0, le=1000, description="Micro-batch window: pending work is collected "
-        "this long after the first arrival, then solved as one batch.")
+        "this long after a wake-up, then solved as one batch.")
     node_timeout_s: float = Field(
-        default=10.0, gt=0, description="A node silent this long receives no new work.")
-    scheduler_epoch: int = Field(default=1, ge=0, description="Fencing token on placements.")
-    fetch_max_records: int = Field(default=500, ge=1, le=10_000)
+        default=10.0, gt=0, le=600, description="A node silent this long is lost: it gets no "
+        "new work and its running work is retried elsewhere.")
+    lease_ttl_ms: int = Field(
+        default=3000, ge=500, le=60_000, description="Leader lease; a standby takes over at "
+        "most this long (plus one renewal period) after the leader stops renewing.")
+    interactive_target_ms: float = Field(default=1_000, gt=0,
+                                         description="Placement latency target, interactive.")
+    standard_target_ms: float = Field(default=10_000, gt=0)
+    batch_target_ms: float = Field(default=60_000, gt=0)
+    aging_factor: float = Field(
+        default=5.0, ge=1, le=10, description="Work waiting longer than this many times its "
+        "class's target is served before all classes, so none waits past 10x its target.")
+    fair_half_life_s: float = Field(default=60.0, gt=0,
+                                    description="Fair share follows consumption this recent.")
+    fetch_max_records: int = Field(
+        default=256, ge=1, le=10_000, description="Records per fetch and class; also the bound "
+        "on pending requests per class held in memory (backpressure).")

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpusched_common.contracts import GpuState, NodeState
+from gpusched_common.contracts import NodeState
 
 
 @dataclass(frozen=True)
 class Reservation:
     placement_id: str
     node_id: str
-    gpu_index: int
-    memory_mib: int
+    gpu_indices: tuple[int, ...]
+    memory_mib_per_gpu: int
     model: str
 
 
 @dataclass
 class ClusterView:
-    """Mutable between cycles only; a cycle works on `snapshot()`.
+    """Mutable between cycles only; a cycle works on a snapshot of it.
 
     Invariant: a reservation is counted until the agent's node state lists its placement
     as active (the agent's free memory then includes it) or its final usage arrives.
@@ -28,6 +28,8 @@ class ClusterView:
     nodes: dict[str, NodeState] = field(default_factory=dict)
     reservations: dict[str, Reservation] = field(default_factory=dict)
     last_seen_ms: dict[str, int] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)
+    """Nodes declared lost (silent past the time-out) and not heard from since."""
 
     def apply_node_state(self, state: NodeState, now_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one."""
@@ -36,6 +38,7 @@ class ClusterView:
             return False
         self.nodes[state.node_id] = state
         self.last_seen_ms[state.node_id] = now_ms
+        self.lost.discard(state.node_id)
         active = set(state.active_placement_ids)
         for pid in [p for p, r in self.reservations.items()
                     if r.node_id == state.node_id and p in active]:
@@ -48,35 +51,30 @@ class ClusterView:
     def release(self, placement_id: str) -> None:
         self.reservations.pop(placement_id, None)
 
-    def schedulable_gpus(self, now_ms: int, node_timeout_ms: int) -> list[FreeGpu]:
-        """Healthy GPUs of ready, live nodes with their free memory net of reservations."""
-        reserved: dict[tuple[str, int], int] = {}
-        pending_models: dict[tuple[str, int], set[str]] = {}
+    def live_nodes(self, now_ms: int, node_timeout_ms: int) -> set[str]:
+        return {n for n, seen in self.last_seen_ms.items() if now_ms - seen <= node_timeout_ms
+                and self.nodes[n].status != "stopped"}
+
+    def newly_lost(self, now_ms: int, node_timeout_ms: int) -> list[str]:
+        """Nodes that just went silent past the time-out (each reported once)."""
+        gone = [n for n, seen in self.last_seen_ms.items()
+                if now_ms - seen > node_timeout_ms and n not in self.lost]
+        self.lost.update(gone)
+        for pid in [p for p, r in self.reservations.items() if r.node_id in gone]:
+            del self.reservations[pid]
+        return gone
+
+    def reserved_mib(self) -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
         for r in self.reservations.values():
-            reserved[(r.node_id, r.gpu_index)] = reserved.get((r.node_id, r.gpu_index), 0) \
-                + r.memory_mib
-            pending_models.setdefault((r.node_id, r.gpu_index), set()).add(r.model)
-        out = []
-        for node_id, state in self.nodes.items():
-            if state.status != "ready":
-                continue
-            if now_ms - self.last_seen_ms.get(node_id, 0) > node_timeout_ms:
-                continue
-            for gpu in state.gpus:
-                if not gpu.healthy:
-                    continue
-                key = (node_id, gpu.index)
-                out.append(FreeGpu(
-                    node_id=node_id, gpu=gpu,
-                    free_mib=gpu.memory_free_mib - reserved.get(key, 0),
-                    models=frozenset(gpu.loaded_models) | pending_models.get(key, set())))
+            for g in r.gpu_indices:
+                out[(r.node_id, g)] = out.get((r.node_id, g), 0) + r.memory_mib_per_gpu
         return out
 
-
-@dataclass(frozen=True)
-class FreeGpu:
-    node_id: str
-    gpu: GpuState
-    free_mib: int
-    models: frozenset[str]
-    """Loaded, or being loaded for a placement already sent."""
+    def pending_models(self) -> dict[tuple[str, int], set[str]]:
+        """Models that placements already sent will load (count as loaded for affinity)."""
+        out: dict[tuple[str, int], set[str]] = {}
+        for r in self.reservations.values():
+            for g in r.gpu_indices:
+                out.setdefault((r.node_id, g), set()).add(r.model)
+        return out

@@ -1,0 +1,71 @@
+"""Scheduler state in Redis: the leader lease with its fencing token, and the placements in
+flight (so a new leader knows what runs where)."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from gpusched_scheduler.domain.running import RunningPlacement
+
+LEADER_KEY = "gpusched:scheduler:leader"
+EPOCH_KEY = "gpusched:scheduler:epoch"
+"""The current leader's fencing token; agents refuse placements with a lower epoch."""
+RUNNING_KEY = "gpusched:scheduler:running"
+
+# KEYS: leader, epoch. ARGV: instance id, ttl ms. Returns the epoch held, or -1.
+_ACQUIRE_OR_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return redis.call('INCR', KEYS[2])
+elseif holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+return -1
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaderLease:
+    """One leader among scheduler instances: whoever holds the key leads until it stops
+    renewing; each new leadership increments the fencing token."""
+
+    def __init__(self, redis: Redis, instance_id: str, ttl_ms: int) -> None:
+        self._redis = redis
+        self.instance_id = instance_id
+        self._ttl_ms = ttl_ms
+        self._acquire = redis.register_script(_ACQUIRE_OR_RENEW)
+        self._release = redis.register_script(_RELEASE)
+
+    async def acquire_or_renew(self) -> int | None:
+        """The fencing token while this instance leads, None when another one does."""
+        epoch = int(await self._acquire(keys=[LEADER_KEY, EPOCH_KEY],
+                                        args=[self.instance_id, self._ttl_ms]))
+        return epoch if epoch >= 0 else None
+
+    async def release(self) -> None:
+        await self._release(keys=[LEADER_KEY], args=[self.instance_id])
+
+
+class RunningStore:
+    """Placements in flight, one hash field each; written once per cycle (pipelined)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    async def save(self, placements: list[RunningPlacement]) -> None:
+        if placements:
+            await self._redis.hset(RUNNING_KEY, mapping={
+                p.placement_id: p.model_dump_json() for p in placements})
+
+    async def remove(self, placement_ids: list[str]) -> None:
+        if placement_ids:
+            await self._redis.hdel(RUNNING_KEY, *placement_ids)
+
+    async def load(self) -> list[RunningPlacement]:
+        raw = await self._redis.hgetall(RUNNING_KEY)
+        return [RunningPlacement.model_validate_json(v) for v in raw.values()]

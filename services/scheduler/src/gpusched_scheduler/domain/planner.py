@@ -1,0 +1,233 @@
+"""One scheduling cycle's decisions: turn the cluster view and the ordered pending work into
+solver arrays, solve chunk by chunk (strict priority), and plan preemptions for work that
+fits nowhere. Pure: no I/O, time passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpusched_common.catalog import ModelCatalog, ModelSpec
+from gpusched_common.contracts import InferenceRequest, NodeState, count_prompt_tokens
+from gpusched_scheduler.domain.ordering import Chunk
+from gpusched_scheduler.domain.queue import Pending
+from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.domain.solver import (
+    ClusterState,
+    GpuSpec,
+    NodeSpec,
+    Reason,
+    RunningWork,
+    WorkBatch,
+    plan_preemption,
+    solve,
+)
+
+NODE_CAPACITY = 10**12
+"""Inference placements ask nothing of a node's CPU and memory; only GPUs bind."""
+GPU_SHARE_MILLI = 1
+"""Requests share a GPU by memory (continuous batching); compute share is not reserved."""
+CLASS_PRIORITY = {"interactive": 3, "standard": 2, "batch": 1}
+PERMANENT = (Reason.NO_ALLOWED_GPU_TYPE, Reason.GANG_TOO_LARGE, Reason.INVALID_REQUEST)
+
+
+def request_tokens(request: InferenceRequest) -> int:
+    return (request.prompt_tokens or count_prompt_tokens(request.prompt)) + request.max_tokens
+
+
+def memory_per_gpu(request: InferenceRequest, model: ModelSpec) -> tuple[int, int]:
+    """(KV cache MiB, weights MiB) on each GPU of the request's gang (split evenly)."""
+    n = request.num_gpus
+    return -(-model.kv_cache_mib(request_tokens(request)) // n), \
+        -(-model.weight_memory_mib // n)
+
+
+def estimate_gpu_s(request: InferenceRequest, model: ModelSpec) -> float:
+    """A rough cost used for fairness until the measured usage arrives: decode-bound time of
+    ~1 ms per billion parameters per token, shared over ~8 requests per GPU."""
+    return request.max_tokens * model.parameters_b * 1e-3 / 8 * request.num_gpus
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The schedulable fleet as solver arrays, with the mapping back to node ids."""
+
+    state: ClusterState
+    node_index: dict[str, int]
+
+
+def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], int],
+             pending_models: dict[tuple[str, int], set[str]], live: set[str]) -> Snapshot:
+    """Ready, live nodes with every GPU (unhealthy ones marked, so indices stay the node's
+    own); free memory is net of reservations the agents have not reported yet."""
+    specs = []
+    for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
+        gpus = tuple(
+            GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
+                    memory_free_mib=max(0, g.memory_free_mib - reserved_mib.get(
+                        (node_id, g.index), 0)),
+                    memory_total_mib=g.memory_total_mib, healthy=g.healthy,
+                    loaded_models=tuple(set(g.loaded_models)
+                                        | pending_models.get((node_id, g.index), set())))
+            for g in sorted(nodes[node_id].gpus, key=lambda g: g.index))
+        specs.append(NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus))
+    return Snapshot(ClusterState.from_nodes(specs), {s.node_id: i for i, s in enumerate(specs)})
+
+
+@dataclass(frozen=True)
+class Place:
+    item: Pending
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    kv_cache_mib: int
+    memory_mib_per_gpu: int
+
+
+@dataclass(frozen=True)
+class Reject:
+    item: Pending
+    reason: str
+
+
+@dataclass(frozen=True)
+class Preemption:
+    item: Pending
+    node_id: str
+    victims: tuple[RunningPlacement, ...]
+    gpu_seconds_lost: float
+
+
+@dataclass(frozen=True)
+class CycleDecisions:
+    placed: list[Place]
+    rejected: list[Reject]
+    waiting: list[Pending]
+    preemptions: list[Preemption]
+
+
+def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
+               running: list[RunningPlacement], now_ms: int,
+               may_preempt: dict[str, int], max_preemptions: int = 4) -> CycleDecisions:
+    """Solve chunk by chunk on the state left by the previous one; after a chunk with work
+    that has to wait, later chunks wait too. `may_preempt` maps a request id to the highest
+    victim priority it may preempt (1: batch and borrowed work, 0: borrowed work only)."""
+    placed: list[Place] = []
+    rejected: list[Reject] = []
+    waiting: list[Pending] = []
+    preemptions: list[Preemption] = []
+    state = snap.state
+    blocked = False
+    for chunk in chunks:
+        if blocked:
+            waiting += chunk.items
+            continue
+        batch = _batch([i.request for i in chunk.items], catalog)
+        result = solve(state, batch, policy)
+        state = result.state
+        for u, item in enumerate(chunk.items):
+            outcome = result.outcome(u)
+            kv, weight = memory_per_gpu(item.request, catalog.get(item.request.model))
+            if hasattr(outcome, "gpu_indices"):
+                loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
+                                    item.request.model)
+                placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
+                                    kv + (0 if loaded else weight)))
+            elif outcome.reason in PERMANENT or _never_fits(snap, kv + weight,
+                                                           item.request.num_gpus):
+                rejected.append(Reject(item, _never_reason(item.request, kv, weight,
+                                                           outcome.message)))
+            else:
+                waiting.append(item)
+                blocked = True
+    if running and may_preempt:
+        taken: set[str] = set()
+        for item in waiting:
+            if len(preemptions) >= max_preemptions:
+                break
+            ceiling = may_preempt.get(item.request.request_id)
+            if ceiling is None:
+                continue
+            plan = _plan(state, snap, item, catalog, running, now_ms, ceiling, taken)
+            if plan is not None:
+                preemptions.append(plan)
+                taken |= {v.placement_id for v in plan.victims}
+    return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
+           priority: list[int] | None = None) -> WorkBatch:
+    sizes = [memory_per_gpu(r, catalog.get(r.model)) for r in requests]
+    return WorkBatch.from_units(
+        num_gpu=[r.num_gpus for r in requests], gpu_milli=[GPU_SHARE_MILLI] * len(requests),
+        cpu_milli=[0] * len(requests), mem_mib=[0] * len(requests),
+        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[r.model for r in requests],
+        model_weight_mib=[w for _, w in sizes],
+        priority=priority or [CLASS_PRIORITY[r.priority_class] for r in requests],
+        tenant=[r.tenant for r in requests], unit_ids=[r.request_id for r in requests])
+
+
+def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], model: str) -> bool:
+    state = snap.state
+    start = int(state.node_gpu_start[snap.node_index[node_id]])
+    if model not in state.model_names:
+        return False
+    code = state.model_names.index(model)
+    return all(code in state.gpu_models[start + g] for g in gpus)
+
+
+def _never_fits(snap: Snapshot, mib_per_gpu: int, num_gpus: int) -> bool:
+    """True when no node has `num_gpus` healthy GPUs each with that much memory in total."""
+    state = snap.state
+    if state.num_nodes == 0:
+        return False  # no fleet yet: wait for agents rather than reject
+    for n in range(state.num_nodes):
+        lo, hi = int(state.node_gpu_start[n]), int(state.node_gpu_start[n + 1])
+        big = state.gpu_healthy[lo:hi] & (state.gpu_mem_total_mib[lo:hi] >= mib_per_gpu)
+        if int(big.sum()) >= num_gpus:
+            return False
+    return True
+
+
+def _never_reason(request: InferenceRequest, kv: int, weight: int, solver_message: str) -> str:
+    n = request.num_gpus
+    return (f"{request.model} needs {kv + weight} MiB on each of {n} GPU(s) of one node "
+            f"(weights {weight} + KV cache {kv} per GPU) and no node has that: "
+            f"{solver_message}. Use more GPUs per request (num_gpus) or a smaller model.")
+
+
+def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
+          running: list[RunningPlacement], now_ms: int, ceiling: int, taken: set[str]
+          ) -> Preemption | None:
+    """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
+    1), not already being preempted; cost = GPU-seconds of progress lost."""
+    candidates = [r for r in running if r.node_id in snap.node_index
+                  and r.placement_id not in taken and _victim_priority(r) <= ceiling]
+    if not candidates:
+        return None
+    gpus = np.full((len(candidates), 8), -1, np.int64)
+    for i, r in enumerate(candidates):
+        start = int(state.node_gpu_start[snap.node_index[r.node_id]])
+        gpus[i, :len(r.gpu_indices)] = [start + g for g in r.gpu_indices]
+    victims = _batch([r.request for r in candidates], catalog,
+                     [_victim_priority(r) for r in candidates])
+    # preempting frees the KV cache; the victim's model stays loaded on the GPU
+    victims.gpu_mem_mib[:] = [r.kv_cache_mib for r in candidates]
+    victims.model_weight_mib[:] = 0
+    work = RunningWork(
+        batch=victims, node=np.array([snap.node_index[r.node_id] for r in candidates],
+                                     np.int64), gpus=gpus,
+        gpu_seconds_lost=np.array([max(0.0, now_ms - r.placed_at_ms) / 1000 * len(
+            r.gpu_indices) for r in candidates], np.float64))
+    unit = _batch([item.request], catalog, [ceiling + 1])
+    plan = plan_preemption(state, work, unit)
+    if not plan.feasible:
+        return None
+    return Preemption(item, state.node_ids[plan.node],
+                      tuple(candidates[v] for v in plan.victims), plan.gpu_seconds_lost)
+
+
+def _victim_priority(r: RunningPlacement) -> int:
+    if r.borrowed:
+        return 0
+    return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
