@@ -278,3 +278,33 @@ async def test_a_tenant_reads_only_its_own_usage(stack) -> None:
         schema = (await http.get("/openapi.json")).json()
         assert {"/v1/usage", "/v1/usage/top", "/v1/usage/requests/{request_id}",
                 "/v1/usage/export.csv"} <= set(schema["paths"])
+
+
+async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stack) -> None:
+    import argparse
+
+    from gpusched_accounting import reconcile
+    from gpusched_accounting.adapters.store import bucket_key
+
+    tenant = tenants_named("reconcile", 1)[0]
+    records = make_usage([tenant], 5, seed=5)
+    await produce(stack, records)
+
+    async def settled():
+        return await drained(stack, "gpusched-accounting")
+
+    await eventually(settled, timeout_s=60, what="accounting to consume the records")
+    args = argparse.Namespace(kafka=stack.endpoints.kafka_bootstrap,
+                              redis=stack.endpoints.redis_url,
+                              tenant=tenant, config_dir=CONFIG)
+    report = await reconcile.run(args)
+    assert report["differences"] == [] and report["tenant_days_checked"] >= 1
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    try:
+        day = records[0].ended_at_ms // 86_400_000 * 86_400
+        await redis.hset(bucket_key(tenant, "day", day), "t", "1 0 0 0 0")
+        report = await reconcile.run(args)
+    finally:
+        await redis.aclose()
+    assert [d["tenant"] for d in report["differences"]] == [tenant]
+    assert report["differences"][0]["live"]["prompt_tokens"] == 1

@@ -39,12 +39,17 @@ async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
         parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
         if not parts:
             await consumer._client.force_metadata_update()  # noqa: SLF001
-            parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+            parts = [TopicPartition(topic, p)
+                     for p in consumer.partitions_for_topic(topic) or ()]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
         out = []
-        while any(await consumer.position(tp) < end for tp, end in ends.items()):
+
+        async def behind() -> bool:
+            return any([await consumer.position(tp) < end for tp, end in ends.items()])
+
+        while await behind():
             for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
                 for record in records:
                     if record.offset >= ends[TopicPartition(record.topic, record.partition)]:
