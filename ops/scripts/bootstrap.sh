@@ -27,8 +27,8 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$manifest" ]]; then
   # download.pytorch.org answers, else PyPI's default build (with CUDA libraries, ~3.5 GB;
   # about 2.5 min cold on a fast link).
   "$venv/bin/pip" install --quiet --retries 1 --timeout 20 \
-    --index-url https://download.pytorch.org/whl/cpu "torch>=2.3" 2>/dev/null \
-    || "$venv/bin/pip" install --quiet "torch>=2.3"
+    --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" 2>/dev/null \
+    || "$venv/bin/pip" install --quiet "torch>=2.4"
   echo "$manifest" > "$stamp"
 fi
 bash "$root/ops/scripts/install-all.sh"

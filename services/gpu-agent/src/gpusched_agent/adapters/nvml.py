@@ -7,6 +7,7 @@ without a GPU; health and MIG expansion happen afterwards in `domain.inventory`.
 from __future__ import annotations
 
 import logging
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -18,7 +19,9 @@ MIB = 1024 * 1024
 
 def load_pynvml() -> ModuleType | None:
     try:
-        import pynvml
+        with warnings.catch_warnings():  # the 'pynvml' shim warns that it is deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            import pynvml
     except ImportError:
         return None
     return pynvml
