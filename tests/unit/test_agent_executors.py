@@ -188,3 +188,33 @@ async def test_openai_executor_reports_an_unreachable_server() -> None:
     with pytest.raises(ExecutorError, match="unreachable"):
         await collect(ex.generate(job("o3")))
     await ex.close()
+
+
+# --- selection -------------------------------------------------------------------------------
+def test_executor_settings_are_validated_at_start_up() -> None:
+    from pydantic import ValidationError
+
+    from gpusched_agent.main import make_executor
+    from gpusched_agent.settings import AgentSettings
+
+    with pytest.raises(ValidationError, match="GPUSCHED_OPENAI_BASE_URL"):
+        AgentSettings(executor="openai")
+    with pytest.raises(ValidationError):
+        AgentSettings(executor="tensorrt")
+    assert make_executor(AgentSettings(executor="openai",
+                                       openai_base_url="http://127.0.0.1:8000")).name == "openai"
+    assert make_executor(AgentSettings(executor="torch", torch_device="cpu")).name == "torch"
+    assert make_executor(AgentSettings()).name == "simulated"
+
+
+def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from gpusched_agent.main import create_app; "
+            "from gpusched_agent.settings import AgentSettings; "
+            "create_app(AgentSettings(simulate='2xH100-80GB', node_id='n')); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -216,3 +216,22 @@ async def test_placement_that_does_not_fit_is_handed_back_with_a_zero_final_usag
     assert usage.final and (usage.prompt_tokens, usage.completion_tokens) == (0, 0)
     [again] = sink.of(InferenceRequest)
     assert again.requeued == "handback" and again.attempt == 1
+
+
+@pytest.mark.parametrize("stop", ["preempt", "cancel"])
+async def test_stop_in_the_same_tick_as_the_placement_still_ends_it_cleanly(stop) -> None:
+    runtime, sink, _ = make()
+    await runtime.command(placement("now"))
+    if stop == "preempt":
+        await runtime.command(Preempt(placement_id="now#0", request_id="now", node_id="n1",
+                                      scheduler_epoch=1, reason="x"))
+    else:
+        runtime.cancel(Cancel(request_id="now", reason="gone", at_ms=0))
+    await settle(runtime)
+    assert usage_sum(sink, "now") == (0, 0, 0.0) and len(sink.of(UsageRecord)) == 1
+    if stop == "preempt":
+        [again] = sink.of(InferenceRequest)
+        assert again.requeued == "preempted" and sink.of(RequestResult) == []
+    else:
+        [result] = sink.of(RequestResult)
+        assert result.status == "cancelled"

@@ -81,6 +81,8 @@ class _Running:
     stop_reason: str | None = None
     """'cancelled', 'preempted' or 'drained' once asked to stop."""
     detail: str = ""
+    entered: bool = False
+    """The task began running (a task cancelled before that never runs its cleanup)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     billed_prompt: int = 0
@@ -189,7 +191,8 @@ class AgentRuntime:
             return Ignored(f"placement {placement_id} is not running here")
         if run.stop_reason is None:
             run.stop_reason, run.detail = why, detail
-            run.task.cancel()
+            if run.entered:  # else `_run` sees stop_reason as soon as it starts
+                run.task.cancel()
         return Stopping(placement_id)
 
     async def drain(self, timeout_s: float) -> None:
@@ -213,7 +216,11 @@ class AgentRuntime:
         placement = run.placement
         request = placement.request
         pid = placement.placement_id
+        run.entered = True
         try:
+            if run.stop_reason is not None:
+                await self._end_unstarted(run, run.stop_reason, run.detail)
+                return
             if request.request_id in self._cancelled:
                 await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
                 return
