@@ -218,3 +218,36 @@ def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -> None:
+    from gpusched_agent.adapters.ledger import MemoryLedger
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+    from gpusched_agent.domain.inventory import parse_simulated
+    from gpusched_agent.domain.node import NodeModel
+    from gpusched_agent.runtime import AgentRuntime
+    from gpusched_common.contracts import Placement, RequestResult, UsageRecord
+
+    sent: list = []
+
+    async def publish(message, topic, key, wait=True) -> None:
+        sent.append(message)
+
+    executor = TorchExecutor("cpu", seed=0, config=TinyConfig(dim=32, layers=1), threads=1)
+    runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")),
+                           CATALOG, executor, publish, MemoryLedger(), lambda: 0,
+                           chunk_tokens=4, heartbeat_s=1)
+    req = job("rt", max_tokens=10).request
+    await runtime.command(Placement(placement_id="rt#0", node_id="n", gpu_indices=(0,),
+                                    kv_cache_mib=1, scheduler_epoch=0, placed_at_ms=0,
+                                    request=req))
+    async with asyncio.timeout(30):
+        while runtime.in_flight:
+            await asyncio.sleep(0.01)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    [usage] = [m for m in sent if isinstance(m, UsageRecord)]
+    assert result.status == "completed" and result.completion_tokens == 10
+    assert usage.completion_tokens == 10 and usage.gpu_seconds > 0
+    assert runtime.node.gpus[0].loaded_mib  # the model stays warm
+    await executor.close()
