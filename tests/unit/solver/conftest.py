@@ -48,9 +48,10 @@ def clusters(draw, max_nodes: int = 5, max_gpus: int = 4) -> ClusterState:
 @st.composite
 def batches(draw, max_units: int = 8) -> WorkBatch:
     n = draw(st.integers(1, max_units))
-    k = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=n, max_size=n))
+    k = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 9]), min_size=n, max_size=n))
     milli = [
-        draw(st.sampled_from([100, 250, 300, 500, 750, 1000])) if x > 0 else 0 for x in k
+        draw(st.sampled_from([0, 100, 250, 300, 500, 750, 1000, 1000])) if x > 0 else 0
+        for x in k
     ]
     allowed = draw(
         st.lists(

@@ -23,6 +23,7 @@ from gpusched_scheduler.domain.solver import POLICIES
 
 from . import openb, optimal, throughput
 
+
 def _default_traces() -> Path:
     """``../shared/data/openb`` beside the repository root (source checkout), else beside
     the working directory."""

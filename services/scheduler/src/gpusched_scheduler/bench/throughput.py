@@ -84,7 +84,8 @@ def measure(
     """Time ``repeats`` solves of the whole batch (each against the same snapshot) and the
     reference on a prefix that fits ``reference_budget_s``; peak memory of one solve."""
     shapes = ShapeDistribution.from_batch(batch)
-    solve(state, batch.take(slice(0, 16)), policy, shapes=shapes, lookahead=lookahead)  # JIT/cache warm
+    # warm the JIT/cache
+    solve(state, batch.take(slice(0, 16)), policy, shapes=shapes, lookahead=lookahead)
     lat = []
     res = None
     for _ in range(repeats):

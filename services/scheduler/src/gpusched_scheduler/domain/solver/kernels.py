@@ -316,13 +316,21 @@ def apply_unit(S, n, u, U, sel):
 
 
 @njit(cache=True)
+def valid_request(u, U):
+    """num_gpu 0-8; a GPU unit asks for 1-1000 milli-GPU each; no negative sizes."""
+    k = U[0][u]
+    milli = U[1][u]
+    if k < 0 or k > 8 or milli < 0 or milli > 1000 or (k > 0 and milli == 0):
+        return False
+    return U[3][u] >= 0 and U[4][u] >= 0 and U[2][u] >= 0 and U[7][u] >= 0
+
+
+@njit(cache=True)
 def diagnose(S, u, U):
     """Reason code for a unit that fits no node (first failing requirement, most basic first)."""
     k = U[0][u]
     milli = U[1][u]
-    if k < 0 or k > 8 or milli < 0 or milli > 1000 or (k > 0 and milli == 0):
-        return INVALID_REQUEST
-    if U[3][u] < 0 or U[4][u] < 0 or U[2][u] < 0 or U[7][u] < 0:
+    if not valid_request(u, U):
         return INVALID_REQUEST
     any_type = k == 0
     gang_ok = k == 0
@@ -504,7 +512,7 @@ def solve_kernel(
         k = U[0][u]
         slot = shape_of[u]
         best = -1
-        if k < 0 or k > 8:
+        if not valid_request(u, U):
             out_node[u] = -1
             out_reason[u] = INVALID_REQUEST
             continue

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from .kernels import valid_request
 from .solve import resolve, state_tuple
-from .state import MAX_GANG_GPUS, ClusterState, WorkBatch
+from .state import ClusterState, WorkBatch
 
 EXACT_MAX_VICTIMS = 16
 """Nodes with up to this many lower-priority units are searched exhaustively (2^n subsets);
@@ -105,7 +106,6 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
     gk_buf = np.empty(max_g, np.int64)
     vic = np.empty(max_v, np.int64)
     take = np.zeros(max_v, np.bool_)
-    best_take = np.zeros(max_v, np.bool_)
     best_node = -1
     best_cost = np.inf
     best_count = 1 << 30
@@ -217,8 +217,11 @@ def plan_preemption(
     state, u, rb, vic_idx, vic_start = _prepare(state, running, one)
     take = np.zeros(len(running.node), np.bool_)
     k = int(u[0][0])
-    if not 0 <= k <= MAX_GANG_GPUS:
-        return PreemptionPlan(False, message="the unit's request is invalid (num_gpu 0-8)")
+    if not valid_request(0, u):
+        return PreemptionPlan(
+            False, message="the unit's request is invalid (num_gpu 0-8, gpu_milli 1-1000 per "
+            "GPU when GPUs are asked for, no negative sizes); fix the request"
+        )
     node, cost, _count, proven = _plan_kernel(
         state_tuple(state), k, int(u[1][0]), int(u[2][0]), int(u[3][0]), int(u[4][0]),
         int(u[5][0]), int(u[6][0]), int(u[7][0]), int(one.priority[0]),
@@ -248,6 +251,8 @@ def reference_plan(
     unit_d = dict(k=int(u[0][0]), milli=int(u[1][0]), gmem=int(u[2][0]), cpu=int(u[3][0]),
                   mem=int(u[4][0]), mask=int(u[5][0]), model=int(u[6][0]), weight=int(u[7][0]))
     prio = int(one.priority[0])
+    if not valid_request(0, u):
+        return PreemptionPlan(False, message="invalid request")
     best = None
     for n in range(state.num_nodes):
         vic = [int(v) for v in np.flatnonzero(

@@ -82,7 +82,8 @@ def _frag_of(c: _Cluster, n: int, unit: dict | None, sel: list[int], shapes) -> 
             gmem[i] -= unit["gmem"] + (
                 0 if unit["model"] < 0 or c.loaded(g, unit["model"]) else unit["weight"]
             )
-    return _frag(milli, [c.gtype[g] for g in gl], gmem, [c.healthy[g] for g in gl], cpu, mem, shapes)
+    gtype = [c.gtype[g] for g in gl]
+    return _frag(milli, gtype, gmem, [c.healthy[g] for g in gl], cpu, mem, shapes)
 
 
 def _stranded(gfree, cpu, mem, params) -> float:
@@ -178,11 +179,17 @@ def _place(c: _Cluster, n: int, unit: dict, sel: list[int]) -> None:
         c.gmem[g] -= need
 
 
-def _diagnose(c: _Cluster, unit: dict) -> int:
+def _valid(unit: dict) -> bool:
     k, milli = unit["k"], unit["milli"]
     if not 0 <= k <= MAX_GANG_GPUS or not 0 <= milli <= 1000 or (k > 0 and milli == 0):
-        return K.INVALID_REQUEST
-    if min(unit["cpu"], unit["mem"], unit["gmem"], unit["weight"]) < 0:
+        return False
+    return min(unit["cpu"], unit["mem"], unit["gmem"], unit["weight"]) >= 0
+
+
+def _diagnose(c: _Cluster, unit: dict) -> int:
+    k = unit["k"]
+    milli = unit["milli"]
+    if not _valid(unit):
         return K.INVALID_REQUEST
     any_type = gang_ok = k == 0
     cpu_ok = share_ok = False
@@ -244,7 +251,7 @@ def reference_solve(
     for u in order.tolist()[: limit if limit is not None else n_units]:
         unit = dict(k=cols[0][u], milli=cols[1][u], gmem=cols[2][u], cpu=cols[3][u],
                     mem=cols[4][u], mask=cols[5][u], model=cols[6][u], weight=cols[7][u])
-        if not 0 <= unit["k"] <= MAX_GANG_GPUS:
+        if not _valid(unit):
             out_reason[u] = K.INVALID_REQUEST
             continue
         best, best_score, best_sel = -1, math.inf, []

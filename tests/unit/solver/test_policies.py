@@ -1,0 +1,152 @@
+"""Table-driven behaviour of each policy and of the reason codes on tiny clusters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpusched_scheduler.domain.solver import (
+    POLICIES,
+    ClusterState,
+    GpuSpec,
+    NodeSpec,
+    Placed,
+    Reason,
+    ShapeDistribution,
+    Unschedulable,
+    WorkBatch,
+    get_policy,
+    solve,
+)
+
+
+def cluster(*nodes: tuple[int, list[int]], gpu_type: str = "T4", mem: int = 16000,
+            cpu: int = 32000) -> ClusterState:
+    """Nodes given as (cpu_free or None, [milli free per GPU])."""
+    return ClusterState.from_nodes(
+        NodeSpec(f"node-{i}", c if c is not None else cpu, 65536,
+                 tuple(GpuSpec(gpu_type, m, mem) for m in gpus),
+                 cpu_total_milli=cpu, memory_total_mib=65536)
+        for i, (c, gpus) in enumerate(nodes)
+    )
+
+
+def one(num_gpu=1, gpu_milli=500, cpu=1000, mem=1024, **kw) -> WorkBatch:
+    return WorkBatch.from_units(num_gpu=[num_gpu], gpu_milli=[gpu_milli], cpu_milli=[cpu],
+                                mem_mib=[mem], **{k: [v] for k, v in kw.items()})
+
+
+@pytest.mark.parametrize(
+    "policy, expected_node, expected_gpu",
+    [
+        ("first-fit", 0, 0),  # lowest index that fits
+        ("best-fit", 1, 1),  # tightest node, tightest GPU (600 free)
+        ("gpu-packing", 1, 1),  # partially used GPU first
+        ("fgd", 1, 1),  # filling the 600 GPU leaves least unusable share
+        ("gpusched", 1, 1),
+    ],
+)
+def test_sharing_unit_choice(policy, expected_node, expected_gpu):
+    state = cluster((None, [1000, 1000]), (None, [1000, 600]))
+    workload = WorkBatch.from_units(num_gpu=[1, 1, 1], gpu_milli=[1000, 1000, 500],
+                                    cpu_milli=[1000] * 3, mem_mib=[1024] * 3)
+    res = solve(state, one(gpu_milli=500), policy,
+                shapes=ShapeDistribution.from_batch(workload))
+    out = res.outcome(0)
+    assert isinstance(out, Placed)
+    assert (out.node_index, out.gpu_indices) == (expected_node, (expected_gpu,))
+
+
+def test_whole_gpu_unit_needs_a_fully_free_gpu():
+    state = cluster((None, [999, 999]), (None, [999, 1000]))
+    res = solve(state, one(gpu_milli=1000), "first-fit")
+    assert res.outcome(0) == Placed(0, 1, "node-1", (1,))
+
+
+def test_gang_is_all_or_nothing_on_one_node():
+    state = cluster((None, [1000, 1000]), (None, [1000, 1000]))
+    res = solve(state, one(num_gpu=3, gpu_milli=1000), "first-fit")
+    out = res.outcome(0)
+    assert isinstance(out, Unschedulable) and out.reason == Reason.GANG_TOO_LARGE
+    assert res.state.gpu_milli_free.tolist() == [1000] * 4
+
+
+def test_type_constraint():
+    state = ClusterState.from_nodes([
+        NodeSpec("a", 8000, 8000, (GpuSpec("T4", 1000, 16000),)),
+        NodeSpec("b", 8000, 8000, (GpuSpec("A100", 1000, 80000),)),
+    ])
+    res = solve(state, one(gpu_milli=1000, allowed_gpu_types=["A100"]), "first-fit")
+    assert res.outcome(0).node_id == "b"
+    res = solve(state, one(allowed_gpu_types=["H100"]), "first-fit")
+    assert res.outcome(0).reason == Reason.NO_ALLOWED_GPU_TYPE
+
+
+def test_model_weight_charged_only_where_not_loaded():
+    state = ClusterState.from_nodes([
+        NodeSpec("cold", 8000, 8000, (GpuSpec("T4", 1000, 10000),)),
+        NodeSpec("warm", 8000, 8000, (GpuSpec("T4", 1000, 10000, loaded_models=("llama",)),)),
+    ])
+    unit = one(gpu_milli=300, gpu_mem_mib=2000, model_id="llama", model_weight_mib=7000)
+    res = solve(state, unit, "gpusched")
+    assert res.outcome(0).node_id == "warm"  # affinity bonus and no load needed
+    assert res.state.gpu_mem_free_mib.tolist() == [10000, 8000]
+    cold = solve(state, unit, "first-fit")  # first-fit ignores affinity: pays the load
+    assert cold.outcome(0).node_id == "cold"
+    assert cold.state.gpu_mem_free_mib.tolist() == [1000, 10000]
+    assert "llama" in cold.state.model_names
+    too_big = one(gpu_milli=300, gpu_mem_mib=4000, model_id="other",
+                  model_weight_mib=7000)
+    assert solve(state, too_big, "first-fit").outcome(0).reason == (
+        Reason.INSUFFICIENT_GPU_MEMORY)
+
+
+@pytest.mark.parametrize(
+    "unit, reason",
+    [
+        (one(num_gpu=9, gpu_milli=1000), Reason.INVALID_REQUEST),
+        (one(num_gpu=1, gpu_milli=0), Reason.INVALID_REQUEST),
+        (one(cpu=10**9), Reason.INSUFFICIENT_CPU_MEMORY),
+        (one(gpu_milli=1000), Reason.INSUFFICIENT_GPU_SHARE),
+    ],
+)
+def test_reasons(unit, reason):
+    state = cluster((None, [400, 900]))
+    out = solve(state, unit, "best-fit").outcome(0)
+    assert isinstance(out, Unschedulable) and out.reason == reason and out.message
+
+
+def test_cpu_only_units_and_unknown_policy():
+    state = cluster((4000, [1000]), (32000, [1000]))
+    res = solve(state, one(num_gpu=0, gpu_milli=0, cpu=8000), "first-fit")
+    assert res.outcome(0).node_id == "node-1"
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        get_policy("worst-fit")
+    assert set(POLICIES) >= {"first-fit", "best-fit", "dot-product", "gpu-packing", "fgd",
+                             "gpusched"}
+
+
+def test_gpusched_keeps_cpu_rich_nodes_for_cpu_heavy_work():
+    """A CPU-only unit goes where it strands the least GPU share (the CPU-rich node)."""
+    state = ClusterState.from_nodes([
+        NodeSpec("gpu-dense", 16000, 65536, tuple(GpuSpec("G", 1000, 0) for _ in range(8)),
+                 ),
+        NodeSpec("cpu-rich", 96000, 65536, (GpuSpec("G", 1000, 0),)),
+    ])
+    workload = WorkBatch.from_units(num_gpu=[1] * 9 + [0], gpu_milli=[1000] * 9 + [0],
+                                    cpu_milli=[2000] * 9 + [12000], mem_mib=[0] * 10)
+    shapes = ShapeDistribution.from_batch(workload)
+    res = solve(state, one(num_gpu=0, gpu_milli=0, cpu=12000, mem=0), "gpusched",
+                shapes=shapes)
+    assert res.outcome(0).node_id == "cpu-rich"
+
+
+def test_lookahead_places_big_units_first_but_reports_in_batch_order():
+    state = cluster((None, [1000, 1000]))
+    batch = WorkBatch.from_units(num_gpu=[1, 1, 2], gpu_milli=[500, 500, 1000],
+                                 cpu_milli=[0, 0, 0], mem_mib=[0, 0, 0])
+    online = solve(state, batch, "first-fit")
+    assert online.node.tolist() == [0, 0, -1]  # the gang arrives too late
+    batched = solve(state, batch, "first-fit", lookahead=True)
+    assert batched.node.tolist() == [-1, -1, 0]
+    assert np.all(batched.gpus[2, :2] == [0, 1])
