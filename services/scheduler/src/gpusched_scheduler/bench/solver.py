@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated policies to replay")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: openb,"
-                   "throughput,optimal")
+                   "throughput,first,optimal")
     return p
 
 
@@ -247,6 +247,42 @@ def run_throughput(args, traces: Path, out: dict) -> None:
                                "units", "value": peak, "ok": peak < 100})
 
 
+FIRST_PLACEMENT_SNIPPET = """
+import time
+t0 = time.perf_counter()
+from gpusched_scheduler.domain.solver import ClusterState, WorkBatch, solve
+t1 = time.perf_counter()
+state = ClusterState.from_arrays(["a", "b"], [8000, 8000], [8000, 8000], [2, 2], ["T4", "T4"])
+unit = WorkBatch.from_units(num_gpu=[1], gpu_milli=[500], cpu_milli=[100], mem_mib=[100])
+solve(state, unit, "gpusched")
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def run_first_placement(out: dict) -> None:
+    """A fresh process (JIT cache already on disk from this run): import, then time the
+    first placement."""
+    import subprocess
+
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", FIRST_PLACEMENT_SNIPPET], env=env,
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        print(f"first-placement probe failed: {proc.stderr.strip()[-300:]}")
+        return
+    import_s, first_s = (float(x) for x in proc.stdout.split())
+    out["first_placement"] = {"import_s": round(import_s, 3), "first_placement_s":
+                              round(first_s, 3)}
+    print(f"\nwarm process: import {import_s:.2f} s, first placement {first_s:.2f} s after "
+          "import")
+    out.setdefault("targets", []).append(
+        {"target": "first placement within 1 s of import (warm JIT cache)",
+         "value": round(first_s, 3), "ok": first_s <= 1.0})
+
+
 def run_optimal(args, out: dict) -> None:
     policies = list(POLICIES)
     rows, secs = optimal.run(policies, args.quick)
@@ -310,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         run_openb(args, traces, out)
     if have_traces and "throughput" not in skip:
         run_throughput(args, traces, out)
+    if "first" not in skip:
+        run_first_placement(out)
     if "optimal" not in skip:
         run_optimal(args, out)
     out["seconds"] = round(time.perf_counter() - t0, 2)
