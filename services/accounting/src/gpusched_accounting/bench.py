@@ -179,6 +179,7 @@ async def day_of_buckets(redis_url: str, prices: PriceTable, tenants: int, queri
             rows = []
     fill_s = time.perf_counter() - started
     used = (await redis.info("memory"))["used_memory"] - base
+    await redis.config_resetstat()
     lat = []
     rnd = random.Random(3)
     for _ in range(queries):
@@ -187,18 +188,21 @@ async def day_of_buckets(redis_url: str, prices: PriceTable, tenants: int, queri
         await store.window(f"tenant-{rnd.randrange(tenants):03d}", plan.buckets, "m:")
         lat.append((time.perf_counter() - t0) * 1000)
     lat.sort()
+    stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
     await redis.aclose()
     return {"events": applied, "fill_events_per_s": round(applied / fill_s),
             "redis_mib": round(used / 2**20, 1),
             "query_p50_ms": round(lat[len(lat) // 2], 2),
-            "query_p99_ms": round(lat[int(len(lat) * 0.99) - 1], 2)}
+            "query_p99_ms": round(lat[int(len(lat) * 0.99) - 1], 2),
+            "query_redis_ms_per_call": round(stats.get("usec_per_call", 0) / 1000, 2)}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched bench accounting", description=__doc__)
     parser.add_argument("--events", type=int, default=200_000, help="Events through Kafka.")
     parser.add_argument("--tenants", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=5000, help="Records per Lua call.")
+    parser.add_argument("--batch", type=int, default=2000,
+                        help="Records per Lua call (the service default).")
     parser.add_argument("--baseline-events", type=int, default=5000)
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="20k events, 10 tenants.")
@@ -255,7 +259,8 @@ def main(argv: list[str]) -> int:
           f"   exact totals: {kafka['exact']}  (target >= 20,000/s)")
     print(f"day of minute buckets, {args.tenants} tenants x {len(MODELS)} models: "
           f"{day['events']:,} records, Redis {day['redis_mib']} MiB (target < 200), query "
-          f"p50 {day['query_p50_ms']} ms, p99 {day['query_p99_ms']} ms (target < 10)")
+          f"p50 {day['query_p50_ms']} ms, p99 {day['query_p99_ms']} ms (target < 10; "
+          f"{day['query_redis_ms_per_call']} ms of it inside Redis on average)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if kafka["exact"] else 1

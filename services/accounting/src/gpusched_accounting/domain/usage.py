@@ -85,6 +85,9 @@ class ModelPrice(BaseModel):
                               description="USD per million completion tokens.")
 
 
+_FREE = ModelPrice()
+
+
 class PriceTable(BaseModel):
     """Cost = GPU time at its GPU type's hourly price + tokens at their model's price per
     million. A type or model missing from the table costs the `default` entry."""
@@ -98,8 +101,8 @@ class PriceTable(BaseModel):
         """Nano-USD of one record, rounded once per record (so it never depends on order)."""
         gpu_hour = 0.0 if gpu_type == NO_GPU else self.gpu_hour_usd.get(
             gpu_type, self.gpu_hour_usd.get("default", 0.0))
-        price = self.model_usd_per_million_tokens.get(
-            model, self.model_usd_per_million_tokens.get("default", ModelPrice()))
+        price = self.model_usd_per_million_tokens.get(model) or \
+            self.model_usd_per_million_tokens.get("default") or _FREE
         nusd = (gpu_us * gpu_hour / 3600 * 1000  # gpu_us/1e6 h/3600 x USD x 1e9 nUSD
                 + prompt_tokens * price.prompt * 1000 + completion_tokens * price.completion * 1000)
         return round(nusd)
