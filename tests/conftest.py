@@ -7,25 +7,18 @@ run as local processes against either. Unit tests never touch it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from stack_helpers import INFRA_PORTS, SERVICE_TEST_ENV, TEST_SERVICE_PORTS
 
-from gpusched_ops.services import ServicePorts, service_specs
+from gpusched_ops.services import service_specs
 from gpusched_ops.stack import LocalStack, StackEndpoints
-from gpusched_ops.testing import TEST_PORTS, start_test_stack
+from gpusched_ops.testing import start_test_stack
 
-PORT_OFFSET = int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
-"""Shifts every test port, so several test sessions can run side by side on one machine."""
-TEST_SERVICE_PORTS = ServicePorts(router=28080 + PORT_OFFSET, scheduler=28081 + PORT_OFFSET,
-                                  accounting=28082 + PORT_OFFSET, first_agent=28090 + PORT_OFFSET)
-INFRA_PORTS = dataclasses.replace(
-    TEST_PORTS, **{f.name: getattr(TEST_PORTS, f.name) + PORT_OFFSET
-                   for f in dataclasses.fields(TEST_PORTS)})
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
@@ -45,9 +38,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     endpoints, stop_infra, local = start_test_stack(run_dir, INFRA_PORTS)
     processes = local or LocalStack(run_dir / "services")
     try:
-        for spec in service_specs(endpoints, TEST_SERVICE_PORTS,
-                                  {"GPUSCHED_TIME_SCALE": "0.1", "GPUSCHED_HEARTBEAT_S": "1"}):
-            processes.start_service(spec)
+        for spec in service_specs(endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV):
+            # the scheduler compiles its solver kernels on a cold cache: allow for it
+            processes.start_service(spec, timeout_s=300)
         p = TEST_SERVICE_PORTS
         yield RunningStack(endpoints, processes, f"http://127.0.0.1:{p.router}",
                            f"http://127.0.0.1:{p.scheduler}", f"http://127.0.0.1:{p.accounting}")

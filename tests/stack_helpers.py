@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from gpusched_ops.services import ServicePorts
+from gpusched_ops.testing import TEST_PORTS
+
 T = TypeVar("T")
+
+PORT_OFFSET = int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
+"""Shifts every test port, so several test sessions can run side by side on one machine."""
+TEST_SERVICE_PORTS = ServicePorts(router=28080 + PORT_OFFSET, scheduler=28081 + PORT_OFFSET,
+                                  accounting=28082 + PORT_OFFSET, first_agent=28090 + PORT_OFFSET)
+INFRA_PORTS = dataclasses.replace(
+    TEST_PORTS, **{f.name: getattr(TEST_PORTS, f.name) + PORT_OFFSET
+                   for f in dataclasses.fields(TEST_PORTS)})
+SERVICE_TEST_ENV = {
+    "GPUSCHED_TIME_SCALE": "0.1",   # simulated GPUs run ten times faster than the model says
+    "GPUSCHED_HEARTBEAT_S": "1",
+    "GPUSCHED_NODE_TIMEOUT_S": "4",
+    "GPUSCHED_LEASE_TTL_MS": "2000",
+}
+
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], timeout_s: float = 20,
@@ -60,3 +80,40 @@ async def read_topic(bootstrap: str, topic: str, match: Callable[[bytes | None, 
         return found
     finally:
         await consumer.stop()
+
+
+class TopicWatch:
+    """Records of a topic from the moment the watch started (positions fixed up front, so
+    nothing produced after `start()` is missed)."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
+                                          enable_auto_commit=False)
+        self._topic = topic
+        self.records: list[tuple[bytes | None, bytes, int]] = []
+        """(key, value, timestamp ms) in arrival order."""
+
+    async def start(self) -> TopicWatch:
+        await self._consumer.start()
+        parts = [TopicPartition(self._topic, p)
+                 for p in (await _partitions(self._consumer, self._topic))]
+        self._consumer.assign(parts)
+        for tp, offset in (await self._consumer.end_offsets(parts)).items():
+            self._consumer.seek(tp, offset)
+        return self
+
+    async def poll(self) -> None:
+        batch = await self._consumer.getmany(timeout_ms=200)
+        for records in batch.values():
+            self.records += [(r.key, r.value, r.timestamp) for r in records]
+
+    async def until(self, done: Callable[[list[tuple[bytes | None, bytes, int]]], bool],
+                    timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done(self.records):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            await self.poll()
+
+    async def stop(self) -> None:
+        await self._consumer.stop()

@@ -50,7 +50,7 @@ def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
             endpoints = stack.start_infra()
         for spec in service_specs(endpoints):
             with console.status(f"starting {spec.name}"):
-                stack.start_service(spec)
+                stack.start_service(spec, timeout_s=300)  # cold solver cache: JIT compile
     except StackError as exc:
         _fail(str(exc))
     console.print(f"[green]up[/green]: router {urls()['router']}, accounting "

@@ -32,6 +32,7 @@ from gpusched_common.contracts import (
     Preempt,
     Rejection,
     ScalingSignal,
+    count_prompt_tokens,
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
@@ -171,6 +172,7 @@ class SchedulingEngine:
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
+        self._gpu_s_per_token: dict[str, float] = {}
         self._last_scaling_s = 0.0
         self._metrics = _Metrics(registry or CollectorRegistry())
 
@@ -253,6 +255,11 @@ class SchedulingEngine:
                 continue
             self.view.release(usage.placement_id)
             done = self.running.pop(usage.placement_id, None)
+            if usage.completion_tokens > 0:
+                per_token = usage.gpu_seconds / _weighted_tokens(usage.prompt_tokens,
+                                                                 usage.completion_tokens)
+                old = self._gpu_s_per_token.get(usage.model, per_token)
+                self._gpu_s_per_token[usage.model] = 0.9 * old + 0.1 * per_token
             if done is not None:
                 self.fair.charge(usage.tenant, -done.estimate_gpu_s, now_s)
                 seconds = max(0.0, (usage.ended_at_ms - usage.started_at_ms) / 1000)
@@ -327,7 +334,7 @@ class SchedulingEngine:
                 placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
                 borrowed=guarantee is not None and used[request.tenant] > guarantee,
-                estimate_gpu_s=estimate_gpu_s(request, spec), placed_at_ms=now,
+                estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
                 request=request)
             self.running[pid] = running
             new_running.append(running)
@@ -380,7 +387,16 @@ class SchedulingEngine:
 
     # --- helpers ------------------------------------------------------------------------
     def _estimate(self, item: Pending) -> float:
-        return estimate_gpu_s(item.request, self.catalog.get(item.request.model))
+        return self._estimate_request(item.request)
+
+    def _estimate_request(self, request: InferenceRequest) -> float:
+        """GPU-seconds a request will probably use: learned per model from measured usage
+        (per weighted token), else a rough prior; only fairness between tenants uses it."""
+        learned = self._gpu_s_per_token.get(request.model)
+        if learned is None:
+            return estimate_gpu_s(request, self.catalog.get(request.model))
+        prompt = request.prompt_tokens or count_prompt_tokens(request.prompt)
+        return learned * _weighted_tokens(prompt, request.max_tokens)
 
     def _in_queue(self, key: tuple[str, int]) -> bool:
         return key in self.queue.keys
@@ -500,6 +516,11 @@ class SchedulingEngine:
         if refused.rejection is not None:
             await self._publish(refused.rejection, topics.RESULTS.name,
                                 refused.rejection.request_id)
+
+
+def _weighted_tokens(prompt_tokens: int, completion_tokens: int) -> float:
+    """Generated tokens dominate GPU time; a prompt token costs about 1/20 of one."""
+    return max(1.0, completion_tokens + prompt_tokens / 20)
 
 
 class _Metrics:

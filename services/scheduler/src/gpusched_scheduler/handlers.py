@@ -10,7 +10,8 @@ from gpusched_common import topics
 from gpusched_scheduler.engine import SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
 
-CONSUMER_GROUP = "gpusched-scheduler"
+CONSUMER_GROUP = "gpusched-scheduler-{}"
+"""One group per class: a class's consumer joins or leaves without rebalancing the others."""
 
 
 def register_requests(broker: KafkaBroker, engine: SchedulingEngine,
@@ -19,8 +20,8 @@ def register_requests(broker: KafkaBroker, engine: SchedulingEngine,
     committed only after all its decisions are published; while the fleet is full the
     handler waits, so no more is fetched (backpressure: at most `fetch_max_records` pending
     per class). NACK_ON_ERROR seeks back and redelivers when publishing failed."""
-    for spec in topics.REQUESTS.values():
-        @broker.subscriber(spec.name, batch=True, group_id=CONSUMER_GROUP,
+    for cls, spec in topics.REQUESTS.items():
+        @broker.subscriber(spec.name, batch=True, group_id=CONSUMER_GROUP.format(cls),
                            auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
                            max_records=settings.fetch_max_records, batch_timeout_ms=5,
                            max_poll_interval_ms=3_600_000)

@@ -65,25 +65,36 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                    registry=registry)
     started = False
 
+    transitions = asyncio.Lock()
+
+    async def follow(epoch: int | None) -> None:
+        """Lead with `epoch`, or stop leading when None; one transition at a time."""
+        async with transitions:
+            if engine.epoch == epoch:
+                return
+            if engine.epoch is not None:
+                log.warning("stepping down as leader (token %s)", engine.epoch)
+                await _step_down()
+            if epoch is not None:
+                log.info("leading with fencing token %d", epoch)
+                engine.lead(epoch, await store.load())
+                leader.set(1)
+                await request_broker.start()
+
     async def keep_lease() -> None:
-        """Renew (or try to take) the lease three times per TTL; follow what it says."""
+        """Renew (or try to take) the lease three times per TTL. Transitions run beside the
+        renewals (joining the consumer groups takes a while) so a leader never lets its own
+        lease lapse while it starts consuming."""
         period_s = settings.lease_ttl_ms / 3000
+        pending: asyncio.Task[None] | None = None
         while True:
             try:
                 epoch = await lease.acquire_or_renew()
             except Exception:  # Redis unreachable: a leader cannot prove it still leads
                 log.exception("leader lease check failed")
                 epoch = None
-            if epoch is not None and engine.epoch != epoch:
-                if engine.epoch is not None:
-                    await _step_down()
-                log.info("leading with fencing token %d", epoch)
-                engine.lead(epoch, await store.load())
-                await request_broker.start()
-                leader.set(1)
-            elif epoch is None and engine.epoch is not None:
-                log.warning("lost the leader lease; stepping down")
-                await _step_down()
+            if epoch != engine.epoch and (pending is None or pending.done()):
+                pending = asyncio.create_task(follow(epoch), name="leadership")
             await asyncio.sleep(period_s)
 
     async def _step_down() -> None:
@@ -110,7 +121,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if engine.epoch is not None:
-                await _step_down()
+                async with transitions:
+                    await _step_down()
                 await lease.release()  # a standby takes over without waiting for the TTL
             await broker.stop()
             await redis.aclose()
@@ -133,6 +145,15 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             "running": len(engine.running),
             "pending": engine.queue.depth(),
         }
+
+    @app.get("/v1/placements")
+    async def placements() -> dict:
+        """Placements in flight (leader's view): where each request runs."""
+        return {"placements": [
+            {"placement_id": r.placement_id, "request_id": r.request.request_id,
+             "tenant": r.tenant, "priority_class": r.request.priority_class,
+             "node_id": r.node_id, "gpu_indices": list(r.gpu_indices), "borrowed": r.borrowed,
+             "placed_at_ms": r.placed_at_ms} for r in engine.running.values()]}
 
     app.state.engine = engine
     return app

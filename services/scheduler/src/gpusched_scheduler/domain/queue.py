@@ -44,8 +44,11 @@ class PendingQueue:
             yield from list(self.by_class[cls])
 
     def remove(self, item: Pending) -> None:
-        self.by_class[item.request.priority_class].remove(item)
-        self.keys.discard((item.request.request_id, item.request.attempt))
+        """Take `item` out; a no-op when it is gone already (the queue was cleared)."""
+        key = (item.request.request_id, item.request.attempt)
+        if key in self.keys:
+            self.by_class[item.request.priority_class].remove(item)
+            self.keys.discard(key)
 
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}

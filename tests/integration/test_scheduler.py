@@ -1,0 +1,253 @@
+"""Scheduler behaviour on the real stack: strict priority, weighted fair share, quotas and
+borrowing, preemption, gangs, node loss and leader fail-over. Most tests run on a small
+fleet (one simulated L4 node) so that it fills up quickly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import Counter
+from dataclasses import replace
+
+import httpx
+import pytest
+import pytest_asyncio
+from aiokafka import AIOKafkaProducer
+from stack_helpers import SERVICE_TEST_ENV, TEST_SERVICE_PORTS, TopicWatch, eventually
+
+from gpusched_common import topics
+from gpusched_common.contracts import RESULT_EVENT, USAGE, Rejection, RequestResult
+from gpusched_ops.services import AGENT_NODES, service_specs
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+MODEL = "llama-3.1-8b"  # 15 GB of weights: one L4 holds ~7 requests of 1,000 tokens
+
+
+async def cluster(stack) -> dict:
+    async with httpx.AsyncClient(base_url=stack.scheduler_url, timeout=10) as http:
+        return (await http.get("/v1/cluster")).json()
+
+
+async def live_nodes(stack) -> set[str]:
+    return {n["node_id"] for n in (await cluster(stack))["nodes"]
+            if n["live"] and n["status"] == "ready"}
+
+
+def agent_specs(stack, nodes):
+    specs = service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV, agents=nodes)
+    return [s for s in specs if s.name.startswith("agent-")]
+
+
+async def use_fleet(stack, nodes, port_shift: int = 0) -> None:
+    """Replace whatever agents run with `nodes` and wait until the scheduler sees exactly
+    those as live and ready."""
+    for spec in agent_specs(stack, AGENT_NODES):
+        stack.processes.stop_service(spec.name)
+    for spec in agent_specs(stack, nodes):
+        port = int(spec.env["GPUSCHED_HTTP_PORT"]) + port_shift
+        spec = replace(spec, env={**spec.env, "GPUSCHED_HTTP_PORT": str(port)},
+                       health_url=f"http://127.0.0.1:{port}/healthz")
+        stack.processes.start_service(spec)
+    want = {n for n, _ in nodes}
+
+    async def exact():
+        return await live_nodes(stack) == want
+    await eventually(exact, timeout_s=30, what=f"fleet {want}")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def small_fleet(stack):
+    small = (("node-small", "1xL4-24GB"),)
+    await use_fleet(stack, small, port_shift=5)
+    yield small
+    for spec in agent_specs(stack, small):
+        stack.processes.stop_service(spec.name)
+    for spec in agent_specs(stack, AGENT_NODES):
+        stack.processes.start_service(spec)
+
+    async def back():
+        return await live_nodes(stack) == {n for n, _ in AGENT_NODES}
+    await eventually(back, timeout_s=30, what="default fleet back")
+
+
+async def produce(stack, requests: list[dict]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap, linger_ms=5)
+    await producer.start()
+    try:
+        for r in requests:
+            await producer.send(topics.REQUESTS[r["priority_class"]].name,
+                                json.dumps(r).encode(), key=r["request_id"].encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+BIG_PROMPT = 7000
+"""Prompt tokens of a request that takes ~1 GiB of KV cache: one L4 holds seven of them."""
+
+
+def request(tenant: str, cls: str, max_tokens: int, tag: str, prompt_tokens: int = BIG_PROMPT,
+            **extra) -> dict:
+    return {"request_id": f"{tag}-{uuid.uuid4().hex[:8]}", "tenant": tenant, "model": MODEL,
+            "priority_class": cls, "prompt": "tok", "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens, **extra}
+
+
+def results_by_id(records) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for _key, value, _ts in records:
+        event = RESULT_EVENT.validate_json(value)
+        if isinstance(event, RequestResult | Rejection):
+            out.setdefault(event.request_id, []).append(event)
+    return out
+
+
+def started_at_ms(records) -> dict[str, float]:
+    """When each request started executing: its result's timestamp less its run time."""
+    out = {}
+    for _key, value, ts in records:
+        event = RESULT_EVENT.validate_json(value)
+        if isinstance(event, RequestResult):
+            out[event.request_id] = ts - (event.total_ms - event.queued_ms)
+    return out
+
+
+async def watch(stack, topic: str) -> TopicWatch:
+    return await TopicWatch(stack.endpoints.kafka_bootstrap, topic).start()
+
+
+async def test_interactive_goes_before_earlier_batch_and_batch_still_completes(
+        stack, small_fleet) -> None:
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        batch = [request("initech", "batch", 300, "fill") for _ in range(14)]
+        await produce(stack, batch)
+        await asyncio.sleep(1.0)  # the fleet is full (7 run), the other 7 queue
+        urgent = [request("acme", "interactive", 20, "urgent") for _ in range(3)]
+        await produce(stack, urgent)
+        ids = {r["request_id"] for r in batch + urgent}
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 240,
+                            "every request's result")
+    finally:
+        await results.stop()
+    done = results_by_id(results.records)
+    assert all(len(done[i]) == 1 and done[i][0].status == "completed" for i in ids)
+    started = started_at_ms(results.records)
+    # every urgent request started before the batch work still queued when it arrived
+    still_queued = sorted(started[r["request_id"]] for r in batch)[-7:]
+    assert max(started[r["request_id"]] for r in urgent) < min(still_queued)
+
+
+async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) -> None:
+    usage = await watch(stack, topics.USAGE.name)
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        # stark (weight 3) and wayne (weight 1) flood one class with equal requests
+        work = [request(t, "standard", 120, f"fair-{t}") for _ in range(60)
+                for t in ("stark", "wayne")]
+        await produce(stack, work)
+        ids = {r["request_id"] for r in work}
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 300, "all results")
+        await usage.until(lambda recs: len([1 for _k, v, _t in recs if b'"final":true' in v
+                                            and any(i.encode() in v for i in ids)]) >= len(ids),
+                          60, "final usage of every request")
+    finally:
+        await usage.stop()
+        await results.stop()
+    records = [USAGE.validate_json(v) for _k, v, _t in usage.records]
+    mine = [u for u in records if u.request_id in ids]
+    # the window: while both tenants still had work waiting (until the first one ran out)
+    last_start = {t: max(u.started_at_ms for u in mine if u.tenant == t)
+                  for t in ("stark", "wayne")}
+    window_end = min(last_start.values())
+    gpu_s = Counter()
+    for u in mine:
+        if u.started_at_ms < window_end:
+            gpu_s[u.tenant] += u.gpu_seconds
+    ratio = gpu_s["stark"] / gpu_s["wayne"]
+    assert 3 * 0.9 <= ratio <= 3 * 1.1, f"stark:wayne GPU-seconds {dict(gpu_s)}, ratio {ratio:.2f}"
+
+
+async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
+        async def one(tokens: int) -> httpx.Response:
+            return await http.post("/v1/completions", headers={
+                "Authorization": "Bearer sk-hooli-demo"},
+                json={"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": tokens})
+        replies = [await one(900) for _ in range(4)]  # 4 x 901 tokens > 3,000 per minute
+    assert [r.status_code for r in replies[:3]] == [200, 200, 200]
+    assert replies[3].status_code == 429
+    assert "tokens per minute" in replies[3].json()["error"]["message"]
+
+
+async def test_borrowed_capacity_is_reclaimed_for_a_tenant_within_its_guarantee(
+        stack, small_fleet) -> None:
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        borrowers = [request("umbrella", "batch", 1000, "borrow") for _ in range(7)]
+        await produce(stack, borrowers)
+        await asyncio.sleep(2.0)  # umbrella now holds the whole fleet, beyond its guarantee
+        owner = [request("soylent", "batch", 30, "owner")]
+        await produce(stack, owner)
+        ids = {r["request_id"] for r in borrowers + owner}
+        await results.until(lambda recs: owner[0]["request_id"] in results_by_id(recs), 60,
+                            "the owner's result")
+        owner_done = results_by_id(results.records)[owner[0]["request_id"]][0]
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 240, "all results")
+    finally:
+        await results.stop()
+    done = results_by_id(results.records)
+    assert owner_done.status == "completed"
+    assert owner_done.queued_ms < 5_000  # did not wait ~8 s for the borrowers to finish
+    assert all(len(done[i]) == 1 and done[i][0].status == "completed" for i in ids)
+
+
+async def test_a_gang_runs_on_two_gpus_of_one_node(stack) -> None:
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        gang = request("acme", "interactive", 8, "gang", prompt_tokens=100, num_gpus=2)
+        gang["model"] = "llama-3.1-70b"
+        await produce(stack, [gang])
+        await results.until(lambda recs: gang["request_id"] in results_by_id(recs), 90,
+                            "the gang's result")
+    finally:
+        await results.stop()
+    [result] = results_by_id(results.records)[gang["request_id"]]
+    assert result.status == "completed"
+    assert result.node_id == "node-1" and len(set(result.gpu_indices)) == 2
+
+
+async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        work = [request("globex", "standard", 6000, "lost", prompt_tokens=100) for _ in range(4)]
+        await produce(stack, work)
+        ids = {r["request_id"] for r in work}
+
+        async def running_on() -> dict[str, str] | None:
+            async with httpx.AsyncClient(base_url=stack.scheduler_url) as http:
+                rows = (await http.get("/v1/placements")).json()["placements"]
+            where = {r["request_id"]: r["node_id"] for r in rows if r["request_id"] in ids}
+            return where if len(where) == len(ids) else None
+        where = await eventually(running_on, timeout_s=30, what="all four placed")
+        victim = sorted(set(where.values()))[0]
+        await asyncio.sleep(1.0)  # mid-generation
+        stack.processes.kill_service(f"agent-{victim}")
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 120, "all results")
+    finally:
+        await results.stop()
+        for spec in agent_specs(stack, AGENT_NODES):
+            stack.processes.start_service(spec)  # no-op for the one still running
+    done = results_by_id(results.records)
+    moved = [i for i, n in where.items() if n == victim]
+    assert moved
+    for i in ids:
+        finals = [r for r in done[i] if r.status == "completed"]
+        assert finals, f"{i} never completed"
+    for i in moved:
+        assert any(r.node_id != victim and r.status == "completed" for r in done[i])
+
+    async def back():
+        return await live_nodes(stack) == {n for n, _ in AGENT_NODES}
+    await eventually(back, timeout_s=30, what="the killed agent back")
