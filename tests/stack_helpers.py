@@ -107,6 +107,15 @@ class TopicWatch:
         for records in batch.values():
             self.records += [(r.key, r.value, r.timestamp) for r in records]
 
+    async def drain(self, quiet_s: float = 1.0) -> None:
+        """Read until nothing new arrived for `quiet_s`."""
+        deadline = time.monotonic() + quiet_s
+        while time.monotonic() < deadline:
+            before = len(self.records)
+            await self.poll()
+            if len(self.records) > before:
+                deadline = time.monotonic() + quiet_s
+
     async def until(self, done: Callable[[list[tuple[bytes | None, bytes, int]]], bool],
                     timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s

@@ -251,3 +251,84 @@ async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
     async def back():
         return await live_nodes(stack) == {n for n, _ in AGENT_NODES}
     await eventually(back, timeout_s=30, what="the killed agent back")
+
+
+async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(
+        stack, small_fleet) -> None:
+    results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
+    try:
+        batch = [request("initech", "batch", 800, "victim") for _ in range(7)]
+        await produce(stack, batch)
+        await asyncio.sleep(1.5)  # all seven run; the GPU is full
+        urgent = request("acme", "interactive", 10, "vip", prompt_tokens=7500)  # no room
+        await produce(stack, [urgent])
+        ids = {r["request_id"] for r in batch} | {urgent["request_id"]}
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 240, "all results")
+        await usage.drain(2.0)  # the last usage records
+    finally:
+        await results.stop()
+        await usage.stop()
+    done = results_by_id(results.records)
+    assert all(len(done[i]) == 1 and done[i][0].status == "completed" for i in ids)
+    assert done[urgent["request_id"]][0].queued_ms < 4_000  # it did not wait ~6 s
+    records = [USAGE.validate_json(v) for _k, v, _t in usage.records]
+    records = [u for u in records if u.request_id in ids]
+    finals = [u for u in records if u.final]
+    per_placement = Counter(u.placement_id for u in finals)
+    assert set(per_placement.values()) == {1}  # every run billed once
+    preempted = {u.request_id for u in finals if u.placement_id.endswith("#0")} & \
+        {u.request_id for u in finals if u.placement_id.endswith("#1")}
+    assert preempted, "no batch request was preempted and run again"
+    for rid in preempted:  # billed for both runs' tokens (partials are deltas)
+        billed = sum(u.completion_tokens for u in records if u.request_id == rid)
+        assert billed > done[rid][0].completion_tokens
+
+
+async def test_standby_takes_over_within_5_s_and_every_request_completes_once(stack) -> None:
+    [spec] = [s for s in service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV)
+              if s.name == "scheduler"]
+    port = TEST_SERVICE_PORTS.scheduler + 20
+    standby = replace(spec, name="scheduler-standby",
+                      env={**spec.env, "GPUSCHED_HTTP_PORT": str(port)},
+                      health_url=f"http://127.0.0.1:{port}/healthz")
+    stack.processes.start_service(standby, timeout_s=300)
+    standby_url = f"http://127.0.0.1:{port}"
+
+    async def leads(url: str) -> bool:
+        async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+            try:
+                return (await http.get("/v1/cluster")).json()["leader"]
+            except httpx.HTTPError:
+                return False
+
+    results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
+    try:
+        assert await leads(stack.scheduler_url) and not await leads(standby_url)
+        work = [request("globex", "standard", 200, "ha", prompt_tokens=100)
+                for _ in range(40)]
+        await produce(stack, work[:20])
+        await asyncio.sleep(0.5)
+        stack.processes.kill_service("scheduler")
+        killed = asyncio.get_running_loop().time()
+        await produce(stack, work[20:])  # accepted while nobody leads
+        await eventually(lambda: leads(standby_url), timeout_s=10, interval_s=0.1,
+                         what="the standby to lead")
+        takeover_s = asyncio.get_running_loop().time() - killed
+        ids = {r["request_id"] for r in work}
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 180, "all results")
+        await usage.drain(2.0)
+    finally:
+        await results.stop()
+        await usage.stop()
+        stack.processes.start_service(spec, timeout_s=300)  # back, as the standby
+        stack.processes.stop_service("scheduler-standby")  # releases the lease
+        await eventually(lambda: leads(stack.scheduler_url), timeout_s=15,
+                         what="the original scheduler to lead again")
+    assert takeover_s <= 5.0, f"takeover took {takeover_s:.1f} s"
+    done = results_by_id(results.records)
+    assert all(len(done[i]) == 1 and done[i][0].status == "completed" for i in ids)
+    runs = Counter(USAGE.validate_json(v).request_id for _k, v, _t in usage.records
+                   if b'"final":true' in v and b'"gpu_type":"none"' not in v)
+    assert all(runs[i] == 1 for i in ids), {i: runs[i] for i in ids if runs[i] != 1}
