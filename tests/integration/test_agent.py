@@ -23,8 +23,10 @@ from gpusched_common.contracts import (
     REQUEST,
     RESULT_EVENT,
     USAGE,
+    Cancel,
     InferenceRequest,
     Placement,
+    Preempt,
     RequestResult,
 )
 from gpusched_ops.stack import ServiceSpec
@@ -46,13 +48,18 @@ async def leader_epoch(stack) -> int:
         await redis.aclose()
 
 
-async def send_placements(stack, placements: list[Placement]) -> None:
+async def send_placements(stack, placements: list[Placement | Preempt | Cancel]) -> None:
+    """Placements and preempts to the placements topic (keyed by node), cancels to control."""
     producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
     await producer.start()
     try:
         for p in placements:
-            await producer.send_and_wait(topics.PLACEMENTS.name, p.to_bytes(),
-                                         key=p.node_id.encode())
+            if isinstance(p, Cancel):
+                await producer.send_and_wait(topics.CONTROL.name, p.to_bytes(),
+                                             key=p.request_id.encode())
+            else:
+                await producer.send_and_wait(topics.PLACEMENTS.name, p.to_bytes(),
+                                             key=p.node_id.encode())
     finally:
         await producer.stop()
 
@@ -173,3 +180,28 @@ async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stac
     states = [NODE_STATE.validate_json(v) for _, v in await read_topic(
         e.kafka_bootstrap, topics.NODE_STATE.name, lambda k, v: k == node.encode())]
     assert states[-1].status == "stopped" and "draining" in {s.status for s in states}
+
+
+async def test_a_preempted_placement_is_billed_so_far_and_handed_back_in_front(stack) -> None:
+    bootstrap = stack.endpoints.kafka_bootstrap
+    epoch = await leader_epoch(stack)
+    rid = f"pre-{uuid.uuid4().hex[:8]}"
+    # long enough that the preempt (a few seconds later on a busy machine) finds it running
+    await send_placements(stack, [placement("node-1", rid, epoch, max_tokens=30_000)])
+    await read_topic(bootstrap, topics.RESULTS.name, for_request(rid, b'"token_chunk"'))
+    await send_placements(stack, [Preempt(placement_id=f"{rid}#0", request_id=rid,
+                                          node_id="node-1", scheduler_epoch=epoch,
+                                          reason="interactive work needs the GPU")])
+    usage = [USAGE.validate_json(v) for _, v in await read_topic(
+        bootstrap, topics.USAGE.name, lambda k, v: f'"{rid}#0:'.encode() in v)]
+    completion = sum(u.completion_tokens for u in usage)
+    assert sum(u.final for u in usage) == 1 and 0 < completion < 30_000
+    again = [REQUEST.validate_json(v) for _, v in await read_topic(
+        bootstrap, topics.REQUESTS["standard"].name, for_request(rid, b""))]
+    assert [(r.attempt, r.requeued) for r in again][0] == (1, "preempted")
+    first_results = [RESULT_EVENT.validate_json(v) for _, v in await read_topic(
+        bootstrap, topics.RESULTS.name, for_request(rid, b'"request_result"'), timeout_s=0.5)]
+    # no result for the stopped attempt (only, later, for the next one, which runs in full)
+    assert all(r.completion_tokens == 30_000 for r in first_results)
+    # the scheduler runs the next attempt: cut it short, it is not this test's business
+    await send_placements(stack, [Cancel(request_id=rid, reason="test over", at_ms=0)])

@@ -81,8 +81,9 @@ class _Running:
     stop_reason: str | None = None
     """'cancelled', 'preempted' or 'drained' once asked to stop."""
     detail: str = ""
-    entered: bool = False
-    """The task began running (a task cancelled before that never runs its cleanup)."""
+    interruptible: bool = False
+    """True while it loads or generates: a stop cancels its task only then. Before, `_run`
+    sees `stop_reason` when it starts; after, its final records must not be interrupted."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     billed_prompt: int = 0
@@ -191,7 +192,7 @@ class AgentRuntime:
             return Ignored(f"placement {placement_id} is not running here")
         if run.stop_reason is None:
             run.stop_reason, run.detail = why, detail
-            if run.entered:  # else `_run` sees stop_reason as soon as it starts
+            if run.interruptible:
                 run.task.cancel()
         return Stopping(placement_id)
 
@@ -216,7 +217,6 @@ class AgentRuntime:
         placement = run.placement
         request = placement.request
         pid = placement.placement_id
-        run.entered = True
         try:
             if run.stop_reason is not None:
                 await self._end_unstarted(run, run.stop_reason, run.detail)
@@ -236,9 +236,6 @@ class AgentRuntime:
                 await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
                 return
             await self._execute(run, admitted, model)
-        except asyncio.CancelledError:
-            if run.started_ms == 0:  # stopped before it started: nothing ran, nothing billed
-                await self._end_unstarted(run, run.stop_reason or "drained", run.detail)
         finally:
             self._running.pop(pid, None)
             self._dirty.set()
@@ -260,7 +257,10 @@ class AgentRuntime:
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
         last_partial_s = self._mono()
+        run.interruptible = True
         try:
+            if run.stop_reason is not None:  # stopped between its start and now
+                raise asyncio.CancelledError
             for gpu, name in admitted.evicted:
                 await self.executor.unload(name, gpu)
             if admitted.needs_load:
@@ -280,24 +280,33 @@ class AgentRuntime:
                 if self._mono() - last_partial_s >= self._usage_interval_s:
                     last_partial_s = self._mono()
                     await self._publish_usage(run, final=False)
+                if run.stop_reason is not None:
+                    # The cancel may have landed inside a client that swallows it (a Kafka
+                    # send): never trust it alone, stop here at the latest.
+                    raise asyncio.CancelledError
         except asyncio.CancelledError:
+            if run.stop_reason is None:
+                raise  # not ours (the loop is shutting down): let it propagate
+            _uncancel()  # we asked for it: later awaits (publishes) must not see it again
             status = "cancelled"
-            finish_reason = run.stop_reason or "cancelled"
+            finish_reason = run.stop_reason
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
         finally:
+            run.interruptible = False
             self.node.finish(placement)
-        if chunk and run.stop_reason not in ("preempted", "drained"):
+        # A stop that came after the last token changes nothing: the request completed.
+        stopped = run.stop_reason if status == "cancelled" else None
+        if chunk and stopped not in ("preempted", "drained"):
             await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
                                            text="".join(chunk), token_count=len(chunk)),
                                 topics.RESULTS.name, request.request_id)
         await self._publish_usage(run, final=True)
-        if run.stop_reason in ("preempted", "drained"):
-            log.info("placement %s %s after %d tokens: %s", pid, run.stop_reason, len(pieces),
+        if stopped in ("preempted", "drained"):
+            log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
                      run.detail)
-            await self._requeue(request, "preempted" if run.stop_reason == "preempted"
-                                else "node_lost")
+            await self._requeue(request, "preempted" if stopped == "preempted" else "node_lost")
             return
         ended_ms = self._clock()
         await self._publish(RequestResult(
@@ -372,3 +381,9 @@ class AgentRuntime:
         retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why})
         await self._publish(retry, topics.REQUESTS[request.priority_class].name,
                             request.request_id)
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
