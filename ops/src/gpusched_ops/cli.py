@@ -229,7 +229,8 @@ def demo(
                                                        "p50_ms", "p95_ms", "p99_ms")))
         console.print(table)
         console.print(usage_table(usage_data))
-        console.print(f"one trace in Jaeger: {report['trace_url']}")
+        console.print(f"one trace in Jaeger: {report['trace_url']}\n"
+                      f"  (as JSON from Jaeger's API: {report['trace_api']})")
         if report["errors"]:
             console.print(f"[red]errors:[/red] {report['errors']}")
     done = sum(r["completed"] for r in report["by_class"].values())
