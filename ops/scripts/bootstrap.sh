@@ -20,15 +20,11 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$manifest" ]]; then
   echo "bootstrap: installing Python packages into $venv"
   [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
+  # gpu-agent[torch]: the torch executor, whose tests run it on CPU. PyPI's build carries
+  # the CUDA libraries (~3.5 GB, about 2.5 min cold): the same wheel then runs on a GPU node.
   "$venv/bin/pip" install --quiet \
     -e "$root/libs/common" -e "$root/services/router" -e "$root/services/scheduler" \
-    -e "$root/services/gpu-agent" -e "$root/services/accounting" -e "$root/ops[dev]"
-  # The agent's torch executor (its tests run it on CPU): the CPU-only wheel (~200 MB) where
-  # download.pytorch.org answers, else PyPI's default build (with CUDA libraries, ~3.5 GB;
-  # about 2.5 min cold on a fast link).
-  "$venv/bin/pip" install --quiet --retries 1 --timeout 20 \
-    --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" 2>/dev/null \
-    || "$venv/bin/pip" install --quiet "torch>=2.4"
+    -e "$root/services/gpu-agent[torch]" -e "$root/services/accounting" -e "$root/ops[dev]"
   echo "$manifest" > "$stamp"
 fi
 bash "$root/ops/scripts/install-all.sh"
