@@ -12,7 +12,7 @@ from gpusched_scheduler.domain.solver.reference import reference_solve
 
 from .conftest import batches, clusters
 
-SETTINGS = settings(max_examples=60, deadline=None,
+SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

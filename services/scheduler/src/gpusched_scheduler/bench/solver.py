@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"folder with the openb node list and pod lists (default {DEFAULT_TRACES})")
     p.add_argument("--seeds", type=int, default=None,
                    help="seeds per pod list (default 10, quick 2)")
+    p.add_argument("--lookahead-seeds", type=int, default=2,
+                   help="seeds for the look-ahead (batch16/batch64) rows, which are slower "
+                   "(one solve per micro-batch); only pod lists with published numbers")
     p.add_argument("--pod-lists", default=None,
                    help="comma-separated pod lists (default: every openb_pod_list_*.csv; "
                    "quick: default)")
@@ -127,9 +130,11 @@ def run_openb(args, traces: Path, out: dict) -> None:
                 if args.dump:
                     dump_csv(args.dump / f"{policy}__{name}__{seed}.csv", nodes, pods, r,
                              gpu_start)
-        for bs in LOOKAHEAD_BATCHES:
-            for seed in range(seeds):
-                lookahead_rows.append(openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs))
+        if BEST_POLICY in policies and (args.quick or any(t == name for t, _ in published)):
+            for bs in LOOKAHEAD_BATCHES:
+                for seed in range(min(seeds, args.lookahead_seeds)):
+                    lookahead_rows.append(
+                        openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs))
     elapsed = time.perf_counter() - t0
 
     def fields(r: openb.ReplayResult) -> dict:

@@ -1,8 +1,9 @@
 """Numba kernels of the placement solver: feasibility, per-policy node scores, the batch driver.
 
-Every kernel is pure over the arrays it is given except ``solve_kernel``, which mutates the
-working copy of the state it receives (the public ``solve`` hands it a copy). The plain-
-Python twin of each function lives in ``reference.py`` and must make identical decisions.
+Kernels only write to the buffers they are handed: ``solve_kernel``/``apply_unit`` mutate
+the working copy of the state (the public ``solve`` hands them a copy), the cache helpers
+their caches. The plain-Python twin of each policy lives in ``reference.py`` and must make
+identical decisions (same tie-breaks, same float operations in the same order).
 
 Tuples used throughout (all int64 unless noted):
   S = (node_cpu_free, node_mem_free, node_cpu_total, node_mem_total, node_gpu_start,
@@ -10,6 +11,8 @@ Tuples used throughout (all int64 unless noted):
   U = (num_gpu, gpu_milli, gpu_mem, cpu, mem, type_mask, model, weight)
   W = (shape_cpu, shape_mem, shape_num_gpu, shape_milli, shape_gpu_mem, shape_mask,
        shape_weight)  -- the workload's typical shapes, used by fgd and gpusched
+  params = [affinity_bonus_milli, stranded_weight, cpu_milli_per_gpu_milli,
+            mem_mib_per_gpu_milli, shape_weight_sum]  (float64)
 """
 
 from __future__ import annotations
