@@ -1,0 +1,46 @@
+"""The benchmark's parts on tiny inputs (no ../shared needed): throughput rows, the
+distance-to-optimal rows and lower bound, and the cluster/batch builders."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpusched_scheduler.bench import optimal, throughput
+from gpusched_scheduler.bench.openb import NodeList, PodList
+
+
+def _tiny_trace() -> tuple[NodeList, PodList]:
+    nodes = NodeList(("a", "b"), np.array([32000, 96000]), np.array([65536, 262144]),
+                     np.array([2, 8]), ("T4", "G2"))
+    pods = PodList("tiny", ("p0", "p1", "p2"), np.array([4000, 8000, 2000]),
+                   np.array([8192, 16384, 4096]), np.array([1, 1, 0]),
+                   np.array([500, 1000, 0]), ("", "", ""))
+    return nodes, pods
+
+
+def test_cluster_of_hits_the_gpu_count_and_batch_fills_about_90_percent():
+    nodes, pods = _tiny_trace()
+    state = throughput.cluster_of(nodes, 37)
+    assert state.num_gpus == 37
+    batch = throughput.single_gpu_batch(pods, 200, 37, seed=0)
+    assert np.all(batch.num_gpu == 1)
+    assert batch.gpu_milli.sum() <= 0.9 * 37 * 1000 + 200
+
+
+def test_measure_reports_rates_latency_and_memory():
+    nodes, pods = _tiny_trace()
+    state = throughput.cluster_of(nodes, 20)
+    batch = throughput.single_gpu_batch(pods, 50, 20, seed=1)
+    row = throughput.measure("gpusched", state, batch, repeats=2, reference_budget_s=0.01,
+                             lookahead=True)
+    assert row.numba_per_s > 0 and row.reference_per_s > 0 and row.peak_mib > 0
+    assert row.p99_ms >= row.p50_ms and row.order == "lookahead"
+
+
+def test_optimality_rows_and_lower_bound():
+    inst = optimal.random_instance(0, n_units=6, n_nodes=3, gpus_per_node=2)
+    lb = optimal.lower_bound(inst)
+    rows = optimal.evaluate(inst, ["first-fit", "gpusched"], exact=False, time_limit_s=0)
+    assert len(rows) == 4
+    for r in rows:
+        assert r.gpus_used is None or r.gpus_used >= lb
