@@ -5,6 +5,7 @@ Pure data: services load them once at start-up and pass them where they are need
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import yaml
@@ -31,7 +32,11 @@ class ModelCatalog(BaseModel):
     models: tuple[ModelSpec, ...]
 
     def get(self, name: str) -> ModelSpec | None:
-        return next((m for m in self.models if m.name == name), None)
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, ModelSpec]:
+        return {m.name: m for m in self.models}
 
     @property
     def names(self) -> list[str]:
@@ -67,10 +72,18 @@ class TenantDirectory(BaseModel):
     admin_api_keys: tuple[str, ...] = ()
 
     def by_api_key(self, key: str) -> Tenant | None:
-        return next((t for t in self.tenants if key in t.api_keys), None)
+        return self._by_key.get(key)
 
     def get(self, name: str) -> Tenant | None:
-        return next((t for t in self.tenants if t.name == name), None)
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Tenant]:
+        return {t.name: t for t in self.tenants}
+
+    @cached_property
+    def _by_key(self) -> dict[str, Tenant]:
+        return {k: t for t in self.tenants for k in t.api_keys}
 
 
 class GpuType(BaseModel):

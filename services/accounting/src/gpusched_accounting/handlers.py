@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
@@ -19,6 +18,7 @@ from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
 from gpusched_accounting.domain.usage import PriceTable, row_for
 from gpusched_common import topics
+from gpusched_common.broker import RAW_BATCH
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import context_from, record_carrier
@@ -53,20 +53,6 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
             break  # one flag per tenant: the first exhausted budget names the reason
 
 
-async def _lean_batch(records: Any, original: Any) -> Any:
-    """FastStream's batch parsing without the per-record baggage extraction of its telemetry
-    middleware (about as costly as applying the record); on_usage reads each record's own
-    trace context."""
-    msg = await original(records)
-    msg.batch_headers = []
-    return msg
-
-
-async def _raw_values(msg: Any, original: Any) -> Any:
-    """Skip FastStream's per-record JSON decode: on_usage validates the raw bytes once."""
-    return msg.body
-
-
 def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
              clock: WallClockMs, consumer_group: str, max_records: int, tracer: trace.Tracer,
              registry: CollectorRegistry | None = None) -> None:
@@ -84,7 +70,7 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
                        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
                        max_records=max_records, batch_timeout_ms=20,
-                       parser=_lean_batch, decoder=_raw_values)
+                       **RAW_BATCH)
     async def on_usage(msg: KafkaMessage) -> None:
         now_ms = clock()
         rows, sources = [], []

@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from redis.asyncio import Redis
 
 from gpusched_accounting import handlers
 from gpusched_accounting.adapters.store import Retention, UsageStore
@@ -21,6 +20,7 @@ from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 
@@ -32,7 +32,7 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
-    redis = Redis.from_url(settings.redis.url)
+    redis = make_redis(settings.redis)
     store = UsageStore(redis, settings.dedup_ttl_s, Retention(
         settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
     handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,

@@ -11,7 +11,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.asyncio import Redis
 
 from gpusched_agent import handlers
 from gpusched_agent.adapters import nvml
@@ -27,6 +26,7 @@ from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 
@@ -85,7 +85,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
-    redis = Redis.from_url(settings.redis.url)
+    redis = make_redis(settings.redis)
 
     async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),

@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from redis.asyncio import Redis
 
 from gpusched_common import topics
-from gpusched_common.broker import make_broker
+from gpusched_common.broker import RAW_BATCH, make_broker
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import Cancel, Rejection, RequestResult, ResultEvent, TokenChunk
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes
 from gpusched_router.adapters.results import ResultsHub
@@ -42,7 +42,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     tracer = provider.get_tracer(SERVICE)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
-    redis = Redis.from_url(settings.redis.url)
+    redis = make_redis(settings.redis)
     hub = ResultsHub(redis, settings.status_ttl_s)
     accepted = Counter("gpusched_router_requests_total", "Requests by outcome.",
                        ["priority_class", "outcome"], registry=registry)
@@ -52,7 +52,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     cancels: set[asyncio.Task[None]] = set()
 
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
-                       auto_offset_reset="latest", batch_timeout_ms=10, max_records=500)
+                       auto_offset_reset="latest", batch_timeout_ms=10, max_records=500,
+                       **RAW_BATCH)
     async def on_results(msg: KafkaMessage) -> None:
         await hub.dispatch(msg.raw_message)
 

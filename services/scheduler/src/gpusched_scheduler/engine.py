@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
-from opentelemetry import trace
+from opentelemetry import context, trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
@@ -39,7 +39,7 @@ from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.redis_state import RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
-from gpusched_scheduler.domain.ordering import FairShare, order_pending
+from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     estimate_gpu_s,
     plan_cycle,
@@ -86,6 +86,9 @@ class EngineConfig:
     aging_factor: float = 5.0
     fair_half_life_s: float = 60.0
     preemption_timeout_ms: int = 15_000
+    max_units_per_cycle: int = 1024
+    """Keeps one cycle short (the lease is renewed on the same event loop); the rest waits
+    for the next cycle, which follows at once."""
     scaling_period_s: float = 5.0
 
 
@@ -305,8 +308,9 @@ class SchedulingEngine:
         if not len(self.queue):
             return 0
         started = time.perf_counter()
-        chunks = order_pending(self.queue.in_order(), now, self.fair, self._weights,
-                               self._targets, cfg.aging_factor, self._estimate)
+        chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
+                                      self._targets, cfg.aging_factor, self._estimate),
+                        cfg.max_units_per_cycle)
         snap = snapshot(self.view.nodes, self.view.reserved_mib(), self.view.pending_models(),
                         self.view.live_nodes(now, cfg.node_timeout_ms))
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
@@ -380,6 +384,8 @@ class SchedulingEngine:
                 item.token.set_result(None)
         while len(self._placed) > 200_000:
             self._placed.popitem(last=False)
+        if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
+            self._wake.set()  # more was pending than this cycle took
         self._metrics.cycle_seconds.observe(time.perf_counter() - started)
         self._metrics.decisions.inc(len(messages))
         self._update_depth_gauges()
@@ -399,7 +405,7 @@ class SchedulingEngine:
         return learned * _weighted_tokens(prompt, request.max_tokens)
 
     def _in_queue(self, key: tuple[str, int]) -> bool:
-        return key in self.queue.keys
+        return key in self.queue
 
     def _guarantee(self, tenant: str) -> int | None:
         t = self.tenants.get(tenant)
@@ -501,13 +507,14 @@ class SchedulingEngine:
             self._metrics.depth.labels(cls, tenant).set(n)
 
     async def _emit(self, item: Pending | None, message: Message, topic: str, key: str) -> None:
-        """Publish one decision as a child span of the request's own trace."""
-        carrier = item.trace_carrier if item is not None else {}
-        with self._tracer.start_as_current_span(
-            "schedule", context=extract(carrier),
-            attributes={"gpusched.decision": message.type},  # type: ignore[attr-defined]
-        ):
+        """Publish one decision in the request's own trace: the broker's publish span becomes
+        a child of the span that produced the request."""
+        token = context.attach(extract(item.trace_carrier)) if item is not None else None
+        try:
             await self._publish(message, topic, key)
+        finally:
+            if token is not None:
+                context.detach(token)
 
     async def _refuse(self, refused: Refused) -> None:
         self._metrics.rejected.labels("invalid").inc()
@@ -516,6 +523,17 @@ class SchedulingEngine:
         if refused.rejection is not None:
             await self._publish(refused.rejection, topics.RESULTS.name,
                                 refused.rejection.request_id)
+
+
+def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:
+    """The first `limit` units of the ordered chunks."""
+    out: list[Chunk] = []
+    for chunk in chunks:
+        if limit <= 0:
+            break
+        out.append(chunk if len(chunk.items) <= limit else Chunk(chunk.name, chunk.items[:limit]))
+        limit -= len(chunk.items)
+    return out
 
 
 def _weighted_tokens(prompt_tokens: int, completion_tokens: int) -> float:

@@ -15,13 +15,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Gauge
-from redis.asyncio import Redis
 
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 from gpusched_scheduler import handlers
@@ -41,7 +41,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     request_broker = make_broker(settings.kafka, f"{SERVICE}-requests", provider, None)
-    redis = Redis.from_url(settings.redis.url)
+    redis = make_redis(settings.redis)
     lease = LeaderLease(redis, settings.instance_id, settings.lease_ttl_ms)
     store = RunningStore(redis)
 

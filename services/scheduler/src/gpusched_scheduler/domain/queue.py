@@ -1,16 +1,21 @@
-"""Pending work, strict priority between classes and FIFO inside one; pure data."""
+"""Pending work, strict priority between classes and FIFO inside one; pure data.
+
+Each class is an insertion-ordered dict keyed by (request id, attempt), so a redelivery is
+recognised and any item leaves in O(1), whatever order the cycle finishes them in.
+"""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpusched_common.contracts import PRIORITY_CLASSES, InferenceRequest, PriorityClass
 
+Key = tuple[str, int]
 
-@dataclass
+
+@dataclass(eq=False)
 class Pending:
     request: InferenceRequest
     trace_carrier: dict[str, str]
@@ -18,37 +23,42 @@ class Pending:
     token: Any = None
     """Opaque to the domain: the adapter's handle to acknowledge once placed."""
 
+    @property
+    def key(self) -> Key:
+        return (self.request.request_id, self.request.attempt)
+
 
 @dataclass
 class PendingQueue:
-    by_class: dict[PriorityClass, deque[Pending]] = field(
-        default_factory=lambda: {c: deque() for c in PRIORITY_CLASSES})
-    keys: set[tuple[str, int]] = field(default_factory=set)
+    by_class: dict[PriorityClass, dict[Key, Pending]] = field(
+        default_factory=lambda: {c: {} for c in PRIORITY_CLASSES})
 
     def push(self, item: Pending) -> bool:
         """Queue at the back of its class, or at the front when it was preempted or lost
         with its node; False when the same (request id, attempt) is already waiting."""
-        key = (item.request.request_id, item.request.attempt)
-        if key in self.keys:
-            return False
-        self.keys.add(key)
         queue = self.by_class[item.request.priority_class]
+        if item.key in queue:
+            return False
+        queue[item.key] = item
         if item.request.requeued in ("preempted", "node_lost"):
-            queue.appendleft(item)  # it waited its turn once already
-        else:
-            queue.append(item)
+            # it waited its turn once already
+            self.by_class[item.request.priority_class] = {item.key: item, **{
+                k: v for k, v in queue.items() if k != item.key}}
         return True
+
+    def __contains__(self, key: Key) -> bool:
+        return any(key in q for q in self.by_class.values())
 
     def in_order(self) -> Iterator[Pending]:
         for cls in PRIORITY_CLASSES:
-            yield from list(self.by_class[cls])
+            yield from list(self.by_class[cls].values())
 
     def remove(self, item: Pending) -> None:
-        """Take `item` out; a no-op when it is gone already (the queue was cleared)."""
-        key = (item.request.request_id, item.request.attempt)
-        if key in self.keys:
-            self.by_class[item.request.priority_class].remove(item)
-            self.keys.discard(key)
+        """Take `item` out; a no-op when it is gone already (the queue was cleared, or a
+        redelivery of it replaced it)."""
+        queue = self.by_class[item.request.priority_class]
+        if queue.get(item.key) is item:
+            del queue[item.key]
 
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}
