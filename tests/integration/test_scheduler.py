@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaProducer
 from stack_helpers import SERVICE_TEST_ENV, TEST_SERVICE_PORTS, TopicWatch, eventually
 
 from gpusched_common import topics
-from gpusched_common.contracts import RESULT_EVENT, USAGE, Rejection, RequestResult
+from gpusched_common.contracts import EVENT, RESULT_EVENT, USAGE, Rejection, RequestResult
 from gpusched_ops.services import AGENT_NODES, service_specs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -332,3 +332,20 @@ async def test_standby_takes_over_within_5_s_and_every_request_completes_once(st
     runs = Counter(USAGE.validate_json(v).request_id for _k, v, _t in usage.records
                    if b'"final":true' in v and b'"gpu_type":"none"' not in v)
     assert all(runs[i] == 1 for i in ids), {i: runs[i] for i in ids if runs[i] != 1}
+
+
+async def test_scaling_signal_reports_gpus_wanted_per_model(stack) -> None:
+    events = await watch(stack, topics.EVENTS.name)
+    try:
+        await produce(stack, [request("globex", "standard", 400, "scale", prompt_tokens=100)
+                              for _ in range(10)])
+
+        def signalled(recs) -> bool:
+            return any(b'"scaling_signal"' in v and MODEL.encode() in v for _k, v, _t in recs)
+        await events.until(signalled, 30, f"a scaling signal for {MODEL}")
+    finally:
+        await events.stop()
+    signal = next(EVENT.validate_json(v) for _k, v, _t in events.records
+                  if b'"scaling_signal"' in v and MODEL.encode() in v)
+    assert signal.model == MODEL and signal.gpus_wanted >= 1
+    assert set(signal.queue_depth) == {"interactive", "standard", "batch"}
