@@ -12,7 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gpusched_scheduler.domain.solver import ClusterState, ShapeDistribution, WorkBatch, solve
+from gpusched_scheduler.domain.solver import (
+    ClusterState,
+    ShapeDistribution,
+    SolverSession,
+    WorkBatch,
+    solve,
+)
 
 NODE_LIST = "openb_node_list_gpu_node.csv"
 POD_PREFIX = "openb_pod_list_"
@@ -173,9 +179,13 @@ def replay(
     else:
         node = np.full(len(seq), -1, np.int64)
         gpus = np.full((len(seq), 8), -1, np.int64)
+        session = SolverSession(policy, shapes) if solver is solve else None
         for lo in range(0, len(seq), batch_size):
             part = batch.take(slice(lo, lo + batch_size))
-            res = solver(state, part, policy, shapes=shapes, lookahead=True)
+            if session is not None:  # same decisions as solve(), caches kept across calls
+                res = session.solve(state, part, lookahead=True)
+            else:
+                res = solver(state, part, policy, shapes=shapes, lookahead=True)
             node[lo : lo + batch_size] = res.node
             gpus[lo : lo + batch_size] = res.gpus
             state = res.state

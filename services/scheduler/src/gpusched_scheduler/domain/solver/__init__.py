@@ -8,6 +8,7 @@ lower-priority victims on one node for a unit that fits nowhere. See docs/SOLVER
 from .policies import DEFAULT_POLICY, POLICIES, Policy, get_policy
 from .preemption import PreemptionPlan, RunningWork, plan_preemption
 from .result import REASON_TEXT, Placed, Reason, SolveResult, Unschedulable
+from .session import SolverSession
 from .solve import ShapeDistribution, apply, lookahead_order, release, solve, unload_model
 from .state import ClusterState, GpuSpec, NodeSpec, WorkBatch
 
@@ -25,6 +26,7 @@ __all__ = [
     "RunningWork",
     "ShapeDistribution",
     "SolveResult",
+    "SolverSession",
     "Unschedulable",
     "WorkBatch",
     "apply",

@@ -474,8 +474,8 @@ def score_all(policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table):
 
 @njit(cache=True)
 def solve_kernel(
-    policy, S, U, W, order, shape_of, scores, trees, C, out_node, out_gpus, out_reason, params,
-    stats,
+    policy, S, U, W, order, shape_of, scores, trees, C, P, out_node, out_gpus, out_reason,
+    params, stats,
 ):
     """Place units in ``order``, one at a time, each seeing the previous placements.
 
@@ -486,6 +486,11 @@ def solve_kernel(
     Work buffers come from the caller (``work_buffers``) so their memory is accounted:
     scores[slots, N], trees[slots, 2P] and the FGD row cache C (see ``frag_rows``).
     ``stats`` counts node evaluations: [tree builds, rescored, winner re-evaluations, scans].
+    P = (built[slots], cursor[slots], changed[log], stamp[N], sig[N], counters[2]) is the
+    cache bookkeeping, kept by a ``SolverSession`` across calls: which slots hold scores,
+    each slot's position in the node change log, the log, the last log position per node,
+    node-state hashes, and [log length, hashes valid]. The log must have room for
+    ``len(order)`` more entries.
     """
     n_nodes = S[0].shape[0]
     max_g = 1
@@ -495,16 +500,17 @@ def solve_kernel(
     best_sel = np.empty(max(max_g, 8), np.int64)
     cand = np.empty(max_g, np.int64)
     keys = np.empty(max_g, np.float64)
-    n_slots = scores.shape[0]
     size = trees.shape[1] // 2
-    built = np.zeros(n_slots, np.bool_)
-    cursor = np.zeros(n_slots, np.int64)
-    changed = np.empty(len(order) + 1, np.int64)
-    n_changed = 0
-    stamp = np.zeros(n_nodes, np.int64)  # last log position that touched the node
-    sig = np.empty(n_nodes, np.int64)
-    for n in range(n_nodes):
-        sig[n] = node_signature(S, n)
+    built = P[0]
+    cursor = P[1]
+    changed = P[2]
+    stamp = P[3]  # last log position that touched the node
+    sig = P[4]
+    n_changed = P[5][0]
+    if P[5][1] == 0:
+        for n in range(n_nodes):
+            sig[n] = node_signature(S, n)
+        P[5][1] = 1
     tsize = 1
     while tsize < 2 * n_nodes:
         tsize *= 2
@@ -573,3 +579,20 @@ def solve_kernel(
         changed[n_changed] = best
         stamp[best] = n_changed
         n_changed += 1
+    P[5][0] = n_changed
+
+
+@njit(cache=True)
+def note_changed(S, nodes, P, C):
+    """Record nodes changed outside ``solve_kernel`` (a session's next state): append them to
+    the change log, refresh their hashes, drop their cached fragmentation."""
+    n_changed = P[5][0]
+    for i in range(len(nodes)):
+        n = nodes[i]
+        P[2][n_changed] = n
+        P[3][n] = n_changed
+        n_changed += 1
+        if P[5][1] != 0:
+            P[4][n] = node_signature(S, n)
+        C[0][n] = np.nan
+    P[5][0] = n_changed

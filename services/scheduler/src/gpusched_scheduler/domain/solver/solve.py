@@ -192,6 +192,18 @@ def work_buffers(n_nodes: int, n_slots: int, n_shapes: int, uses_shapes: bool):
     )
 
 
+def fresh_bookkeeping(n_nodes: int, n_slots: int, log_capacity: int) -> tuple:
+    """Empty cache bookkeeping ``P`` for ``solve_kernel`` (see its docstring)."""
+    return (
+        np.zeros(n_slots, np.bool_),
+        np.zeros(n_slots, np.int64),
+        np.empty(max(log_capacity, 1), np.int64),
+        np.zeros(n_nodes, np.int64),
+        np.zeros(n_nodes, np.int64),
+        np.zeros(2, np.int64),
+    )
+
+
 def lookahead_order(batch: WorkBatch) -> np.ndarray:
     """Order for a batch the solver may see whole: biggest GPU demand first (then CPU),
     stable, i.e. first-fit-decreasing style. Results are still reported in batch order."""
@@ -252,6 +264,7 @@ def solve(
             order,
             slots,
             *work_buffers(work.num_nodes, n_slots, len(w[0]), pol.uses_shapes),
+            fresh_bookkeeping(work.num_nodes, n_slots, n + 1),
             out_node,
             out_gpus,
             out_reason,
