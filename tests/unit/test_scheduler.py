@@ -163,8 +163,9 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
     broker = KafkaBroker()
     sent: dict[str, list[bytes]] = {}
 
-    async def publish(message, topic: str, key: str) -> None:
-        sent.setdefault(topic, []).append(message.to_bytes())
+    async def publish(batch) -> None:
+        for out in batch:
+            sent.setdefault(out.topic, []).append(out.message.to_bytes())
 
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: 1000, NoOpTracer(),
                               EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
-from opentelemetry import context, trace
+from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
@@ -27,7 +27,6 @@ from gpusched_common.contracts import (
     USAGE,
     DeadLetter,
     InferenceRequest,
-    Message,
     Placement,
     Preempt,
     Rejection,
@@ -37,6 +36,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import record_carrier
+from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.redis_state import RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
@@ -54,8 +54,8 @@ from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 log = logging.getLogger(__name__)
 SERVICE = "scheduler"
 
-Publish = Callable[[Message, str, str], Awaitable[None]]
-"""publish(message, topic, key) in the current trace context."""
+Send = Callable[[list[Outgoing]], Awaitable[None]]
+"""Publish records together; returns once Kafka acknowledged all of them."""
 
 
 class LeadershipLost(RuntimeError):
@@ -150,7 +150,7 @@ class SchedulingEngine:
     happens on one event loop. Cycles run only while `epoch` is set (this instance leads)."""
 
     def __init__(
-        self, catalog: ModelCatalog, tenants: TenantDirectory, publish: Publish,
+        self, catalog: ModelCatalog, tenants: TenantDirectory, send: Send,
         clock: WallClockMs, tracer: trace.Tracer, config: EngineConfig = EngineConfig(),
         store: RunningStore | None = None, registry: CollectorRegistry | None = None,
     ) -> None:
@@ -163,7 +163,7 @@ class SchedulingEngine:
         self.fair = FairShare(config.fair_half_life_s)
         self.quotas = QuotaBook()
         self.epoch: int | None = None
-        self._publish = publish
+        self._send = send
         self._clock = clock
         self._tracer = tracer
         self._store = store
@@ -216,10 +216,10 @@ class SchedulingEngine:
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
-                    await self._publish(Rejection(request_id=request.request_id,
-                                                  tenant=request.tenant, status_code=429,
-                                                  reason=over),
-                                        topics.RESULTS.name, request.request_id)
+                    await self._send([Outgoing(
+                        Rejection(request_id=request.request_id, tenant=request.tenant,
+                                  status_code=429, reason=over),
+                        topics.RESULTS.name, request.request_id, outcome.carrier)])
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
@@ -319,7 +319,7 @@ class SchedulingEngine:
                                list(self.running.values()), now, self._may_preempt(now))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
-        messages: list[tuple[Pending | None, Message, str, str]] = []
+        messages: list[tuple[Pending, Outgoing]] = []
         new_running: list[RunningPlacement] = []
         used = self._guaranteed_use()
         for place in decisions.placed:
@@ -344,36 +344,37 @@ class SchedulingEngine:
             new_running.append(running)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
             self._preempting.pop(request.request_id, None)
-            messages.append((place.item, placement, topics.PLACEMENTS.name, place.node_id))
+            messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
+                                                  place.node_id, place.item.trace_carrier)))
             self._metrics.placement_latency.labels(request.priority_class).observe(
                 max(0.0, now - request.created_at_ms) / 1000)
         for reject in decisions.rejected:
             request = reject.item.request
             self._metrics.rejected.labels("unschedulable").inc()
-            messages.append((reject.item, Rejection(
+            messages.append((reject.item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=422,
-                reason=reject.reason), topics.RESULTS.name, request.request_id))
+                reason=reject.reason), topics.RESULTS.name, request.request_id,
+                reject.item.trace_carrier)))
         for pre in decisions.preemptions:
             self._preempting[pre.item.request.request_id] = now + cfg.preemption_timeout_ms
             for victim in pre.victims:
                 self._metrics.preemptions.inc()
-                messages.append((pre.item, Preempt(
+                messages.append((pre.item, Outgoing(Preempt(
                     placement_id=victim.placement_id, request_id=victim.request.request_id,
                     node_id=victim.node_id, scheduler_epoch=self.epoch,
                     reason=f"preempted for {pre.item.request.priority_class} request "
                     f"{pre.item.request.request_id} of tenant {pre.item.request.tenant}"),
-                    topics.PLACEMENTS.name, victim.node_id))
+                    topics.PLACEMENTS.name, victim.node_id, pre.item.trace_carrier)))
 
         with self._tracer.start_as_current_span(
             "scheduling cycle",
             links=[trace.Link(trace.get_current_span(extract(p.trace_carrier)).get_span_context())
-                   for p, *_ in messages if p is not None],
+                   for p, _ in messages],
             attributes={"gpusched.epoch": self.epoch, "gpusched.placed": len(decisions.placed),
                         "gpusched.waiting": len(decisions.waiting),
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
-            await asyncio.gather(*(self._emit(item, msg, topic, key)
-                                   for item, msg, topic, key in messages))
+            await self._send([out for _, out in messages])
         if self._store is not None:
             await self._store.save(new_running)
         finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected]
@@ -458,8 +459,8 @@ class SchedulingEngine:
             log.warning("node %s lost: retrying %s as attempt %d", r.node_id,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
-            await self._publish(retry, topics.REQUESTS[retry.priority_class].name,
-                                retry.request_id)
+            await self._send([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,
+                                       retry.request_id, {})])
         if self._store is not None:
             await self._store.remove([r.placement_id for r in gone])
 
@@ -491,11 +492,10 @@ class SchedulingEngine:
                 tightest_target_s=tightest)
             wanted = gpus_wanted(load)
             self._metrics.gpus_wanted.labels(spec.name).set(wanted)
-            await self._publish(ScalingSignal(model=spec.name, gpus_wanted=wanted,
-                                              gpus_in_use=len(gpus),
-                                              queue_depth=load.queued_by_class,
-                                              at_ms=int(now_s * 1000)),
-                                topics.EVENTS.name, spec.name)
+            await self._send([Outgoing(ScalingSignal(
+                model=spec.name, gpus_wanted=wanted, gpus_in_use=len(gpus),
+                queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
+                topics.EVENTS.name, spec.name, {})])
 
     def _update_depth_gauges(self) -> None:
         depth: dict[tuple[str, str], int] = {}
@@ -506,23 +506,14 @@ class SchedulingEngine:
         for (cls, tenant), n in depth.items():
             self._metrics.depth.labels(cls, tenant).set(n)
 
-    async def _emit(self, item: Pending | None, message: Message, topic: str, key: str) -> None:
-        """Publish one decision in the request's own trace: the broker's publish span becomes
-        a child of the span that produced the request."""
-        token = context.attach(extract(item.trace_carrier)) if item is not None else None
-        try:
-            await self._publish(message, topic, key)
-        finally:
-            if token is not None:
-                context.detach(token)
-
     async def _refuse(self, refused: Refused) -> None:
         self._metrics.rejected.labels("invalid").inc()
-        await self._publish(refused.dead_letter, topics.DEAD_LETTERS.name,
-                            refused.dead_letter.source_topic)
+        out = [Outgoing(refused.dead_letter, topics.DEAD_LETTERS.name,
+                        refused.dead_letter.source_topic, {})]
         if refused.rejection is not None:
-            await self._publish(refused.rejection, topics.RESULTS.name,
-                                refused.rejection.request_id)
+            out.append(Outgoing(refused.rejection, topics.RESULTS.name,
+                                refused.rejection.request_id, {}))
+        await self._send(out)
 
 
 def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:

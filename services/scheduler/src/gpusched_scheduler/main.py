@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry, Gauge
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 from gpusched_scheduler import handlers
+from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import LeaderLease, RunningStore
 from gpusched_scheduler.domain.solver import POLICIES
 from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
@@ -45,9 +45,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     lease = LeaderLease(redis, settings.instance_id, settings.lease_ttl_ms)
     store = RunningStore(redis)
 
-    async def publish(message: Message, topic: str, key: str) -> None:
-        await broker.publish(message.to_bytes(), topic, key=key.encode(),
-                             headers={"content-type": "application/json"})
+    decisions = DecisionProducer(settings.kafka.bootstrap, f"gpusched-{SERVICE}",
+                                 provider.get_tracer(SERVICE), registry)
 
     config = EngineConfig(
         policy=settings.placement_policy, cycle_window_ms=settings.cycle_window_ms,
@@ -57,7 +56,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                          ("batch", settings.batch_target_ms)),
         aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s)
     engine = SchedulingEngine(load_models(settings.config_dir), load_tenants(settings.config_dir),
-                              publish, clock, provider.get_tracer(SERVICE), config, store,
+                              decisions.publish, clock, provider.get_tracer(SERVICE), config, store,
                               registry)
     handlers.register_cluster(broker, engine)
     handlers.register_requests(request_broker, engine, settings)
@@ -107,6 +106,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         nonlocal started
         await topics.ensure_topics(settings.kafka.bootstrap)
         _warm_up_solver(settings.placement_policy)
+        await decisions.start()
         await broker.start()
         tasks = [asyncio.create_task(engine.run(), name="scheduling-cycle"),
                  asyncio.create_task(keep_lease(), name="leader-lease")]
@@ -125,6 +125,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                     await _step_down()
                 await lease.release()  # a standby takes over without waiting for the TTL
             await broker.stop()
+            await decisions.stop()
             await redis.aclose()
             provider.shutdown()
 

@@ -702,8 +702,8 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
     from gpusched_common.catalog import load_tenants
     from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
 
-    async def publish(message, topic: str, key: str) -> None:
-        sent.append(message)
+    async def publish(batch) -> None:
+        sent.extend(out.message for out in batch)
 
     sent: list = []
     engine = SchedulingEngine(
