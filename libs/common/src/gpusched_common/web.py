@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gpusched_common.settings import ServiceSettings
+from gpusched_common.topics import ensure_topics
 
 
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
@@ -40,3 +43,28 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
         lifespan="on",
     )
     asyncio.run(uvicorn.Server(config).serve())
+
+
+def broker_lifespan(
+    bootstrap: str, broker: Any, provider: Any, closing: Sequence[Callable[[], Awaitable[Any]]],
+) -> tuple[Callable[[FastAPI], Any], Callable[[], bool]]:
+    """The lifespan of a service that only consumes and serves HTTP: create the topics,
+    start the broker, and on shutdown stop it, then run `closing` (Redis, executors, ...)
+    and flush spans. Returns (lifespan, ready) where ready() is True between the two."""
+    state = {"ready": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ensure_topics(bootstrap)
+        await broker.start()
+        state["ready"] = True
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await broker.stop()
+            for close in closing:
+                await close()
+            provider.shutdown()
+
+    return lifespan, lambda: state["ready"]

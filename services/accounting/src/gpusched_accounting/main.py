@@ -3,9 +3,6 @@ API; `create_app(settings)` wires broker, Redis, config tables and routes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -16,13 +13,12 @@ from gpusched_accounting.domain.budgets import load_budgets
 from gpusched_accounting.domain.usage import load_prices
 from gpusched_accounting.handlers import SERVICE
 from gpusched_accounting.settings import AccountingSettings
-from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes
+from gpusched_common.web import add_ops_routes, broker_lifespan
 
 
 def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -37,26 +33,12 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
         settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
     handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,
                       settings.fetch_max_records, provider.get_tracer(SERVICE), registry)
-    started = False
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal started
-        await topics.ensure_topics(settings.kafka.bootstrap)
-        await broker.start()
-        started = True
-        try:
-            yield
-        finally:
-            started = False
-            await broker.stop()
-            await redis.aclose()
-            provider.shutdown()
-
+    lifespan, ready = broker_lifespan(settings.kafka.bootstrap, broker, provider,
+                                      [redis.aclose])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")
-    add_ops_routes(app, registry, lambda: started)
+    add_ops_routes(app, registry, ready)
     app.include_router(build_router(store, tenants, clock))
     app.state.store = store
     return app

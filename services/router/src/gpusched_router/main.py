@@ -7,7 +7,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +22,7 @@ from gpusched_common.contracts import Cancel, Rejection, RequestResult, ResultEv
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
-from gpusched_common.web import add_ops_routes
+from gpusched_common.web import add_ops_routes, broker_lifespan
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
 from gpusched_router.settings import RouterSettings
@@ -48,7 +47,6 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        ["priority_class", "outcome"], registry=registry)
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
                         ["priority_class"], registry=registry)
-    started = False
     cancels: set[asyncio.Task[None]] = set()
 
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
@@ -56,23 +54,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        **RAW_BATCH)
     async def on_results(msg: KafkaMessage) -> None:
         await hub.dispatch(msg.raw_message)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal started
-        await topics.ensure_topics(settings.kafka.bootstrap)
-        await broker.start()
-        started = True
-        try:
-            yield
-        finally:
-            started = False
-            await broker.stop()
-            await redis.aclose()
-            provider.shutdown()
-
+    lifespan, ready = broker_lifespan(settings.kafka.bootstrap, broker, provider,
+                                      [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
-    add_ops_routes(app, registry, lambda: started)
+    add_ops_routes(app, registry, ready)
 
     def error(err: ApiError, priority_class: str = "unknown") -> JSONResponse:
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
