@@ -315,9 +315,15 @@ class SchedulingEngine:
                         self.view.live_nodes(now, cfg.node_timeout_ms))
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
-        decisions = plan_cycle(snap, chunks, self.catalog, cfg.policy,
-                               list(self.running.values()), now, self._may_preempt(now))
+        epoch = self.epoch
+        # Pure and working on copies, so it runs in a worker thread: the event loop keeps
+        # renewing the lease and taking records while a large batch is solved.
+        decisions = await asyncio.to_thread(
+            plan_cycle, snap, chunks, self.catalog, cfg.policy, list(self.running.values()),
+            now, self._may_preempt(now))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
+        if self.epoch != epoch:
+            return 0  # leadership changed meanwhile: the new term decides afresh
 
         messages: list[tuple[Pending, Outgoing]] = []
         new_running: list[RunningPlacement] = []

@@ -161,9 +161,28 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
 
 
 def _warm_up_solver(policy: str) -> None:
-    """Compile (or load from cache) the solver's kernels before taking traffic."""
-    from gpusched_scheduler.domain.solver import ClusterState, GpuSpec, NodeSpec, WorkBatch, solve
+    """Compile (or load from cache) every solver kernel a cycle may call, placement and
+    preemption planning, before taking traffic: a first compile takes seconds."""
+    import numpy as np
 
-    state = ClusterState.from_nodes([NodeSpec("warm-up", 1, 1, (GpuSpec("any", 1000, 1),))])
-    solve(state, WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[1], model_id=["m"],
-                                      model_weight_mib=[0]), policy)
+    from gpusched_scheduler.domain.solver import (
+        ClusterState,
+        GpuSpec,
+        NodeSpec,
+        RunningWork,
+        WorkBatch,
+        plan_preemption,
+        solve,
+    )
+
+    state = ClusterState.from_nodes([NodeSpec("warm-up", 1, 1, (GpuSpec("any", 1000, 2),))])
+
+    def unit(priority: int) -> WorkBatch:
+        return WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[2], model_id=["m"],
+                                    model_weight_mib=[0], priority=[priority], tenant=["t"])
+
+    result = solve(state, unit(1), policy)
+    gpus = np.full((1, 8), -1, np.int64)
+    gpus[0, 0] = 0
+    plan_preemption(result.state, RunningWork(unit(1), np.array([0], np.int64), gpus,
+                                              np.array([1.0])), unit(3))
