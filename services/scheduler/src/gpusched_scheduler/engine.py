@@ -53,6 +53,9 @@ from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 
 log = logging.getLogger(__name__)
 SERVICE = "scheduler"
+RECENT_DECISIONS = 20_000
+"""Decided requests remembered to skip redeliveries: far more than one fetch per class
+(what a rebalance or a new leader can redeliver), and a few MiB at most."""
 
 Send = Callable[[list[Outgoing]], Awaitable[None]]
 """Publish records together; returns once Kafka acknowledged all of them."""
@@ -171,6 +174,8 @@ class SchedulingEngine:
         self._weights = {t.name: t.weight for t in tenants.tenants}
         self._wake = asyncio.Event()
         self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
+        """Recently decided (request id, attempt), to skip redeliveries; bounded by
+        RECENT_DECISIONS (placements still running are recognised by `running` too)."""
         self._preempting: dict[str, int] = {}
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._arrivals: dict[str, float] = {}
@@ -184,8 +189,6 @@ class SchedulingEngine:
         """Start leading with fencing token `epoch`, taking over the placements in flight."""
         self.epoch = epoch
         self.running = {r.placement_id: r for r in running}
-        for r in running:
-            self._placed[(r.request.request_id, r.request.attempt)] = None
         self._wake.set()
 
     def step_down(self) -> None:
@@ -209,7 +212,7 @@ class SchedulingEngine:
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
-            if key in self._placed:
+            if key in self._placed or f"{key[0]}#{key[1]}" in self.running:
                 continue  # redelivered after its placement was published: nothing to do
             if request.attempt == 0 and request.requeued is None \
                     and not self._in_queue(key):
@@ -389,7 +392,7 @@ class SchedulingEngine:
             self._placed[(item.request.request_id, item.request.attempt)] = None
             if not item.token.done():
                 item.token.set_result(None)
-        while len(self._placed) > 200_000:
+        while len(self._placed) > RECENT_DECISIONS:
             self._placed.popitem(last=False)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
             self._wake.set()  # more was pending than this cycle took
