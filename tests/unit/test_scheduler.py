@@ -218,3 +218,10 @@ async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) ->
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.request_id == "i1"
     assert engine.queue.depth()["batch"] == 1
+
+
+def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
+    book = QuotaBook()
+    for i in range(1000):
+        book.admit("t", 1, now_ms=i * 1000)
+    assert len(book._admitted["t"]) <= 61  # noqa: SLF001 - the bound is the point

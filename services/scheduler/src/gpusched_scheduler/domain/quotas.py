@@ -41,4 +41,9 @@ class QuotaBook:
         return None
 
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
-        self._admitted.setdefault(tenant, deque()).append((now_ms, tokens))
+        """Record an admission; entries older than the window are dropped as it goes, so
+        memory stays bounded by one minute of admissions."""
+        window = self._admitted.setdefault(tenant, deque())
+        while window and window[0][0] <= now_ms - WINDOW_MS:
+            window.popleft()
+        window.append((now_ms, tokens))
