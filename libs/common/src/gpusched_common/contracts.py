@@ -59,6 +59,12 @@ class InferenceRequest(Message):
         "attempts go to the front of their class.")
     created_at_ms: int = Field(ge=0)
 
+    @property
+    def prompt_token_count(self) -> int:
+        """The prompt tokens this request is sized and billed for: the explicit override,
+        else `count_prompt_tokens(prompt)`."""
+        return self.prompt_tokens or count_prompt_tokens(self.prompt)
+
 
 class GpuState(BaseModel):
     """One schedulable GPU (or MIG instance) of a node, as its agent sees it."""

@@ -10,7 +10,7 @@ import logging
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagate import extract, inject
+from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -33,13 +33,6 @@ def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> Trac
         exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     return provider
-
-
-def current_carrier() -> dict[str, str]:
-    """The current trace context as W3C headers, to carry it across an in-process queue."""
-    carrier: dict[str, str] = {}
-    inject(carrier)
-    return carrier
 
 
 def context_from(carrier: dict[str, str]) -> Context:

@@ -33,7 +33,6 @@ from gpusched_common.contracts import (
     RequestResult,
     TokenChunk,
     UsageRecord,
-    count_prompt_tokens,
 )
 from gpusched_common.kafka_records import WallClockMs
 
@@ -246,7 +245,7 @@ class AgentRuntime:
         slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep
         gpu_type = GPU_TYPES[slot.info.gpu_type]
         run.gpu_type, run.gpu_slots = gpu_type.name, placement.gpu_indices
-        run.prompt_tokens = request.prompt_tokens or count_prompt_tokens(request.prompt)
+        run.prompt_tokens = request.prompt_token_count
         run.started_ms = run.last_billed_ms = self._clock()
         for index in placement.gpu_indices:
             self.node.gpus[index].meter.start(pid, self._mono())

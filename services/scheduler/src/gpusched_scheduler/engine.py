@@ -31,7 +31,6 @@ from gpusched_common.contracts import (
     Preempt,
     Rejection,
     ScalingSignal,
-    count_prompt_tokens,
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
@@ -411,7 +410,7 @@ class SchedulingEngine:
         learned = self._gpu_s_per_token.get(request.model)
         if learned is None:
             return estimate_gpu_s(request, self.catalog.get(request.model))
-        prompt = request.prompt_tokens or count_prompt_tokens(request.prompt)
+        prompt = request.prompt_token_count
         return learned * _weighted_tokens(prompt, request.max_tokens)
 
     def _in_queue(self, key: tuple[str, int]) -> bool:

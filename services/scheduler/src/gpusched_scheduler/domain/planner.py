@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpusched_common.catalog import ModelCatalog, ModelSpec
-from gpusched_common.contracts import InferenceRequest, NodeState, count_prompt_tokens
+from gpusched_common.contracts import InferenceRequest, NodeState
 from gpusched_scheduler.domain.ordering import Chunk
 from gpusched_scheduler.domain.queue import Pending
 from gpusched_scheduler.domain.running import RunningPlacement
@@ -33,7 +33,7 @@ PERMANENT = (Reason.NO_ALLOWED_GPU_TYPE, Reason.GANG_TOO_LARGE, Reason.INVALID_R
 
 
 def request_tokens(request: InferenceRequest) -> int:
-    return (request.prompt_tokens or count_prompt_tokens(request.prompt)) + request.max_tokens
+    return request.prompt_token_count + request.max_tokens
 
 
 def memory_per_gpu(request: InferenceRequest, model: ModelSpec) -> tuple[int, int]:
