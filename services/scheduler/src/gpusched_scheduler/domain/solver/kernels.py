@@ -370,6 +370,151 @@ def diagnose(S, u, U):
 
 
 @njit(cache=True)
+def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu, cand):
+    """``eval_node`` for FGD/gpusched and the single-GPU unit ``u`` on ``nodes[:count]``, in
+    one call: ``out_score[i]`` is the node's score (inf = does not fit) and ``out_gpu[i]``
+    the GPU ``eval_node`` would pick (-1 when it does not fit). Same floats, same GPU.
+
+    Why a batch: every call of a Numba function that takes the state tuples pays an atomic
+    reference-count increment and decrement per array (about 30 arrays here); paid once per
+    batch instead of once per node, a node costs tens of nanoseconds instead of ~700.
+    Integer sums: every fragmentation term is an integer count x milli-GPU, so the int64
+    sums here equal the float sums of ``frag_rows``/``frag_after``/the reference exactly
+    (below 2**53), whatever the order. Fills node rows in C (``frag_rows``) on demand;
+    ``cand`` is scratch with room for the largest node's GPUs.
+    """
+    cpu_free = S[0]
+    mem_free = S[1]
+    gpu_start = S[4]
+    gtype = S[5]
+    gmilli = S[6]
+    gmem = S[7]
+    healthy = S[8]
+    models = S[9]
+    frag_now = C[0]
+    fit_rows = C[1]
+    frag_rows_ = C[2]
+    total_free = C[3]
+    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count = W
+    n_shapes = w_cpu.shape[0]
+    n_slots = models.shape[1]
+    milli = U[1][u]
+    unit_gmem = U[2][u]
+    unit_cpu = U[3][u]
+    unit_mem = U[4][u]
+    mask = U[5][u]
+    model = U[6][u]
+    weight = U[7][u]
+    bonus = params[0] * params[4]
+    for i in range(count):
+        n = nodes[i]
+        out_score[i] = INF
+        out_gpu[i] = -1
+        if cpu_free[n] < unit_cpu or mem_free[n] < unit_mem:
+            continue
+        cpu_after = cpu_free[n] - unit_cpu
+        mem_after = mem_free[n] - unit_mem
+        fnow = frag_now[n]
+        best = -1
+        best_key = INF
+        nc = 0  # distinct candidate GPU states so far, each by its lowest GPU index
+        for g in range(gpu_start[n], gpu_start[n + 1]):
+            a = gmilli[g]
+            if not healthy[g] or (mask >> gtype[g]) & 1 == 0 or a < milli:
+                continue
+            loaded = False
+            if model >= 0:
+                for j in range(n_slots):
+                    if models[g, j] == model:
+                        loaded = True
+                        break
+            need = unit_gmem
+            if model >= 0 and not loaded:
+                need += weight
+            b = gmem[g]
+            if b < need:
+                continue
+            dup = False
+            for d in range(nc):
+                h = cand[d]
+                if gmilli[h] == a and gtype[h] == gtype[g] and gmem[h] == b:
+                    h_loaded = False
+                    if model >= 0:
+                        for j in range(n_slots):
+                            if models[h, j] == model:
+                                h_loaded = True
+                                break
+                    if h_loaded == loaded:
+                        dup = True  # same key as h, which has the lower index
+                        break
+            if dup:
+                continue
+            cand[nc] = g
+            nc += 1
+            if np.isnan(fnow):
+                fnow = frag_rows(S, n, W, C)
+            # fragmentation after taking `milli`/`need` from g: frag_after for one GPU,
+            # branch-free (the branches are data dependent and mispredict)
+            t = gtype[g]
+            a_after = a - milli
+            b_after = b - need
+            total_after = total_free[n] - milli
+            f = 0
+            for s in range(n_shapes):
+                ks = w_k[s]
+                alive = (ks > 0) & (cpu_after >= w_cpu[s]) & (mem_after >= w_mem[s])
+                typed = (w_mask[s] >> t) & 1
+                fit_before = typed & np.int64(a >= w_milli[s]) & np.int64(b >= w_gmem[s])
+                fit_after = (
+                    typed & np.int64(a_after >= w_milli[s]) & np.int64(b_after >= w_gmem[s])
+                )
+                fit = fit_rows[n, s] - fit_before + fit_after
+                frag = frag_rows_[n, s] - a * (1 - fit_before) + a_after * (1 - fit_after)
+                f += w_count[s] * (frag if alive & (fit >= ks) else total_after)
+            key = float(f) - fnow
+            if policy == GPUSCHED and loaded:
+                key -= bonus
+            if key < best_key:
+                best_key = key
+                best = g
+        if best < 0:
+            continue
+        out_gpu[i] = best
+        if policy == FGD:
+            out_score[i] = best_key
+        else:
+            gfree = total_free[n]
+            before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
+            after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
+            out_score[i] = best_key / params[4] + params[1] * (after - before)
+
+
+@njit(cache=True)
+def score_nodes(policy, S, u, U, W, C, params, nodes, count, out_score, sel, cand, keys):
+    """``out_score[i] = eval_node(policy, S, nodes[i], u, ...)`` for i < count (the batched
+    single-GPU FGD/gpusched path when it applies)."""
+    if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
+        gpu = np.empty(count, np.int64)
+        frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, gpu, cand)
+        return
+    for i in range(count):
+        out_score[i] = eval_node(policy, S, nodes[i], u, U, W, sel, cand, keys, C, params)
+
+
+@njit(cache=True)
+def choose_on_node(policy, S, n, u, U, W, C, params, sel, cand, keys, one):
+    """Write the GPUs ``eval_node`` picks for unit ``u`` on node ``n`` to ``sel``."""
+    if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
+        one[0] = n
+        score = np.empty(1, np.float64)
+        gpu = np.empty(1, np.int64)
+        frag_single_scores(policy, S, u, U, W, C, params, one, 1, score, gpu, cand)
+        sel[0] = gpu[0]
+    else:
+        eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params)
+
+
+@njit(cache=True)
 def tree_update(tree, score, n, size):
     """Tournament tree over nodes: ``tree[1]`` is the node with the lowest (score, index)."""
     i = (n + size) >> 1
@@ -384,6 +529,8 @@ def tree_update(tree, score, n, size):
             w = b
         else:
             w = a
+        if tree[i] == w and w != n:
+            break  # same winner, not the rescored node: every ancestor is unchanged
         tree[i] = w
         i >>= 1
 
@@ -448,13 +595,20 @@ def nodes_alike(S, a, b):
 
 
 @njit(cache=True)
-def score_all(policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table):
-    """sc[n] for every node, evaluating each distinct node state once (a fresh or lightly
-    used cluster has few); returns how many evaluations it took."""
-    mask = table.shape[0] - 1
-    table[:] = -1
-    evals = 0
-    for n in range(S[0].shape[0]):
+def build_groups(S, group):
+    """``group[n]``: the lowest-index node whose state equals node ``n``'s exactly (a hash
+    finds candidates, ``nodes_alike`` confirms). Every policy scores a group's members the
+    same, so one evaluation serves them all. A node that changes later leaves its group
+    (``group[n] = -1``); the others stay equal to each other."""
+    n_nodes = S[0].shape[0]
+    size = 1
+    while size < 2 * n_nodes:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, np.int64)
+    sig = np.empty(n_nodes, np.int64)
+    for n in range(n_nodes):
+        sig[n] = node_signature(S, n)
         i = sig[n] & mask
         rep = -1
         while table[i] >= 0:
@@ -463,13 +617,40 @@ def score_all(policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table):
                 rep = r
                 break
             i = (i + 1) & mask
-        if rep >= 0:
-            sc[n] = sc[rep]
-        else:
+        if rep < 0:
             table[i] = n
-            sc[n] = eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params)
-            evals += 1
-    return evals
+            rep = n
+        group[n] = rep
+
+
+@njit(cache=True)
+def score_all(policy, S, u, U, W, C, params, sc, group, group_score, group_epoch, epoch,
+              pend, pscore, sel, cand, keys):
+    """sc[n] for every node, evaluating one member of each group of equal nodes (a fresh or
+    lightly used cluster has few distinct states); returns how many evaluations it took.
+    ``group_epoch[r] == epoch`` marks group ``r`` as evaluated in this call."""
+    n_nodes = S[0].shape[0]
+    m = 0
+    for n in range(n_nodes):
+        r = group[n]
+        if r < 0:
+            pend[m] = n
+            m += 1
+        elif group_epoch[r] != epoch:
+            group_epoch[r] = epoch
+            pend[m] = n
+            m += 1
+    score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, sel, cand, keys)
+    for i in range(m):
+        r = group[pend[i]]
+        if r >= 0:
+            group_score[r] = pscore[i]
+    for n in range(n_nodes):
+        r = group[n]
+        sc[n] = group_score[r] if r >= 0 else INF
+    for i in range(m):
+        sc[pend[i]] = pscore[i]
+    return m
 
 
 @njit(cache=True)
@@ -486,11 +667,12 @@ def solve_kernel(
     Work buffers come from the caller (``work_buffers``) so their memory is accounted:
     scores[slots, N], trees[slots, 2P] and the FGD row cache C (see ``frag_rows``).
     ``stats`` counts node evaluations: [tree builds, rescored, winner re-evaluations, scans].
-    P = (built[slots], cursor[slots], changed[log], stamp[N], sig[N], counters[2]) is the
+    P = (built[slots], cursor[slots], changed[log], stamp[N], group[N], counters[2]) is the
     cache bookkeeping, kept by a ``SolverSession`` across calls: which slots hold scores,
     each slot's position in the node change log, the log, the last log position per node,
-    node-state hashes, and [log length, hashes valid]. The log must have room for
-    ``len(order)`` more entries.
+    scratch for the groups of equal nodes (``build_groups``, rebuilt in each call that
+    needs them), and [log length, unused]. The log must have room for ``len(order)`` more
+    entries.
     """
     n_nodes = S[0].shape[0]
     max_g = 1
@@ -500,21 +682,20 @@ def solve_kernel(
     best_sel = np.empty(max(max_g, 8), np.int64)
     cand = np.empty(max_g, np.int64)
     keys = np.empty(max_g, np.float64)
+    one = np.empty(1, np.int64)
     size = trees.shape[1] // 2
     built = P[0]
     cursor = P[1]
     changed = P[2]
     stamp = P[3]  # last log position that touched the node
-    sig = P[4]
+    group = P[4]
     n_changed = P[5][0]
-    if P[5][1] == 0:
-        for n in range(n_nodes):
-            sig[n] = node_signature(S, n)
-        P[5][1] = 1
-    tsize = 1
-    while tsize < 2 * n_nodes:
-        tsize *= 2
-    table = np.empty(tsize, np.int64)
+    groups_built = False
+    group_score = np.empty(n_nodes, np.float64)
+    group_epoch = np.full(n_nodes, -1, np.int64)
+    epoch = 0
+    pend = np.empty(n_nodes, np.int64)  # nodes to (re)score for the current unit
+    pscore = np.empty(n_nodes, np.float64)
     scan = np.empty(n_nodes, np.float64)
     for idx in range(len(order)):
         u = order[idx]
@@ -525,53 +706,56 @@ def solve_kernel(
             out_node[u] = -1
             out_reason[u] = INVALID_REQUEST
             continue
-        if slot >= 0:
+        if slot >= 0 and built[slot]:
             sc = scores[slot]
             tr = trees[slot]
-            if not built[slot]:
-                stats[0] += score_all(
-                    policy, S, u, U, W, sel, cand, keys, C, params, sc, sig, table
-                )
-                tree_build(tr, sc, n_nodes, size)
-                built[slot] = True
-            else:
-                for c in range(cursor[slot], n_changed):
-                    n = changed[c]
-                    if stamp[n] != c:
-                        continue  # a later log entry rescored/will rescore this node
-                    sc[n] = eval_node(
-                        policy, S, n, u, U, W, sel, cand, keys, C,
-                        params,
-                    )
-                    tree_update(tr, sc, n, size)
-                    stats[1] += 1
+            m = 0
+            for c in range(cursor[slot], n_changed):
+                n = changed[c]
+                if stamp[n] == c:  # else a later log entry rescores this node
+                    pend[m] = n
+                    m += 1
+            score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, sel, cand, keys)
+            for i in range(m):
+                sc[pend[i]] = pscore[i]
+                tree_update(tr, sc, pend[i], size)
+            stats[1] += m
             cursor[slot] = n_changed
-            cand_best = tr[1]
-            if cand_best >= 0 and sc[cand_best] < INF:
-                best = cand_best
-                stats[2] += 1
-                eval_node(
-                    policy, S, best, u, U, W, best_sel, cand, keys, C,
-                    params,
-                )
+            if tr[1] >= 0 and sc[tr[1]] < INF:
+                best = tr[1]
         else:
-            stats[3] += score_all(
-                policy, S, u, U, W, sel, cand, keys, C, params, scan, sig, table
-            )
-            best_score = INF
-            for n in range(n_nodes):
-                if scan[n] < best_score:
-                    best_score = scan[n]
-                    best = n
-            if best >= 0:
-                eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
+            if not groups_built:
+                build_groups(S, group)
+                groups_built = True
+            sc = scores[slot] if slot >= 0 else scan
+            epoch += 1
+            evals = score_all(policy, S, u, U, W, C, params, sc, group, group_score,
+                              group_epoch, epoch, pend, pscore, sel, cand, keys)
+            if slot >= 0:
+                stats[0] += evals
+                tree_build(trees[slot], sc, n_nodes, size)
+                built[slot] = True
+                cursor[slot] = n_changed
+                tr = trees[slot]
+                if tr[1] >= 0 and sc[tr[1]] < INF:
+                    best = tr[1]
+            else:
+                stats[3] += evals
+                best_score = INF
+                for n in range(n_nodes):
+                    if scan[n] < best_score:
+                        best_score = scan[n]
+                        best = n
         if best < 0:
             out_node[u] = -1
             out_reason[u] = diagnose(S, u, U)
             continue
+        stats[2] += 1
+        choose_on_node(policy, S, best, u, U, W, C, params, best_sel, cand, keys, one)
         apply_unit(S, best, u, U, best_sel)
-        sig[best] = node_signature(S, best)
         C[0][best] = np.nan
+        if groups_built:
+            group[best] = -1  # no longer equal to its old group
         out_node[u] = best
         out_reason[u] = PLACED
         for j in range(k):
@@ -585,14 +769,12 @@ def solve_kernel(
 @njit(cache=True)
 def note_changed(S, nodes, P, C):
     """Record nodes changed outside ``solve_kernel`` (a session's next state): append them to
-    the change log, refresh their hashes, drop their cached fragmentation."""
+    the change log and drop their cached fragmentation."""
     n_changed = P[5][0]
     for i in range(len(nodes)):
         n = nodes[i]
         P[2][n_changed] = n
         P[3][n] = n_changed
         n_changed += 1
-        if P[5][1] != 0:
-            P[4][n] = node_signature(S, n)
         C[0][n] = np.nan
     P[5][0] = n_changed
