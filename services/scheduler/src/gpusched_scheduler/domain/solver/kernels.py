@@ -381,7 +381,8 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
     Integer sums: every fragmentation term is an integer count x milli-GPU, so the int64
     sums here equal the float sums of ``frag_rows``/``frag_after``/the reference exactly
     (below 2**53), whatever the order. Fills node rows in C (``frag_rows``) on demand;
-    ``cand`` is scratch with room for the largest node's GPUs.
+    ``cand`` is scratch with room for the largest node's GPUs. Shapes must be in ascending
+    CPU order (``ShapeDistribution.arrays``).
     """
     cpu_free = S[0]
     mem_free = S[1]
@@ -406,6 +407,9 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
     model = U[6][u]
     weight = U[7][u]
     bonus = params[0] * params[4]
+    weight_from = np.zeros(n_shapes + 1, np.int64)  # weight_from[s] = sum of w_count[s:]
+    for s in range(n_shapes - 1, -1, -1):
+        weight_from[s] = weight_from[s + 1] + w_count[s]
     for i in range(count):
         n = nodes[i]
         out_score[i] = INF
@@ -459,10 +463,15 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
             a_after = a - milli
             b_after = b - need
             total_after = total_free[n] - milli
-            f = 0
-            for s in range(n_shapes):
+            # shapes come in ascending CPU order: past the first one the node's CPU cannot
+            # host, every shape counts all of the node's free share
+            s_end = 0
+            while s_end < n_shapes and w_cpu[s_end] <= cpu_after:
+                s_end += 1
+            f = total_after * weight_from[s_end]
+            for s in range(s_end):
                 ks = w_k[s]
-                alive = (ks > 0) & (cpu_after >= w_cpu[s]) & (mem_after >= w_mem[s])
+                alive = (ks > 0) & (mem_after >= w_mem[s])
                 typed = (w_mask[s] >> t) & 1
                 fit_before = typed & np.int64(a >= w_milli[s]) & np.int64(b >= w_gmem[s])
                 fit_after = (

@@ -83,15 +83,22 @@ class ShapeDistribution:
         return cls(z, z, z, z, z, (), z)
 
     def arrays(self, state: ClusterState) -> tuple:
+        """The kernels' W tuple, shapes in ascending CPU order (stable): the single-GPU
+        scorer stops at the first shape a node's CPU cannot host. Any order gives the same
+        scores (integer sums), so the reference uses this order too."""
         masks = np.array([state.type_mask(t) for t in self.type_sets], np.int64).reshape(-1)
-        return (
-            self.cpu_milli,
-            self.mem_mib,
-            self.num_gpu,
-            self.gpu_milli,
-            self.gpu_mem_mib,
-            masks,
-            self.count,
+        by_cpu = np.argsort(self.cpu_milli, kind="stable")
+        return tuple(
+            np.ascontiguousarray(a[by_cpu])
+            for a in (
+                self.cpu_milli,
+                self.mem_mib,
+                self.num_gpu,
+                self.gpu_milli,
+                self.gpu_mem_mib,
+                masks,
+                self.count,
+            )
         )
 
 
