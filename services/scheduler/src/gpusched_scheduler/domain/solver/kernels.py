@@ -499,28 +499,16 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
 
 
 @njit(cache=True)
-def score_nodes(policy, S, u, U, W, C, params, nodes, count, out_score, sel, cand, keys):
+def score_nodes(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu, sel, cand,
+                keys):
     """``out_score[i] = eval_node(policy, S, nodes[i], u, ...)`` for i < count (the batched
-    single-GPU FGD/gpusched path when it applies)."""
+    single-GPU FGD/gpusched path when it applies; ``out_gpu`` is its scratch)."""
     if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
-        gpu = np.empty(count, np.int64)
-        frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, gpu, cand)
+        frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
+                           cand)
         return
     for i in range(count):
         out_score[i] = eval_node(policy, S, nodes[i], u, U, W, sel, cand, keys, C, params)
-
-
-@njit(cache=True)
-def choose_on_node(policy, S, n, u, U, W, C, params, sel, cand, keys, one):
-    """Write the GPUs ``eval_node`` picks for unit ``u`` on node ``n`` to ``sel``."""
-    if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
-        one[0] = n
-        score = np.empty(1, np.float64)
-        gpu = np.empty(1, np.int64)
-        frag_single_scores(policy, S, u, U, W, C, params, one, 1, score, gpu, cand)
-        sel[0] = gpu[0]
-    else:
-        eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params)
 
 
 @njit(cache=True)
@@ -634,7 +622,7 @@ def build_groups(S, group):
 
 @njit(cache=True)
 def score_all(policy, S, u, U, W, C, params, sc, group, group_score, group_epoch, epoch,
-              pend, pscore, sel, cand, keys):
+              pend, pscore, pgpu, sel, cand, keys):
     """sc[n] for every node, evaluating one member of each group of equal nodes (a fresh or
     lightly used cluster has few distinct states); returns how many evaluations it took.
     ``group_epoch[r] == epoch`` marks group ``r`` as evaluated in this call."""
@@ -649,7 +637,7 @@ def score_all(policy, S, u, U, W, C, params, sc, group, group_score, group_epoch
             group_epoch[r] = epoch
             pend[m] = n
             m += 1
-    score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, sel, cand, keys)
+    score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, sel, cand, keys)
     for i in range(m):
         r = group[pend[i]]
         if r >= 0:
@@ -691,7 +679,6 @@ def solve_kernel(
     best_sel = np.empty(max(max_g, 8), np.int64)
     cand = np.empty(max_g, np.int64)
     keys = np.empty(max_g, np.float64)
-    one = np.empty(1, np.int64)
     size = trees.shape[1] // 2
     built = P[0]
     cursor = P[1]
@@ -705,12 +692,14 @@ def solve_kernel(
     epoch = 0
     pend = np.empty(n_nodes, np.int64)  # nodes to (re)score for the current unit
     pscore = np.empty(n_nodes, np.float64)
+    pgpu = np.empty(n_nodes, np.int64)
     scan = np.empty(n_nodes, np.float64)
     for idx in range(len(order)):
         u = order[idx]
         k = U[0][u]
         slot = shape_of[u]
         best = -1
+        fast = k == 1 and (policy == FGD or policy == GPUSCHED)  # batched single-GPU scorer
         if not valid_request(u, U):
             out_node[u] = -1
             out_reason[u] = INVALID_REQUEST
@@ -724,7 +713,11 @@ def solve_kernel(
                 if stamp[n] == c:  # else a later log entry rescores this node
                     pend[m] = n
                     m += 1
-            score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, sel, cand, keys)
+            if fast:
+                frag_single_scores(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, cand)
+            else:
+                score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, sel, cand,
+                            keys)
             for i in range(m):
                 sc[pend[i]] = pscore[i]
                 tree_update(tr, sc, pend[i], size)
@@ -739,7 +732,7 @@ def solve_kernel(
             sc = scores[slot] if slot >= 0 else scan
             epoch += 1
             evals = score_all(policy, S, u, U, W, C, params, sc, group, group_score,
-                              group_epoch, epoch, pend, pscore, sel, cand, keys)
+                              group_epoch, epoch, pend, pscore, pgpu, sel, cand, keys)
             if slot >= 0:
                 stats[0] += evals
                 tree_build(trees[slot], sc, n_nodes, size)
@@ -760,7 +753,12 @@ def solve_kernel(
             out_reason[u] = diagnose(S, u, U)
             continue
         stats[2] += 1
-        choose_on_node(policy, S, best, u, U, W, C, params, best_sel, cand, keys, one)
+        if fast:
+            pend[0] = best
+            frag_single_scores(policy, S, u, U, W, C, params, pend, 1, pscore, pgpu, cand)
+            best_sel[0] = pgpu[0]
+        else:
+            eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
         apply_unit(S, best, u, U, best_sel)
         C[0][best] = np.nan
         if groups_built:
