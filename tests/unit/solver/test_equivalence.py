@@ -7,10 +7,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpusched_scheduler.domain.solver import POLICIES, ShapeDistribution, solve
+from gpusched_scheduler.domain.solver import (
+    POLICIES,
+    ClusterState,
+    NodeSpec,
+    ShapeDistribution,
+    solve,
+)
 from gpusched_scheduler.domain.solver.reference import reference_solve
 
-from .conftest import batches, clusters
+from .conftest import batches, clusters, gpus_st
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -58,3 +64,39 @@ def test_cached_scores_match_full_scan(state, batch):
         solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"] = old
     np.testing.assert_array_equal(cached.node, scanned.node)
     np.testing.assert_array_equal(cached.gpus, scanned.gpus)
+
+
+
+@st.composite
+def repeated_clusters(draw, max_nodes: int = 3, max_copies: int = 4) -> ClusterState:
+    """A few drawn nodes, each repeated: groups of equal nodes with several members."""
+    specs = []
+    for _ in range(draw(st.integers(1, max_nodes))):
+        gpus = tuple(draw(st.lists(gpus_st, max_size=4)))
+        cpu = draw(st.integers(0, 8))
+        mem = draw(st.integers(0, 8))
+        specs.append((gpus, cpu, mem))
+    copies = draw(st.integers(1, max_copies))
+    nodes = [
+        NodeSpec(f"n{i}-{c}", cpu, mem, gpus, cpu_total_milli=8, memory_total_mib=8)
+        for c in range(copies)
+        for i, (gpus, cpu, mem) in enumerate(specs)
+    ]
+    return ClusterState.from_nodes(nodes, model_slots=3)
+
+
+@pytest.mark.parametrize("policy", ["fgd", "gpusched"])
+@SETTINGS
+@given(state=repeated_clusters(), batch=batches(max_units=10), seed=st.integers(0, 2**16))
+def test_single_gpu_fast_path_matches_reference(policy, state, batch, seed):
+    """Single-GPU units take the batched scorer (cached slots, groups of equal nodes, lazy
+    rescoring of changed nodes); repeated units and nodes exercise all three."""
+    one = np.flatnonzero(batch.num_gpu == 1)
+    if len(one) == 0:
+        return
+    rng = np.random.default_rng(seed)
+    units = batch.take(one[rng.integers(len(one), size=3 * len(one))])
+    fast = solve(state, units, policy)
+    slow = reference_solve(state, units, policy)
+    np.testing.assert_array_equal(fast.node, slow.node)
+    np.testing.assert_array_equal(fast.gpus, slow.gpus)

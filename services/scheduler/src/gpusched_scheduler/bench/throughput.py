@@ -97,9 +97,10 @@ def measure(
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     # the kernel's own scratch arrays (Numba's allocator, invisible to tracemalloc):
-    # change log and order-sized arrays, per-node signatures/stamps/scan, hash table
+    # change log and order-sized arrays, per-node stamps/groups, the per-unit node lists
+    # (pending, scores, GPUs, scan, group scores/epochs), build_groups' hashes and table
     n = state.num_nodes
-    peak += 8 * (2 * len(batch) + 4 * n + 4 * n + 64)
+    peak += 8 * (2 * len(batch) + 4 * n + 11 * n + 64)
     # reference: grow the prefix until the time budget is used
     n_ref, ref_s = 0, 0.0
     limit = 4

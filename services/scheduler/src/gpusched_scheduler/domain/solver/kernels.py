@@ -80,31 +80,38 @@ def frag_rows(S, n, W, C):
     """
     lo = S[4][n]
     hi = S[4][n + 1]
+    gtype = S[5]
+    gmilli = S[6]
+    gmem = S[7]
+    healthy = S[8]
+    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count = W
     total = 0
     for g in range(lo, hi):
-        if S[8][g]:
-            total += S[6][g]
-    f = 0.0
-    for s in range(W[0].shape[0]):
+        if healthy[g]:
+            total += gmilli[g]
+    f = 0  # int64: integer counts x milli-GPU, equal to the float sums of the reference
+    for s in range(w_cpu.shape[0]):
         fit = 0
         frag = 0
-        for g in range(lo, hi):
-            if not S[8][g]:
-                continue
-            if (W[5][s] >> S[5][g]) & 1 and S[6][g] >= W[3][s] and S[7][g] >= W[4][s]:
-                fit += 1
-            else:
-                frag += S[6][g]
+        for g in range(lo, hi):  # branch-free: 0/1 integers (data-dependent branches)
+            ok = np.int64(healthy[g])
+            usable = (
+                ((w_mask[s] >> gtype[g]) & 1)
+                & np.int64(gmilli[g] >= w_milli[s])
+                & np.int64(gmem[g] >= w_gmem[s])
+            )
+            fit += ok & usable
+            frag += ok * (1 - usable) * gmilli[g]
         C[1][n, s] = fit
         C[2][n, s] = frag
-        k = W[2][s]
-        if k == 0 or S[0][n] < W[0][s] or S[1][n] < W[1][s] or fit < k:
-            f += W[6][s] * total
+        k = w_k[s]
+        if k == 0 or S[0][n] < w_cpu[s] or S[1][n] < w_mem[s] or fit < k:
+            f += w_count[s] * total
         else:
-            f += W[6][s] * frag
+            f += w_count[s] * frag
     C[3][n] = total
-    C[0][n] = f
-    return f
+    C[0][n] = float(f)
+    return float(f)
 
 
 @njit(cache=True)
