@@ -19,7 +19,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio import Redis
 from stack_helpers import end_offsets, eventually, read_topic
 
-from gpusched_accounting.domain.usage import PriceTable, Totals, load_prices, recompute, row_for
+from gpusched_accounting.domain.usage import (
+    PriceTable,
+    Totals,
+    load_prices,
+    pack,
+    recompute,
+    row_for,
+)
 from gpusched_common import topics
 from gpusched_common.contracts import EVENT, UsageRecord
 from gpusched_ops.stack import ServiceSpec
@@ -302,7 +309,7 @@ async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stac
     redis = Redis.from_url(stack.endpoints.redis_url)
     try:
         day = records[0].ended_at_ms // 86_400_000 * 86_400
-        await redis.hset(bucket_key(tenant, "day", day), "t", "1 0 0 0 0")
+        await redis.hset(bucket_key(tenant, "day", day), "t", pack(Totals(prompt_tokens=1)))
         report = await reconcile.run(args)
     finally:
         await redis.aclose()

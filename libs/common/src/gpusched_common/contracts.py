@@ -25,7 +25,9 @@ MAX_PROMPT_CHARS = 200_000
 class Message(BaseModel):
     """Base of every contract: immutable, strict about unknown fields, versioned."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # cache_strings="keys": field names repeat in every record, ids and texts hardly ever;
+    # caching those too costs more than it saves on hot consumers (accounting, scheduler)
+    model_config = ConfigDict(extra="forbid", frozen=True, cache_strings="keys")
     version: Literal[1] = 1
 
     def to_bytes(self) -> bytes:

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 
@@ -99,9 +100,11 @@ async def through_kafka(args: argparse.Namespace, stack, bootstrap: str, redis_u
         "GPUSCHED_KAFKA_BOOTSTRAP": bootstrap, "GPUSCHED_REDIS_URL": redis_url,
         "GPUSCHED_OTLP_ENDPOINT": "", "GPUSCHED_HTTP_PORT": str(port),
         "GPUSCHED_CONSUMER_GROUP": f"bench-{run}", "GPUSCHED_LOG_LEVEL": "WARNING",
-        "GPUSCHED_FETCH_MAX_RECORDS": str(args.batch)},
+        "GPUSCHED_APPLY_CHUNK_RECORDS": str(args.batch)},
         health_url=f"http://127.0.0.1:{port}/healthz")
     stack.start_service(spec)
+    instance = psutil.Process(next(s.pid for s in stack.status() if s.name == "accounting-bench"))
+    redis = Redis.from_url(redis_url)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             t0 = first = None
@@ -110,16 +113,18 @@ async def through_kafka(args: argparse.Namespace, stack, bootstrap: str, redis_u
                 n = await applied_count(client)
                 if n and t0 is None:
                     t0, first = time.perf_counter(), n
+                    cpu0 = _cpu_s(instance), await _redis_cpu_s(redis)
                 if n >= len(events):
                     t1 = time.perf_counter()
+                    cpu1 = _cpu_s(instance), await _redis_cpu_s(redis)
                     break
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)  # polling /metrics costs the instance CPU
             else:
                 raise RuntimeError("the accounting instance did not apply every event in 600 s")
     finally:
         stack.stop_service("accounting-bench")
-    rate = (len(events) - first) / (t1 - t0) if t1 > t0 else float("inf")
-    redis = Redis.from_url(redis_url)
+    counted = len(events) - first
+    rate = counted / (t1 - t0) if t1 > t0 else float("inf")
     store = UsageStore(redis, 7 * 86_400, RETENTION)
     try:
         _, live = await store.window(None, cover(now - 2 * 3_600_000, now).buckets, "u:")
@@ -130,7 +135,19 @@ async def through_kafka(args: argparse.Namespace, stack, bootstrap: str, redis_u
         want[tenant] = want.get(tenant, Totals()) + t
     exact = all(live.get(t) == want[t] for t in want)
     return {"events": len(events), "events_per_s": round(rate), "exact": exact,
-            "produce_s": round(produce_s, 2), "batch_records": args.batch}
+            "produce_s": round(produce_s, 2), "batch_records": args.batch,
+            "instance_cpu_us_per_event": round((cpu1[0] - cpu0[0]) / counted * 1e6, 1),
+            "redis_cpu_us_per_event": round((cpu1[1] - cpu0[1]) / counted * 1e6, 1)}
+
+
+def _cpu_s(process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+async def _redis_cpu_s(redis: Redis) -> float:
+    info = await redis.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
 async def in_process(redis_url: str, rows: list[UsageRow], batch: int) -> float:
@@ -201,8 +218,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched bench accounting", description=__doc__)
     parser.add_argument("--events", type=int, default=200_000, help="Events through Kafka.")
     parser.add_argument("--tenants", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=2000,
-                        help="Records per Lua call (the service default).")
+    parser.add_argument("--batch", type=int, default=5000,
+                        help="Records per Lua call (the service's default chunk).")
     parser.add_argument("--baseline-events", type=int, default=5000)
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="20k events, 10 tenants.")
@@ -257,6 +274,8 @@ def main(argv: list[str]) -> int:
     print(f"{'batched Lua apply (no Kafka)':44}{round(batched):>12,}")
     print(f"{'one instance through Kafka + Redis':44}{kafka['events_per_s']:>12,}"
           f"   exact totals: {kafka['exact']}  (target >= 20,000/s)")
+    print(f"  CPU per event: instance {kafka['instance_cpu_us_per_event']} us, Redis "
+          f"{kafka['redis_cpu_us_per_event']} us (each has its own core on a quiet machine)")
     print(f"day of minute buckets, {args.tenants} tenants x {len(MODELS)} models: "
           f"{day['events']:,} records, Redis {day['redis_mib']} MiB (target < 200), query "
           f"p50 {day['query_p50_ms']} ms, p99 {day['query_p99_ms']} ms (target < 10; "

@@ -3,9 +3,11 @@ commit, then the budgets of the tenants in the batch checked."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
+from aiokafka import ConsumerRecord
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -16,7 +18,7 @@ from pydantic import ValidationError
 from gpusched_accounting.adapters.store import APPLIED, DUPLICATE, STALE, UsageStore
 from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
-from gpusched_accounting.domain.usage import PriceTable, row_for
+from gpusched_accounting.domain.usage import PriceTable, UsageRow, row_for
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message
@@ -54,8 +56,8 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
 
 
 def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
-             clock: WallClockMs, consumer_group: str, max_records: int, tracer: trace.Tracer,
-             registry: CollectorRegistry | None = None) -> None:
+             clock: WallClockMs, consumer_group: str, max_records: int, chunk_records: int,
+             tracer: trace.Tracer, registry: CollectorRegistry | None = None) -> None:
     outcomes = Counter("gpusched_accounting_usage_records_total",
                        "Usage records by outcome (applied, duplicate, stale, invalid).",
                        ["outcome"], registry=registry)
@@ -64,17 +66,11 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"})
 
-    # At-least-once delivery + idempotent apply = exactly-once effect: a batch is applied
-    # in Redis first (one atomic script); only then is its offset committed; on error it
-    # is redelivered and the already-applied event ids change nothing.
-    @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
-                       auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
-                       max_records=max_records, batch_timeout_ms=20,
-                       **RAW_BATCH)
-    async def on_usage(msg: KafkaMessage) -> None:
-        now_ms = clock()
+    async def parse(records: Sequence[ConsumerRecord], now_ms: int
+                    ) -> tuple[list[UsageRow], list[ConsumerRecord]]:
+        """Rows of the valid records (and those records); invalid ones are dead-lettered."""
         rows, sources = [], []
-        for record in msg.raw_message:
+        for record in records:
             try:
                 usage = USAGE.validate_json(record.value)
             except ValidationError as exc:
@@ -85,7 +81,11 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                 continue
             rows.append(row_for(usage, prices))
             sources.append(record)
-        statuses = await store.apply(rows, now_ms)
+        return rows, sources
+
+    async def settle(rows: list[UsageRow], sources: list[ConsumerRecord], statuses: list[int],
+                     now_ms: int) -> None:
+        """Count outcomes, dead-letter stale rows, and end a span per traced record."""
         for status, name in ((APPLIED, "applied"), (DUPLICATE, "duplicate"), (STALE, "stale")):
             if n := statuses.count(status):
                 outcomes.labels(name).inc(n)
@@ -102,5 +102,34 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                 tracer.start_span("bill usage", context=context_from(carrier), attributes={
                     "gpusched.request_id": row.request_id, "gpusched.event_id": row.event_id,
                     "gpusched.applied": status == APPLIED}).end()
+
+    # At-least-once delivery + idempotent apply = exactly-once effect: every chunk of a batch
+    # is applied in Redis (one atomic script each) before the handler returns and the batch's
+    # offsets commit; on error the batch is redelivered and the already-applied event ids
+    # change nothing. While Redis applies one chunk, the next one is parsed here.
+    @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
+                       auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
+                       max_records=max_records, batch_timeout_ms=20,
+                       **RAW_BATCH)
+    async def on_usage(msg: KafkaMessage) -> None:
+        now_ms = clock()
+        records = msg.raw_message
+        tenants: set[str] = set()
+        applying: asyncio.Task[list[int]] | None = None
+        previous: tuple[list[UsageRow], list[ConsumerRecord]] = ([], [])
+        try:
+            for start in range(0, len(records), chunk_records):
+                rows, sources = await parse(records[start:start + chunk_records], now_ms)
+                tenants.update(r.tenant for r in rows)
+                if applying is not None:
+                    await settle(*previous, await applying, now_ms)
+                applying = asyncio.ensure_future(store.apply(rows, now_ms))
+                previous = (rows, sources)
+                await asyncio.sleep(0)  # let the apply send its script before parsing on
+            if applying is not None:
+                await settle(*previous, await applying, now_ms)
+        finally:
+            if applying is not None and not applying.done():
+                applying.cancel()
         if budgets.budgets:
-            await enforce_budgets(store, budgets, {r.tenant for r in rows}, now_ms, publish)
+            await enforce_budgets(store, budgets, tenants, now_ms, publish)

@@ -32,7 +32,8 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     store = UsageStore(redis, settings.dedup_ttl_s, Retention(
         settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
     handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,
-                      settings.fetch_max_records, provider.get_tracer(SERVICE), registry)
+                      settings.fetch_max_records, settings.apply_chunk_records,
+                      provider.get_tracer(SERVICE), registry)
     lifespan, ready = broker_lifespan(settings.kafka.bootstrap, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,

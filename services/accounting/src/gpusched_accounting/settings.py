@@ -25,8 +25,13 @@ class AccountingSettings(ServiceSettings):
     day_retention_s: int = Field(default=400 * DAY_S, ge=32 * DAY_S,
                                  description="How long day buckets are kept (month budgets "
                                  "are summed from them, hence at least 32 days).")
-    fetch_max_records: int = Field(default=2000, ge=1, le=50_000,
-                                   description="Usage records applied per Lua call.")
+    fetch_max_records: int = Field(
+        default=20_000, ge=1, le=100_000, description="Usage records per Kafka fetch; their "
+        "offsets commit once all of them are applied.")
+    apply_chunk_records: int = Field(
+        default=5000, ge=1, le=50_000, description="Usage records per Lua call (one atomic "
+        "step). A fetch is applied in chunks; the next chunk is parsed while Redis applies "
+        "the previous one, and larger chunks share more bucket updates.")
 
     @model_validator(mode="after")
     def _retention_grows(self) -> "AccountingSettings":

@@ -1,11 +1,13 @@
-"""Redis store of usage rollups. A batch of usage rows is applied by one Lua script: for each
-row it marks the event id in the request's hash and, only if it was new, adds the row to the
-minute, hour and day buckets of its tenant and of all tenants, all in one atomic step.
+"""Redis store of usage rollups. A batch of usage rows is applied by one Lua script that
+marks each new event id in its request's hash and adds the batch's new rows to the minute,
+hour and day buckets of their tenants and of all tenants, all in one atomic step.
 
-Layout (all counters packed "prompt completion requests gpu_us cost_nusd", integers):
-  gpusched:usage:req:<request_id>      hash: e:<event>|~<suffix> (applied event ids), u (the
-                                       request's totals), k ("tenant model"), f (a final
-                                       record was seen), r (request counted); TTL dedup_ttl_s
+Layout (counters are packed as five little-endian int64: prompt tokens, completion tokens,
+requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
+  gpusched:usage:req:<request_id>      string: the request's counters, a final record seen
+                                       (byte), request counted (byte), "tenant model" (length
+                                       uint16, then text), then the applied event ids, each
+                                       followed by a newline; TTL dedup_ttl_s
   gpusched:usage:t:<tenant>:<g>:<s>    hash per tenant and bucket (g = m|h|d, s = start, epoch
                                        seconds): t, m:<model>, n:<node>, g:<gpu>, c:<class>
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
@@ -13,162 +15,147 @@ Layout (all counters packed "prompt completion requests gpu_us cost_nusd", integ
 Buckets expire `retention` after their end; request hashes `dedup_ttl_s` after their last
 record. Rows older than the dedup window are refused (-1): they could be duplicates that
 can no longer be recognised.
+
+Speed: Redis runs scripts one at a time, so the script does as little as it can. Python
+guesses each row's outcome (new and counting its request, new, duplicate, stale) and sums
+the bucket deltas of that guess; the script checks the guess against the request hashes and
+applies it only if every row matches, else changes nothing and answers the true outcomes, and
+Python sums again. Redelivered or concurrent batches cost one more round trip, never a
+wrong count.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import pydantic_core
 from redis.asyncio import Redis
 
 from gpusched_accounting.domain.budgets import EXHAUSTED_KEY
 from gpusched_accounting.domain.usage import (
+    COUNTED,
+    COUNTERS_SIZE,
     GRANULARITY_CODE,
+    NEW,
     TOTAL_FIELD,
     Granularity,
     Totals,
     UsageRow,
+    bucket_deltas,
+    guess_outcomes,
     unpack,
 )
 
 TENANTS_KEY = "gpusched:usage:tenants"
 REQUEST_KEY = "gpusched:usage:req:{}"
+_REQUEST_PREFIX = REQUEST_KEY.format("")
 APPLIED, DUPLICATE, STALE = 1, 0, -1
+_MAX_ATTEMPTS = 5
 
-_APPLY = """
+_APPLY = r"""
 local rows = cjson.decode(ARGV[1])
-local now_ms = tonumber(ARGV[2])
-local dedup_ttl = tonumber(ARGV[3])
-local grans = {{'m', 60, tonumber(ARGV[4])}, {'h', 3600, tonumber(ARGV[5])},
-               {'d', 86400, tonumber(ARGV[6])}}
+local want = cjson.decode(ARGV[2])
+local now_ms = tonumber(ARGV[3])
+local dedup_ttl = tonumber(ARGV[4])
 local oldest_ms = now_ms - dedup_ttl * 1000
-local fmt = '%d %d %d %d %d'
-local pat = '^(%d+) (%d+) (%d+) (%d+) (%d+)$'
-local agg, names, expire_at, tenants, out = {}, {}, {}, {}, {}
-local per_minute, minute_of = {}, {}
+local HEAD = '<lllllBBH'
 
--- rows add into (tenant, minute) tables first; hours, days and the all-tenants scope are
--- derived from those once per batch, so the per-row work does not grow with them
-local function add(key, field, p, c, r, g, n)
-  local h = per_minute[key]
-  local v = h[field]
-  if v then
-    v[1] = v[1] + p; v[2] = v[2] + c; v[3] = v[3] + r; v[4] = v[4] + g; v[5] = v[5] + n
-  else
-    h[field] = {p, c, r, g, n}
-  end
-end
-
-local function add_to(key, field, w)
-  local h = agg[key]
-  if not h then h = {}; agg[key] = h; names[key] = {} end
-  local v = h[field]
-  if v then
-    v[1] = v[1] + w[1]; v[2] = v[2] + w[2]; v[3] = v[3] + w[3]; v[4] = v[4] + w[4]
-    v[5] = v[5] + w[5]
-  else
-    h[field] = {w[1], w[2], w[3], w[4], w[5]}
-    local list = names[key]
-    list[#list + 1] = field
-  end
-end
-
+-- 1. the true outcome of every row: -1 stale, 0 duplicate, 1 new, 2 new and first to
+-- count its request; reads only, so a wrong guess leaves Redis untouched
+local outcome, req, same = {}, {}, true
 for i, e in ipairs(rows) do
-  local ended_ms = e[14]
-  local rkey = 'gpusched:usage:req:' .. e[2]
-  if ended_ms < oldest_ms then
-    out[i] = -1
-  elseif redis.call('HSETNX', rkey, e[1], 1) == 0 then
-    out[i] = 0
+  local s
+  if e[10] < oldest_ms then
+    s = -1
   else
-    out[i] = 1
-    local tenant = e[3]
-    local p, c, g, n = e[8], e[9], e[10], e[11]
-    local r = 0
-    if e[13] == 1 and redis.call('HSETNX', rkey, 'r', 1) == 1 then r = 1 end
-    local a1, a2, a3, a4, a5 = 0, 0, 0, 0, 0
-    local prev = redis.call('HGET', rkey, 'u')
-    if prev then
-      a1, a2, a3, a4, a5 = string.match(prev, pat)
+    local rkey = e[2]
+    local q = req[rkey]
+    if not q then
+      local v = redis.call('GET', rkey)
+      if v then
+        local p, c, r, g, n, f, counted, klen, at = struct.unpack(HEAD, v)
+        q = {p, c, r, g, n, f, counted, string.sub(v, at, at + klen - 1),
+             string.sub(v, at + klen)}
+      else
+        q = {0, 0, 0, 0, 0, 0, 0, e[3], '\n'}
+      end
+      req[rkey] = q
     end
-    local packed = string.format(fmt, a1 + p, a2 + c, a3 + r, a4 + g, a5 + n)
-    if e[12] == 1 then
-      redis.call('HSET', rkey, 'u', packed, 'k', tenant .. ' ' .. e[4], 'f', 1)
+    if string.find(q[9], '\n' .. e[1] .. '\n', 1, true) then
+      s = 0
     else
-      redis.call('HSET', rkey, 'u', packed, 'k', tenant .. ' ' .. e[4])
+      q[9] = q[9] .. e[1] .. '\n'
+      s = 1
+      if e[9] == 1 and q[7] == 0 then s = 2; q[7] = 1 end
+      q[1] = q[1] + e[4]; q[2] = q[2] + e[5]; q[3] = q[3] + (s == 2 and 1 or 0)
+      q[4] = q[4] + e[6]; q[5] = q[5] + e[7]
+      if e[8] == 1 then q[6] = 1 end
+      q[10] = true
     end
-    redis.call('EXPIRE', rkey, dedup_ttl)
-    local sec = math.floor(ended_ms / 1000)
-    local minute = sec - sec % 60
-    local mk = tenant .. ' ' .. minute
-    if not per_minute[mk] then
-      per_minute[mk] = {}
-      minute_of[mk] = {tenant, minute}
-      tenants[tenant] = true
-    end
-    add(mk, 't', p, c, r, g, n); add(mk, 'm:' .. e[4], p, c, r, g, n)
-    add(mk, 'n:' .. e[5], p, c, r, g, n); add(mk, 'g:' .. e[6], p, c, r, g, n)
-    add(mk, 'c:' .. e[7], p, c, r, g, n)
+  end
+  outcome[i] = s
+  if s ~= want[i] then same = false end
+end
+if not same then return {0, outcome} end
+
+-- 2. the requests' new totals and event ids
+for rkey, q in pairs(req) do
+  if q[10] then
+    redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])
+               .. q[8] .. q[9], 'EX', dedup_ttl)
   end
 end
 
-for mk, h in pairs(per_minute) do
-  local tenant, minute = minute_of[mk][1], minute_of[mk][2]
-  local fu = 'u:' .. tenant
-  for _, gr in ipairs(grans) do
-    local start = minute - minute % gr[2]
-    local suffix = gr[1] .. ':' .. start
-    local tk = 'gpusched:usage:t:' .. tenant .. ':' .. suffix
-    local ak = 'gpusched:usage:all:' .. suffix
-    if not expire_at[tk] then
-      expire_at[tk] = start + gr[2] + gr[3]
-      expire_at[ak] = start + gr[2] + gr[3]
-    end
-    for f, v in pairs(h) do
-      add_to(tk, f, v); add_to(ak, f, v)
-    end
-    add_to(ak, fu, h['t'])
-  end
-end
-
+-- 3. add the bucket deltas summed by the caller for exactly these outcomes
+local COUNTERS = '<lllll'
+local deltas = cjson.decode(ARGV[5])
 local CHUNK = 1000
-for key, h in pairs(agg) do
-  local list = names[key]
-  for first = 1, #list, CHUNK do
-    local last = math.min(first + CHUNK - 1, #list)
-    local cur = redis.call('HMGET', key, unpack(list, first, last))
+for _, d in ipairs(deltas) do
+  local key, n = d[1], (#d - 2) / 6
+  for first = 0, n - 1, CHUNK do
+    local last = math.min(first + CHUNK, n) - 1
+    local names = {}
+    for j = first, last do names[#names + 1] = d[3 + j * 6] end
+    local cur = redis.call('HMGET', key, unpack(names))
     local args = {}
     for j = first, last do
-      local f = list[j]
-      local v = h[f]
+      local o = 3 + j * 6
+      local p, c, r, g, m = d[o + 1], d[o + 2], d[o + 3], d[o + 4], d[o + 5]
       local s = cur[j - first + 1]
       if s then
-        local b1, b2, b3, b4, b5 = string.match(s, pat)
-        v[1] = v[1] + b1; v[2] = v[2] + b2; v[3] = v[3] + b3; v[4] = v[4] + b4
-        v[5] = v[5] + b5
+        local b1, b2, b3, b4, b5 = struct.unpack(COUNTERS, s)
+        p = p + b1; c = c + b2; r = r + b3; g = g + b4; m = m + b5
       end
-      args[#args + 1] = f
-      args[#args + 1] = string.format(fmt, v[1], v[2], v[3], v[4], v[5])
+      args[#args + 1] = d[o]
+      args[#args + 1] = struct.pack(COUNTERS, p, c, r, g, m)
     end
     redis.call('HSET', key, unpack(args))
   end
-  redis.call('EXPIREAT', key, expire_at[key])
+  redis.call('EXPIREAT', key, d[2])
 end
-for t in pairs(tenants) do redis.call('SADD', 'gpusched:usage:tenants', t) end
-return out
+local tenants = cjson.decode(ARGV[6])
+for first = 1, #tenants, CHUNK do
+  redis.call('SADD', 'gpusched:usage:tenants',
+             unpack(tenants, first, math.min(first + CHUNK - 1, #tenants)))
+end
+return {1, outcome}
 """
-"""ARGV: rows as JSON (`_lua_row`), now_ms, dedup_ttl_s, then the retention in seconds of
-minute, hour and day buckets. Returns one status per row: 1 applied, 0 applied before (no
-change), -1 older than the dedup window (not applied). Keys are built inside the script, so
-this needs one Redis (or a cluster slot per batch), not Redis Cluster across slots."""
+"""ARGV: rows as JSON (`_lua_row`), the guessed outcome of each row (JSON), now_ms,
+dedup_ttl_s, the bucket deltas of that guess as JSON ([key, expire_at_s, field, prompt,
+completion, requests, gpu_us, cost_nusd, field, ...], ...) and the tenants with a new row
+(JSON). Returns {1, outcomes} when the guess was right and applied, else {0, true outcomes}
+and nothing changed. Keys are built by the caller, so this needs one Redis (or a cluster slot
+per batch), not Redis Cluster across slots."""
 
 
 _WINDOW = """
 local prefix = ARGV[1]
 local plen = #prefix
-local pat = '^(%d+) (%d+) (%d+) (%d+) (%d+)$'
+local COUNTERS = '<lllll'
 local sums, order = {}, {}
 for _, key in ipairs(KEYS) do
   local flat
@@ -181,7 +168,7 @@ for _, key in ipairs(KEYS) do
   for j = 1, #flat, 2 do
     local f = flat[j]
     if f == 't' or string.sub(f, 1, plen) == prefix then
-      local a, b, c, d, e = string.match(flat[j + 1], pat)
+      local a, b, c, d, e = struct.unpack(COUNTERS, flat[j + 1])
       local v = sums[f]
       if v then
         v[1] = v[1] + a; v[2] = v[2] + b; v[3] = v[3] + c; v[4] = v[4] + d; v[5] = v[5] + e
@@ -196,7 +183,7 @@ local out = {}
 for _, f in ipairs(order) do
   local v = sums[f]
   out[#out + 1] = f
-  out[#out + 1] = string.format('%d %d %d %d %d', v[1], v[2], v[3], v[4], v[5])
+  out[#out + 1] = struct.pack(COUNTERS, v[1], v[2], v[3], v[4], v[5])
 end
 return out
 """
@@ -217,17 +204,23 @@ class Retention:
 
 
 def _dedup_field(row: UsageRow) -> str:
-    """The event id as a field of its request's hash: without the request id prefix that
-    event ids usually carry (memory), and prefixed so the two forms never collide."""
+    """The event id as stored in its request's record: without the request id prefix that
+    event ids usually carry (memory), prefixed so the forms never collide, and hashed when it
+    holds a newline (the separator of the stored ids)."""
+    if "\n" in row.event_id:
+        return "#" + hashlib.sha256(row.event_id.encode()).hexdigest()
     if row.event_id.startswith(row.request_id):
         return "~" + row.event_id[len(row.request_id):]
     return "e:" + row.event_id
 
 
 def _lua_row(row: UsageRow) -> list[str | int]:
-    out = row.as_json_row()
-    out[0] = _dedup_field(row)
-    return out
+    """What the Lua apply reads of a row (1-based there): 1 dedup field, 2 request key,
+    3 "tenant model", 4-7 prompt, completion, gpu_us, cost_nusd, 8 final, 9 counts the
+    request, 10 ended_at_ms."""
+    return [_dedup_field(row), _REQUEST_PREFIX + row.request_id, row.tenant + " " + row.model,
+            row.prompt_tokens, row.completion_tokens, row.gpu_us, row.cost_nusd, int(row.final),
+            int(row.counts_request), row.ended_at_ms]
 
 
 def bucket_key(tenant: str | None, granularity: Granularity, start_s: int) -> str:
@@ -246,15 +239,30 @@ class UsageStore:
         self._window = redis.register_script(_WINDOW)
 
     async def apply(self, rows: Sequence[UsageRow], now_ms: int) -> list[int]:
-        """Apply rows in one atomic script (one round trip); returns a status per row
-        (APPLIED, DUPLICATE, STALE). Safe to repeat: applied event ids change nothing."""
+        """Apply rows in one atomic script (one round trip, two when a row was seen before);
+        returns a status per row (APPLIED, DUPLICATE, STALE). Safe to repeat: applied event
+        ids change nothing."""
         if not rows:
             return []
-        payload = json.dumps([_lua_row(r) for r in rows], separators=(",", ":"))
-        r = self.retention
-        result = await self._apply(args=[payload, now_ms, self.dedup_ttl_s, r.minute_s, r.hour_s,
-                                         r.day_s])
-        return [int(s) for s in result]
+        payload = pydantic_core.to_json([_lua_row(r) for r in rows])
+        outcomes = guess_outcomes(rows, now_ms - self.dedup_ttl_s * 1000)
+        for _ in range(_MAX_ATTEMPTS):
+            buckets, tenants = bucket_deltas(rows, outcomes, self.retention.as_dict())
+            deltas = []
+            for bucket, (expire_at_s, fields) in buckets.items():
+                flat: list[str | int] = [bucket_key(*bucket), expire_at_s]
+                for name, v in fields.items():
+                    flat.append(name)
+                    flat.extend(v)
+                deltas.append(flat)
+            done, outcomes = await self._apply(args=[
+                payload, pydantic_core.to_json(outcomes), now_ms, self.dedup_ttl_s,
+                pydantic_core.to_json(deltas), pydantic_core.to_json(tenants)])
+            outcomes = [int(o) for o in outcomes]
+            if done:
+                return [APPLIED if o in (NEW, COUNTED) else o for o in outcomes]
+        raise RuntimeError(f"usage batch kept changing under the apply ({_MAX_ATTEMPTS} "
+                           "attempts): another writer applies the same events")
 
     async def tenants(self) -> list[str]:
         return sorted(m.decode() for m in await self._redis.smembers(TENANTS_KEY))
@@ -292,12 +300,14 @@ class UsageStore:
         return total, groups
 
     async def request_usage(self, request_id: str) -> dict | None:
-        raw = await self._redis.hmget(REQUEST_KEY.format(request_id), ["u", "k", "f"])
-        if raw[1] is None:
+        raw = await self._redis.get(REQUEST_KEY.format(request_id))
+        if raw is None:
             return None
-        tenant, _, model = raw[1].decode().partition(" ")
+        final, _, k_len = struct.unpack_from("<BBH", raw, COUNTERS_SIZE)
+        start = COUNTERS_SIZE + 4
+        tenant, _, model = raw[start:start + k_len].decode().partition(" ")
         return {"request_id": request_id, "tenant": tenant, "model": model,
-                "final": raw[2] is not None, **unpack(raw[0]).public()}
+                "final": bool(final), **unpack(raw[:COUNTERS_SIZE]).public()}
 
     async def spending(self, tenant: str, day_starts_s: Sequence[int]) -> Totals:
         """A tenant's totals over the given day buckets (a budget period)."""

@@ -7,10 +7,11 @@ exact sums whatever the order in which records are applied.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,12 +71,20 @@ class Totals:
 COUNTERS = tuple(f.name for f in fields(Totals))
 
 
-def unpack(raw: bytes | str | None) -> Totals:
-    """A packed bucket value ("p c r g n", as the Lua apply writes it) back into Totals."""
+_COUNTERS = struct.Struct("<5q")
+COUNTERS_SIZE = _COUNTERS.size
+
+
+def unpack(raw: bytes | None) -> Totals:
+    """A packed counter value (five little-endian int64 in `Totals` order, as the Lua apply
+    writes it) back into Totals; None (absent) is zero."""
     if not raw:
         return Totals()
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    return Totals(*(int(v) for v in text.split()))
+    return Totals(*_COUNTERS.unpack_from(raw))
+
+
+def pack(totals: Totals) -> bytes:
+    return _COUNTERS.pack(*totals.as_tuple())
 
 
 class ModelPrice(BaseModel):
@@ -119,10 +128,9 @@ def load_prices(config_dir: Path) -> PriceTable:
         raise ValueError(f"{path} is invalid: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class UsageRow:
-    """One usage record reduced to what the apply needs; `as_json_row` is what the Lua
-    script reads. `counts_request`: a final record of a placement that ran; the request is
+class UsageRow(NamedTuple):
+    """One usage record reduced to what the apply needs (a tuple: built once per record on
+    the hot path). `counts_request`: a final record of a placement that ran; the request is
     counted once, on the first such record (a preempted request runs twice, counts once)."""
 
     event_id: str
@@ -140,24 +148,15 @@ class UsageRow:
     counts_request: bool
     ended_at_ms: int
 
-    def as_json_row(self) -> list[str | int]:
-        return [self.event_id, self.request_id, self.tenant, self.model, self.node_id,
-                self.gpu_type, self.priority_class, self.prompt_tokens, self.completion_tokens,
-                self.gpu_us, self.cost_nusd, int(self.final), int(self.counts_request),
-                self.ended_at_ms]
-
 
 def row_for(usage: UsageRecord, prices: PriceTable) -> UsageRow:
     gpu_us = round(usage.gpu_seconds * 1_000_000)
-    return UsageRow(
-        event_id=usage.event_id, request_id=usage.request_id, tenant=usage.tenant,
-        model=usage.model, node_id=usage.node_id, gpu_type=usage.gpu_type,
-        priority_class=usage.priority_class, prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens, gpu_us=gpu_us,
-        cost_nusd=prices.cost_nusd(usage.gpu_type, gpu_us, usage.model, usage.prompt_tokens,
-                                   usage.completion_tokens),
-        final=usage.final, counts_request=usage.final and usage.gpu_type != NO_GPU,
-        ended_at_ms=usage.ended_at_ms)
+    return UsageRow(  # positional: this runs once per usage record
+        usage.event_id, usage.request_id, usage.tenant, usage.model, usage.node_id,
+        usage.gpu_type, usage.priority_class, usage.prompt_tokens, usage.completion_tokens,
+        gpu_us, prices.cost_nusd(usage.gpu_type, gpu_us, usage.model, usage.prompt_tokens,
+                                 usage.completion_tokens),
+        usage.final, usage.final and usage.gpu_type != NO_GPU, usage.ended_at_ms)
 
 
 def bucket_start_s(at_ms: int, granularity: Granularity) -> int:
@@ -178,6 +177,92 @@ def fields_of(row: UsageRow, all_tenants: bool) -> list[str]:
     if all_tenants:
         out.append(field_of("tenant", row.tenant))
     return out
+
+
+# ---- the apply's outcome of each row, and the bucket deltas of a batch -------------------
+
+STALE, DUPLICATE, NEW, COUNTED = -1, 0, 1, 2
+"""Outcome of a row in an apply: older than the dedup window (refused), an event id applied
+before, new, or new and the first to count its request."""
+
+
+def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
+    """The outcomes if nothing in the batch was seen before: stale when it ended before
+    `oldest_ms`, a duplicate when the batch repeats an event, COUNTED for the first final
+    record of a request in the batch that counts it."""
+    seen: set[tuple[str, str]] = set()
+    counted: set[str] = set()
+    out = []
+    for row in rows:
+        if row.ended_at_ms < oldest_ms:
+            out.append(STALE)
+        elif (row.request_id, row.event_id) in seen:
+            out.append(DUPLICATE)
+        else:
+            seen.add((row.request_id, row.event_id))
+            if row.counts_request and row.request_id not in counted:
+                counted.add(row.request_id)
+                out.append(COUNTED)
+            else:
+                out.append(NEW)
+    return out
+
+
+def _add_fields(into: dict[str, list[int]], fields: dict[str, list[int]]) -> None:
+    for name, add in fields.items():
+        v = into.get(name)
+        if v is None:
+            into[name] = add.copy()
+        else:
+            v[0] += add[0]; v[1] += add[1]; v[2] += add[2]; v[3] += add[3]  # noqa: E702
+            v[4] += add[4]
+
+
+Bucket = tuple[str | None, Granularity, int]
+"""(tenant, or None for all tenants; granularity; start, epoch seconds)."""
+
+
+def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int],
+                  retention_s: dict[Granularity, int]
+                  ) -> tuple[dict[Bucket, tuple[int, dict[str, list[int]]]], list[str]]:
+    """What the new rows (outcome NEW or COUNTED) add to each bucket: per tenant and for all
+    tenants, in minute, hour and day buckets: (the time it expires, epoch s; {field: [prompt,
+    completion, requests, gpu_us, cost_nusd]}); and the tenants that have new rows. Rows are
+    summed per (tenant, minute) first, so the cost of the coarser buckets does not grow with
+    the batch."""
+    per_minute: dict[tuple[str, int], dict[str, list[int]]] = {}
+    for row, outcome in zip(rows, outcomes):
+        if outcome < NEW:
+            continue
+        add = (row.prompt_tokens, row.completion_tokens, 1 if outcome == COUNTED else 0,
+               row.gpu_us, row.cost_nusd)
+        at = (row.tenant, row.ended_at_ms // 60_000 * 60)
+        fields = per_minute.get(at)
+        if fields is None:
+            fields = per_minute[at] = {}
+        for name in (TOTAL_FIELD, "m:" + row.model, "n:" + row.node_id, "g:" + row.gpu_type,
+                     "c:" + row.priority_class):
+            v = fields.get(name)
+            if v is None:
+                fields[name] = list(add)
+            else:
+                v[0] += add[0]; v[1] += add[1]; v[2] += add[2]; v[3] += add[3]  # noqa: E702
+                v[4] += add[4]
+    buckets: dict[Bucket, tuple[int, dict[str, list[int]]]] = {}
+    for (tenant, minute_s), fields in per_minute.items():
+        for granularity, span in GRANULARITY_S.items():
+            start = minute_s - minute_s % span
+            expire_at_s = start + span + retention_s[granularity]
+            own = buckets.get((tenant, granularity, start))
+            if own is None:
+                own = buckets[(tenant, granularity, start)] = (expire_at_s, {})
+            every = buckets.get((None, granularity, start))
+            if every is None:
+                every = buckets[(None, granularity, start)] = (expire_at_s, {})
+            _add_fields(own[1], fields)
+            _add_fields(every[1], fields)
+            _add_fields(every[1], {field_of("tenant", tenant): fields[TOTAL_FIELD]})
+    return buckets, sorted({tenant for tenant, _ in per_minute})
 
 
 # ---- windows ------------------------------------------------------------------------------
