@@ -3,7 +3,6 @@ commit, then the budgets of the tenants in the batch checked."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -15,7 +14,13 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from gpusched_accounting.adapters.store import APPLIED, DUPLICATE, STALE, UsageStore
+from gpusched_accounting.adapters.store import (
+    APPLIED,
+    DUPLICATE,
+    STALE,
+    PendingApply,
+    UsageStore,
+)
 from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
 from gpusched_accounting.domain.usage import PriceTable, UsageRow, row_for
@@ -28,6 +33,10 @@ from gpusched_common.telemetry import context_from, record_carrier
 log = logging.getLogger(__name__)
 SERVICE = "accounting"
 Publish = Callable[[Message, str, str], Awaitable[None]]
+_PARTITION_FETCH_BYTES = 4 * 2**20
+"""Per partition and fetch (Kafka's default is 1 MiB): a backlog then arrives in fetches of
+tens of thousands of records, so the chunks of one fetch keep Redis and the parser busy
+together for longer (the first parse and the last apply of a fetch cannot overlap)."""
 
 
 async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[str],
@@ -110,26 +119,28 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
                        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
                        max_records=max_records, batch_timeout_ms=20,
-                       **RAW_BATCH)
+                       max_partition_fetch_bytes=_PARTITION_FETCH_BYTES, **RAW_BATCH)
     async def on_usage(msg: KafkaMessage) -> None:
         now_ms = clock()
         records = msg.raw_message
         tenants: set[str] = set()
-        applying: asyncio.Task[list[int]] | None = None
-        previous: tuple[list[UsageRow], list[ConsumerRecord]] = ([], [])
+        applying: tuple[PendingApply, list[UsageRow], list[ConsumerRecord]] | None = None
         try:
             for start in range(0, len(records), chunk_records):
                 rows, sources = await parse(records[start:start + chunk_records], now_ms)
                 tenants.update(r.tenant for r in rows)
                 if applying is not None:
-                    await settle(*previous, await applying, now_ms)
-                applying = asyncio.ensure_future(store.apply(rows, now_ms))
-                previous = (rows, sources)
-                await asyncio.sleep(0)  # let the apply send its script before parsing on
+                    pending, *previous = applying
+                    applying = None
+                    await settle(*previous, await pending.result(), now_ms)
+                if rows:
+                    applying = (await store.send_apply(rows, now_ms), rows, sources)
             if applying is not None:
-                await settle(*previous, await applying, now_ms)
+                pending, *previous = applying
+                applying = None
+                await settle(*previous, await pending.result(), now_ms)
         finally:
-            if applying is not None and not applying.done():
-                applying.cancel()
+            if applying is not None:
+                await applying[0].abandon()
         if budgets.budgets:
             await enforce_budgets(store, budgets, tenants, now_ms, publish)

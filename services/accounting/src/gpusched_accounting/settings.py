@@ -26,7 +26,7 @@ class AccountingSettings(ServiceSettings):
                                  description="How long day buckets are kept (month budgets "
                                  "are summed from them, hence at least 32 days).")
     fetch_max_records: int = Field(
-        default=20_000, ge=1, le=100_000, description="Usage records per Kafka fetch; their "
+        default=40_000, ge=1, le=100_000, description="Usage records per Kafka fetch; their "
         "offsets commit once all of them are applied.")
     apply_chunk_records: int = Field(
         default=5000, ge=1, le=50_000, description="Usage records per Lua call (one atomic "

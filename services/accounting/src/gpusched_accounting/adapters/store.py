@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import pydantic_core
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.exceptions import NoScriptError
 
 from gpusched_accounting.domain.budgets import EXHAUSTED_KEY
 from gpusched_accounting.domain.usage import (
@@ -230,13 +232,96 @@ def bucket_key(tenant: str | None, granularity: Granularity, start_s: int) -> st
         f"gpusched:usage:t:{tenant}:{suffix}"
 
 
+class PendingApply:
+    """An apply whose script was sent to Redis: Redis runs it while the caller goes on (the
+    consumer parses the next chunk); `result` reads the outcome. Holds one connection of the
+    pool until `result` or `abandon`."""
+
+    def __init__(self, store: UsageStore, rows: Sequence[UsageRow], now_ms: int) -> None:
+        self._store, self._rows, self._now_ms = store, rows, now_ms
+        self._payload = pydantic_core.to_json([_lua_row(r) for r in rows])
+        self._outcomes = guess_outcomes(rows, now_ms - store.dedup_ttl_s * 1000)
+        self._conn: Connection | None = None
+
+    async def send(self) -> None:
+        pool = self._store.redis.connection_pool
+        self._conn = await pool.get_connection()
+        try:
+            await self._send()
+        except BaseException:
+            await self.abandon()
+            raise
+
+    async def _send(self) -> None:
+        assert self._conn is not None
+        buckets, tenants = bucket_deltas(self._rows, self._outcomes,
+                                         self._store.retention.as_dict())
+        deltas = []
+        for bucket, (expire_at_s, fields) in buckets.items():
+            flat: list[str | int] = [bucket_key(*bucket), expire_at_s]
+            for name, v in fields.items():
+                flat.append(name)
+                flat.extend(v)
+            deltas.append(flat)
+        await self._conn.send_command(
+            "EVALSHA", await self._store.apply_sha(), 0, self._payload,
+            pydantic_core.to_json(self._outcomes), self._now_ms, self._store.dedup_ttl_s,
+            pydantic_core.to_json(deltas), pydantic_core.to_json(tenants))
+
+    async def result(self) -> list[int]:
+        """Statuses per row (APPLIED, DUPLICATE, STALE), once the rows are applied."""
+        assert self._conn is not None, "send() first"
+        try:
+            for _ in range(_MAX_ATTEMPTS):
+                try:
+                    done, outcomes = await self._conn.read_response()
+                except NoScriptError:  # Redis restarted and lost its script cache
+                    await self._store.apply_sha(reload=True)
+                    await self._send()
+                    continue
+                self._outcomes = [int(o) for o in outcomes]
+                if done:
+                    return [APPLIED if o in (NEW, COUNTED) else o for o in self._outcomes]
+                await self._send()  # a guess was wrong: nothing was written; sum again
+            raise RuntimeError(f"usage batch kept changing under the apply ({_MAX_ATTEMPTS} "
+                               "attempts): another writer applies the same events")
+        except BaseException:
+            await self.abandon()
+            raise
+        finally:
+            await self._release()
+
+    async def abandon(self) -> None:
+        """Drop the connection (its reply would be stale) and hand it back."""
+        if self._conn is not None:
+            await self._conn.disconnect()
+            await self._release()
+
+    async def _release(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await self._store.redis.connection_pool.release(conn)
+
+
 class UsageStore:
     def __init__(self, redis: Redis, dedup_ttl_s: int, retention: Retention) -> None:
-        self._redis = redis
+        self.redis = redis
         self.dedup_ttl_s = dedup_ttl_s
         self.retention = retention
-        self._apply = redis.register_script(_APPLY)
+        self._apply_sha: str | None = None
         self._window = redis.register_script(_WINDOW)
+
+    async def apply_sha(self, reload: bool = False) -> str:
+        if self._apply_sha is None or reload:
+            self._apply_sha = await self.redis.script_load(_APPLY)
+        return self._apply_sha
+
+    async def send_apply(self, rows: Sequence[UsageRow], now_ms: int) -> PendingApply:
+        """Send the apply of `rows` (one atomic script) and return at once; Redis works on
+        it while the caller goes on. Await `result()` of the answer (exactly once)."""
+        pending = PendingApply(self, rows, now_ms)
+        await pending.send()
+        return pending
 
     async def apply(self, rows: Sequence[UsageRow], now_ms: int) -> list[int]:
         """Apply rows in one atomic script (one round trip, two when a row was seen before);
@@ -244,33 +329,15 @@ class UsageStore:
         ids change nothing."""
         if not rows:
             return []
-        payload = pydantic_core.to_json([_lua_row(r) for r in rows])
-        outcomes = guess_outcomes(rows, now_ms - self.dedup_ttl_s * 1000)
-        for _ in range(_MAX_ATTEMPTS):
-            buckets, tenants = bucket_deltas(rows, outcomes, self.retention.as_dict())
-            deltas = []
-            for bucket, (expire_at_s, fields) in buckets.items():
-                flat: list[str | int] = [bucket_key(*bucket), expire_at_s]
-                for name, v in fields.items():
-                    flat.append(name)
-                    flat.extend(v)
-                deltas.append(flat)
-            done, outcomes = await self._apply(args=[
-                payload, pydantic_core.to_json(outcomes), now_ms, self.dedup_ttl_s,
-                pydantic_core.to_json(deltas), pydantic_core.to_json(tenants)])
-            outcomes = [int(o) for o in outcomes]
-            if done:
-                return [APPLIED if o in (NEW, COUNTED) else o for o in outcomes]
-        raise RuntimeError(f"usage batch kept changing under the apply ({_MAX_ATTEMPTS} "
-                           "attempts): another writer applies the same events")
+        return await (await self.send_apply(rows, now_ms)).result()
 
     async def tenants(self) -> list[str]:
-        return sorted(m.decode() for m in await self._redis.smembers(TENANTS_KEY))
+        return sorted(m.decode() for m in await self.redis.smembers(TENANTS_KEY))
 
     async def buckets(self, tenant: str | None, buckets: Iterable[tuple[Granularity, int]],
                       only_total: bool = False) -> list[dict[str, Totals]]:
         """Each bucket's fields (or just its total), in order; an absent bucket is empty."""
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             for g, start in buckets:
                 key = bucket_key(tenant, g, start)
                 if only_total:
@@ -300,7 +367,7 @@ class UsageStore:
         return total, groups
 
     async def request_usage(self, request_id: str) -> dict | None:
-        raw = await self._redis.get(REQUEST_KEY.format(request_id))
+        raw = await self.redis.get(REQUEST_KEY.format(request_id))
         if raw is None:
             return None
         final, _, k_len = struct.unpack_from("<BBH", raw, COUNTERS_SIZE)
@@ -319,8 +386,8 @@ class UsageStore:
 
     async def set_exhausted(self, tenant: str, value: dict, until_ms: int) -> bool:
         """Flag the tenant's budget as spent until `until_ms`; True if newly flagged."""
-        return bool(await self._redis.set(EXHAUSTED_KEY.format(tenant), json.dumps(value),
+        return bool(await self.redis.set(EXHAUSTED_KEY.format(tenant), json.dumps(value),
                                           nx=True, pxat=until_ms))
 
     async def clear_exhausted(self, tenant: str) -> None:
-        await self._redis.delete(EXHAUSTED_KEY.format(tenant))
+        await self.redis.delete(EXHAUSTED_KEY.format(tenant))
