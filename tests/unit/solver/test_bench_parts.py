@@ -4,6 +4,7 @@ distance-to-optimal rows and lower bound, and the cluster/batch builders."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from gpusched_scheduler.bench import optimal, throughput
 from gpusched_scheduler.bench.openb import NodeList, PodList
@@ -44,3 +45,21 @@ def test_optimality_rows_and_lower_bound():
     assert len(rows) == 4
     for r in rows:
         assert r.gpus_used is None or r.gpus_used >= lb
+
+
+def test_share_patterns_are_maximal_fills_of_one_gpu():
+    pats = optimal.share_patterns([600, 300, 150])
+    assert (1, 1, 0) in pats and (0, 3, 0) in pats and (0, 0, 6) in pats
+    for counts in pats:
+        used = 600 * counts[0] + 300 * counts[1] + 150 * counts[2]
+        assert used <= 1000 and 1000 - used < 150  # nothing else fits
+
+
+def test_prefix_bound_stops_where_the_shares_no_longer_fit():
+    pytest.importorskip("ortools")
+    # 3 GPUs: the 1000 and two 600s take all three; the third 600 would need a fourth
+    b = optimal.prefix_bound(np.array([1, 1, 1, 1]), np.array([1000, 600, 600, 600]), 3)
+    assert b == optimal.PrefixBound(prefix_len=3, unalloc_gpus=0.8)
+    # 4 GPUs: 700 + 300 share one, so all four requests fit (a 2-GPU gang last)
+    b = optimal.prefix_bound(np.array([1, 1, 1, 2]), np.array([700, 300, 600, 1000]), 4)
+    assert b == optimal.PrefixBound(prefix_len=4, unalloc_gpus=0.4)

@@ -144,3 +144,91 @@ def run(policies: list[str], quick: bool, seed: int = 0) -> tuple[list[Optimalit
         inst = random_instance(1000 + seed + i, n_units=400, n_nodes=120, gpus_per_node=8)
         rows += evaluate(inst, policies, exact=False, time_limit_s=0)
     return rows, time.perf_counter() - t0
+
+
+# ---- openb: how far into an arrival sequence can any policy place every pod? -------------
+
+
+def share_patterns(sizes: list[int], capacity_milli: int = 1000) -> list[tuple[int, ...]]:
+    """Every maximal way to fill one GPU with shares from ``sizes`` (counts per size, in the
+    order given): no further share of any size fits. The columns of the configuration LP."""
+    out: list[tuple[int, ...]] = []
+    smallest = min(sizes, default=capacity_milli + 1)
+
+    def rec(i: int, left: int, counts: list[int]) -> None:
+        if i == len(sizes):
+            if left < smallest:
+                out.append(tuple(counts))
+            return
+        for c in range(left // sizes[i], -1, -1):
+            counts.append(c)
+            rec(i + 1, left - c * sizes[i], counts)
+            counts.pop()
+
+    rec(0, capacity_milli, [])
+    return out
+
+
+def min_gpus_for_shares(count_by_share: dict[int, int], patterns: list[tuple[int, ...]],
+                        sizes: list[int]) -> int | None:
+    """Lower bound on the GPUs that can hold the given sharing requests (milli-GPU -> number
+    of requests): the configuration LP's optimum rounded up (GLOP), or None without
+    OR-Tools. Valid whatever the nodes, CPU, memory and GPU types: it only relaxes them."""
+    try:
+        from ortools.linear_solver import pywraplp
+    except ImportError:
+        return None
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    use = [solver.NumVar(0.0, solver.infinity(), "") for _ in patterns]
+    for j, size in enumerate(sizes):
+        need = count_by_share.get(size, 0)
+        if need:
+            solver.Add(sum(use[p] * pat[j] for p, pat in enumerate(patterns) if pat[j]) >= need)
+    solver.Minimize(sum(use))
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    return math.ceil(solver.Objective().Value() - 1e-6)
+
+
+@dataclass(frozen=True)
+class PrefixBound:
+    """``prefix_len``: no policy can place all of the first ``prefix_len + 1`` GPU-requesting
+    arrivals (their GPU demand needs more GPUs than the cluster has, even with nodes, CPU,
+    memory and GPU types ignored), so every policy's first failure comes by then, with at
+    least ``unalloc_gpus`` GPUs unallocated at that moment. Pods placed after the first
+    failure (into whatever gaps are left) are not bounded by this."""
+
+    prefix_len: int
+    unalloc_gpus: float
+
+
+def prefix_bound(num_gpu: np.ndarray, gpu_milli: np.ndarray, cluster_gpus: int
+                 ) -> PrefixBound | None:
+    """``PrefixBound`` for requests in arrival order (whole GPUs: ``gpu_milli`` 1000, any
+    ``num_gpu``; sharing: one GPU of ``gpu_milli`` < 1000), or None without OR-Tools.
+    Binary search on the prefix length; each step is one configuration LP."""
+    num_gpu = np.asarray(num_gpu, np.int64)
+    gpu_milli = np.asarray(gpu_milli, np.int64)
+    gpu = (num_gpu > 0) & (gpu_milli > 0)
+    k, m = num_gpu[gpu], gpu_milli[gpu]
+    sizes = sorted({int(s) for s in m if s < 1000}, reverse=True)
+    patterns = share_patterns(sizes)
+    whole_prefix = np.concatenate([[0], np.cumsum(np.where(m >= 1000, k, 0))])
+
+    def fits(length: int) -> bool | None:
+        shares = m[:length]
+        vals, counts = np.unique(shares[shares < 1000], return_counts=True)
+        need = min_gpus_for_shares(dict(zip(vals.tolist(), counts.tolist())), patterns, sizes)
+        return None if need is None else int(whole_prefix[length]) + need <= cluster_gpus
+
+    lo, hi = 0, len(m)
+    if fits(hi) is None:
+        return None
+    while lo < hi:  # largest prefix the bound cannot rule out
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    placed_milli = int((k[:lo] * m[:lo]).sum())
+    return PrefixBound(lo, round(cluster_gpus - placed_milli / 1000.0, 1))

@@ -199,6 +199,48 @@ def run_openb(args, traces: Path, out: dict) -> None:
                                "default", "value": b["unalloc_gpus_130"],
                                "ok": b["unalloc_gpus_130"] <= 220})
     out.setdefault("targets", []).extend(checks)
+    if "default" in names:
+        report_prefix_bound(traces, nodes, seeds, [r for r in rows if r.trace == "default"],
+                            out)
+
+
+def report_prefix_bound(traces: Path, nodes: openb.NodeList, seeds: int,
+                        rows: list[openb.ReplayResult], out: dict) -> None:
+    """How full can ``default`` be when the first pod fails, whatever the policy? (the
+    configuration-LP bound of ``optimal.prefix_bound``; needs OR-Tools)"""
+    pods = openb.load_pods(traces / f"{openb.POD_PREFIX}default.csv")
+    bounds = []
+    for seed in range(seeds):
+        seq = openb.arrival_sequence(pods, 1000 * nodes.total_gpus, seed)
+        b = optimal.prefix_bound(pods.num_gpu[seq], pods.gpu_milli[seq], nodes.total_gpus)
+        if b is None:
+            print("\nprefix bound skipped: OR-Tools not installed (pip install "
+                  "'gpusched-scheduler[bench]')")
+            return
+        bounds.append({"seed": seed, **asdict(b)})
+    out["openb_prefix_bound"] = bounds
+    mean = float(np.mean([b["unalloc_gpus"] for b in bounds]))
+    print(f"\ndefault, any policy: >= {mean:.1f} GPUs unallocated when the first pod fails "
+          f"(mean of {seeds} seed(s); configuration-LP bound on the arrival prefix, nodes/CPU/"
+          "memory ignored; pods placed after the first failure are not bounded)")
+    by_policy: dict[str, list[openb.ReplayResult]] = defaultdict(list)
+    for r in rows:
+        by_policy[r.policy].append(r)
+    for policy, rs in by_policy.items():
+        at_fail = float(np.mean([unalloc_at_first_failure(pods, nodes, r) for r in rs]))
+        end = float(np.mean([r.unalloc_gpus_130 for r in rs]))
+        print(f"  {policy:<12} {at_fail:6.1f} at its first 1-GPU failure, {end:6.1f} at 130%")
+
+
+def unalloc_at_first_failure(pods: openb.PodList, nodes: openb.NodeList,
+                             r: openb.ReplayResult) -> float:
+    """GPUs unallocated right after the first single-GPU pod of the replay failed (gangs
+    fail earlier, when no node has all its GPUs free, long before the cluster is full)."""
+    req = pods.gpu_request_milli[r.sequence]
+    allocated = np.cumsum(np.where(r.node >= 0, req, 0))
+    failed = np.flatnonzero((r.node < 0) & (pods.num_gpu[r.sequence] == 1))
+    i = int(failed[0]) if len(failed) else len(req) - 1
+    return round(nodes.total_gpus - float(allocated[i]) / 1000.0, 1)
 
 
 def run_throughput(args, traces: Path, out: dict) -> None:
