@@ -5,6 +5,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
@@ -23,7 +24,7 @@ from gpusched_common.contracts import (
 from gpusched_scheduler import handlers
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
-from gpusched_scheduler.domain.planner import plan_cycle, snapshot
+from gpusched_scheduler.domain.planner import NodeSpecCache, plan_cycle, snapshot
 from gpusched_scheduler.domain.queue import Pending
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement
@@ -78,6 +79,30 @@ def test_reservations_count_until_the_agent_reports_the_placement() -> None:
     # the agent now counts p1 in its own free memory
     view.apply_node_state(node("a", [4000], seq=2, active=("p1",)), 0)
     assert view.reserved_mib() == {}
+
+
+def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change() -> None:
+    view, cache = ClusterView(), NodeSpecCache()
+
+    def both():
+        args = (view.nodes, view.reserved_mib(), view.pending_models(), view.live_nodes(0, 10_000))
+        cached, fresh = snapshot(*args, cache), snapshot(*args)
+        return cached.node_index, fresh.node_index, cached.state, fresh.state
+
+    view.apply_node_state(node("a", [80000, 40000]), 0)
+    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
+    steps = [lambda: None,
+             lambda: view.reserve(Reservation("p1", "a", (1,), 6000, SMALL.name)),
+             lambda: view.apply_node_state(node("b", [7000], seq=2), 0),
+             lambda: view.release("p1"),
+             lambda: view.apply_node_state(node("c", [1000, 2000]), 0)]
+    for step in steps:
+        step()
+        cached_index, fresh_index, cached, fresh = both()
+        assert cached_index == fresh_index
+        for name in fresh.__dataclass_fields__:
+            a, b = getattr(cached, name), getattr(fresh, name)
+            assert (np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b), name
 
 
 def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:

@@ -44,6 +44,11 @@ class ServiceSettings(BaseSettings):
         default=REPO_CONFIG_DIR, description="Folder with models.yaml and tenants.yaml."
     )
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    gc_young_threshold: int = Field(
+        default=700, ge=700, le=1_000_000, description="Allocations between collections of "
+        "Python's youngest generation (Python's default: 700). Consumers that hold large "
+        "batches alive run faster with more; older generations are then collected less "
+        "often too.")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

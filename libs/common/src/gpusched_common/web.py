@@ -47,6 +47,8 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
     # the collector's generations, it is not traversed again by every full collection,
     # which hot consumers holding large batches trigger often.
     gc.freeze()
+    if settings.gc_young_threshold != gc.get_threshold()[0]:
+        gc.set_threshold(settings.gc_young_threshold, 50, 100)
     asyncio.run(uvicorn.Server(config).serve())
 
 

@@ -34,10 +34,9 @@ class AccountingSettings(ServiceSettings):
         "the previous one, and larger chunks share more bucket updates.")
 
     gc_young_threshold: int = Field(
-        default=50_000, ge=700, le=1_000_000, description="Allocations between collections of "
-        "Python's youngest generation (Python's default: 700). A fetch keeps tens of thousands "
-        "of records alive; with the default they are scanned and promoted again and again "
-        "(about 15% of the CPU per record in the bench).")
+        default=50_000, ge=700, le=1_000_000, description="As for every service; 50,000 here: a "
+        "fetch keeps tens of thousands of records alive, and with Python's 700 they were "
+        "scanned and promoted again and again (about 15% of the CPU per record).")
 
     @model_validator(mode="after")
     def _retention_grows(self) -> "AccountingSettings":

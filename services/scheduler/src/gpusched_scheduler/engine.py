@@ -40,6 +40,7 @@ from gpusched_scheduler.adapters.redis_state import RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
+    NodeSpecCache,
     estimate_gpu_s,
     plan_cycle,
     request_tokens,
@@ -176,6 +177,7 @@ class SchedulingEngine:
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
         self._preempting: dict[str, int] = {}
+        self._node_specs = NodeSpecCache()
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
@@ -314,7 +316,7 @@ class SchedulingEngine:
                                       self._targets, cfg.aging_factor, self._estimate),
                         cfg.max_units_per_cycle)
         snap = snapshot(self.view.nodes, self.view.reserved_mib(), self.view.pending_models(),
-                        self.view.live_nodes(now, cfg.node_timeout_ms))
+                        self.view.live_nodes(now, cfg.node_timeout_ms), self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
         epoch = self.epoch

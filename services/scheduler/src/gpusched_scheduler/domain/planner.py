@@ -57,21 +57,49 @@ class Snapshot:
     node_index: dict[str, int]
 
 
+class NodeSpecCache:
+    """The node specs of the last snapshot, each with what it was built from. Between two
+    cycles most nodes keep their state, reservations and pending models, so their specs
+    are reused instead of rebuilt GPU by GPU."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, tuple[NodeState, tuple, NodeSpec]] = {}
+
+
 def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], int],
-             pending_models: dict[tuple[str, int], set[str]], live: set[str]) -> Snapshot:
+             pending_models: dict[tuple[str, int], set[str]], live: set[str],
+             cache: NodeSpecCache | None = None) -> Snapshot:
     """Ready, live nodes with every GPU (unhealthy ones marked, so indices stay the node's
-    own); free memory is net of reservations the agents have not reported yet."""
-    specs = []
+    own); free memory is net of reservations the agents have not reported yet. With a
+    cache, a node whose inputs did not change since the last call keeps its spec."""
+    reserved: dict[str, list[tuple[int, int]]] = {}
+    for (node_id, index), mib in reserved_mib.items():
+        reserved.setdefault(node_id, []).append((index, mib))
+    loading: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
+    for (node_id, index), models in pending_models.items():
+        loading.setdefault(node_id, []).append((index, tuple(sorted(models))))
+    specs, kept = [], {}
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
-        gpus = tuple(
-            GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
-                    memory_free_mib=max(0, g.memory_free_mib - reserved_mib.get(
-                        (node_id, g.index), 0)),
-                    memory_total_mib=g.memory_total_mib, healthy=g.healthy,
-                    loaded_models=tuple(set(g.loaded_models)
-                                        | pending_models.get((node_id, g.index), set())))
-            for g in sorted(nodes[node_id].gpus, key=lambda g: g.index))
-        specs.append(NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus))
+        state = nodes[node_id]
+        inputs = (tuple(sorted(reserved.get(node_id, ()))),
+                  tuple(sorted(loading.get(node_id, ()))))
+        hit = cache.specs.get(node_id) if cache is not None else None
+        if hit is not None and hit[0] is state and hit[1] == inputs:
+            spec = hit[2]
+        else:
+            gpus = tuple(
+                GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
+                        memory_free_mib=max(0, g.memory_free_mib - reserved_mib.get(
+                            (node_id, g.index), 0)),
+                        memory_total_mib=g.memory_total_mib, healthy=g.healthy,
+                        loaded_models=tuple(set(g.loaded_models)
+                                            | pending_models.get((node_id, g.index), set())))
+                for g in sorted(state.gpus, key=lambda g: g.index))
+            spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
+        kept[node_id] = (state, inputs, spec)
+        specs.append(spec)
+    if cache is not None:
+        cache.specs = kept
     return Snapshot(ClusterState.from_nodes(specs), {s.node_id: i for i, s in enumerate(specs)})
 
 
