@@ -7,13 +7,19 @@ import pytest
 
 from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
+    COUNTED,
+    DUPLICATE,
     GRANULARITY_S,
+    STALE,
+    TOTAL_FIELD,
     ModelPrice,
     PriceTable,
     Totals,
+    bucket_deltas,
     cover,
     fields_of,
     finest_kept,
+    guess_outcomes,
     load_prices,
     pack,
     recompute,
@@ -57,6 +63,30 @@ def test_unknown_gpu_type_and_model_cost_the_default_entry() -> None:
 
 def test_shipped_price_table_loads() -> None:
     assert load_prices(CONFIG).gpu_hour_usd["H100-80GB"] > 0
+
+
+def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() -> None:
+    """What the apply adds (Python's sums of the guessed outcomes) equals the reconciliation's
+    recomputation, with repeats in the batch, a request run twice and a stale record."""
+    rows = [row_for(usage(event_id=f"r{i % 7}#{i % 2}:final", request_id=f"r{i % 7}",
+                          placement_id=f"r{i % 7}#{i % 2}", tenant=f"t{i % 3}",
+                          node_id=f"n{i % 4}", ended_at_ms=D + i * 50_000), PRICES)
+            for i in range(40)]
+    rows.append(row_for(usage(event_id="old", request_id="old", ended_at_ms=0), PRICES))
+    outcomes = guess_outcomes(rows, oldest_ms=1)
+    assert outcomes[-1] == STALE and outcomes.count(COUNTED) == 7
+    assert DUPLICATE in outcomes
+    retention = {"minute": 0, "hour": 0, "day": 0}
+    buckets, tenants = bucket_deltas(rows, outcomes, retention)
+    assert tenants == ["t0", "t1", "t2"]
+    want = recompute(r for r in rows if r.ended_at_ms >= 1)
+    for (tenant, day), totals in want.items():
+        _, fields = buckets[(tenant, "day", day)]
+        assert Totals(*fields[TOTAL_FIELD]) == totals
+    every = Totals(*buckets[(None, "day", D // 1000)][1][TOTAL_FIELD])
+    assert every == sum(want.values(), Totals())
+    minutes = [f[TOTAL_FIELD] for (t, g, _), (_, f) in buckets.items() if t and g == "minute"]
+    assert Totals(*map(sum, zip(*minutes))) == every
 
 
 def test_fields_cover_every_dimension_and_tenant_only_in_all_scope() -> None:
