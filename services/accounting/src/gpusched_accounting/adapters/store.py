@@ -12,13 +12,13 @@ requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
                                        seconds): t, m:<model>, n:<node>, g:<gpu>, c:<class>
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
   gpusched:usage:tenants               set of tenants ever billed
-Buckets expire `retention` after their end; request hashes `dedup_ttl_s` after their last
+Buckets expire `retention` after their end; request records `dedup_ttl_s` after their last
 record. Rows older than the dedup window are refused (-1): they could be duplicates that
 can no longer be recognised.
 
 Speed: Redis runs scripts one at a time, so the script does as little as it can. Python
 guesses each row's outcome (new and counting its request, new, duplicate, stale) and sums
-the bucket deltas of that guess; the script checks the guess against the request hashes and
+the bucket deltas of that guess; the script checks the guess against the request records and
 applies it only if every row matches, else changes nothing and answers the true outcomes, and
 Python sums again. Redelivered or concurrent batches cost one more round trip, never a
 wrong count.
