@@ -14,16 +14,10 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 
-from gpusched_accounting.adapters.store import (
-    APPLIED,
-    DUPLICATE,
-    STALE,
-    PendingApply,
-    UsageStore,
-)
+from gpusched_accounting.adapters.store import APPLIED, PendingApply, UsageStore
 from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
-from gpusched_accounting.domain.usage import PriceTable, UsageRow, row_for
+from gpusched_accounting.domain.usage import DUPLICATE, STALE, PriceTable, UsageRow, row_for
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message
@@ -124,23 +118,25 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         now_ms = clock()
         records = msg.raw_message
         tenants: set[str] = set()
-        applying: tuple[PendingApply, list[UsageRow], list[ConsumerRecord]] | None = None
+        sent: tuple[PendingApply, list[UsageRow], list[ConsumerRecord]] | None = None
+
+        async def settle_sent() -> None:
+            nonlocal sent
+            if sent is not None:
+                pending, rows, sources = sent
+                sent = None  # result() hands its connection back, whatever happens
+                await settle(rows, sources, await pending.result(), now_ms)
+
         try:
             for start in range(0, len(records), chunk_records):
                 rows, sources = await parse(records[start:start + chunk_records], now_ms)
                 tenants.update(r.tenant for r in rows)
-                if applying is not None:
-                    pending, *previous = applying
-                    applying = None
-                    await settle(*previous, await pending.result(), now_ms)
+                await settle_sent()
                 if rows:
-                    applying = (await store.send_apply(rows, now_ms), rows, sources)
-            if applying is not None:
-                pending, *previous = applying
-                applying = None
-                await settle(*previous, await pending.result(), now_ms)
+                    sent = (await store.send_apply(rows, now_ms), rows, sources)
+            await settle_sent()
         finally:
-            if applying is not None:
-                await applying[0].abandon()
+            if sent is not None:  # sent but never read: a parse or publish failed
+                await sent[0].abandon()
         if budgets.budgets:
             await enforce_budgets(store, budgets, tenants, now_ms, publish)

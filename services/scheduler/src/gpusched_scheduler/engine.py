@@ -177,8 +177,8 @@ class SchedulingEngine:
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
         self._preempting: dict[str, int] = {}
-        self._node_specs = NodeSpecCache()
         """Request id -> ms until which its preemption is in progress (not planned again)."""
+        self._node_specs = NodeSpecCache()
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -213,10 +213,10 @@ class SchedulingEngine:
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
-            if key in self._placed or f"{key[0]}#{key[1]}" in self.running:
+            if key in self._placed or _placement_id(*key) in self.running:
                 continue  # redelivered after its placement was published: nothing to do
             if request.attempt == 0 and request.requeued is None \
-                    and not self._in_queue(key):
+                    and key not in self.queue:
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -335,7 +335,7 @@ class SchedulingEngine:
         for place in decisions.placed:
             request = place.item.request
             spec = self.catalog.get(request.model)
-            pid = f"{request.request_id}#{request.attempt}"
+            pid = _placement_id(request.request_id, request.attempt)
             placement = Placement(placement_id=pid, node_id=place.node_id,
                                   gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
                                   scheduler_epoch=self.epoch, placed_at_ms=now, request=request)
@@ -414,9 +414,6 @@ class SchedulingEngine:
             return estimate_gpu_s(request, self.catalog.get(request.model))
         prompt = request.prompt_token_count
         return learned * _weighted_tokens(prompt, request.max_tokens)
-
-    def _in_queue(self, key: tuple[str, int]) -> bool:
-        return key in self.queue
 
     def _guarantee(self, tenant: str) -> int | None:
         t = self.tenants.get(tenant)
@@ -535,6 +532,10 @@ def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:
         out.append(chunk if len(chunk.items) <= limit else Chunk(chunk.name, chunk.items[:limit]))
         limit -= len(chunk.items)
     return out
+
+
+def _placement_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}#{attempt}"
 
 
 def _weighted_tokens(prompt_tokens: int, completion_tokens: int) -> float:

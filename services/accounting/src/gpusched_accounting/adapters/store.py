@@ -55,7 +55,9 @@ from gpusched_accounting.domain.usage import (
 TENANTS_KEY = "gpusched:usage:tenants"
 REQUEST_KEY = "gpusched:usage:req:{}"
 _REQUEST_PREFIX = REQUEST_KEY.format("")
-APPLIED, DUPLICATE, STALE = 1, 0, -1
+APPLIED = NEW
+"""Status `apply` gives a row it added (counting its request or not); the others are
+`domain.usage.DUPLICATE` and `STALE`."""
 _MAX_ATTEMPTS = 5
 
 _APPLY = r"""

@@ -171,7 +171,7 @@ def field_of(dimension: Dimension, value: str) -> str:
 
 def fields_of(row: UsageRow, all_tenants: bool) -> list[str]:
     """The bucket hash fields one row adds to: total, model, node, GPU type, class (and the
-    tenant in the all-tenants scope). Mirrors the Lua apply; used by the reconciliation."""
+    tenant in the all-tenants scope); `bucket_deltas` sums rows into exactly these."""
     out = [TOTAL_FIELD, field_of("model", row.model), field_of("node", row.node_id),
            field_of("gpu_type", row.gpu_type), field_of("priority_class", row.priority_class)]
     if all_tenants:
@@ -208,14 +208,12 @@ def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
     return out
 
 
-def _add_fields(into: dict[str, list[int]], fields: dict[str, list[int]]) -> None:
-    for name, add in fields.items():
-        v = into.get(name)
-        if v is None:
-            into[name] = add.copy()
-        else:
-            v[0] += add[0]; v[1] += add[1]; v[2] += add[2]; v[3] += add[3]  # noqa: E702
-            v[4] += add[4]
+def _add(into: dict[str, list[int]], name: str, add: list[int] | tuple[int, ...]) -> None:
+    v = into.get(name)
+    if v is None:
+        into[name] = list(add)
+    else:
+        v[0] += add[0]; v[1] += add[1]; v[2] += add[2]; v[3] += add[3]; v[4] += add[4]  # noqa: E702
 
 
 Bucket = tuple[str | None, Granularity, int]
@@ -236,32 +234,20 @@ def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int],
             continue
         add = (row.prompt_tokens, row.completion_tokens, 1 if outcome == COUNTED else 0,
                row.gpu_us, row.cost_nusd)
-        at = (row.tenant, row.ended_at_ms // 60_000 * 60)
-        fields = per_minute.get(at)
-        if fields is None:
-            fields = per_minute[at] = {}
-        for name in (TOTAL_FIELD, "m:" + row.model, "n:" + row.node_id, "g:" + row.gpu_type,
-                     "c:" + row.priority_class):
-            v = fields.get(name)
-            if v is None:
-                fields[name] = list(add)
-            else:
-                v[0] += add[0]; v[1] += add[1]; v[2] += add[2]; v[3] += add[3]  # noqa: E702
-                v[4] += add[4]
+        fields = per_minute.setdefault((row.tenant, row.ended_at_ms // 60_000 * 60), {})
+        for name in fields_of(row, all_tenants=False):
+            _add(fields, name, add)
     buckets: dict[Bucket, tuple[int, dict[str, list[int]]]] = {}
     for (tenant, minute_s), fields in per_minute.items():
         for granularity, span in GRANULARITY_S.items():
             start = minute_s - minute_s % span
             expire_at_s = start + span + retention_s[granularity]
-            own = buckets.get((tenant, granularity, start))
-            if own is None:
-                own = buckets[(tenant, granularity, start)] = (expire_at_s, {})
-            every = buckets.get((None, granularity, start))
-            if every is None:
-                every = buckets[(None, granularity, start)] = (expire_at_s, {})
-            _add_fields(own[1], fields)
-            _add_fields(every[1], fields)
-            _add_fields(every[1], {field_of("tenant", tenant): fields[TOTAL_FIELD]})
+            own = buckets.setdefault((tenant, granularity, start), (expire_at_s, {}))[1]
+            every = buckets.setdefault((None, granularity, start), (expire_at_s, {}))[1]
+            for name, add in fields.items():
+                _add(own, name, add)
+                _add(every, name, add)
+            _add(every, field_of("tenant", tenant), fields[TOTAL_FIELD])
     return buckets, sorted({tenant for tenant, _ in per_minute})
 
 
