@@ -161,7 +161,6 @@ def replay(
     policy: str,
     seed: int,
     batch_size: int = 1,
-    solver=solve,
 ) -> ReplayResult:
     """Replay one seed. ``batch_size`` 1 is the paper's online protocol; larger sizes let
     the solver see that many arrivals at once (look-ahead, reported separately)."""
@@ -174,18 +173,15 @@ def replay(
     batch = pods.batch(seq)
     t0 = time.perf_counter()
     if batch_size <= 1:
-        res = solver(state, batch, policy, shapes=shapes)
+        res = solve(state, batch, policy, shapes=shapes)
         node, gpus = res.node, res.gpus
     else:
         node = np.full(len(seq), -1, np.int64)
         gpus = np.full((len(seq), 8), -1, np.int64)
-        session = SolverSession(policy, shapes) if solver is solve else None
+        session = SolverSession(policy, shapes)  # solve()'s decisions, caches kept
         for lo in range(0, len(seq), batch_size):
             part = batch.take(slice(lo, lo + batch_size))
-            if session is not None:  # same decisions as solve(), caches kept across calls
-                res = session.solve(state, part, lookahead=True)
-            else:
-                res = solver(state, part, policy, shapes=shapes, lookahead=True)
+            res = session.solve(state, part, lookahead=True)
             node[lo : lo + batch_size] = res.node
             gpus[lo : lo + batch_size] = res.gpus
             state = res.state

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -28,12 +29,14 @@ from pathlib import Path
 import httpx
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import ConsumerRecord
 
 from gpusched_common import topics
-from gpusched_common.catalog import GPU_TYPES, load_models
+from gpusched_common.catalog import GPU_TYPES, ModelSpec, load_models
 from gpusched_common.contracts import GpuState, NodeState, count_prompt_tokens
 from gpusched_common.settings import REPO_CONFIG_DIR
+from gpusched_scheduler.handlers import CONSUMER_GROUP
 
 KUBE_SCHEDULER_PODS_PER_S = 700
 """Published reference: the kube-scheduler's CI performance floor (scheduler_perf), pods/s."""
@@ -139,17 +142,23 @@ def usage_bytes(placement: dict, now_ms: int) -> bytes:
         "ended_at_ms": now_ms}, separators=(",", ":")).encode()
 
 
-def request_kv_mib() -> int:
+@functools.cache
+def model_spec() -> ModelSpec:
+    """The bench model's catalog entry (read once: node states are built every 2 s)."""
     spec = load_models(REPO_CONFIG_DIR).get(MODEL)
     assert spec is not None, f"{MODEL} is not in config/models.yaml"
-    return spec.kv_cache_mib(count_prompt_tokens(PROMPT) + MAX_TOKENS)
+    return spec
+
+
+def request_kv_mib() -> int:
+    return model_spec().kv_cache_mib(count_prompt_tokens(PROMPT) + MAX_TOKENS)
 
 
 def node_states(nodes: int, gpus: int, seq: int, started_at_ms: int, now_ms: int,
                 free_mib: int | None) -> list[NodeState]:
     """The synthetic fleet: `nodes` x `gpus` H100-80GB with the model loaded; free memory is
     what is left beside the weights, or `free_mib` per GPU (the full-fleet phase)."""
-    spec = load_models(REPO_CONFIG_DIR).get(MODEL)
+    spec = model_spec()
     total = GPU_TYPES[GPU_TYPE].memory_mib
     free = total - spec.weight_memory_mib if free_mib is None else free_mib
     return [NodeState(
@@ -335,8 +344,6 @@ class FakeFleet:
 
     async def backlog(self) -> int:
         """Requests not yet committed by the schedulers' consumer groups (all classes)."""
-        from aiokafka.admin import AIOKafkaAdminClient
-
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
         await admin.start()
         try:
@@ -344,7 +351,7 @@ class FakeFleet:
             for cls, spec in topics.REQUESTS.items():
                 parts = [TopicPartition(spec.name, p) for p in range(spec.partitions)]
                 ends = await self.consumer.end_offsets(parts)
-                done = await admin.list_consumer_group_offsets(f"gpusched-scheduler-{cls}",
+                done = await admin.list_consumer_group_offsets(CONSUMER_GROUP.format(cls),
                                                                partitions=parts)
                 total += sum(ends[p] - (done[p].offset if p in done and done[p].offset >= 0
                                         else 0) for p in parts)

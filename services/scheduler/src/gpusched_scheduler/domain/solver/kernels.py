@@ -781,7 +781,7 @@ def solve_kernel(
 
 
 @njit(cache=True)
-def note_changed(S, nodes, P, C):
+def note_changed(nodes, P, C):
     """Record nodes changed outside ``solve_kernel`` (a session's next state): append them to
     the change log and drop their cached fragmentation."""
     n_changed = P[5][0]

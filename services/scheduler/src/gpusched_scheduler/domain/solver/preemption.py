@@ -244,14 +244,14 @@ def reference_plan(
     state: ClusterState, running: RunningWork, unit: WorkBatch, index: int = 0
 ) -> PreemptionPlan:
     """Brute force over every subset of every node's lower-priority work (tests only)."""
-    from .reference import _Cluster, _gpu_fits
+    from .reference import _Cluster, _gpu_fits, _valid
 
     one = unit.take(slice(index, index + 1))
     state, u, rb, _, _ = _prepare(state, running, one)
     unit_d = dict(k=int(u[0][0]), milli=int(u[1][0]), gmem=int(u[2][0]), cpu=int(u[3][0]),
                   mem=int(u[4][0]), mask=int(u[5][0]), model=int(u[6][0]), weight=int(u[7][0]))
     prio = int(one.priority[0])
-    if not valid_request(0, u):
+    if not _valid(unit_d):
         return PreemptionPlan(False, message="invalid request")
     best = None
     for n in range(state.num_nodes):

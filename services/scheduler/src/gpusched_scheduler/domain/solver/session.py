@@ -48,7 +48,6 @@ class SolverSession:
         self._stranded = stranded_weight
         self._max_slots = max_slots
         self._last: ClusterState | None = None
-        self.resets = 0
 
     # ---- internals --------------------------------------------------------------------
     def _compatible(self, state: ClusterState) -> bool:
@@ -63,7 +62,6 @@ class SolverSession:
         )
 
     def _reset(self, state: ClusterState, batch: WorkBatch) -> None:
-        self.resets += 1
         dist = ShapeDistribution.empty()
         if self.policy.uses_shapes:
             if self.shapes is None:
@@ -86,7 +84,7 @@ class SolverSession:
         self._registry: dict[bytes, int] = {}
 
     def _clear_slots(self) -> None:
-        """Forget every cached score (log full or slots exhausted); rows/hashes stay."""
+        """Forget every cached score (log full or slots exhausted); rows stay."""
         self._P[0][:] = False
         self._P[5][0] = 0
         self._registry.clear()
@@ -160,7 +158,7 @@ class SolverSession:
                            self._P[5])
         S = state_tuple(work)
         if len(changed):
-            K.note_changed(S, changed, self._P, self._C)
+            K.note_changed(changed, self._P, self._C)
         slots = self._slots_for(units) if n else np.zeros(0, np.int64)
         order = lookahead_order(batch) if lookahead else np.arange(n, dtype=np.int64)
         K.solve_kernel(
