@@ -49,11 +49,16 @@ async def use_fleet(stack, nodes, port_shift: int = 0) -> None:
         spec = replace(spec, env={**spec.env, "GPUSCHED_HTTP_PORT": str(port)},
                        health_url=f"http://127.0.0.1:{port}/healthz")
         stack.processes.start_service(spec)
+    await until_fleet(stack, nodes, f"fleet {sorted(n for n, _ in nodes)}")
+
+
+async def until_fleet(stack, nodes, what: str) -> None:
+    """Wait until the scheduler sees exactly `nodes` live."""
     want = {n for n, _ in nodes}
 
     async def exact():
         return await live_nodes(stack) == want
-    await eventually(exact, timeout_s=30, what=f"fleet {want}")
+    await eventually(exact, timeout_s=30, what=what)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -65,10 +70,7 @@ async def small_fleet(stack):
         stack.processes.stop_service(spec.name)
     for spec in agent_specs(stack, AGENT_NODES):
         stack.processes.start_service(spec)
-
-    async def back():
-        return await live_nodes(stack) == {n for n, _ in AGENT_NODES}
-    await eventually(back, timeout_s=30, what="default fleet back")
+    await until_fleet(stack, AGENT_NODES, "default fleet back")
 
 
 async def produce(stack, requests: list[dict]) -> None:
@@ -247,10 +249,7 @@ async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
         assert finals, f"{i} never completed"
     for i in moved:
         assert any(r.node_id != victim and r.status == "completed" for r in done[i])
-
-    async def back():
-        return await live_nodes(stack) == {n for n, _ in AGENT_NODES}
-    await eventually(back, timeout_s=30, what="the killed agent back")
+    await until_fleet(stack, AGENT_NODES, "the killed agent back")
 
 
 async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(

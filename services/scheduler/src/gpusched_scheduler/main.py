@@ -26,6 +26,7 @@ from gpusched_common.web import add_ops_routes
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import LeaderLease, RunningStore
+from gpusched_scheduler.domain.planner import warm_up
 from gpusched_scheduler.domain.solver import POLICIES
 from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
@@ -105,7 +106,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started
         await topics.ensure_topics(settings.kafka.bootstrap)
-        _warm_up_solver(settings.placement_policy)
+        warm_up(settings.placement_policy)
         await decisions.start()
         await broker.start()
         tasks = [asyncio.create_task(engine.run(), name="scheduling-cycle"),
@@ -159,30 +160,3 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     app.state.engine = engine
     return app
 
-
-def _warm_up_solver(policy: str) -> None:
-    """Compile (or load from cache) every solver kernel a cycle may call, placement and
-    preemption planning, before taking traffic: a first compile takes seconds."""
-    import numpy as np
-
-    from gpusched_scheduler.domain.solver import (
-        ClusterState,
-        GpuSpec,
-        NodeSpec,
-        RunningWork,
-        WorkBatch,
-        plan_preemption,
-        solve,
-    )
-
-    state = ClusterState.from_nodes([NodeSpec("warm-up", 1, 1, (GpuSpec("any", 1000, 2),))])
-
-    def unit(priority: int) -> WorkBatch:
-        return WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[2], model_id=["m"],
-                                    model_weight_mib=[0], priority=[priority], tenant=["t"])
-
-    result = solve(state, unit(1), policy)
-    gpus = np.full((1, 8), -1, np.int64)
-    gpus[0, 0] = 0
-    plan_preemption(result.state, RunningWork(unit(1), np.array([0], np.int64), gpus,
-                                              np.array([1.0])), unit(3))

@@ -259,3 +259,19 @@ def _victim_priority(r: RunningPlacement) -> int:
     if r.borrowed:
         return 0
     return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
+
+
+def warm_up(policy: str) -> None:
+    """Compile (or load from cache) every solver kernel a cycle may call, placement and
+    preemption planning, before taking traffic: a first compile takes seconds."""
+    state = ClusterState.from_nodes([NodeSpec("warm-up", 1, 1, (GpuSpec("any", 1000, 2),))])
+
+    def unit(priority: int) -> WorkBatch:
+        return WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[2], model_id=["m"],
+                                    model_weight_mib=[0], priority=[priority], tenant=["t"])
+
+    result = solve(state, unit(1), policy)
+    gpus = np.full((1, 8), -1, np.int64)
+    gpus[0, 0] = 0
+    plan_preemption(result.state, RunningWork(unit(1), np.array([0], np.int64), gpus,
+                                              np.array([1.0])), unit(3))
