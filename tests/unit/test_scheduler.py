@@ -1,7 +1,6 @@
 """Scheduler: cluster view, placement policy, and the engine's handlers on an in-memory
 broker (TestKafkaBroker): valid requests are placed, bad records are dead-lettered."""
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
 
 from gpusched_common import topics
+from gpusched_common.broker import make_broker
 from gpusched_common.catalog import TenantQuota, load_models, load_tenants
 from gpusched_common.contracts import (
     DEAD_LETTER,
@@ -21,6 +21,7 @@ from gpusched_common.contracts import (
     NodeState,
     Rejection,
 )
+from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
@@ -48,7 +49,7 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
 
 def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
          running: list | None = None, may_preempt: dict | None = None):
-    items = [Pending(r, {}, 0, None) for r in requests]
+    items = [Pending(r, {}, 0) for r in requests]
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view.nodes, view.reserved_mib(), view.pending_models(),
                     view.live_nodes(now, 10_000))
@@ -95,14 +96,24 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
              lambda: view.reserve(Reservation("p1", "a", (1,), 6000, SMALL.name)),
              lambda: view.apply_node_state(node("b", [7000], seq=2), 0),
              lambda: view.release("p1"),
+             lambda: view.apply_node_state(node("b", [7000], models=("llama-3.1-8b",), seq=3), 0),
              lambda: view.apply_node_state(node("c", [1000, 2000]), 0)]
+    def decoded(state):
+        """Every field, with type and model codes turned back into names (a reused snapshot
+        may number them differently)."""
+        coded = {"gpu_type", "gpu_models", "type_names", "model_names"}
+        plain = {name: getattr(state, name).tolist() if isinstance(getattr(state, name),
+                                                                    np.ndarray)
+                 else getattr(state, name) for name in state.__dataclass_fields__
+                 if name not in coded}
+        return plain, [state.type_names[t] for t in state.gpu_type], \
+            [{state.model_names[m] for m in row if m >= 0} for row in state.gpu_models]
+
     for step in steps:
         step()
         cached_index, fresh_index, cached, fresh = both()
         assert cached_index == fresh_index
-        for name in fresh.__dataclass_fields__:
-            a, b = getattr(cached, name), getattr(fresh, name)
-            assert (np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b), name
+        assert decoded(cached) == decoded(fresh)
 
 
 def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:
@@ -139,8 +150,8 @@ def test_no_room_now_means_wait_and_lower_classes_wait_too() -> None:
 
 
 def test_aged_batch_work_goes_before_fresh_interactive_work() -> None:
-    items = [Pending(req("b", "batch"), {}, 0, None),
-             Pending(req("i", "interactive"), {}, 299_000, None)]
+    items = [Pending(req("b", "batch"), {}, 0),
+             Pending(req("i", "interactive"), {}, 299_000)]
     chunks = order_pending(items, 300_001, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     assert [c.name for c in chunks] == ["aged", "interactive"]
 
@@ -148,8 +159,8 @@ def test_aged_batch_work_goes_before_fresh_interactive_work() -> None:
 def test_fair_share_interleaves_tenants_by_weighted_consumption() -> None:
     fair = FairShare()
     fair.charge("heavy", 30.0, 0.0)
-    items = [Pending(req(f"h{i}", tenant="heavy"), {}, i, None) for i in range(3)] + \
-        [Pending(req(f"l{i}", tenant="light"), {}, 10 + i, None) for i in range(3)]
+    items = [Pending(req(f"h{i}", tenant="heavy"), {}, i) for i in range(3)] + \
+        [Pending(req(f"l{i}", tenant="light"), {}, 10 + i) for i in range(3)]
     [chunk] = order_pending(items, 0, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
                             lambda p: 4.0)
     # heavy consumed 30 at weight 3 (10 per weight); light starts at 0 and pays 4 per request
@@ -185,7 +196,7 @@ def test_quota_limits_tokens_per_minute_and_inflight() -> None:
 
 @pytest.fixture
 def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
-    broker = KafkaBroker()
+    broker = make_broker(KafkaSettings(), "scheduler", None, None)
     sent: dict[str, list[bytes]] = {}
 
     async def publish(batch) -> None:
@@ -202,16 +213,13 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
 
 async def test_handler_places_a_request_and_dead_letters_garbage(wired) -> None:
     broker, engine, sent = wired
-    loop_task = asyncio.create_task(engine.run())
-    try:
-        async with TestKafkaBroker(broker) as br:
-            await br.publish(node("n1", [80000]).to_bytes(), topics.NODE_STATE.name, key=b"n1")
-            await br.publish(b"{not json", topics.REQUESTS["standard"].name)
-            await br.publish(json.dumps({"tenant": "acme", "model": SMALL.name, "prompt": "hi",
-                                         "max_tokens": 4}).encode(),
-                             topics.REQUESTS["standard"].name)
-    finally:
-        loop_task.cancel()
+    async with TestKafkaBroker(broker) as br:
+        await br.publish(node("n1", [80000]).to_bytes(), topics.NODE_STATE.name, key=b"n1")
+        await br.publish(b"{not json", topics.REQUESTS["standard"].name)
+        await br.publish(json.dumps({"tenant": "acme", "model": SMALL.name, "prompt": "hi",
+                                     "max_tokens": 4}).encode(),
+                         topics.REQUESTS["standard"].name)
+        assert await engine.cycle() == 1  # the handler queued it; the cycle places it
     [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
     assert "not valid JSON" in dead.reason and dead.source_topic.endswith("standard")
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
@@ -236,7 +244,7 @@ async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) ->
     for rid, cls in (("b1", "batch"), ("i1", "interactive")):
         req = InferenceRequest(request_id=rid, tenant="acme", priority_class=cls,
                                model=SMALL.name, prompt="x", max_tokens=8, created_at_ms=0)
-        engine.queue.push(Pending(req, {}, 0, asyncio.get_running_loop().create_future()))
+        engine.queue.push(Pending(req, {}, 0))
     # room for exactly one: weights + one KV cache
     engine.view.apply_node_state(node("n1", [SMALL.weight_memory_mib + 1]), 0)
     assert await engine.cycle() == 1

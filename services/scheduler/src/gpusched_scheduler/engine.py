@@ -1,7 +1,7 @@
 """The scheduling cycle: admit requests from Kafka records, solve pending work against a
 snapshot of the cluster, publish the cycle's placements, preemptions and rejections
-together (with the leader's fencing token), then release the records for commit
-(at-least-once: an offset is committed only after its decision is published)."""
+together (with the leader's fencing token), then commit the records decided (at-least-once:
+an offset is committed only after its decision is published)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from gpusched_common.contracts import (
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
+from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
@@ -62,8 +63,8 @@ Send = Callable[[list[Outgoing]], Awaitable[None]]
 
 
 class LeadershipLost(RuntimeError):
-    """Raised into waiting handlers when this instance stops leading: their records are
-    not committed and the new leader reads them again."""
+    """Raised into handlers waiting for room when this instance stops leading: their
+    records are not committed and the new leader reads them again."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class EngineConfig:
     fair_half_life_s: float = 60.0
     preemption_timeout_ms: int = 15_000
     max_units_per_cycle: int = 1024
+    max_pending_per_class: int = 256
+    """Backpressure: a class's handler waits while this many of its requests are pending."""
     """Keeps one cycle short (the lease is renewed on the same event loop); the rest waits
     for the next cycle, which follows at once."""
     scaling_period_s: float = 5.0
@@ -173,6 +176,10 @@ class SchedulingEngine:
         self._targets = dict(config.class_target_ms)
         self._weights = {t.name: t.weight for t in tenants.tenants}
         self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        """Set when pending work left the queue (or leadership ended): handlers re-check."""
+        self.offsets = OffsetBook()
+        self._committing: asyncio.Task[None] | None = None
         self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
@@ -193,28 +200,34 @@ class SchedulingEngine:
         self._wake.set()
 
     def step_down(self) -> None:
-        """Stop leading: waiting handlers fail (their records stay uncommitted)."""
+        """Stop leading: pending work is dropped uncommitted (the next leader reads it again)
+        and handlers waiting for room fail."""
         self.epoch = None
         for item in list(self.queue.in_order()):
             self.queue.remove(item)
-            if not item.token.done():
-                item.token.set_exception(LeadershipLost("another scheduler leads now"))
+        self.offsets.clear()
+        self._room.set()
 
     # --- inputs -------------------------------------------------------------------------
-    async def admit(self, records: list[ConsumerRecord]) -> None:
-        """Queue the valid requests of `records`, refuse the rest; returns once every one is
-        placed or refused (so the caller may then commit their offsets)."""
+    async def admit(self, records: list[ConsumerRecord], commit: Commit | None = None) -> None:
+        """Queue the valid requests of `records` (all of one request topic) and refuse the
+        rest. Waits first while their class holds `max_pending_per_class` (backpressure: the
+        caller fetches no more meanwhile); returns once they are queued. Their offsets are
+        committed through `commit` as their decisions are published."""
+        await self._wait_for_room(records)
         now = self._clock()
-        waits: list[asyncio.Future[None]] = []
         for record in records:
             outcome = parse_request_record(record, self.catalog, self.tenants, now)
             if isinstance(outcome, Refused):
                 await self._refuse(outcome)
+                self.offsets.track(record, None, commit)
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
             if key in self._placed or _placement_id(*key) in self.running:
-                continue  # redelivered after its placement was published: nothing to do
+                # redelivered after its placement was published: nothing to do
+                self.offsets.track(record, None, commit)
+                continue
             if request.attempt == 0 and request.requeued is None \
                     and key not in self.queue:
                 over = self._over_quota(request, now)
@@ -224,15 +237,42 @@ class SchedulingEngine:
                         Rejection(request_id=request.request_id, tenant=request.tenant,
                                   status_code=429, reason=over),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
+                    self.offsets.track(record, None, commit)
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if self.queue.push(Pending(request, outcome.carrier, now, done)):
-                waits.append(done)
-        if waits:
-            self._wake.set()
-            await asyncio.gather(*waits)
+            item = Pending(request, outcome.carrier, now)
+            if not self.queue.push(item):
+                item = self.queue.get(key) or item  # a redelivery of work still pending
+            self.offsets.track(record, item, commit)
+        self._wake.set()
+        self._commit_decided()
+
+    async def _wait_for_room(self, records: list[ConsumerRecord]) -> None:
+        if not records:
+            return
+        cls = records[0].topic.rsplit(".", 1)[-1]
+        if cls not in self.queue.by_class:
+            return  # not a class topic: its records are refused
+        while 0 < (pending := self.queue.depth()[cls]) \
+                and pending + len(records) > self.config.max_pending_per_class:  # type: ignore[index]
+            if self.epoch is None:
+                raise LeadershipLost("this scheduler no longer leads")
+            self._room.clear()
+            await self._room.wait()
+        if self.epoch is None:
+            raise LeadershipLost("this scheduler no longer leads")
+
+    def _commit_decided(self) -> None:
+        """Commit, in the background, the offsets of every record decided so far."""
+        self.offsets.advance()
+        if self.offsets.due and (self._committing is None or self._committing.done()):
+            self._committing = asyncio.create_task(self._commit(), name="commit-requests")
+
+    async def _commit(self) -> None:
+        # one commit at a time; what was decided meanwhile goes in the next round
+        while self.offsets.due and await self.offsets.commit():
+            self.offsets.advance()
 
     def node_states(self, records: list[ConsumerRecord]) -> None:
         now = self._clock()
@@ -322,8 +362,8 @@ class SchedulingEngine:
         epoch = self.epoch
         # Pure and working on copies, so it runs in a worker thread: the event loop keeps
         # renewing the lease and taking records while a large batch is solved.
-        decisions = await asyncio.to_thread(
-            plan_cycle, snap, chunks, self.catalog, cfg.policy, list(self.running.values()),
+        decisions = plan_cycle(
+            snap, chunks, self.catalog, cfg.policy, list(self.running.values()),
             now, self._may_preempt(now))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
         if self.epoch != epoch:
@@ -391,10 +431,12 @@ class SchedulingEngine:
         for item in finished:
             self.queue.remove(item)
             self._placed[(item.request.request_id, item.request.attempt)] = None
-            if not item.token.done():
-                item.token.set_result(None)
+            item.decided = True
         while len(self._placed) > RECENT_DECISIONS:
             self._placed.popitem(last=False)
+        if finished:
+            self._room.set()
+            self._commit_decided()
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
             self._wake.set()  # more was pending than this cycle took
         self._metrics.cycle_seconds.observe(time.perf_counter() - started)

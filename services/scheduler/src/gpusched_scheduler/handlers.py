@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from aiokafka import AIOKafkaConsumer
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
+from gpusched_scheduler.adapters.offsets import Commit
 from gpusched_scheduler.engine import SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
 
@@ -17,17 +19,27 @@ CONSUMER_GROUP = "gpusched-scheduler-{}"
 
 def register_requests(broker: KafkaBroker, engine: SchedulingEngine,
                       settings: SchedulerSettings) -> None:
-    """Request topics, on the broker that runs only while this instance leads. A batch is
-    committed only after all its decisions are published; while the fleet is full the
-    handler waits, so no more is fetched (backpressure: at most `fetch_max_records` pending
-    per class). NACK_ON_ERROR seeks back and redelivers when publishing failed."""
+    """Request topics, on the broker that runs only while this instance leads. The handler
+    returns once a batch is queued; the engine commits each record's offset after its
+    decision is published. While a class holds `fetch_max_records` pending, its handler
+    waits, so no more is fetched (backpressure). A failed batch is read again (seek back)."""
     for cls, spec in topics.REQUESTS.items():
         @broker.subscriber(spec.name, batch=True, group_id=CONSUMER_GROUP.format(cls),
-                           auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
+                           auto_offset_reset="earliest", ack_policy=AckPolicy.MANUAL,
                            max_records=settings.fetch_max_records, batch_timeout_ms=5,
                            max_poll_interval_ms=3_600_000, **RAW_BATCH)
         async def on_requests(msg: KafkaMessage) -> None:
-            await engine.admit(list(msg.raw_message))
+            try:
+                await engine.admit(list(msg.raw_message), _committer(msg))
+            except Exception:
+                await msg.nack()
+                raise
+
+
+def _committer(msg: KafkaMessage) -> Commit | None:
+    """The consumer's partial commit; None with the in-memory test broker (no offsets)."""
+    consumer = msg.consumer
+    return consumer.commit if isinstance(consumer, AIOKafkaConsumer) else None
 
 
 def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:

@@ -55,7 +55,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         class_target_ms=(("interactive", settings.interactive_target_ms),
                          ("standard", settings.standard_target_ms),
                          ("batch", settings.batch_target_ms)),
-        aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s)
+        aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s,
+        max_pending_per_class=settings.fetch_max_records)
     engine = SchedulingEngine(load_models(settings.config_dir), load_tenants(settings.config_dir),
                               decisions.publish, clock, provider.get_tracer(SERVICE), config, store,
                               registry)

@@ -736,11 +736,10 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
         if r == 1 and profiler is not None:
             profiler.enable()
         started = time.perf_counter()
-        waits = [asyncio.create_task(engine.admit(recs)) for recs in records.values()]
-        await asyncio.sleep(0)
-        while not all(w.done() for w in waits):
+        for recs in records.values():
+            await engine.admit(recs)
+        while len(engine.queue):
             await engine.cycle()
-            await asyncio.sleep(0)
         usage = [_record(topics.USAGE.name, i, usage_bytes(json.loads(m.to_bytes()), now))
                  for i, m in enumerate(sent) if m.type == "placement"]
         await engine.usage(usage)

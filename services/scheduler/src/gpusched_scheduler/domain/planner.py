@@ -58,12 +58,13 @@ class Snapshot:
 
 
 class NodeSpecCache:
-    """The node specs of the last snapshot, each with what it was built from. Between two
-    cycles most nodes keep their state, reservations and pending models, so their specs
-    are reused instead of rebuilt GPU by GPU."""
+    """The last snapshot and each node's spec with what it was built from. Between two
+    cycles most nodes keep their state, reservations and pending models: their specs are
+    reused, and only the changed nodes' rows of the solver arrays are rewritten."""
 
     def __init__(self) -> None:
         self.specs: dict[str, tuple[NodeState, tuple, NodeSpec]] = {}
+        self.last: Snapshot | None = None
 
 
 def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], int],
@@ -78,7 +79,7 @@ def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], in
     loading: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
     for (node_id, index), models in pending_models.items():
         loading.setdefault(node_id, []).append((index, tuple(sorted(models))))
-    specs, kept = [], {}
+    specs, kept, changed = [], {}, {}
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
         state = nodes[node_id]
         inputs = (tuple(sorted(reserved.get(node_id, ()))),
@@ -96,11 +97,19 @@ def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], in
                                             | pending_models.get((node_id, g.index), set())))
                 for g in sorted(state.gpus, key=lambda g: g.index))
             spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
+            changed[len(specs)] = spec
         kept[node_id] = (state, inputs, spec)
         specs.append(spec)
-    if cache is not None:
-        cache.specs = kept
-    return Snapshot(ClusterState.from_nodes(specs), {s.node_id: i for i, s in enumerate(specs)})
+    node_index = {s.node_id: i for i, s in enumerate(specs)}
+    if cache is None:
+        return Snapshot(ClusterState.from_nodes(specs), node_index)
+    cache.specs = kept
+    last = cache.last
+    cluster = None
+    if last is not None and last.node_index == node_index:
+        cluster = last.state.with_nodes(changed) if changed else last.state
+    cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index)
+    return cache.last
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpusched_common.contracts import PRIORITY_CLASSES, InferenceRequest, PriorityClass
 
@@ -20,8 +19,8 @@ class Pending:
     request: InferenceRequest
     trace_carrier: dict[str, str]
     enqueued_ms: int
-    token: Any = None
-    """Opaque to the domain: the adapter's handle to acknowledge once placed."""
+    decided: bool = False
+    """Placed or rejected, and that decision published: its records may be committed."""
 
     @property
     def key(self) -> Key:
@@ -47,7 +46,14 @@ class PendingQueue:
         return True
 
     def __contains__(self, key: Key) -> bool:
-        return any(key in q for q in self.by_class.values())
+        return self.get(key) is not None
+
+    def get(self, key: Key) -> Pending | None:
+        for queue in self.by_class.values():
+            item = queue.get(key)
+            if item is not None:
+                return item
+        return None
 
     def in_order(self) -> Iterator[Pending]:
         for cls in PRIORITY_CLASSES:

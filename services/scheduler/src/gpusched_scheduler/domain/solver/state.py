@@ -189,6 +189,40 @@ class ClusterState:
             },
         )
 
+    def with_nodes(self, changed: dict[int, NodeSpec]) -> ClusterState | None:
+        """A copy with the nodes at the given indices rebuilt from their specs, or None when
+        that cannot keep the layout (another GPU count, a new GPU type or model name, more
+        models than slots): build afresh then. Decisions on it equal those on a fresh build;
+        only the code tables may hold names no GPU uses any more."""
+        types = {t: i for i, t in enumerate(self.type_names)}
+        models = {m: i for i, m in enumerate(self.model_names)}
+        slots = self.gpu_models.shape[1]
+        start = self.node_gpu_start
+        for n, spec in changed.items():
+            if len(spec.gpus) != start[n + 1] - start[n] or any(
+                    g.type_name not in types or len(g.loaded_models) > slots
+                    or any(m not in models for m in g.loaded_models) for g in spec.gpus):
+                return None
+        out = self.copy()
+        for n, spec in changed.items():
+            out.node_cpu_free_milli[n] = spec.cpu_milli
+            out.node_mem_free_mib[n] = spec.memory_mib
+            out.node_cpu_total_milli[n] = spec.cpu_milli if spec.cpu_total_milli is None \
+                else spec.cpu_total_milli
+            out.node_mem_total_mib[n] = spec.memory_mib if spec.memory_total_mib is None \
+                else spec.memory_total_mib
+            for i, g in enumerate(spec.gpus, start=int(start[n])):
+                out.gpu_type[i] = types[g.type_name]
+                out.gpu_milli_free[i] = g.milli_free
+                out.gpu_mem_free_mib[i] = g.memory_free_mib
+                out.gpu_mem_total_mib[i] = g.memory_free_mib if g.memory_total_mib is None \
+                    else g.memory_total_mib
+                out.gpu_healthy[i] = g.healthy
+                out.gpu_models[i] = -1
+                for j, m in enumerate(g.loaded_models):
+                    out.gpu_models[i, j] = models[m]
+        return out
+
     def with_models(self, model_names: tuple[str, ...]) -> ClusterState:
         """Same arrays with a longer model-name table (``model_names`` extends the old one)."""
         assert model_names[: len(self.model_names)] == self.model_names

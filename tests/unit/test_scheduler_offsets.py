@@ -1,0 +1,71 @@
+"""Request offsets commit only past decided records, per partition, whatever order the
+cycles decide them in; a refused commit is retried, a rewind supersedes older records."""
+
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from gpusched_common.contracts import InferenceRequest
+from gpusched_scheduler.adapters.offsets import OffsetBook
+from gpusched_scheduler.domain.queue import Pending
+
+TOPIC = "gpusched.requests.standard"
+
+
+def record(partition: int, offset: int) -> ConsumerRecord:
+    return ConsumerRecord(TOPIC, partition, offset, 0, 0, None, b"", None, 0, 0, ())
+
+
+def item(rid: str) -> Pending:
+    return Pending(InferenceRequest(request_id=rid, tenant="t", priority_class="standard",
+                                    model="m", prompt="x", created_at_ms=0), {}, 0)
+
+
+class Kafka:
+    def __init__(self, refuse: int = 0) -> None:
+        self.committed: dict[TopicPartition, int] = {}
+        self.refuse = refuse
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise ConnectionError("coordinator moved")
+        self.committed.update(offsets)
+
+
+async def test_a_partition_commits_up_to_its_first_undecided_record() -> None:
+    kafka, book = Kafka(), OffsetBook()
+    a, b, c = item("a"), item("b"), item("c")
+    for rec, it in ((record(0, 10), a), (record(0, 11), None), (record(0, 12), b),
+                    (record(1, 5), c)):
+        book.track(rec, it, kafka.commit)
+    book.advance()
+    assert not book.due  # both partitions start with an undecided record
+    b.decided = c.decided = True  # decided out of arrival order
+    book.advance()
+    assert await book.commit()
+    assert kafka.committed == {TopicPartition(TOPIC, 1): 6}
+    a.decided = True
+    book.advance()
+    assert await book.commit()
+    assert kafka.committed[TopicPartition(TOPIC, 0)] == 13
+
+
+async def test_a_refused_commit_is_retried_and_a_rewind_starts_over() -> None:
+    kafka, book = Kafka(refuse=1), OffsetBook()
+    book.track(record(0, 0), None, kafka.commit)
+    book.advance()
+    assert not await book.commit() and book.due
+    assert await book.commit() and not book.due
+    assert kafka.committed == {TopicPartition(TOPIC, 0): 1}
+    late = item("late")
+    book.track(record(0, 1), late, kafka.commit)
+    book.track(record(0, 1), None, kafka.commit)  # read again after a rebalance, decided
+    book.advance()
+    assert await book.commit()
+    assert kafka.committed == {TopicPartition(TOPIC, 0): 2}
+
+
+def test_without_a_consumer_nothing_is_tracked() -> None:
+    book = OffsetBook()
+    book.track(record(0, 0), item("x"), None)
+    book.advance()
+    assert not book.due
