@@ -1,6 +1,7 @@
 """Scheduler: cluster view, placement policy, and the engine's handlers on an in-memory
 broker (TestKafkaBroker): valid requests are placed, bad records are dead-lettered."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -199,9 +200,10 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
     broker = make_broker(KafkaSettings(), "scheduler", None, None)
     sent: dict[str, list[bytes]] = {}
 
-    async def publish(batch) -> None:
+    async def publish(batch):
         for out in batch:
             sent.setdefault(out.topic, []).append(out.message.to_bytes())
+        return asyncio.gather()  # acknowledged at once
 
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: 1000, NoOpTracer(),
                               EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))

@@ -58,8 +58,11 @@ RECENT_DECISIONS = 20_000
 """Decided requests remembered to skip redeliveries: far more than one fetch per class
 (what a rebalance or a new leader can redeliver), and a few MiB at most."""
 
-Send = Callable[[list[Outgoing]], Awaitable[None]]
-"""Publish records together; returns once Kafka acknowledged all of them."""
+Send = Callable[[list[Outgoing]], Awaitable[asyncio.Future]]
+"""Hand records to Kafka together, in order; the future returned completes once Kafka
+acknowledged all of them (and fails if any failed)."""
+MAX_CYCLES_IN_FLIGHT = 4
+"""Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 
 
 class LeadershipLost(RuntimeError):
@@ -92,6 +95,9 @@ class EngineConfig:
     preemption_timeout_ms: int = 15_000
     max_units_per_cycle: int = 1024
     max_pending_per_class: int = 256
+    commit_interval_ms: float = 100.0
+    """Offsets of decided records are committed at most this often (each commit is a write
+    to Kafka; a redelivery after a failover is recognised by the placements in flight)."""
     """Backpressure: a class's handler waits while this many of its requests are pending."""
     """Keeps one cycle short (the lease is renewed on the same event loop); the rest waits
     for the next cycle, which follows at once."""
@@ -180,6 +186,8 @@ class SchedulingEngine:
         """Set when pending work left the queue (or leadership ended): handlers re-check."""
         self.offsets = OffsetBook()
         self._committing: asyncio.Task[None] | None = None
+        self._in_flight: list[asyncio.Task[None]] = []
+        """Cycles published but not yet acknowledged, oldest first (see `_settle`)."""
         self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
@@ -233,7 +241,7 @@ class SchedulingEngine:
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
-                    await self._send([Outgoing(
+                    await self._publish([Outgoing(
                         Rejection(request_id=request.request_id, tenant=request.tenant,
                                   status_code=429, reason=over),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
@@ -270,8 +278,10 @@ class SchedulingEngine:
             self._committing = asyncio.create_task(self._commit(), name="commit-requests")
 
     async def _commit(self) -> None:
-        # one commit at a time; what was decided meanwhile goes in the next round
+        # one commit at a time, at most one per interval; what was decided meanwhile goes
+        # in the next round
         while self.offsets.due and await self.offsets.commit():
+            await asyncio.sleep(self.config.commit_interval_ms / 1000)
             self.offsets.advance()
 
     def node_states(self, records: list[ConsumerRecord]) -> None:
@@ -424,25 +434,57 @@ class SchedulingEngine:
                         "gpusched.waiting": len(decisions.waiting),
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
-            await self._send([out for _, out in messages])
-        if self._store is not None:
-            await self._store.save(new_running)
+            acked = await self._send([out for _, out in messages])
         finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected]
         for item in finished:
             self.queue.remove(item)
             self._placed[(item.request.request_id, item.request.attempt)] = None
-            item.decided = True
         while len(self._placed) > RECENT_DECISIONS:
             self._placed.popitem(last=False)
         if finished:
             self._room.set()
-            self._commit_decided()
+        self._in_flight = [t for t in self._in_flight if not t.done()]
+        self._in_flight.append(asyncio.create_task(self._settle(acked, finished, new_running),
+                                                   name="settle-cycle"))
+        if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
+            await self._in_flight.pop(0)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
             self._wake.set()  # more was pending than this cycle took
         self._metrics.cycle_seconds.observe(time.perf_counter() - started)
         self._metrics.decisions.inc(len(messages))
         self._update_depth_gauges()
         return len(messages)
+
+    async def _settle(self, acked: asyncio.Future, finished: list[Pending],
+                      new_running: list[RunningPlacement]) -> None:
+        """Once Kafka acknowledged a cycle's records: save its placements, mark its work
+        decided and commit the offsets that frees. If publishing failed, the cycle is undone
+        and its work waits again (a placement that did reach Kafka and is sent again runs
+        once: agents claim each placement id)."""
+        try:
+            await acked
+        except Exception:
+            log.exception("publishing a cycle's decisions failed; planning its work again")
+            for r in new_running:
+                self.running.pop(r.placement_id, None)
+                self.view.release(r.placement_id)
+            for item in finished:
+                self._placed.pop((item.request.request_id, item.request.attempt), None)
+                if self.epoch is not None:
+                    self.queue.push(item)
+            self._wake.set()
+            return
+        # those that ended meanwhile (the agent was quicker than the ack) are not running
+        new_running = [r for r in new_running if r.placement_id in self.running]
+        if self._store is not None and new_running:
+            try:
+                await self._store.save(new_running)
+            except Exception:  # published: a new leader just cannot preempt or recover them
+                log.exception("saving %d placements in flight to Redis failed",
+                              len(new_running))
+        for item in finished:
+            item.decided = True
+        self._commit_decided()
 
     # --- helpers ------------------------------------------------------------------------
     def _estimate(self, item: Pending) -> float:
@@ -508,7 +550,7 @@ class SchedulingEngine:
             log.warning("node %s lost: retrying %s as attempt %d", r.node_id,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
-            await self._send([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,
+            await self._publish([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,
                                        retry.request_id, {})])
         if self._store is not None:
             await self._store.remove([r.placement_id for r in gone])
@@ -541,7 +583,7 @@ class SchedulingEngine:
                 tightest_target_s=tightest)
             wanted = gpus_wanted(load)
             self._metrics.gpus_wanted.labels(spec.name).set(wanted)
-            await self._send([Outgoing(ScalingSignal(
+            await self._publish([Outgoing(ScalingSignal(
                 model=spec.name, gpus_wanted=wanted, gpus_in_use=len(gpus),
                 queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
                 topics.EVENTS.name, spec.name, {})])
@@ -562,7 +604,11 @@ class SchedulingEngine:
         if refused.rejection is not None:
             out.append(Outgoing(refused.rejection, topics.RESULTS.name,
                                 refused.rejection.request_id, {}))
-        await self._send(out)
+        await self._publish(out)
+
+    async def _publish(self, out: list[Outgoing]) -> None:
+        """Send and wait for Kafka's acknowledgement."""
+        await (await self._send(out))
 
 
 def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:

@@ -58,7 +58,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s,
         max_pending_per_class=settings.fetch_max_records)
     engine = SchedulingEngine(load_models(settings.config_dir), load_tenants(settings.config_dir),
-                              decisions.publish, clock, provider.get_tracer(SERVICE), config, store,
+                              decisions.send, clock, provider.get_tracer(SERVICE), config, store,
                               registry)
     handlers.register_cluster(broker, engine)
     handlers.register_requests(request_broker, engine, settings)

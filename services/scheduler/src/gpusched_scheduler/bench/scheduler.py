@@ -709,8 +709,9 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
     from gpusched_common.catalog import load_tenants
     from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
 
-    async def publish(batch) -> None:
+    async def publish(batch):
         sent.extend(out.message for out in batch)
+        return asyncio.gather()  # acknowledged at once
 
     sent: list = []
     engine = SchedulingEngine(
