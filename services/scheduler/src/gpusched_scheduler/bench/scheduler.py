@@ -754,6 +754,72 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
             "batch_per_class": batch, "us_per_placement": round(1e6 * elapsed / placed, 1)}
 
 
+# --- baseline: Kafka alone ---------------------------------------------------------------
+ECHO_IN = topics.TopicSpec("gpusched.bench.echo-in", key="request id", partitions=3,
+                           retention_ms=3600_000)
+ECHO_OUT = topics.TopicSpec("gpusched.bench.echo-out", key="node id", partitions=6,
+                            retention_ms=3600_000)
+
+
+async def kafka_echo(bootstrap: str, rate_req_s: int, seconds: float) -> dict:
+    """The latency floor of the scheduler's path with scheduling taken away: records go
+    in at `rate_req_s` (three producers' worth of topics collapsed into one), an echo task
+    consumes each batch as it arrives and produces it again with the scheduler's producer
+    settings, and a third consumer measures publish -> echo received, both hops."""
+    await topics.ensure_topics(bootstrap, (ECHO_IN, ECHO_OUT))
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1,
+                                enable_idempotence=True)
+    echo_out = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1,
+                                enable_idempotence=True, max_batch_size=1 << 20)
+    echo_in = AIOKafkaConsumer(ECHO_IN.name, bootstrap_servers=bootstrap, group_id=None,
+                               auto_offset_reset="latest", enable_auto_commit=False)
+    sink = AIOKafkaConsumer(ECHO_OUT.name, bootstrap_servers=bootstrap, group_id=None,
+                            auto_offset_reset="latest", enable_auto_commit=False)
+    clients = (producer, echo_out, echo_in, sink)
+    for client in clients:
+        await client.start()
+    latencies: list[float] = []
+    measuring = False
+
+    async def echo() -> None:
+        while True:
+            batches = await echo_in.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for r in records:
+                    await echo_out.send(ECHO_OUT.name, r.value, key=r.key)
+
+    async def receive() -> None:
+        while True:
+            batches = await sink.getmany(timeout_ms=1000)
+            now = time.time()
+            if measuring:
+                latencies.extend((now - float(r.value)) * 1000
+                                 for records in batches.values() for r in records)
+
+    tasks = [asyncio.create_task(echo()), asyncio.create_task(receive())]
+    try:
+        await asyncio.sleep(1.0)  # both consumers positioned at the end
+        t0 = time.monotonic()
+        n = 0
+        while (elapsed := time.monotonic() - t0) < seconds + 1.0:
+            measuring = elapsed >= 1.0  # the first second warms up
+            for _ in range(int(rate_req_s * elapsed) + 1 - n):
+                await producer.send(ECHO_IN.name, repr(time.time()).encode(),
+                                    key=str(n).encode())
+                n += 1
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.5)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for client in clients:
+            await client.stop()
+    latencies.sort()
+    return {"rate_req_s": rate_req_s, "records": len(latencies),
+            "p50_ms": round(percentile(latencies, 0.50), 1),
+            "p99_ms": round(percentile(latencies, 0.99), 1)}
+
+
 # --- entry points -------------------------------------------------------------------------
 async def run(bench: Bench) -> dict:
     args = bench.args
@@ -772,6 +838,11 @@ async def run(bench: Bench) -> dict:
     print(f"baseline: the engine alone in this process (no Kafka, no Redis): "
           f"{base['placements_per_s']:,} placements/s, {base['us_per_placement']} us each, "
           f"{args.fetch_max_records} pending per class per round", flush=True)
+    echo = await kafka_echo(bench.bootstrap, TARGET_RATE_REQ_S, args.step_s)
+    result["kafka_echo"] = echo
+    print(f"baseline: Kafka alone, publish -> echo -> consume (two hops, no scheduling) at "
+          f"{echo['rate_req_s']}/s: p50 {echo['p50_ms']} ms, p99 {echo['p99_ms']} ms",
+          flush=True)
     try:
         profile_env = {"GPUSCHED_BENCH_PROFILE": str(args.profile)} if args.profile else {}
         bench.start_scheduler(0, profile_env)
@@ -833,6 +904,9 @@ def report(result: dict) -> None:
               f"{t.get('p50_ms', math.nan):>9.1f}{t.get('p99_ms', math.nan):>9.1f}")
     if base := result.get("engine_only"):
         print(f"{'baseline: engine alone, no Kafka/Redis':46}{base['placements_per_s']:>13,}")
+    if echo := result.get("kafka_echo"):
+        print(f"{'baseline: Kafka echo, two hops, no scheduler':46}{'':>13}"
+              f"{echo['p50_ms']:>9.1f}{echo['p99_ms']:>9.1f}")
     print(f"{'reference: kube-scheduler CI floor (published)':46}{KUBE_SCHEDULER_PODS_PER_S:>13,}")
     print(f"targets: p99 <= {TARGET_P99_MS:g} ms at {TARGET_RATE_REQ_S}/s -> "
           f"{'met' if result['targets']['p99_at_500'] else 'MISSED'}; sustained >= "
