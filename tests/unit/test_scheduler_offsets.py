@@ -69,3 +69,18 @@ def test_without_a_consumer_nothing_is_tracked() -> None:
     book.track(record(0, 0), item("x"), None)
     book.advance()
     assert not book.due
+
+
+async def test_records_decided_behind_a_waiting_one_are_folded_not_kept() -> None:
+    kafka, book = Kafka(), OffsetBook()
+    stuck = item("stuck")
+    book.track(record(0, 0), stuck, kafka.commit)
+    for offset in range(1, 5001):
+        book.track(record(0, offset), None, kafka.commit)
+        book.advance()
+    assert len(book._records[TopicPartition(TOPIC, 0)]) <= 1025  # noqa: SLF001 - the bound
+    assert not book.due
+    stuck.decided = True
+    book.advance()
+    assert await book.commit()
+    assert kafka.committed == {TopicPartition(TOPIC, 0): 5001}

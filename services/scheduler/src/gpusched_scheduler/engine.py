@@ -86,7 +86,7 @@ class Refused:
 @dataclass(frozen=True)
 class EngineConfig:
     policy: str = "gpusched"
-    cycle_window_ms: float = 5.0
+    cycle_window_ms: float = 2.0
     node_timeout_ms: int = 10_000
     class_target_ms: tuple[tuple[str, float], ...] = (
         ("interactive", 1_000.0), ("standard", 10_000.0), ("batch", 60_000.0))
@@ -358,8 +358,8 @@ class SchedulingEngine:
         now = self._clock()
         cfg = self.config
         await self._recover_lost_nodes(now)
-        self._update_depth_gauges()
         if not len(self.queue):
+            self._update_depth_gauges()
             return 0
         started = time.perf_counter()
         chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
@@ -369,19 +369,15 @@ class SchedulingEngine:
                         self.view.live_nodes(now, cfg.node_timeout_ms), self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
-        epoch = self.epoch
-        # Pure and working on copies, so it runs in a worker thread: the event loop keeps
-        # renewing the lease and taking records while a large batch is solved.
+        used = self._guaranteed_use()
+        # Inline: at most max_units_per_cycle units keep it short enough for the event loop
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy, list(self.running.values()),
-            now, self._may_preempt(now))
+            now, self._may_preempt(used))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
-        if self.epoch != epoch:
-            return 0  # leadership changed meanwhile: the new term decides afresh
 
         messages: list[tuple[Pending, Outgoing]] = []
         new_running: list[RunningPlacement] = []
-        used = self._guaranteed_use()
         for place in decisions.placed:
             request = place.item.request
             spec = self.catalog.get(request.model)
@@ -406,7 +402,7 @@ class SchedulingEngine:
             self._preempting.pop(request.request_id, None)
             messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
                                                   place.node_id, place.item.trace_carrier)))
-            self._metrics.placement_latency.labels(request.priority_class).observe(
+            self._metrics.placement_latency[request.priority_class].observe(
                 max(0.0, now - request.created_at_ms) / 1000)
         for reject in decisions.rejected:
             request = reject.item.request
@@ -519,10 +515,10 @@ class SchedulingEngine:
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
 
-    def _may_preempt(self, now_ms: int) -> dict[str, int]:
+    def _may_preempt(self, used: dict[str, int]) -> dict[str, int]:
         """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
-        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0)."""
-        used = self._guaranteed_use()
+        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0). `used`:
+        GPU memory (MiB) each tenant holds now."""
         out: dict[str, int] = {}
         for item in self.queue.in_order():
             request = item.request
@@ -638,10 +634,12 @@ class _Metrics:
         self.decisions = Counter("gpusched_scheduler_decisions_total",
                                  "Placements, rejections and preemptions published.",
                                  registry=registry)
-        self.placement_latency = Histogram(
+        latency = Histogram(
             "gpusched_scheduler_placement_seconds", "Request creation to placement.",
             ["priority_class"], registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.placement_latency = {c: latency.labels(c) for c in PRIORITY_CLASSES}
+        """Per class, resolved once (a label lookup per placement showed in profiles)."""
         self.cycle_seconds = Histogram("gpusched_scheduler_cycle_seconds", "One cycle.",
                                        registry=registry)
         self.solver_seconds = Histogram("gpusched_scheduler_solver_seconds",

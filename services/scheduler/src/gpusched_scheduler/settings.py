@@ -17,7 +17,7 @@ class SchedulerSettings(ServiceSettings):
         default="gpusched", description="Solver policy: first-fit, best-fit, dot-product, "
         "gpu-packing, fgd or gpusched.")
     cycle_window_ms: float = Field(
-        default=5.0, ge=0, le=1000, description="Micro-batch window: pending work is collected "
+        default=2.0, ge=0, le=1000, description="Micro-batch window: pending work is collected "
         "this long after a wake-up, then solved as one batch.")
     node_timeout_s: float = Field(
         default=10.0, gt=0, le=600, description="A node silent this long is lost: it gets no "

@@ -10,12 +10,14 @@ context of a `schedule` span opened in the request's own trace.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as MetricCounter
 
 from gpusched_common.contracts import Message
 
@@ -44,7 +46,7 @@ class DecisionProducer:
                          "max_batch_size": MAX_BATCH_BYTES}
         self._producer: AIOKafkaProducer | None = None
         self._tracer = tracer
-        self._published = Counter("gpusched_scheduler_records_published_total",
+        self._published = MetricCounter("gpusched_scheduler_records_published_total",
                                   "Decision records published, by topic.", ["topic"],
                                   registry=registry)
 
@@ -75,5 +77,6 @@ class DecisionProducer:
                 (k, v.encode()) for k, v in carrier.items()]
             pending.append(await self._producer.send(
                 out.topic, out.message.to_bytes(), key=out.key.encode(), headers=headers))
-            self._published.labels(out.topic).inc()
+        for topic, count in Counter(out.topic for out in batch).items():
+            self._published.labels(topic).inc(count)
         return asyncio.gather(*pending)

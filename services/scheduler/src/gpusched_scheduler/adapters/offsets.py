@@ -18,6 +18,30 @@ Commit = Callable[[dict[TopicPartition, int]], Awaitable[None]]
 """Commits offsets (the next record to read, per partition) of one consumer group."""
 
 
+COMPACT_ABOVE = 1024
+"""Entries per partition above which runs of decided records behind an undecided one are
+folded into their last record (a request waiting long for room must not let the records
+decided after it pile up; the undecided ones are bounded by the pending bound)."""
+
+
+def _decided(item: Pending | None) -> bool:
+    return item is None or item.decided
+
+
+def _compacted(entries: deque[tuple[int, Pending | None]]) -> deque[tuple[int, Pending | None]]:
+    """The same commit points from fewer entries: each run of decided records becomes its
+    last record."""
+    out: deque[tuple[int, Pending | None]] = deque()
+    for offset, item in entries:
+        if _decided(item):
+            if out and _decided(out[-1][1]):
+                out.pop()
+            out.append((offset, None))
+        else:
+            out.append((offset, item))
+    return out
+
+
 class OffsetBook:
     """Records handed to the engine, per partition in offset order, each with the pending
     item that decides it (None: decided on arrival, e.g. dead-lettered or a redelivery of
@@ -47,10 +71,12 @@ class OffsetBook:
         """Move each partition's commit point past its leading decided records."""
         for tp, entries in self._records.items():
             last = None
-            while entries and (entries[0][1] is None or entries[0][1].decided):
+            while entries and _decided(entries[0][1]):
                 last = entries.popleft()[0]
             if last is not None:
                 self._due[tp] = last + 1
+            if len(entries) > COMPACT_ABOVE:
+                self._records[tp] = _compacted(entries)
 
     @property
     def due(self) -> bool:

@@ -950,7 +950,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fetch-max-records", type=int, default=256,
                         help="GPUSCHED_FETCH_MAX_RECORDS of the schedulers (the pending bound).")
     parser.add_argument("--window-ms", type=float, default=None,
-                        help="GPUSCHED_CYCLE_WINDOW_MS of the schedulers (service default 5).")
+                        help="GPUSCHED_CYCLE_WINDOW_MS of the schedulers (service default 2).")
     parser.add_argument("--tracing", action="store_true", help="Start Jaeger and export the "
                         "schedulers' spans to it (default: spans are made, not exported).")
     parser.add_argument("--profile", type=Path, default=None, help="Run the leader under "
