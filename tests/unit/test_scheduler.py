@@ -1,5 +1,6 @@
 """Scheduler: cluster view, placement policy, and the engine's handlers on an in-memory
-broker (TestKafkaBroker): valid requests are placed, bad records are dead-lettered."""
+broker (TestKafkaBroker) for node state; request records go to the engine as the request
+consumer hands them: valid requests are placed, bad records are dead-lettered."""
 
 import asyncio
 import json
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
 
@@ -31,7 +33,6 @@ from gpusched_scheduler.domain.queue import Pending
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement
 from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
-from gpusched_scheduler.settings import SchedulerSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
@@ -209,32 +210,36 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
                               EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
     engine.lead(3, [])
     handlers.register_cluster(broker, engine)
-    handlers.register_requests(broker, engine, SchedulerSettings())
     return broker, engine, sent
 
 
-async def test_handler_places_a_request_and_dead_letters_garbage(wired) -> None:
+def request_record(topic: str, offset: int, value: bytes) -> ConsumerRecord:
+    """A record as the request consumer hands it to the engine."""
+    return ConsumerRecord(topic, 0, offset, 1000, 0, None, value, None, 0, len(value), ())
+
+
+async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     broker, engine, sent = wired
+    standard = topics.REQUESTS["standard"].name
     async with TestKafkaBroker(broker) as br:
         await br.publish(node("n1", [80000]).to_bytes(), topics.NODE_STATE.name, key=b"n1")
-        await br.publish(b"{not json", topics.REQUESTS["standard"].name)
-        await br.publish(json.dumps({"tenant": "acme", "model": SMALL.name, "prompt": "hi",
-                                     "max_tokens": 4}).encode(),
-                         topics.REQUESTS["standard"].name)
-        assert await engine.cycle() == 1  # the handler queued it; the cycle places it
+    await engine.admit([
+        request_record(standard, 0, b"{not json"),
+        request_record(standard, 1, json.dumps({"tenant": "acme", "model": SMALL.name,
+                                                "prompt": "hi", "max_tokens": 4}).encode())])
+    assert await engine.cycle() == 1  # admitting queued it; the cycle places it
     [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
     assert "not valid JSON" in dead.reason and dead.source_topic.endswith("standard")
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.node_id == "n1" and placement.scheduler_epoch == 3
-    assert placement.request.request_id.startswith("kafka-gpusched.requests.standard-")
+    assert placement.request.request_id == "kafka-gpusched.requests.standard-0-1"
     assert placement.request.priority_class == "standard"
 
 
 async def test_unknown_model_from_kafka_gets_a_rejection_with_names(wired) -> None:
-    broker, engine, sent = wired
-    async with TestKafkaBroker(broker) as br:
-        await br.publish(json.dumps({"request_id": "r9", "tenant": "acme", "model": "gpt-9",
-                                     "prompt": "x"}).encode(), topics.REQUESTS["batch"].name)
+    _, engine, sent = wired
+    await engine.admit([request_record(topics.REQUESTS["batch"].name, 0, json.dumps(
+        {"request_id": "r9", "tenant": "acme", "model": "gpt-9", "prompt": "x"}).encode())])
     [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
     assert isinstance(rejection, Rejection) and rejection.status_code == 404
     assert SMALL.name in rejection.reason

@@ -65,11 +65,6 @@ MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 
 
-class LeadershipLost(RuntimeError):
-    """Raised into handlers waiting for room when this instance stops leading: their
-    records are not committed and the new leader reads them again."""
-
-
 @dataclass(frozen=True)
 class Admitted:
     request: InferenceRequest
@@ -209,7 +204,7 @@ class SchedulingEngine:
 
     def step_down(self) -> None:
         """Stop leading: pending work is dropped uncommitted (the next leader reads it again)
-        and handlers waiting for room fail."""
+        and batches waiting for room are let go unqueued."""
         self.epoch = None
         for item in list(self.queue.in_order()):
             self.queue.remove(item)
@@ -221,8 +216,11 @@ class SchedulingEngine:
         """Queue the valid requests of `records` (all of one request topic) and refuse the
         rest. Waits first while their class holds `max_pending_per_class` (backpressure: the
         caller fetches no more meanwhile); returns once they are queued. Their offsets are
-        committed through `commit` as their decisions are published."""
-        await self._wait_for_room(records)
+        committed through `commit` as their decisions are published. Records that arrive
+        or wait while this instance does not lead are left alone (uncommitted: the next
+        leader reads them)."""
+        if not await self._wait_for_room(records):
+            return
         now = self._clock()
         for record in records:
             outcome = parse_request_record(record, self.catalog, self.tenants, now)
@@ -256,20 +254,15 @@ class SchedulingEngine:
         self._wake.set()
         self._commit_decided()
 
-    async def _wait_for_room(self, records: list[ConsumerRecord]) -> None:
-        if not records:
-            return
-        cls = records[0].topic.rsplit(".", 1)[-1]
-        if cls not in self.queue.by_class:
-            return  # not a class topic: its records are refused
-        while 0 < (pending := self.queue.depth()[cls]) \
+    async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
+        """True once the records' class has room for them; False when not leading."""
+        cls = records[0].topic.rsplit(".", 1)[-1] if records else None
+        while self.epoch is not None and cls in self.queue.by_class \
+                and 0 < (pending := self.queue.depth()[cls]) \
                 and pending + len(records) > self.config.max_pending_per_class:  # type: ignore[index]
-            if self.epoch is None:
-                raise LeadershipLost("this scheduler no longer leads")
             self._room.clear()
             await self._room.wait()
-        if self.epoch is None:
-            raise LeadershipLost("this scheduler no longer leads")
+        return self.epoch is not None
 
     def _commit_decided(self) -> None:
         """Commit, in the background, the offsets of every record decided so far."""

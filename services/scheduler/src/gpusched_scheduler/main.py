@@ -1,7 +1,7 @@
 """Scheduler service: the engine, its leader lease, Kafka, metrics and telemetry.
 
-Every instance keeps the cluster view warm; only the leader consumes requests (its own
-broker, started on taking the lease and stopped on losing it) and publishes decisions,
+Every instance keeps the cluster view warm; only the leader consumes requests (its request
+consumers start on taking the lease and stop on losing it) and publishes decisions,
 stamped with its fencing token.
 """
 
@@ -26,6 +26,7 @@ from gpusched_common.web import add_ops_routes
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import LeaderLease, RunningStore
+from gpusched_scheduler.adapters.requests import RequestConsumer
 from gpusched_scheduler.domain.planner import warm_up
 from gpusched_scheduler.domain.solver import POLICIES
 from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
@@ -41,7 +42,6 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
-    request_broker = make_broker(settings.kafka, f"{SERVICE}-requests", provider, None)
     redis = make_redis(settings.redis)
     lease = LeaderLease(redis, settings.instance_id, settings.lease_ttl_ms)
     store = RunningStore(redis)
@@ -61,7 +61,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                               decisions.send, clock, provider.get_tracer(SERVICE), config, store,
                               registry)
     handlers.register_cluster(broker, engine)
-    handlers.register_requests(request_broker, engine, settings)
+    requests = RequestConsumer(settings.kafka.bootstrap, f"gpusched-{SERVICE}-requests",
+                               settings.fetch_max_records, engine.admit)
     leader = Gauge("gpusched_scheduler_leader", "1 while this instance leads.",
                    registry=registry)
     started = False
@@ -80,7 +81,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                 log.info("leading with fencing token %d", epoch)
                 engine.lead(epoch, await store.load())
                 leader.set(1)
-                await request_broker.start()
+                await requests.start()
 
     async def keep_lease() -> None:
         """Renew (or try to take) the lease three times per TTL. Transitions run beside the
@@ -101,7 +102,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     async def _step_down() -> None:
         engine.step_down()
         leader.set(0)
-        await request_broker.stop()
+        await requests.stop()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

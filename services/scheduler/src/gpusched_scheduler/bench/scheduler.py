@@ -36,7 +36,7 @@ from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelSpec, load_models
 from gpusched_common.contracts import GpuState, NodeState, count_prompt_tokens
 from gpusched_common.settings import REPO_CONFIG_DIR
-from gpusched_scheduler.handlers import CONSUMER_GROUP
+from gpusched_scheduler.adapters.requests import CONSUMER_GROUP
 
 KUBE_SCHEDULER_PODS_PER_S = 700
 """Published reference: the kube-scheduler's CI performance floor (scheduler_perf), pods/s."""

@@ -1,0 +1,80 @@
+"""The request topics, read straight with aiokafka while this instance leads: the hot path
+of every placement, so no framework middleware per batch and no poll interval. Each class
+has its own consumer group, so one class's consumer joins or leaves without rebalancing
+the others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord
+
+from gpusched_common import topics
+from gpusched_scheduler.adapters.offsets import Commit
+
+log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "gpusched-scheduler-{}"
+"""One group per class (`gpusched-scheduler-interactive`, ...)."""
+
+Admit = Callable[[list[ConsumerRecord], Commit], Awaitable[None]]
+"""Queues a batch of one class and returns; waits first while that class is full."""
+
+
+class RequestConsumer:
+    """One consumer per class. A batch goes to `admit` as soon as Kafka returns it
+    (`getmany` wakes on arrival); while `admit` waits for room nothing more is fetched for
+    that class beyond aiokafka's one prefetched response per partition (backpressure).
+    Offsets are committed by whoever `admit` hands `Commit` to, never here; a batch whose
+    admission failed is read again (the consumer seeks back to it)."""
+
+    def __init__(self, bootstrap: str, client_id: str, max_records: int, admit: Admit) -> None:
+        self._options = {"bootstrap_servers": bootstrap, "client_id": client_id,
+                         "enable_auto_commit": False, "auto_offset_reset": "earliest",
+                         "max_poll_interval_ms": 3_600_000}
+        self._max_records = max_records
+        self._admit = admit
+        self._consumers: list[AIOKafkaConsumer] = []
+        self._loops: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Join every class's group; returns once each consumer is connected."""
+        for cls, spec in topics.REQUESTS.items():
+            consumer = AIOKafkaConsumer(spec.name, group_id=CONSUMER_GROUP.format(cls),
+                                        **self._options)
+            await consumer.start()
+            self._consumers.append(consumer)
+            self._loops.append(asyncio.create_task(self._consume(consumer),
+                                                   name=f"requests-{cls}"))
+
+    async def stop(self) -> None:
+        """Leave the groups without committing anything more (the next leader reads on from
+        the last commit)."""
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for consumer in self._consumers:
+            await consumer.stop()
+        self._loops.clear()
+        self._consumers.clear()
+
+    async def _consume(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=self._max_records)
+            records = [r for part in batches.values() for r in part]
+            if not records:
+                continue
+            try:
+                await self._admit(records, consumer.commit)
+            except Exception:
+                log.exception("admitting %d request records failed; reading them again",
+                              len(records))
+                for tp, part in batches.items():
+                    consumer.seek(tp, part[0].offset)
+                await asyncio.sleep(1.0)
