@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
 
@@ -258,6 +258,45 @@ async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) ->
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.request_id == "i1"
     assert engine.queue.depth()["batch"] == 1
+
+
+class Commits:
+    def __init__(self) -> None:
+        self.offsets: dict = {}
+
+    async def commit(self, offsets) -> None:
+        self.offsets.update(offsets)
+
+
+async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_replanned(
+) -> None:
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0)
+    kafka = Commits()
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, 7, json.dumps(
+        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())], kafka.commit)
+    assert await engine.cycle() == 1
+    assert len(engine.running) == 1 and not engine.queue.depth()["standard"]
+    acks[0].set_exception(ConnectionError("broker gone"))  # the placement may be lost
+    await asyncio.sleep(0.01)
+    assert not engine.running and engine.queue.depth()["standard"] == 1  # planned again
+    assert kafka.offsets == {}
+    assert await engine.cycle() == 1  # the same placement id again: agents run it once
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {TopicPartition(standard, 0): 8}
+    assert [r.placement_id for r in engine.running.values()] == ["r1#0"]
 
 
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
