@@ -89,13 +89,14 @@ class EngineConfig:
     fair_half_life_s: float = 60.0
     preemption_timeout_ms: int = 15_000
     max_units_per_cycle: int = 1024
+    """Keeps one cycle short (the lease is renewed on the same event loop); the rest waits
+    for the next cycle, which follows at once."""
     max_pending_per_class: int = 256
+    """Backpressure: admitting a class's batch waits while this many of its requests are
+    pending."""
     commit_interval_ms: float = 100.0
     """Offsets of decided records are committed at most this often (each commit is a write
     to Kafka; a redelivery after a failover is recognised by the placements in flight)."""
-    """Backpressure: a class's handler waits while this many of its requests are pending."""
-    """Keeps one cycle short (the lease is renewed on the same event loop); the rest waits
-    for the next cycle, which follows at once."""
     scaling_period_s: float = 5.0
 
 
@@ -178,7 +179,8 @@ class SchedulingEngine:
         self._weights = {t.name: t.weight for t in tenants.tenants}
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
-        """Set when pending work left the queue (or leadership ended): handlers re-check."""
+        """Set when pending work left the queue (or leadership ended): admissions waiting for
+        room re-check."""
         self.offsets = OffsetBook()
         self._committing: asyncio.Task[None] | None = None
         self._in_flight: list[asyncio.Task[None]] = []
