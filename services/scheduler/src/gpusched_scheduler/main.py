@@ -89,15 +89,21 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         lease lapse while it starts consuming."""
         period_s = settings.lease_ttl_ms / 3000
         pending: asyncio.Task[None] | None = None
-        while True:
-            try:
-                epoch = await lease.acquire_or_renew()
-            except Exception:  # Redis unreachable: a leader cannot prove it still leads
-                log.exception("leader lease check failed")
-                epoch = None
-            if epoch != engine.epoch and (pending is None or pending.done()):
-                pending = asyncio.create_task(follow(epoch), name="leadership")
-            await asyncio.sleep(period_s)
+        try:
+            while True:
+                try:
+                    epoch = await lease.acquire_or_renew()
+                except Exception:  # Redis unreachable: a leader cannot prove it still leads
+                    log.exception("leader lease check failed")
+                    epoch = None
+                if epoch != engine.epoch and (pending is None or pending.done()):
+                    pending = asyncio.create_task(follow(epoch), name="leadership")
+                await asyncio.sleep(period_s)
+        finally:  # shutting down: no transition may start consumers after this
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
 
     async def _step_down() -> None:
         engine.step_down()
@@ -123,9 +129,10 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            if engine.epoch is not None:
-                async with transitions:
-                    await _step_down()
+            async with transitions:
+                led = engine.epoch is not None
+                await _step_down()  # also stops consumers that a cut-short transition started
+            if led:
                 await lease.release()  # a standby takes over without waiting for the TTL
             await broker.stop()
             await decisions.stop()

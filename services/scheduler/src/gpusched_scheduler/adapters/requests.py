@@ -46,8 +46,8 @@ class RequestConsumer:
         for cls, spec in topics.REQUESTS.items():
             consumer = AIOKafkaConsumer(spec.name, group_id=CONSUMER_GROUP.format(cls),
                                         **self._options)
+            self._consumers.append(consumer)  # before starting: stop() closes it either way
             await consumer.start()
-            self._consumers.append(consumer)
             self._loops.append(asyncio.create_task(self._consume(consumer),
                                                    name=f"requests-{cls}"))
 
