@@ -10,6 +10,8 @@ from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
 from gpusched_scheduler.engine import SchedulingEngine
 
+USAGE_FETCH_MIN_BYTES = 64 * 1024
+
 
 def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
     """Node state and usage: every instance, leader or standby, keeps its view warm."""
@@ -20,8 +22,11 @@ def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
     async def on_node_state(msg: KafkaMessage) -> None:
         engine.node_states(list(msg.raw_message))
 
-    # Usage: measured consumption for fair share; final records end placements.
+    # Usage: measured consumption for fair share; final records end placements. Batched
+    # by the broker (up to 20 ms or 64 KiB per fetch): each batch costs a handler call and
+    # its middlewares, and a reservation released 20 ms later changes little.
     @broker.subscriber(topics.USAGE.name, batch=True, group_id=None,
-                       auto_offset_reset="latest", batch_timeout_ms=5, **RAW_BATCH)
+                       auto_offset_reset="latest", batch_timeout_ms=5,
+                       fetch_min_bytes=USAGE_FETCH_MIN_BYTES, fetch_max_wait_ms=20, **RAW_BATCH)
     async def on_usage(msg: KafkaMessage) -> None:
         await engine.usage(list(msg.raw_message))
