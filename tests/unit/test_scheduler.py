@@ -98,6 +98,7 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
              lambda: view.reserve(Reservation("p1", "a", (1,), 6000, SMALL.name)),
              lambda: view.apply_node_state(node("b", [7000], seq=2), 0),
              lambda: view.release("p1"),
+             lambda: view.apply_node_state(node("a", [80000, 40000], seq=2), 0),  # same GPUs
              lambda: view.apply_node_state(node("b", [7000], models=("llama-3.1-8b",), seq=3), 0),
              lambda: view.apply_node_state(node("c", [1000, 2000]), 0)]
     def decoded(state):

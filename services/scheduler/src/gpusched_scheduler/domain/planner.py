@@ -85,8 +85,8 @@ def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], in
         inputs = (tuple(sorted(reserved.get(node_id, ()))),
                   tuple(sorted(loading.get(node_id, ()))))
         hit = cache.specs.get(node_id) if cache is not None else None
-        if hit is not None and hit[0] is state and hit[1] == inputs:
-            spec = hit[2]
+        if hit is not None and hit[1] == inputs and (hit[0] is state or hit[0].gpus == state.gpus):
+            spec = hit[2]  # a new report of the same GPUs (agents repeat themselves) too
         else:
             gpus = tuple(
                 GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
