@@ -707,7 +707,12 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
     from opentelemetry.sdk.trace import TracerProvider
 
     from gpusched_common.catalog import load_tenants
+    from gpusched_scheduler.domain.planner import warm_up
     from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
+
+    # Compile (or load) the kernels first, as the service does before it reports ready: a
+    # cold numba cache takes longer than a node report stays fresh, and nothing would fit.
+    warm_up(EngineConfig().policy)
 
     async def publish(batch):
         sent.extend(out.message for out in batch)
