@@ -18,6 +18,7 @@ from gpusched_scheduler.domain.solver import (
     get_policy,
     solve,
 )
+from gpusched_scheduler.domain.solver.solve import group_rows
 
 
 def cluster(*nodes: tuple[int, list[int]], gpu_type: str = "T4", mem: int = 16000,
@@ -150,3 +151,29 @@ def test_lookahead_places_big_units_first_but_reports_in_batch_order():
     batched = solve(state, batch, "first-fit", lookahead=True)
     assert batched.node.tolist() == [-1, -1, 0]
     assert np.all(batched.gpus[2, :2] == [0, 1])
+
+
+def _group_rows_by_sorting(cols):
+    """Plain NumPy grouping: equal rows via a lexsort, ids renumbered by first row."""
+    keys = np.stack(cols, axis=1)
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    gid = rank[inverse.reshape(-1)]
+    return gid, np.bincount(gid)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_group_rows_matches_a_sorting_grouping(seed):
+    """Hash grouping: same groups and numbering as sorting, also for negative values and
+    values that differ only in their high bits (a weak hash would chain those)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    distinct = int(rng.integers(1, n + 1))
+    base = rng.integers(-3, 4, size=(distinct, 4)) * (1 << int(rng.integers(0, 40)))
+    rows = base[rng.integers(0, distinct, size=n)]
+    cols = tuple(np.ascontiguousarray(rows[:, j]) for j in range(rows.shape[1]))
+    gid, counts = group_rows(cols)
+    want_gid, want_counts = _group_rows_by_sorting(cols)
+    assert gid.tolist() == want_gid.tolist()
+    assert counts.tolist() == want_counts.tolist()

@@ -792,3 +792,49 @@ def note_changed(nodes, P, C):
         n_changed += 1
         C[0][n] = np.nan
     P[5][0] = n_changed
+
+
+@njit(cache=True)
+def group_rows_kernel(rows):
+    """Group equal rows of the (n, c) int64 array: (group id per row, group sizes), groups
+    numbered by their first row. One pass over an open-addressing hash table; each row is
+    compared only with the first rows of its hash chain."""
+    n, c = rows.shape
+    size = 1
+    while size < 2 * n:
+        size <<= 1
+    mask = np.uint64(size - 1)
+    table = np.full(size, -1, np.int64)
+    first = np.empty(n, np.int64)
+    counts = np.zeros(n, np.int64)
+    gid = np.empty(n, np.int64)
+    groups = 0
+    for i in range(n):
+        h = np.uint64(0xCBF29CE484222325)
+        for j in range(c):
+            h = (h ^ np.uint64(rows[i, j])) * np.uint64(0x100000001B3)
+        h ^= h >> np.uint64(33)  # mix the high bits down: the table is indexed by the low
+        h *= np.uint64(0xFF51AFD7ED558CCD)
+        h ^= h >> np.uint64(33)
+        slot = h & mask
+        while True:
+            g = table[slot]
+            if g < 0:
+                table[slot] = groups
+                first[groups] = i
+                counts[groups] = 1
+                gid[i] = groups
+                groups += 1
+                break
+            r = first[g]
+            same = True
+            for j in range(c):
+                if rows[r, j] != rows[i, j]:
+                    same = False
+                    break
+            if same:
+                counts[g] += 1
+                gid[i] = g
+                break
+            slot = (slot + np.uint64(1)) & mask
+    return gid, counts[:groups].copy()

@@ -56,7 +56,7 @@ class ShapeDistribution:
             ],
             axis=1,
         )
-        gid, counts = group_rows(tuple(cols.T))
+        gid, counts = K.group_rows_kernel(cols)
         uniq = np.zeros((len(counts), cols.shape[1]), np.int64)
         uniq[gid] = cols
         order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, stable
@@ -146,23 +146,7 @@ def resolve(state: ClusterState, batch: WorkBatch) -> tuple[ClusterState, tuple]
 def group_rows(cols: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Group equal rows across equally long int columns: (group id per row, group sizes).
     Group ids follow the order of each group's first row (stable, deterministic)."""
-    n = len(cols[0])
-    order = np.lexsort(cols[::-1])
-    change = np.zeros(n, np.bool_)
-    change[0] = True
-    for c in cols:
-        cs = c[order]
-        change[1:] |= cs[1:] != cs[:-1]
-    sorted_gid = np.cumsum(change) - 1
-    gid = np.empty(n, np.int64)
-    gid[order] = sorted_gid
-    # renumber groups by first appearance
-    first = np.full(int(sorted_gid[-1]) + 1, n, np.int64)
-    np.minimum.at(first, gid, np.arange(n))
-    rank = np.empty(len(first), np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    gid = rank[gid]
-    return gid, np.bincount(gid)
+    return K.group_rows_kernel(np.ascontiguousarray(np.stack(cols, axis=1), np.int64))
 
 
 def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
