@@ -152,6 +152,16 @@ def test_no_room_now_means_wait_and_lower_classes_wait_too() -> None:
     assert not decisions.placed and {p.request.request_id for p in decisions.waiting} == {"i", "b"}
 
 
+def test_later_units_of_a_blocked_chunk_may_fit_but_later_chunks_wait() -> None:
+    view = ClusterView()
+    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(200)]), 0)
+    decisions = plan(view, [req("i-big", "interactive", max_tokens=30_000),
+                            req("i-small", "interactive", max_tokens=100),
+                            req("b", "batch", max_tokens=100)])
+    assert [p.item.request.request_id for p in decisions.placed] == ["i-small"]
+    assert [p.request.request_id for p in decisions.waiting] == ["i-big", "b"]
+
+
 def test_aged_batch_work_goes_before_fresh_interactive_work() -> None:
     items = [Pending(req("b", "batch"), {}, 0),
              Pending(req("i", "interactive"), {}, 299_000)]

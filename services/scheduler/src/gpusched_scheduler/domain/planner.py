@@ -1,5 +1,5 @@
 """One scheduling cycle's decisions: turn the cluster view and the ordered pending work into
-solver arrays, solve chunk by chunk (strict priority), and plan preemptions for work that
+solver arrays, solve the ordered chunks (strict priority), and plan preemptions for work that
 fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from gpusched_scheduler.domain.solver import (
     NodeSpec,
     Reason,
     RunningWork,
+    ShapeDistribution,
     WorkBatch,
+    get_policy,
     plan_preemption,
     solve,
 )
@@ -146,37 +148,51 @@ class CycleDecisions:
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
                running: list[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], max_preemptions: int = 4) -> CycleDecisions:
-    """Solve chunk by chunk on the state left by the previous one; after a chunk with work
-    that has to wait, later chunks wait too. `may_preempt` maps a request id to the highest
-    victim priority it may preempt (1: batch and borrowed work, 0: borrowed work only)."""
+    """Solve the chunks in order, each on the state the previous left; after a chunk with
+    work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
+    highest victim priority it may preempt (1: batch and borrowed work, 0: borrowed work
+    only).
+
+    The solver places units online, in order, so the chunks go to it as one batch (one call
+    per cycle: the call's fixed cost exceeds a few units' work). Only when a chunk before the
+    last has work that waits is the batch solved again, up to that chunk, for the state its
+    later chunks must not have touched. Fragmentation-aware policies measure against the
+    whole cycle's shapes either way."""
     placed: list[Place] = []
     rejected: list[Reject] = []
     waiting: list[Pending] = []
     preemptions: list[Preemption] = []
     state = snap.state
-    blocked = False
-    for chunk in chunks:
-        if blocked:
-            waiting += chunk.items
-            continue
-        batch = _batch([i.request for i in chunk.items], catalog)
-        result = solve(state, batch, policy)
+    items = [item for chunk in chunks for item in chunk.items]
+    if items:
+        batch = _batch([i.request for i in items], catalog)
+        shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
+            else None
+        result = solve(state, batch, policy, shapes=shapes)
+        end = 0
+        for chunk in chunks:
+            end += len(chunk.items)
+            if waiting:  # an earlier chunk blocked
+                waiting += chunk.items
+                continue
+            for u in range(end - len(chunk.items), end):
+                item = items[u]
+                outcome = result.outcome(u)
+                kv, weight = memory_per_gpu(item.request, catalog.get(item.request.model))
+                if hasattr(outcome, "gpu_indices"):
+                    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
+                                        item.request.model)
+                    placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
+                                        kv + (0 if loaded else weight)))
+                elif outcome.reason in PERMANENT or _never_fits(snap, kv + weight,
+                                                               item.request.num_gpus):
+                    rejected.append(Reject(item, _never_reason(item.request, kv, weight,
+                                                               outcome.message)))
+                else:
+                    waiting.append(item)
+            if waiting and end < len(items):
+                result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
         state = result.state
-        for u, item in enumerate(chunk.items):
-            outcome = result.outcome(u)
-            kv, weight = memory_per_gpu(item.request, catalog.get(item.request.model))
-            if hasattr(outcome, "gpu_indices"):
-                loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
-                                    item.request.model)
-                placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
-                                    kv + (0 if loaded else weight)))
-            elif outcome.reason in PERMANENT or _never_fits(snap, kv + weight,
-                                                           item.request.num_gpus):
-                rejected.append(Reject(item, _never_reason(item.request, kv, weight,
-                                                           outcome.message)))
-            else:
-                waiting.append(item)
-                blocked = True
     if running and may_preempt:
         taken: set[str] = set()
         for item in waiting:
