@@ -53,8 +53,7 @@ def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
          running: list | None = None, may_preempt: dict | None = None):
     items = [Pending(r, {}, 0) for r in requests]
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
-    snap = snapshot(view.nodes, view.reserved_mib(), view.pending_models(),
-                    view.live_nodes(now, 10_000))
+    snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {})
 
 
@@ -88,7 +87,7 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
     view, cache = ClusterView(), NodeSpecCache()
 
     def both():
-        args = (view.nodes, view.reserved_mib(), view.pending_models(), view.live_nodes(0, 10_000))
+        args = (view, view.live_nodes(0, 10_000))
         cached, fresh = snapshot(*args, cache), snapshot(*args)
         return cached.node_index, fresh.node_index, cached.state, fresh.state
 
@@ -100,6 +99,10 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
              lambda: view.release("p1"),
              lambda: view.apply_node_state(node("a", [80000, 40000], seq=2), 0),  # same GPUs
              lambda: view.apply_node_state(node("b", [7000], models=("llama-3.1-8b",), seq=3), 0),
+             lambda: view.reserve(Reservation("p2", "b", (0,), 500, SMALL.name)),
+             # the agent reports p2 running: its memory is in the agent's numbers now
+             lambda: view.apply_node_state(node("b", [6500], models=("llama-3.1-8b",), seq=4,
+                                                active=("p2",)), 0),
              lambda: view.apply_node_state(node("c", [1000, 2000]), 0)]
     def decoded(state):
         """Every field, with type and model codes turned back into names (a reused snapshot

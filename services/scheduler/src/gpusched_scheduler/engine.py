@@ -360,8 +360,8 @@ class SchedulingEngine:
         chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
                                       self._targets, cfg.aging_factor, self._estimate),
                         cfg.max_units_per_cycle)
-        snap = snapshot(self.view.nodes, self.view.reserved_mib(), self.view.pending_models(),
-                        self.view.live_nodes(now, cfg.node_timeout_ms), self._node_specs)
+        snap = snapshot(self.view, self.view.live_nodes(now, cfg.node_timeout_ms),
+                        self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
         used = self._guaranteed_use()

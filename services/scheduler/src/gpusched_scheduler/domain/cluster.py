@@ -30,26 +30,39 @@ class ClusterView:
     last_seen_ms: dict[str, int] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     """Nodes declared lost (silent past the time-out) and not heard from since."""
+    version: dict[str, int] = field(default_factory=dict)
+    """Per node, bumped whenever its GPUs or its reservations change: what a snapshot is
+    built from (a report of the same GPUs leaves it alone)."""
+    _by_node: dict[str, dict[str, Reservation]] = field(default_factory=dict)
 
     def apply_node_state(self, state: NodeState, now_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one."""
-        old = self.nodes.get(state.node_id)
+        node_id = state.node_id
+        old = self.nodes.get(node_id)
         if old is not None and (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq):
             return False
-        self.nodes[state.node_id] = state
-        self.last_seen_ms[state.node_id] = now_ms
-        self.lost.discard(state.node_id)
-        active = set(state.active_placement_ids)
-        for pid in [p for p, r in self.reservations.items()
-                    if r.node_id == state.node_id and p in active]:
-            del self.reservations[pid]
+        self.nodes[node_id] = state
+        self.last_seen_ms[node_id] = now_ms
+        self.lost.discard(node_id)
+        if old is None or old.gpus != state.gpus:
+            self._bump(node_id)
+        mine = self._by_node.get(node_id)
+        if mine:
+            for pid in [p for p in state.active_placement_ids if p in mine]:
+                self.release(pid)
         return True
 
     def reserve(self, reservation: Reservation) -> None:
+        self.release(reservation.placement_id)
         self.reservations[reservation.placement_id] = reservation
+        self._by_node.setdefault(reservation.node_id, {})[reservation.placement_id] = reservation
+        self._bump(reservation.node_id)
 
     def release(self, placement_id: str) -> None:
-        self.reservations.pop(placement_id, None)
+        r = self.reservations.pop(placement_id, None)
+        if r is not None:
+            del self._by_node[r.node_id][placement_id]
+            self._bump(r.node_id)
 
     def live_nodes(self, now_ms: int, node_timeout_ms: int) -> set[str]:
         return {n for n, seen in self.last_seen_ms.items() if now_ms - seen <= node_timeout_ms
@@ -60,9 +73,21 @@ class ClusterView:
         gone = [n for n, seen in self.last_seen_ms.items()
                 if now_ms - seen > node_timeout_ms and n not in self.lost]
         self.lost.update(gone)
-        for pid in [p for p, r in self.reservations.items() if r.node_id in gone]:
-            del self.reservations[pid]
+        for node_id in gone:
+            for pid in list(self._by_node.get(node_id, ())):
+                self.release(pid)
         return gone
+
+    def node_reservations(self, node_id: str) -> tuple[dict[int, int], dict[int, set[str]]]:
+        """One node's reserved MiB per GPU index, and the models its placements already sent
+        will load per GPU index (they count as loaded for affinity)."""
+        mib: dict[int, int] = {}
+        models: dict[int, set[str]] = {}
+        for r in self._by_node.get(node_id, {}).values():
+            for g in r.gpu_indices:
+                mib[g] = mib.get(g, 0) + r.memory_mib_per_gpu
+                models.setdefault(g, set()).add(r.model)
+        return mib, models
 
     def reserved_mib(self) -> dict[tuple[str, int], int]:
         out: dict[tuple[str, int], int] = {}
@@ -71,10 +96,5 @@ class ClusterView:
                 out[(r.node_id, g)] = out.get((r.node_id, g), 0) + r.memory_mib_per_gpu
         return out
 
-    def pending_models(self) -> dict[tuple[str, int], set[str]]:
-        """Models that placements already sent will load (count as loaded for affinity)."""
-        out: dict[tuple[str, int], set[str]] = {}
-        for r in self.reservations.values():
-            for g in r.gpu_indices:
-                out.setdefault((r.node_id, g), set()).add(r.model)
-        return out
+    def _bump(self, node_id: str) -> None:
+        self.version[node_id] = self.version.get(node_id, 0) + 1

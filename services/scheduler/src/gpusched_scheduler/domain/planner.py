@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpusched_common.catalog import ModelCatalog, ModelSpec
-from gpusched_common.contracts import InferenceRequest, NodeState
+from gpusched_common.contracts import InferenceRequest
+from gpusched_scheduler.domain.cluster import ClusterView
 from gpusched_scheduler.domain.ordering import Chunk
 from gpusched_scheduler.domain.queue import Pending
 from gpusched_scheduler.domain.running import RunningPlacement
@@ -60,47 +61,39 @@ class Snapshot:
 
 
 class NodeSpecCache:
-    """The last snapshot and each node's spec with what it was built from. Between two
-    cycles most nodes keep their state, reservations and pending models: their specs are
-    reused, and only the changed nodes' rows of the solver arrays are rewritten."""
+    """The last snapshot and each node's spec with the view's version of that node it was
+    built from. Between two cycles most nodes keep their GPUs and reservations: their specs
+    are reused, and only the changed nodes' rows of the solver arrays are rewritten."""
 
     def __init__(self) -> None:
-        self.specs: dict[str, tuple[NodeState, tuple, NodeSpec]] = {}
+        self.specs: dict[str, tuple[int, NodeSpec]] = {}
         self.last: Snapshot | None = None
 
 
-def snapshot(nodes: dict[str, NodeState], reserved_mib: dict[tuple[str, int], int],
-             pending_models: dict[tuple[str, int], set[str]], live: set[str],
-             cache: NodeSpecCache | None = None) -> Snapshot:
+def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = None
+             ) -> Snapshot:
     """Ready, live nodes with every GPU (unhealthy ones marked, so indices stay the node's
     own); free memory is net of reservations the agents have not reported yet. With a
-    cache, a node whose inputs did not change since the last call keeps its spec."""
-    reserved: dict[str, list[tuple[int, int]]] = {}
-    for (node_id, index), mib in reserved_mib.items():
-        reserved.setdefault(node_id, []).append((index, mib))
-    loading: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
-    for (node_id, index), models in pending_models.items():
-        loading.setdefault(node_id, []).append((index, tuple(sorted(models))))
+    cache, a node whose GPUs and reservations did not change since the last call keeps its
+    spec."""
+    nodes = view.nodes
     specs, kept, changed = [], {}, {}
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
-        state = nodes[node_id]
-        inputs = (tuple(sorted(reserved.get(node_id, ()))),
-                  tuple(sorted(loading.get(node_id, ()))))
+        version = view.version.get(node_id, 0)
         hit = cache.specs.get(node_id) if cache is not None else None
-        if hit is not None and hit[1] == inputs and (hit[0] is state or hit[0].gpus == state.gpus):
-            spec = hit[2]  # a new report of the same GPUs (agents repeat themselves) too
+        if hit is not None and hit[0] == version:
+            spec = hit[1]
         else:
+            reserved, loading = view.node_reservations(node_id)
             gpus = tuple(
                 GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
-                        memory_free_mib=max(0, g.memory_free_mib - reserved_mib.get(
-                            (node_id, g.index), 0)),
+                        memory_free_mib=max(0, g.memory_free_mib - reserved.get(g.index, 0)),
                         memory_total_mib=g.memory_total_mib, healthy=g.healthy,
-                        loaded_models=tuple(set(g.loaded_models)
-                                            | pending_models.get((node_id, g.index), set())))
-                for g in sorted(state.gpus, key=lambda g: g.index))
+                        loaded_models=tuple(set(g.loaded_models) | loading.get(g.index, set())))
+                for g in sorted(nodes[node_id].gpus, key=lambda g: g.index))
             spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
             changed[len(specs)] = spec
-        kept[node_id] = (state, inputs, spec)
+        kept[node_id] = (version, spec)
         specs.append(spec)
     node_index = {s.node_id: i for i, s in enumerate(specs)}
     if cache is None:
