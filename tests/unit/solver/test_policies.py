@@ -173,7 +173,7 @@ def test_group_rows_matches_a_sorting_grouping(seed):
     base = rng.integers(-3, 4, size=(distinct, 4)) * (1 << int(rng.integers(0, 40)))
     rows = base[rng.integers(0, distinct, size=n)]
     cols = tuple(np.ascontiguousarray(rows[:, j]) for j in range(rows.shape[1]))
-    gid, counts = group_rows(cols)
+    gid, counts = group_rows(np.stack(cols, axis=1))
     want_gid, want_counts = _group_rows_by_sorting(cols)
     assert gid.tolist() == want_gid.tolist()
     assert counts.tolist() == want_counts.tolist()

@@ -109,7 +109,7 @@ def parse_request_record(
     redeliveries); missing `created_at_ms` to the record's timestamp; missing
     `priority_class` to the topic's class.
     """
-    topic_class = record.topic.rsplit(".", 1)[-1]
+    topic_class = _topic_class(record.topic)
 
     def refuse(reason: str, request_id: str | None = None, status: int = 400,
                tenant: str | None = None) -> Refused:
@@ -258,10 +258,9 @@ class SchedulingEngine:
 
     async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
         """True once the records' class has room for them; False when not leading."""
-        cls = records[0].topic.rsplit(".", 1)[-1] if records else None
-        while self.epoch is not None and cls in self.queue.by_class \
-                and 0 < (pending := self.queue.depth()[cls]) \
-                and pending + len(records) > self.config.max_pending_per_class:  # type: ignore[index]
+        queue = self.queue.by_class.get(_topic_class(records[0].topic)) if records else None
+        while self.epoch is not None and queue \
+                and len(queue) + len(records) > self.config.max_pending_per_class:
             self._room.clear()
             await self._room.wait()
         return self.epoch is not None
@@ -600,6 +599,11 @@ class SchedulingEngine:
     async def _publish(self, out: list[Outgoing]) -> None:
         """Send and wait for Kafka's acknowledgement."""
         await (await self._send(out))
+
+
+def _topic_class(topic: str) -> str:
+    """The priority class a request topic carries (`gpusched.requests.<class>`)."""
+    return topic.rsplit(".", 1)[-1]
 
 
 def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:

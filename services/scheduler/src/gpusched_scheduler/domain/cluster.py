@@ -90,11 +90,8 @@ class ClusterView:
         return mib, models
 
     def reserved_mib(self) -> dict[tuple[str, int], int]:
-        out: dict[tuple[str, int], int] = {}
-        for r in self.reservations.values():
-            for g in r.gpu_indices:
-                out[(r.node_id, g)] = out.get((r.node_id, g), 0) + r.memory_mib_per_gpu
-        return out
+        return {(node_id, g): mib for node_id in self._by_node
+                for g, mib in self.node_reservations(node_id)[0].items()}
 
     def _bump(self, node_id: str) -> None:
         self.version[node_id] = self.version.get(node_id, 0) + 1

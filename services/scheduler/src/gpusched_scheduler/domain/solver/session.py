@@ -109,8 +109,8 @@ class SolverSession:
         return np.flatnonzero(node_diff).astype(np.int64)
 
     def _slots_for(self, units: tuple) -> np.ndarray:
-        gid, _ = group_rows(units)
         rows = np.stack(units, axis=1)
+        gid, _ = group_rows(rows)
         first = np.full(int(gid.max()) + 1, -1, np.int64)
         first[gid[::-1]] = np.arange(len(gid))[::-1]
         slot_of_group = np.empty(len(first), np.int64)

@@ -56,7 +56,7 @@ class ShapeDistribution:
             ],
             axis=1,
         )
-        gid, counts = K.group_rows_kernel(cols)
+        gid, counts = group_rows(cols)
         uniq = np.zeros((len(counts), cols.shape[1]), np.int64)
         uniq[gid] = cols
         order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, stable
@@ -143,10 +143,10 @@ def resolve(state: ClusterState, batch: WorkBatch) -> tuple[ClusterState, tuple]
     return state, units
 
 
-def group_rows(cols: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Group equal rows across equally long int columns: (group id per row, group sizes).
-    Group ids follow the order of each group's first row (stable, deterministic)."""
-    return K.group_rows_kernel(np.ascontiguousarray(np.stack(cols, axis=1), np.int64))
+def group_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Group equal rows of a 2-D int array: (group id per row, group sizes). Group ids
+    follow the order of each group's first row (stable, deterministic)."""
+    return K.group_rows_kernel(np.ascontiguousarray(rows, np.int64))
 
 
 def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
@@ -154,7 +154,7 @@ def shape_slots(units: tuple, n_nodes: int) -> tuple[np.ndarray, int]:
     n = len(units[0])
     if n == 0:
         return np.zeros(0, np.int64), 0
-    inverse, counts = group_rows(units)
+    inverse, counts = group_rows(np.stack(units, axis=1))
     size = 1 << max(0, int(n_nodes - 1).bit_length())
     per_slot = 8 * (n_nodes + 2 * size)
     budget = max(1, SHAPE_CACHE_BUDGET_BYTES // max(per_slot, 1))

@@ -194,33 +194,28 @@ class ClusterState:
         that cannot keep the layout (another GPU count, a new GPU type or model name, more
         models than slots): build afresh then. Decisions on it equal those on a fresh build;
         only the code tables may hold names no GPU uses any more."""
+        part = ClusterState.from_nodes(changed.values(), model_slots=self.gpu_models.shape[1])
         types = {t: i for i, t in enumerate(self.type_names)}
         models = {m: i for i, m in enumerate(self.model_names)}
-        slots = self.gpu_models.shape[1]
+        nodes = np.fromiter(changed, np.int64, len(changed))
         start = self.node_gpu_start
-        for n, spec in changed.items():
-            if len(spec.gpus) != start[n + 1] - start[n] or any(
-                    g.type_name not in types or len(g.loaded_models) > slots
-                    or any(m not in models for m in g.loaded_models) for g in spec.gpus):
-                return None
+        counts = start[nodes + 1] - start[nodes]
+        if part.gpu_models.shape[1] != self.gpu_models.shape[1] \
+                or not np.array_equal(np.diff(part.node_gpu_start), counts) \
+                or any(t not in types for t in part.type_names) \
+                or any(m not in models for m in part.model_names):
+            return None
+        gpus = np.concatenate([np.arange(start[n], start[n + 1]) for n in nodes])
+        type_code = np.array([types[t] for t in part.type_names], np.int64)
+        model_code = np.array([models[m] for m in part.model_names] + [-1], np.int64)
         out = self.copy()
-        for n, spec in changed.items():
-            out.node_cpu_free_milli[n] = spec.cpu_milli
-            out.node_mem_free_mib[n] = spec.memory_mib
-            out.node_cpu_total_milli[n] = spec.cpu_milli if spec.cpu_total_milli is None \
-                else spec.cpu_total_milli
-            out.node_mem_total_mib[n] = spec.memory_mib if spec.memory_total_mib is None \
-                else spec.memory_total_mib
-            for i, g in enumerate(spec.gpus, start=int(start[n])):
-                out.gpu_type[i] = types[g.type_name]
-                out.gpu_milli_free[i] = g.milli_free
-                out.gpu_mem_free_mib[i] = g.memory_free_mib
-                out.gpu_mem_total_mib[i] = g.memory_free_mib if g.memory_total_mib is None \
-                    else g.memory_total_mib
-                out.gpu_healthy[i] = g.healthy
-                out.gpu_models[i] = -1
-                for j, m in enumerate(g.loaded_models):
-                    out.gpu_models[i, j] = models[m]
+        for name in ("node_cpu_free_milli", "node_mem_free_mib", "node_cpu_total_milli",
+                     "node_mem_total_mib"):
+            getattr(out, name)[nodes] = getattr(part, name)
+        for name in ("gpu_milli_free", "gpu_mem_free_mib", "gpu_mem_total_mib", "gpu_healthy"):
+            getattr(out, name)[gpus] = getattr(part, name)
+        out.gpu_type[gpus] = type_code[part.gpu_type]
+        out.gpu_models[gpus] = model_code[part.gpu_models]  # -1 (empty slot) stays -1
         return out
 
     def with_models(self, model_names: tuple[str, ...]) -> ClusterState:
