@@ -1,4 +1,5 @@
-"""The GPU agent against the real Kafka and Redis: duplicate and stale placements, a client
+"""The GPU agent against the real Kafka and Redis: duplicate and stale placements, commands
+sent from a new node's first report on (none skipped, across a restart too), a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
 and SIGTERM drain with work in flight."""
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
-from stack_helpers import eventually, read_topic
+from stack_helpers import TopicWatch, eventually, read_topic
 
 from gpusched_common import topics
 from gpusched_common.contracts import (
@@ -149,21 +150,59 @@ async def test_a_stream_cut_by_the_client_is_billed_for_the_tokens_produced(stac
     assert after["prompt_tokens"] - before["prompt_tokens"] == prompt
 
 
-async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stack) -> None:
-    node = f"drain-{uuid.uuid4().hex[:6]}"
-    port = FIRST_AGENT_PORT + 9
+def extra_agent(stack, node: str, port: int) -> ServiceSpec:
+    """An agent of one simulated L4 beside the test stack's own, on its own HTTP port."""
     e = stack.endpoints
-    stack.processes.start_service(ServiceSpec(
+    return ServiceSpec(
         name=f"agent-{node}", module="gpusched_agent",
         env={"GPUSCHED_KAFKA_BOOTSTRAP": e.kafka_bootstrap, "GPUSCHED_REDIS_URL": e.redis_url,
              "GPUSCHED_OTLP_ENDPOINT": e.otlp_http_endpoint, "GPUSCHED_HTTP_PORT": str(port),
              "GPUSCHED_NODE_ID": node, "GPUSCHED_SIMULATE": "1xL4-24GB",
              "GPUSCHED_TIME_SCALE": "1", "GPUSCHED_DRAIN_TIMEOUT_S": "1",
              "GPUSCHED_USAGE_INTERVAL_S": "0.5"},
-        health_url=f"http://127.0.0.1:{port}/healthz"))
+        health_url=f"http://127.0.0.1:{port}/healthz")
+
+
+async def test_no_command_is_skipped_from_a_new_nodes_first_report_on(stack) -> None:
+    """A node's placements topic position is fixed before it first reports: a command sent at
+    that first report runs, and so does one sent while the node restarts before it ever
+    consumed anything (its first run must not leave the second to start at `latest`)."""
+    e = stack.endpoints
+    epoch = await leader_epoch(stack)
+    first, restarted = f"first-{uuid.uuid4().hex[:6]}", f"again-{uuid.uuid4().hex[:6]}"
+    states = await TopicWatch(e.kafka_bootstrap, topics.NODE_STATE.name).start()
+    spec = extra_agent(stack, first, FIRST_AGENT_PORT + 10)
+    await asyncio.to_thread(stack.processes.start_service, spec)
+    try:
+        await states.until(lambda recs: any(k == first.encode() for k, _, _ in recs), 30,
+                           f"{first}'s first report")
+        rid = f"first-{uuid.uuid4().hex[:8]}"
+        await send_placements(stack, [placement(first, rid, epoch)])
+        assert await read_topic(e.kafka_bootstrap, topics.RESULTS.name,
+                                for_request(rid, b'"request_result"'), timeout_s=30)
+    finally:
+        await states.stop()
+        await asyncio.to_thread(stack.processes.stop_service, spec.name)
+
+    spec = extra_agent(stack, restarted, FIRST_AGENT_PORT + 11)
+    await asyncio.to_thread(stack.processes.start_service, spec)
+    await asyncio.to_thread(stack.processes.stop_service, spec.name)
+    rid = f"again-{uuid.uuid4().hex[:8]}"
+    await send_placements(stack, [placement(restarted, rid, epoch)])
+    await asyncio.to_thread(stack.processes.start_service, spec)
+    try:
+        assert await read_topic(e.kafka_bootstrap, topics.RESULTS.name,
+                                for_request(rid, b'"request_result"'), timeout_s=30)
+    finally:
+        await asyncio.to_thread(stack.processes.stop_service, spec.name)
+
+
+async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stack) -> None:
+    node = f"drain-{uuid.uuid4().hex[:6]}"
+    e = stack.endpoints
+    stack.processes.start_service(extra_agent(stack, node, FIRST_AGENT_PORT + 9))
     try:
         rid = f"drain-{uuid.uuid4().hex[:8]}"
-        await asyncio.sleep(1.0)  # its placements consumer starts at the end of its partition
         await send_placements(stack, [placement(node, rid, await leader_epoch(stack),
                                                 max_tokens=2000, tenant="acme")])
         await read_topic(e.kafka_bootstrap, topics.RESULTS.name,

@@ -9,6 +9,7 @@ from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, TopicPartition
 from faststream.kafka.annotations import KafkaMessage
+from faststream.kafka.subscriber.usecase import LogicSubscriber
 from prometheus_client import Counter
 from pydantic import ValidationError
 
@@ -21,8 +22,10 @@ log = logging.getLogger(__name__)
 SERVICE = "gpu-agent"
 
 
-def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter) -> None:
-    """`commands` counts commands by type and outcome (started, stale, invalid, ...)."""
+def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
+             ) -> LogicSubscriber:
+    """`commands` counts commands by type and outcome (started, stale, invalid, ...). Returns
+    the placements subscriber, for `hold_command_position` once the broker runs."""
     # Placements are keyed by node id: this agent reads only the partition its id hashes
     # to, committing offsets in its own group so a restart resumes where it stopped.
     partition = topics.partition_for_key(runtime.node_id, topics.PLACEMENTS.partitions)
@@ -31,9 +34,12 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter) -> N
         await broker.publish(dead_letter(record, reason, SERVICE, runtime.now_ms()).to_bytes(),
                              topics.DEAD_LETTERS.name, key=record.topic.encode())
 
-    @broker.subscriber(partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
-                       group_id=f"gpusched-agent-{runtime.node_id}",
-                       auto_offset_reset="latest", ack_policy=AckPolicy.NACK_ON_ERROR)
+    placements = broker.subscriber(
+        partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
+        group_id=f"gpusched-agent-{runtime.node_id}", auto_offset_reset="latest",
+        ack_policy=AckPolicy.NACK_ON_ERROR)
+
+    @placements
     async def on_placement(msg: KafkaMessage) -> None:
         record = msg.raw_message
         if record.key is not None and record.key.decode(errors="replace") != runtime.node_id:
@@ -62,3 +68,18 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter) -> N
             return  # control records of other kinds are not the agent's
         outcome = runtime.cancel(cancel)
         commands.labels("cancel", type(outcome).__name__.lower()).inc()
+
+    return placements
+
+
+async def hold_command_position(placements: LogicSubscriber) -> None:
+    """On this node's first run, commit where its commands start, before the agent reports
+    itself. `latest` is otherwise resolved a fetch round-trip after start, so a placement the
+    scheduler sends as soon as it sees the node could land before that position and be
+    skipped; and a run that ends before committing anything would leave the next run to
+    skip whatever was sent meanwhile. Reading a command twice is harmless (the ledger claims
+    each placement once)."""
+    consumer = placements.consumer
+    (tp,) = consumer.assignment()
+    if await consumer.committed(tp) is None:
+        await consumer.commit({tp: await consumer.position(tp)})

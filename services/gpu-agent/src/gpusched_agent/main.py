@@ -101,7 +101,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)
-    handlers.register(broker, runtime, commands)
+    placements = handlers.register(broker, runtime, commands)
     Gauge("gpusched_agent_requests_in_flight", "Placements running.", registry=registry
           ).set_function(lambda: runtime.in_flight)
     started = False
@@ -111,6 +111,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         nonlocal started
         await topics.ensure_topics(settings.kafka.bootstrap)
         await broker.start()
+        await handlers.hold_command_position(placements)  # before the node is first seen
         reporter = asyncio.create_task(runtime.report_forever(), name="node-state")
         started = True
         try:
