@@ -1,5 +1,6 @@
 """The GPU agent against the real Kafka and Redis: duplicate and stale placements, commands
-sent from a new node's first report on (none skipped, across a restart too), a client
+sent from a new node's first report on (none skipped, across a restart too), work a
+killed agent left handed back by its next run, a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
 and SIGTERM drain with work in flight."""
 
@@ -195,6 +196,37 @@ async def test_no_command_is_skipped_from_a_new_nodes_first_report_on(stack) -> 
                                 for_request(rid, b'"request_result"'), timeout_s=30)
     finally:
         await asyncio.to_thread(stack.processes.stop_service, spec.name)
+
+
+async def test_a_killed_agent_hands_back_its_work_when_it_starts_again(stack) -> None:
+    """SIGKILL mid-generation, then a restart within the scheduler's node time-out: the new
+    run finds the placement its predecessor claimed and never ended, ends it with a final
+    usage record and hands the request back as the next attempt."""
+    e = stack.endpoints
+    node = f"crash-{uuid.uuid4().hex[:6]}"
+    spec = extra_agent(stack, node, FIRST_AGENT_PORT + 12)
+    await asyncio.to_thread(stack.processes.start_service, spec)
+    rid = f"crash-{uuid.uuid4().hex[:8]}"
+    try:
+        await send_placements(stack, [placement(node, rid, await leader_epoch(stack),
+                                                max_tokens=2000, tenant="acme")])
+        await read_topic(e.kafka_bootstrap, topics.RESULTS.name,
+                         for_request(rid, b'"token_chunk"'))
+        stack.processes.kill_service(spec.name)
+        await asyncio.to_thread(stack.processes.start_service, spec)
+        again = [REQUEST.validate_json(v) for _, v in await read_topic(
+            e.kafka_bootstrap, topics.REQUESTS["standard"].name, for_request(rid, b""))]
+    finally:
+        await asyncio.to_thread(stack.processes.stop_service, spec.name)
+    assert [(r.attempt, r.requeued) for r in again] == [(1, "node_lost")]
+    usage = [USAGE.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.USAGE.name, lambda k, v: f'"{rid}#0:'.encode() in v)]
+    assert [u.event_id for u in usage if u.final] == [f"{rid}#0:final"]
+    # the scheduler runs attempt 1 on the stack's nodes; attempt 0 ended in no result
+    results = [RESULT_EVENT.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.RESULTS.name, for_request(rid, b'"request_result"'),
+        timeout_s=60)]
+    assert [(r.status, r.node_id != node) for r in results] == [("completed", True)]
 
 
 async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stack) -> None:

@@ -1,5 +1,6 @@
 """The agent runtime with the simulated executor and in-memory publish and ledger: duplicate
-and stale placements, cancel and preempt mid-stream, partial usage deltas, SIGTERM drain."""
+and stale placements, cancel and preempt mid-stream, partial usage deltas, SIGTERM drain,
+and a restart that hands back what a crashed run left."""
 
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ class Sink:
 
 
 def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | None = None,
-         spec: str = "2xH100-80GB") -> tuple[AgentRuntime, Sink, MemoryLedger]:
-    sink, ledger = Sink(), MemoryLedger(epoch)
+         spec: str = "2xH100-80GB", ledger: MemoryLedger | None = None, now_ms: int = 1_000
+         ) -> tuple[AgentRuntime, Sink, MemoryLedger]:
+    """A runtime started at `now_ms` (its run id); pass `ledger` to restart on one."""
+    sink, ledger = Sink(), ledger or MemoryLedger(epoch)
     runtime = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated(spec, "n1")),
                            CATALOG, SimulatedExecutor(time_scale, seed=7), sink, ledger,
-                           lambda: 1_000, chunk_tokens=4, heartbeat_s=1.0,
+                           lambda: now_ms, chunk_tokens=4, heartbeat_s=1.0,
                            usage_interval_s=usage_interval_s)
     return runtime, sink, ledger
 
@@ -204,6 +207,28 @@ async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stoppe
     await runtime.command(placement("late"))
     await settle(runtime)
     assert [m.request_id for m in sink.of(InferenceRequest)] == ["long", "late"]
+
+
+async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_it() -> None:
+    crashed, _, ledger = make(time_scale=1.0)
+    await crashed.command(placement("done", max_tokens=2))
+    await crashed.command(placement("cut", max_tokens=5000, gpu=1))
+    async with asyncio.timeout(10):
+        while crashed.in_flight > 1:
+            await asyncio.sleep(0.005)
+    for task in [t for t in asyncio.all_tasks() if t.get_name() == "cut#0"]:
+        task.cancel()  # the process dies: no final records, the claim stays filed
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
+    assert await restarted.recover() == 1
+    [usage] = sink.of(UsageRecord)  # ends the placement for the scheduler, billing nothing
+    assert (usage.event_id, usage.final, usage.completion_tokens) == ("cut#0:final", True, 0)
+    [again] = sink.of(InferenceRequest)
+    assert (again.request_id, again.attempt, again.requeued) == ("cut", 1, "node_lost")
+    assert await restarted.command(placement("cut", max_tokens=5000)) == Ignored("duplicate")
+    assert await restarted.recover() == 0 and ledger.held == {"n1": {}}
 
 
 @pytest.mark.parametrize("spec", ["1xL4-24GB"])

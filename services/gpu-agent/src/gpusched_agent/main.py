@@ -112,6 +112,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         await topics.ensure_topics(settings.kafka.bootstrap)
         await broker.start()
         await handlers.hold_command_position(placements)  # before the node is first seen
+        await runtime.recover()
         reporter = asyncio.create_task(runtime.report_forever(), name="node-state")
         started = True
         try:

@@ -26,6 +26,7 @@ from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
+    PLACEMENT,
     Cancel,
     InferenceRequest,
     Placement,
@@ -167,7 +168,7 @@ class AgentRuntime:
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         if cmd.placement_id in self._running or not await self._ledger.claim(
-                cmd.placement_id, self.node_id):
+                cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes()):
             log.info("placement %s already taken; ignoring the duplicate", cmd.placement_id)
             return Ignored("duplicate")
         run = self._running[cmd.placement_id] = _Running(cmd)
@@ -213,31 +214,55 @@ class AgentRuntime:
 
     # --- one placement -------------------------------------------------------------------
     async def _run(self, run: _Running) -> None:
-        placement = run.placement
-        request = placement.request
-        pid = placement.placement_id
+        pid = run.placement.placement_id
         try:
-            if run.stop_reason is not None:
-                await self._end_unstarted(run, run.stop_reason, run.detail)
-                return
-            if request.request_id in self._cancelled:
-                await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
-                return
-            model = self.catalog.get(request.model)
-            admitted: Admitted | Refused
-            if model is None:
-                admitted = Refused(f"model '{request.model}' unknown to this agent")
-            elif self.status != "ready":
-                admitted = Refused(f"node is {self.status}")
-            else:
-                admitted = self.node.admit(placement, model)
-            if isinstance(admitted, Refused) or model is None:
-                await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
-                return
-            await self._execute(run, admitted, model)
-        finally:
+            await self._attempt(run)
+            await self._release(pid)  # not when the loop shuts down mid-run: the next run
+        finally:                      # of this node hands it back (`recover`)
             self._running.pop(pid, None)
             self._dirty.set()
+
+    async def _attempt(self, run: _Running) -> None:
+        placement = run.placement
+        request = placement.request
+        if run.stop_reason is not None:
+            await self._end_unstarted(run, run.stop_reason, run.detail)
+            return
+        if request.request_id in self._cancelled:
+            await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
+            return
+        model = self.catalog.get(request.model)
+        admitted: Admitted | Refused
+        if model is None:
+            admitted = Refused(f"model '{request.model}' unknown to this agent")
+        elif self.status != "ready":
+            admitted = Refused(f"node is {self.status}")
+        else:
+            admitted = self.node.admit(placement, model)
+        if isinstance(admitted, Refused) or model is None:
+            await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
+            return
+        await self._execute(run, admitted, model)
+
+    async def _release(self, placement_id: str) -> None:
+        try:
+            await self._ledger.release(placement_id, self.node_id)
+        except Exception:  # the claim stays filed: a later run hands the request back again
+            log.exception("releasing the claim of %s failed", placement_id)
+
+    async def recover(self) -> int:
+        """At start, before the first report: work an earlier run of this node claimed and
+        never ended (it crashed) goes back to its class as the next attempt, after a zero
+        final usage that ends the placement for the scheduler. That record has the same
+        event id as the run's own final one, so if the crash came after it nothing is
+        counted twice. Returns how many it handed back."""
+        left = await self._ledger.left_over(self.node_id, self._started_at_ms)
+        for raw in left:
+            run = _Running(PLACEMENT.validate_json(raw))
+            await self._handback(run, "an earlier run of the agent ended without it",
+                                 "node_lost")
+            await self._release(run.placement.placement_id)
+        return len(left)
 
     async def _execute(self, run: _Running, admitted: Admitted, model) -> None:  # noqa: ANN001
         placement, request = run.placement, run.placement.request

@@ -1,5 +1,8 @@
 """Where the agent checks placement claims and the scheduler's fencing token (Redis), plus
-an in-memory twin for tests and benchmarks."""
+an in-memory twin for tests and benchmarks.
+
+A claim also files the placement under its node (with the agent run that claimed it) until
+the run ends it, so a run that starts after a crash finds the work its predecessor left."""
 
 from __future__ import annotations
 
@@ -8,14 +11,37 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 PLACEMENT_KEY = "gpusched:agent:placement:{}"
+NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
+"""Hash: placement id -> '<run started_at_ms> <placement JSON>' while that run holds it."""
 EPOCH_KEY = "gpusched:scheduler:epoch"
 CLAIM_TTL_S = 7 * 86_400
 
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+  return 1
+end
+if redis.call('HGET', KEYS[2], ARGV[3]) == ARGV[4] then
+  return 1
+end
+return 0
+"""
+"""Claim and file in one step. The second branch answers a retried call (the client retries
+on a lost connection) whose first attempt was applied: still this run's own claim."""
+
 
 class PlacementLedger(Protocol):
-    async def claim(self, placement_id: str, node_id: str) -> bool:
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
+                    ) -> bool:
         """True for the first claim of `placement_id` ever (across redeliveries and agent
-        restarts); False for every later one."""
+        restarts); False for every later one. The first also files it under the node."""
+
+    async def release(self, placement_id: str, node_id: str) -> None:
+        """The run ended the placement (its final usage is sent): no longer the node's."""
+
+    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
+        """Placements (JSON) claimed on this node by runs other than `run_id` and never
+        released: what a crashed run left behind."""
 
     async def leader_epoch(self) -> int | None:
         """The current scheduler leader's fencing token, None when none is recorded."""
@@ -24,10 +50,20 @@ class PlacementLedger(Protocol):
 class RedisLedger:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
+        self._claim = redis.register_script(_CLAIM)
 
-    async def claim(self, placement_id: str, node_id: str) -> bool:
-        return bool(await self._redis.set(PLACEMENT_KEY.format(placement_id), node_id, nx=True,
-                                          ex=CLAIM_TTL_S))
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
+                    ) -> bool:
+        return bool(await self._claim(
+            keys=[PLACEMENT_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id)],
+            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)]))
+
+    async def release(self, placement_id: str, node_id: str) -> None:
+        await self._redis.hdel(NODE_CLAIMS_KEY.format(node_id), placement_id)
+
+    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
+        held = await self._redis.hgetall(NODE_CLAIMS_KEY.format(node_id))
+        return _others(held.values(), run_id)
 
     async def leader_epoch(self) -> int | None:
         raw = await self._redis.get(EPOCH_KEY)
@@ -37,13 +73,31 @@ class RedisLedger:
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
         self.claims: dict[str, str] = {}
+        self.held: dict[str, dict[str, bytes]] = {}
         self.epoch = leader_epoch
 
-    async def claim(self, placement_id: str, node_id: str) -> bool:
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
+                    ) -> bool:
         if placement_id in self.claims:
             return False
         self.claims[placement_id] = node_id
+        self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, placement)
         return True
+
+    async def release(self, placement_id: str, node_id: str) -> None:
+        self.held.get(node_id, {}).pop(placement_id, None)
+
+    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
+        return _others(self.held.get(node_id, {}).values(), run_id)
 
     async def leader_epoch(self) -> int | None:
         return self.epoch
+
+
+def _others(entries, run_id: int) -> list[bytes]:  # noqa: ANN001 - bytes values of a hash
+    out = []
+    for entry in entries:
+        run, _, placement = entry.partition(b" ")
+        if int(run) != run_id:
+            out.append(placement)
+    return out
