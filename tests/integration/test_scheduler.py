@@ -1,6 +1,7 @@
 """Scheduler behaviour on the real stack: strict priority, weighted fair share, quotas and
-borrowing, preemption, gangs, node loss and leader fail-over. Most tests run on a small
-fleet (one simulated L4 node) so that it fills up quickly."""
+borrowing, preemption, gangs, node loss (and an agent killed and back at once) and leader
+fail-over. Most tests run on a small fleet (one simulated L4 node) so that it fills up
+quickly."""
 
 from __future__ import annotations
 
@@ -253,6 +254,38 @@ async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
     for i in moved:
         assert any(r.node_id != victim and r.status == "completed" for r in done[i])
     await until_fleet(stack, AGENT_NODES, "the killed agent back")
+
+
+async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stack) -> None:
+    """The node comes back within the scheduler's node time-out, so it is never declared
+    lost: its new run hands back what the killed one left, and each request completes once."""
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        work = [request("globex", "standard", 6000, "crash", prompt_tokens=100)
+                for _ in range(4)]
+        await produce(stack, work)
+        ids = {r["request_id"] for r in work}
+
+        async def running_on() -> dict[str, str] | None:
+            async with httpx.AsyncClient(base_url=stack.scheduler_url) as http:
+                rows = (await http.get("/v1/placements")).json()["placements"]
+            where = {r["request_id"]: r["node_id"] for r in rows if r["request_id"] in ids}
+            return where if len(where) == len(ids) else None
+        where = await eventually(running_on, timeout_s=30, what="all four placed")
+        victim = sorted(set(where.values()))[0]
+        await asyncio.sleep(1.0)  # mid-generation
+        [spec] = [s for s in agent_specs(stack, AGENT_NODES) if s.name == f"agent-{victim}"]
+        stack.processes.kill_service(spec.name)
+        await asyncio.to_thread(stack.processes.start_service, spec)
+        await results.until(lambda recs: ids <= set(results_by_id(recs)), 120, "all results")
+        await results.drain()
+    finally:
+        await results.stop()
+    done = results_by_id(results.records)
+    assert [i for i, n in where.items() if n == victim]
+    for i in ids:
+        assert [r.status for r in done[i]] == ["completed"], f"{i}: {done[i]}"
+    await until_fleet(stack, AGENT_NODES, "the restarted agent ready")
 
 
 async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(
