@@ -212,20 +212,24 @@ async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stoppe
 async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_it() -> None:
     crashed, _, ledger = make(time_scale=1.0)
     await crashed.command(placement("done", max_tokens=2))
-    await crashed.command(placement("cut", max_tokens=5000, gpu=1))
+    await crashed.command(placement("cut", max_tokens=5000))
+    await crashed.command(placement("moved", max_tokens=5000, gpu=1))
     async with asyncio.timeout(10):
-        while crashed.in_flight > 1:
+        while crashed.in_flight > 2:
             await asyncio.sleep(0.005)
-    for task in [t for t in asyncio.all_tasks() if t.get_name() == "cut#0"]:
-        task.cancel()  # the process dies: no final records, the claim stays filed
+    for task in [t for t in asyncio.all_tasks() if t.get_name() in ("cut#0", "moved#0")]:
+        task.cancel()  # the process dies: no final records, the claims stay filed
         with pytest.raises(asyncio.CancelledError):
             await task
+    ledger.retried.add("moved#0")  # the scheduler declared the node lost and moved it
 
     restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
     assert await restarted.recover() == 1
-    [usage] = sink.of(UsageRecord)  # ends the placement for the scheduler, billing nothing
-    assert (usage.event_id, usage.final, usage.completion_tokens) == ("cut#0:final", True, 0)
-    [again] = sink.of(InferenceRequest)
+    # both end for the scheduler and billing, with nothing billed
+    assert sorted((u.event_id, u.final, u.completion_tokens)
+                  for u in sink.of(UsageRecord)) == [("cut#0:final", True, 0),
+                                                     ("moved#0:final", True, 0)]
+    [again] = sink.of(InferenceRequest)  # only what the scheduler has not retried itself
     assert (again.request_id, again.attempt, again.requeued) == ("cut", 1, "node_lost")
     assert await restarted.command(placement("cut", max_tokens=5000)) == Ignored("duplicate")
     assert await restarted.recover() == 0 and ledger.held == {"n1": {}}

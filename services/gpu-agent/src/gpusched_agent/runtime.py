@@ -252,17 +252,23 @@ class AgentRuntime:
 
     async def recover(self) -> int:
         """At start, before the first report: work an earlier run of this node claimed and
-        never ended (it crashed) goes back to its class as the next attempt, after a zero
-        final usage that ends the placement for the scheduler. That record has the same
-        event id as the run's own final one, so if the crash came after it nothing is
-        counted twice. Returns how many it handed back."""
-        left = await self._ledger.left_over(self.node_id, self._started_at_ms)
-        for raw in left:
-            run = _Running(PLACEMENT.validate_json(raw))
-            await self._handback(run, "an earlier run of the agent ended without it",
-                                 "node_lost")
-            await self._release(run.placement.placement_id)
-        return len(left)
+        never ended (it crashed) gets a zero final usage, which ends the placement for the
+        scheduler and for billing (it has the run's own final event id, so if the crash
+        came after that record nothing is counted twice). Unless the scheduler has already
+        retried it elsewhere (the node was declared lost meanwhile), the request goes back
+        to its class as the next attempt. Returns how many it handed back."""
+        left = [PLACEMENT.validate_json(raw)
+                for raw in await self._ledger.left_over(self.node_id, self._started_at_ms)]
+        placed = await self._ledger.still_placed([p.placement_id for p in left])
+        for placement, still in zip(left, placed, strict=True):
+            run = _Running(placement)
+            if still:
+                await self._handback(run, "an earlier run of the agent ended without it",
+                                     "node_lost")
+            else:
+                await self._publish_usage(run, final=True)
+            await self._release(placement.placement_id)
+        return sum(placed)
 
     async def _execute(self, run: _Running, admitted: Admitted, model) -> None:  # noqa: ANN001
         placement, request = run.placement, run.placement.request

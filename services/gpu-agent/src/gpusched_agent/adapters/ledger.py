@@ -14,6 +14,9 @@ PLACEMENT_KEY = "gpusched:agent:placement:{}"
 NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
 """Hash: placement id -> '<run started_at_ms> <placement JSON>' while that run holds it."""
 EPOCH_KEY = "gpusched:scheduler:epoch"
+SCHEDULER_RUNNING_KEY = "gpusched:scheduler:running"
+"""The leading scheduler's placements in flight (hash keyed by placement id): one it has
+already retried elsewhere (node lost) is no longer there."""
 CLAIM_TTL_S = 7 * 86_400
 
 _CLAIM = """
@@ -43,6 +46,9 @@ class PlacementLedger(Protocol):
         """Placements (JSON) claimed on this node by runs other than `run_id` and never
         released: what a crashed run left behind."""
 
+    async def still_placed(self, placement_ids: list[str]) -> list[bool]:
+        """For each, whether the scheduler still counts it as running (not yet retried)."""
+
     async def leader_epoch(self) -> int | None:
         """The current scheduler leader's fencing token, None when none is recorded."""
 
@@ -65,6 +71,12 @@ class RedisLedger:
         held = await self._redis.hgetall(NODE_CLAIMS_KEY.format(node_id))
         return _others(held.values(), run_id)
 
+    async def still_placed(self, placement_ids: list[str]) -> list[bool]:
+        if not placement_ids:
+            return []
+        return [v is not None for v in await self._redis.hmget(SCHEDULER_RUNNING_KEY,
+                                                               placement_ids)]
+
     async def leader_epoch(self) -> int | None:
         raw = await self._redis.get(EPOCH_KEY)
         return None if raw is None else int(raw)
@@ -75,6 +87,8 @@ class MemoryLedger:
         self.claims: dict[str, str] = {}
         self.held: dict[str, dict[str, bytes]] = {}
         self.epoch = leader_epoch
+        self.retried: set[str] = set()
+        """Placements the scheduler has retried elsewhere (no longer running for it)."""
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
                     ) -> bool:
@@ -89,6 +103,9 @@ class MemoryLedger:
 
     async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
         return _others(self.held.get(node_id, {}).values(), run_id)
+
+    async def still_placed(self, placement_ids: list[str]) -> list[bool]:
+        return [pid not in self.retried for pid in placement_ids]
 
     async def leader_epoch(self) -> int | None:
         return self.epoch
