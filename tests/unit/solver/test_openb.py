@@ -6,6 +6,7 @@ import csv
 import json
 
 import numpy as np
+import pytest
 
 from gpusched_scheduler.bench import openb
 from gpusched_scheduler.bench import solver as bench
@@ -23,14 +24,16 @@ def test_arrival_sequence_inflates_to_130_percent(openb_dir):
     assert not np.array_equal(seq, openb.arrival_sequence(pods, cap, seed=4))
 
 
-def test_replay_prefix_is_feasible_and_dump_rechecks(openb_dir, tmp_path):
-    """Short replay: the dumped CSV re-checks as feasible and gives the same allocation."""
+@pytest.mark.parametrize(("policy", "order"), [("gpusched", "file"), ("fgd", "seeded")])
+def test_replay_prefix_is_feasible_and_dump_rechecks(openb_dir, tmp_path, policy, order):
+    """Short replay: the dumped CSV re-checks as feasible and gives the same allocation (in
+    the node list's indices also when the solver saw the nodes in a seeded order)."""
     nodes = openb.load_nodes(openb_dir / openb.NODE_LIST)
     pods = openb.load_pods(openb_dir / "openb_pod_list_gpuspec25.csv")
     small = openb.PodList(pods.name, pods.pod_names[:1500], pods.cpu_milli[:1500],
                           pods.memory_mib[:1500], pods.num_gpu[:1500], pods.gpu_milli[:1500],
                           pods.gpu_spec[:1500])
-    r = openb.replay(nodes, small, "gpusched", seed=0)
+    r = openb.replay(nodes, small, policy, seed=0, order=order)
     path = tmp_path / "dump.csv"
     bench.dump_csv(path, nodes, small, r, nodes.state().node_gpu_start)
     with open(path, newline="") as f:

@@ -71,6 +71,30 @@ class NodeList:
             self.sn, self.cpu_milli, self.memory_mib, self.gpu, self.model
         )
 
+    def take(self, order: np.ndarray) -> NodeList:
+        return NodeList(
+            sn=tuple(self.sn[i] for i in order),
+            cpu_milli=self.cpu_milli[order],
+            memory_mib=self.memory_mib[order],
+            gpu=self.gpu[order],
+            model=tuple(self.model[i] for i in order),
+        )
+
+
+NODE_ORDERS = ("file", "seeded")
+
+
+def node_order(n_nodes: int, seed: int, how: str = "file") -> np.ndarray:
+    """Order the solver sees the nodes in (ties go to the lowest index). ``file``: the node
+    list's order. ``seeded``: a permutation drawn from the seed, as the paper's artifact
+    does (it prefixes node names with a random permutation index and breaks score ties by
+    the lexicographically smallest name)."""
+    if how == "file":
+        return np.arange(n_nodes, dtype=np.int64)
+    if how == "seeded":
+        return np.random.default_rng([seed, 1]).permutation(n_nodes).astype(np.int64)
+    raise ValueError(f"unknown node order {how!r}; choose one of: {', '.join(NODE_ORDERS)}")
+
 
 def load_nodes(path: Path) -> NodeList:
     with open(path, newline="") as f:
@@ -161,12 +185,15 @@ def replay(
     policy: str,
     seed: int,
     batch_size: int = 1,
+    order: str = "file",
 ) -> ReplayResult:
     """Replay one seed. ``batch_size`` 1 is the paper's online protocol; larger sizes let
-    the solver see that many arrivals at once (look-ahead, reported separately)."""
+    the solver see that many arrivals at once (look-ahead, reported separately). ``order``
+    is the node order (see ``node_order``); results always use the node list's indices."""
     import time
 
-    state = nodes.state()
+    perm = node_order(len(nodes.sn), seed, order)
+    state = nodes.take(perm).state()
     capacity = 1000 * nodes.total_gpus
     seq = arrival_sequence(pods, capacity, seed)
     shapes = ShapeDistribution.from_batch(pods.batch())  # the workload's distribution
@@ -186,6 +213,14 @@ def replay(
             gpus[lo : lo + batch_size] = res.gpus
             state = res.state
     secs = time.perf_counter() - t0
+    if order != "file":  # back to the node list's node and GPU indices
+        start_new = state.node_gpu_start
+        start_old = nodes.state().node_gpu_start
+        gpus = np.asarray(gpus).copy()
+        mask = gpus >= 0
+        owner = np.searchsorted(start_new, gpus[mask], side="right") - 1
+        gpus[mask] = start_old[perm[owner]] + (gpus[mask] - start_new[owner])
+        node = np.where(np.asarray(node) >= 0, perm[np.maximum(node, 0)], -1)
     req = pods.gpu_request_milli[seq]
     allocated = np.where(node >= 0, req, 0)
     a100 = alloc_at(req, allocated, capacity, 100.0)

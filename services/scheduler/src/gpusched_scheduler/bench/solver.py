@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                    "quick: default)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated policies to replay")
+    p.add_argument("--node-order", choices=openb.NODE_ORDERS, default="file",
+                   help="node order of the openb replay (ties go to the lowest index): the "
+                   "node list's, or a permutation drawn from each seed as the paper's "
+                   "artifact does")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: openb,"
                    "throughput,first,optimal")
     return p
@@ -125,7 +129,7 @@ def run_openb(args, traces: Path, out: dict) -> None:
         pods = openb.load_pods(traces / f"{openb.POD_PREFIX}{name}.csv")
         for policy in policies:
             for seed in range(seeds):
-                r = openb.replay(nodes, pods, policy, seed)
+                r = openb.replay(nodes, pods, policy, seed, order=args.node_order)
                 rows.append(r)
                 if args.dump:
                     dump_csv(args.dump / f"{policy}__{name}__{seed}.csv", nodes, pods, r,
@@ -134,7 +138,8 @@ def run_openb(args, traces: Path, out: dict) -> None:
             for bs in LOOKAHEAD_BATCHES:
                 for seed in range(min(seeds, args.lookahead_seeds)):
                     lookahead_rows.append(
-                        openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs))
+                        openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs,
+                                     order=args.node_order))
     elapsed = time.perf_counter() - t0
 
     def fields(r: openb.ReplayResult) -> dict:

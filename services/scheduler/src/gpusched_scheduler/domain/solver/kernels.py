@@ -185,6 +185,17 @@ def node_active(S, n):
 
 
 @njit(cache=True)
+def fgd_score(growth, weight_sum):
+    """FGD's node score as the published artifact computes it, as a cost (lower wins):
+    ``-int(100 * sigmoid(-g / 1000))`` with ``g`` the fragmentation growth in milli-GPU
+    for shape frequencies normalised to 1 (``growth / weight_sum``). The 0-100 integer is
+    coarse (about 40 milli-GPU per step near zero growth), so many nodes tie and the
+    tie-break (lowest node index) decides: this is what reproduces the paper's numbers."""
+    x = -(growth / weight_sum) / 1000.0
+    return -np.floor((1.0 / (1.0 + np.exp(-x))) * 100.0)
+
+
+@njit(cache=True)
 def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
     """Score of placing unit ``u`` on node ``n`` (lower is better; inf = does not fit).
 
@@ -298,7 +309,7 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
                 if model_loaded(S[9], sel[j], U[6][u]):
                     delta -= params[0] * params[4]
     if policy == FGD:
-        return delta
+        return fgd_score(delta, params[4])
     # gpusched: fragmentation per unit of workload (milli-GPU) plus the growth of GPU share
     # stranded by missing CPU/memory at the workload's CPU and memory per milli-GPU
     before = stranded_milli(gfree, S[0][n], S[1][n], params)
@@ -497,7 +508,7 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
             continue
         out_gpu[i] = best
         if policy == FGD:
-            out_score[i] = best_key
+            out_score[i] = fgd_score(best_key, params[4])
         else:
             gfree = total_free[n]
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)

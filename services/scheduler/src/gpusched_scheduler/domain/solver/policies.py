@@ -47,7 +47,8 @@ POLICIES: dict[str, Policy] = {
             K.FGD,
             True,
             "fragmentation gradient descent (Weng et al., ATC'23): least growth of expected "
-            "unusable GPU share over the workload's typical shapes",
+            "unusable GPU share over the workload's typical shapes, scored as the paper's "
+            "artifact does (a 0-100 integer; ties to the lowest node index)",
         ),
         Policy(
             "gpusched",

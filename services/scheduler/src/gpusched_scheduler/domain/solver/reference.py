@@ -86,6 +86,12 @@ def _frag_of(c: _Cluster, n: int, unit: dict | None, sel: list[int], shapes) -> 
     return _frag(milli, gtype, gmem, [c.healthy[g] for g in gl], cpu, mem, shapes)
 
 
+def _fgd_score(growth: float, weight_sum: float) -> float:
+    """kernels.fgd_score: the published FGD's quantised 0-100 score, negated."""
+    x = -(growth / weight_sum) / 1000.0
+    return -math.floor((1.0 / (1.0 + math.exp(-x))) * 100.0)
+
+
 def _stranded(gfree, cpu, mem, params) -> float:
     s = 0.0
     if params[2] > 0:
@@ -159,7 +165,7 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params) -> 
                 if c.loaded(g, unit["model"]):
                     delta -= params[0] * params[4]
     if policy == K.FGD:
-        return delta, sel
+        return _fgd_score(delta, params[4]), sel
     before = _stranded(gfree, c.cpu[n], c.mem[n], params)
     after = _stranded(gfree - greq, cpu_after, mem_after, params)
     return delta / params[4] + params[1] * (after - before), sel
