@@ -222,6 +222,7 @@ async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_i
         with pytest.raises(asyncio.CancelledError):
             await task
     ledger.retried.add("moved#0")  # the scheduler declared the node lost and moved it
+    ledger.held["n1"]["junk#0"] = b"1000 {not a placement"  # dropped, not fatal
 
     restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
     assert await restarted.recover() == 1

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from gpusched_agent.adapters.executor import Executor, Job
 from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
@@ -257,8 +259,14 @@ class AgentRuntime:
         came after that record nothing is counted twice). Unless the scheduler has already
         retried it elsewhere (the node was declared lost meanwhile), the request goes back
         to its class as the next attempt. Returns how many it handed back."""
-        left = [PLACEMENT.validate_json(raw)
-                for raw in await self._ledger.left_over(self.node_id, self._started_at_ms)]
+        left: list[Placement] = []
+        for pid, raw in await self._ledger.left_over(self.node_id, self._started_at_ms):
+            try:
+                left.append(PLACEMENT.validate_json(raw))
+            except ValidationError as exc:  # nothing to act on; must not stop the agent
+                log.error("dropping the unreadable claim of %s an earlier run left: %s",
+                          pid, exc)
+                await self._release(pid)
         placed = await self._ledger.still_placed([p.placement_id for p in left])
         for placement, still in zip(left, placed, strict=True):
             run = _Running(placement)

@@ -42,9 +42,9 @@ class PlacementLedger(Protocol):
     async def release(self, placement_id: str, node_id: str) -> None:
         """The run ended the placement (its final usage is sent): no longer the node's."""
 
-    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
-        """Placements (JSON) claimed on this node by runs other than `run_id` and never
-        released: what a crashed run left behind."""
+    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
+        """(placement id, placement JSON) of what runs of this node other than `run_id`
+        claimed and never released: what a crashed run left behind."""
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
         """For each, whether the scheduler still counts it as running (not yet retried)."""
@@ -67,9 +67,9 @@ class RedisLedger:
     async def release(self, placement_id: str, node_id: str) -> None:
         await self._redis.hdel(NODE_CLAIMS_KEY.format(node_id), placement_id)
 
-    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
+    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
         held = await self._redis.hgetall(NODE_CLAIMS_KEY.format(node_id))
-        return _others(held.values(), run_id)
+        return _others({pid.decode(): entry for pid, entry in held.items()}, run_id)
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
         if not placement_ids:
@@ -101,8 +101,8 @@ class MemoryLedger:
     async def release(self, placement_id: str, node_id: str) -> None:
         self.held.get(node_id, {}).pop(placement_id, None)
 
-    async def left_over(self, node_id: str, run_id: int) -> list[bytes]:
-        return _others(self.held.get(node_id, {}).values(), run_id)
+    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
+        return _others(self.held.get(node_id, {}), run_id)
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
         return [pid not in self.retried for pid in placement_ids]
@@ -111,10 +111,10 @@ class MemoryLedger:
         return self.epoch
 
 
-def _others(entries, run_id: int) -> list[bytes]:  # noqa: ANN001 - bytes values of a hash
+def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:
     out = []
-    for entry in entries:
+    for placement_id, entry in held.items():
         run, _, placement = entry.partition(b" ")
-        if int(run) != run_id:
-            out.append(placement)
+        if run != b"%d" % run_id:
+            out.append((placement_id, placement))
     return out
