@@ -224,19 +224,23 @@ async def test_a_gang_runs_on_two_gpus_of_one_node(stack) -> None:
     assert result.node_id == "node-1" and len(set(result.gpu_indices)) == 2
 
 
+async def placed_on(stack, ids: set[str]) -> dict[str, str]:
+    """Request id -> node, once the scheduler has placed every one of `ids`."""
+    async def all_placed() -> dict[str, str] | None:
+        async with httpx.AsyncClient(base_url=stack.scheduler_url) as http:
+            rows = (await http.get("/v1/placements")).json()["placements"]
+        where = {r["request_id"]: r["node_id"] for r in rows if r["request_id"] in ids}
+        return where if len(where) == len(ids) else None
+    return await eventually(all_placed, timeout_s=30, what=f"all {len(ids)} placed")
+
+
 async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
     results = await watch(stack, topics.RESULTS.name)
     try:
         work = [request("globex", "standard", 6000, "lost", prompt_tokens=100) for _ in range(4)]
         await produce(stack, work)
         ids = {r["request_id"] for r in work}
-
-        async def running_on() -> dict[str, str] | None:
-            async with httpx.AsyncClient(base_url=stack.scheduler_url) as http:
-                rows = (await http.get("/v1/placements")).json()["placements"]
-            where = {r["request_id"]: r["node_id"] for r in rows if r["request_id"] in ids}
-            return where if len(where) == len(ids) else None
-        where = await eventually(running_on, timeout_s=30, what="all four placed")
+        where = await placed_on(stack, ids)
         victim = sorted(set(where.values()))[0]
         await asyncio.sleep(1.0)  # mid-generation
         stack.processes.kill_service(f"agent-{victim}")
@@ -265,13 +269,7 @@ async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stac
                 for _ in range(4)]
         await produce(stack, work)
         ids = {r["request_id"] for r in work}
-
-        async def running_on() -> dict[str, str] | None:
-            async with httpx.AsyncClient(base_url=stack.scheduler_url) as http:
-                rows = (await http.get("/v1/placements")).json()["placements"]
-            where = {r["request_id"]: r["node_id"] for r in rows if r["request_id"] in ids}
-            return where if len(where) == len(ids) else None
-        where = await eventually(running_on, timeout_s=30, what="all four placed")
+        where = await placed_on(stack, ids)
         victim = sorted(set(where.values()))[0]
         await asyncio.sleep(1.0)  # mid-generation
         [spec] = [s for s in agent_specs(stack, AGENT_NODES) if s.name == f"agent-{victim}"]
