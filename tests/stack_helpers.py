@@ -27,6 +27,7 @@ SERVICE_TEST_ENV = {
     "GPUSCHED_TIME_SCALE": "0.1",   # simulated GPUs run ten times faster than the model says
     "GPUSCHED_HEARTBEAT_S": "1",
     "GPUSCHED_NODE_TIMEOUT_S": "4",
+    "GPUSCHED_UNTAKEN_TIMEOUT_S": "10",
     "GPUSCHED_LEASE_TTL_MS": "2000",
 }
 

@@ -1,6 +1,6 @@
 """The GPU agent against the real Kafka and Redis: duplicate and stale placements, commands
 sent from a new node's first report on (none skipped, across a restart too), work a
-killed agent left ended by its next run, a client
+killed agent left ended by its next run, a placement the scheduler fenced, a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
 and SIGTERM drain with work in flight."""
 
@@ -32,6 +32,7 @@ from gpusched_common.contracts import (
     RequestResult,
 )
 from gpusched_ops.stack import ServiceSpec
+from gpusched_scheduler.adapters.redis_state import RunningStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -224,6 +225,21 @@ async def test_a_killed_agent_ends_what_it_left_when_it_starts_again(stack) -> N
                           (topics.RESULTS.name, b'"request_result"')):
         assert not await read_topic(e.kafka_bootstrap, topic, for_request(rid, marker),
                                     timeout_s=2)
+
+
+async def test_a_placement_the_scheduler_fenced_is_never_run(stack) -> None:
+    """The scheduler fences a placement it retries elsewhere by claiming it in the agents'
+    ledger: a late delivery of the command is then a duplicate to the agent."""
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    rid = f"fenced-{uuid.uuid4().hex[:8]}"
+    try:
+        assert await RunningStore(redis).fence([f"{rid}#0"]) == [True]
+        await send_placements(stack, [placement("node-1", rid, await leader_epoch(stack))])
+        assert not await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name,
+                                    for_request(rid, b""), timeout_s=5)
+        assert await RunningStore(redis).fence([f"{rid}#0"]) == [False]
+    finally:
+        await redis.aclose()
 
 
 async def test_sigterm_drains_hands_back_work_in_flight_and_reports_stopped(stack) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter
 from dataclasses import replace
@@ -18,7 +19,15 @@ from aiokafka import AIOKafkaProducer
 from stack_helpers import SERVICE_TEST_ENV, TEST_SERVICE_PORTS, TopicWatch, eventually
 
 from gpusched_common import topics
-from gpusched_common.contracts import EVENT, RESULT_EVENT, USAGE, Rejection, RequestResult
+from gpusched_common.contracts import (
+    EVENT,
+    RESULT_EVENT,
+    USAGE,
+    GpuState,
+    NodeState,
+    Rejection,
+    RequestResult,
+)
 from gpusched_ops.services import AGENT_NODES, service_specs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -284,6 +293,61 @@ async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stac
     for i in ids:
         assert [r.status for r in done[i]] == ["completed"], f"{i}: {done[i]}"
     await until_fleet(stack, AGENT_NODES, "the restarted agent ready")
+
+
+async def test_a_placement_its_node_never_takes_is_fenced_and_retried_elsewhere(
+        stack, small_fleet) -> None:
+    """A ghost node reports itself ready with the model loaded but never takes a command,
+    which is what a placement lost on its way looks like. GPUSCHED_UNTAKEN_TIMEOUT_S (10 s
+    here) after it was sent, while the ghost still reports, the scheduler fences the
+    placement and retries it; the request completes once, on the real node."""
+    ghost = f"ghost-{uuid.uuid4().hex[:6]}"
+    started, seq = int(time.time() * 1000), 0
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+    await producer.start()
+
+    async def report(status: str = "ready") -> None:
+        nonlocal seq
+        seq += 1
+        state = NodeState(node_id=ghost, status=status, seq=seq, started_at_ms=started,
+                          reported_at_ms=int(time.time() * 1000), gpus=(GpuState(
+                              index=0, uuid=f"{ghost}-0", gpu_type="H100-80GB",
+                              memory_total_mib=81559, memory_free_mib=80000,
+                              loaded_models=(MODEL,)),))
+        await producer.send_and_wait(topics.NODE_STATE.name, state.to_bytes(),
+                                     key=ghost.encode())
+
+    async def heartbeats() -> None:
+        while True:
+            await report()
+            await asyncio.sleep(1.0)
+
+    beats = asyncio.create_task(heartbeats())
+    results = await watch(stack, topics.RESULTS.name)
+    try:
+        retries = await watch(stack, topics.REQUESTS["standard"].name)
+        try:
+            async def ghost_live() -> bool:
+                return ghost in await live_nodes(stack)
+            await eventually(ghost_live, what=f"{ghost} live")
+            work = [request("globex", "standard", 50, "ghost", prompt_tokens=100)]
+            rid = work[0]["request_id"]
+            await produce(stack, work)
+            assert (await placed_on(stack, {rid}))[rid] == ghost  # the model is loaded there
+            await retries.until(lambda recs: any(rid.encode() in v and b'"attempt":1' in v
+                                                 for _k, v, _t in recs), 40, "the retry")
+            assert not beats.done()  # retried while the ghost still reported: no node loss
+        finally:
+            beats.cancel()
+            await report("stopped")
+            await producer.stop()
+            await retries.stop()
+        await results.until(lambda recs: rid in results_by_id(recs), 120, "its result")
+        await results.drain()
+    finally:
+        await results.stop()
+    done = results_by_id(results.records)[rid]
+    assert [(r.status, r.node_id) for r in done] == [("completed", "node-small")]
 
 
 async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(

@@ -313,6 +313,82 @@ async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_re
     assert [r.placement_id for r in engine.running.values()] == ["r1#0"]
 
 
+class Fences:
+    """The running store's fencing, as Redis would answer it: `taken` were claimed by an
+    agent already; every other placement id can be fenced."""
+
+    def __init__(self, taken: set[str]) -> None:
+        self.taken = taken
+        self.fenced: list[str] = []
+        self.removed: list[str] = []
+
+    async def fence(self, placement_ids: list[str]) -> list[bool]:
+        self.fenced += placement_ids
+        return [pid not in self.taken for pid in placement_ids]
+
+    async def save(self, placements) -> None:
+        pass
+
+    async def remove(self, placement_ids: list[str]) -> None:
+        self.removed += placement_ids
+
+
+class OnOneNode:
+    """An engine that has placed `taken` and `untaken` on node n1 at 1,000 ms; an agent
+    claimed `taken`. `now` moves its clock; `retries` are the requests it sent back."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.now, self.sent = 1000, []
+        self.fences = Fences(taken={"taken#0"})
+
+        async def send(batch):
+            self.sent.extend(batch)
+            return asyncio.gather()
+        self.engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: self.now,
+                                       NoOpTracer(), config, store=self.fences)
+        self.engine.lead(3, [])
+        self.engine.view.apply_node_state(node("n1", [80000]), self.now)
+
+    async def place(self) -> None:
+        for rid in ("taken", "untaken"):
+            self.engine.queue.push(Pending(req(rid), {}, 0))
+        assert await self.engine.cycle() == 2
+        await asyncio.sleep(0)  # settled
+
+    def retries(self) -> list[InferenceRequest]:
+        return [o.message for o in self.sent if isinstance(o.message, InferenceRequest)]
+
+
+async def test_a_placement_its_node_never_takes_is_fenced_and_retried() -> None:
+    """The node keeps reporting but never lists the placement and no final usage comes:
+    after the time-out it is retried, unless fencing shows an agent has taken it."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
+    await one.place()
+    for seq, t in enumerate((11_000, 21_000, 31_000, 32_000), start=2):  # heartbeats
+        one.now = t
+        one.engine.view.apply_node_state(node("n1", [80000], seq=seq), t)
+        await one.engine.cycle()
+        if t <= 31_000:  # sent at 1,000: not 30 s yet
+            assert not one.retries()
+    [retry] = one.retries()
+    assert (retry.request_id, retry.attempt, retry.requeued) == ("untaken", 1, "node_lost")
+    assert one.fences.removed == ["untaken#0"]
+    assert "untaken#0" not in one.engine.view.reservations
+    assert sorted(one.engine.running) == ["taken#0"]  # an agent has it: it stays
+
+
+async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    one.now = 12_000  # silent for 11 s
+    await one.engine.cycle()
+    assert sorted(one.fences.fenced) == ["taken#0", "untaken#0"]  # late deliveries never run
+    assert sorted((r.request_id, r.attempt) for r in one.retries()) == [("taken", 1),
+                                                                        ("untaken", 1)]
+    assert not one.engine.running
+    assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
+
+
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
     book = QuotaBook()
     for i in range(1000):

@@ -98,6 +98,9 @@ class EngineConfig:
     """Offsets of decided records are committed at most this often (each commit is a write
     to Kafka; a redelivery after a failover is recognised by the placements in flight)."""
     scaling_period_s: float = 5.0
+    untaken_timeout_ms: int = 30_000
+    """A placement its node never took (never listed as active, no final usage) while the
+    node kept reporting this long after it was sent is fenced and retried elsewhere."""
 
 
 def parse_request_record(
@@ -191,6 +194,7 @@ class SchedulingEngine:
         self._preempting: dict[str, int] = {}
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._node_specs = NodeSpecCache()
+        self._untaken_checked_ms = 0
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -352,6 +356,7 @@ class SchedulingEngine:
         now = self._clock()
         cfg = self.config
         await self._recover_lost_nodes(now)
+        await self._recover_untaken(now)
         if not len(self.queue):
             self._update_depth_gauges()
             return 0
@@ -528,21 +533,57 @@ class SchedulingEngine:
 
     async def _recover_lost_nodes(self, now_ms: int) -> None:
         """Work on a node silent past the time-out goes back to its class as a new attempt
-        (at the front: requeued='node_lost'); the retry is counted."""
+        (at the front: requeued='node_lost'); the retry is counted. Its placements are
+        fenced first, so that if the agent comes back and reads a command it had not taken
+        yet it does not run it beside the retry (one it had taken, its next run ends
+        without handing back: the scheduler no longer counts it as running)."""
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
         if not lost:
             return
         gone = [r for r in self.running.values() if r.node_id in lost]
+        if gone and self._store is not None:
+            try:
+                await self._store.fence([r.placement_id for r in gone])
+            except Exception:  # the retry must happen all the same: the node is lost
+                log.exception("fencing the placements of lost node(s) %s failed", lost)
+        await self._retry(gone, "node %s lost")
+
+    async def _recover_untaken(self, now_ms: int) -> None:
+        """A placement still reserved (its node never listed it as active and no final usage
+        came) although the node has reported for `untaken_timeout_ms` since it was sent: the
+        command was lost on its way. It is fenced first (claimed in the agents' ledger under
+        the scheduler's name, so a late delivery is a duplicate the agent ignores); only
+        those fenced are retried, the others were taken by the agent meanwhile. Looks at
+        most once a second, over the reservations (few: most are taken within a heartbeat)."""
+        timeout = self.config.untaken_timeout_ms
+        if now_ms - self._untaken_checked_ms < 1_000:
+            return
+        self._untaken_checked_ms = now_ms
+        seen = self.view.last_seen_ms
+        untaken = [r for pid in self.view.reservations if (r := self.running.get(pid))
+                   and now_ms - r.placed_at_ms > timeout
+                   and seen.get(r.node_id, 0) - r.placed_at_ms > timeout]
+        if untaken and self._store is not None:
+            fenced = await self._store.fence([r.placement_id for r in untaken])
+            untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
+        if untaken:
+            await self._retry(untaken, "placement on node %s never taken")
+
+    async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
+        """Placements that will not run: each request goes back to its class as the next
+        attempt (requeued='node_lost', served first), counted as retried. `why` is a log
+        message with the node id's place."""
         for r in gone:
             del self.running[r.placement_id]
+            self.view.release(r.placement_id)
             retry = r.request.model_copy(update={"attempt": r.request.attempt + 1,
                                                  "requeued": "node_lost"})
-            log.warning("node %s lost: retrying %s as attempt %d", r.node_id,
+            log.warning(why + ": retrying %s as attempt %d", r.node_id,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
             await self._publish([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,
                                        retry.request_id, {})])
-        if self._store is not None:
+        if self._store is not None and gone:
             await self._store.remove([r.placement_id for r in gone])
 
     async def _maybe_signal_scaling(self) -> None:

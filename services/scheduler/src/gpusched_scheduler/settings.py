@@ -22,6 +22,10 @@ class SchedulerSettings(ServiceSettings):
     node_timeout_s: float = Field(
         default=10.0, gt=0, le=600, description="A node silent this long is lost: it gets no "
         "new work and its running work is retried elsewhere.")
+    untaken_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="A placement its node has not taken (not "
+        "listed as active, not finished) this long after it was sent, while the node kept "
+        "reporting, is fenced in the agents' claim ledger and retried elsewhere.")
     lease_ttl_ms: int = Field(
         default=3000, ge=500, le=60_000, description="Leader lease; a standby takes over at "
         "most this long (plus one renewal period) after the leader stops renewing.")

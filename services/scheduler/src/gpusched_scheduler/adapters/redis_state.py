@@ -11,6 +11,9 @@ LEADER_KEY = "gpusched:scheduler:leader"
 EPOCH_KEY = "gpusched:scheduler:epoch"
 """The current leader's fencing token; agents refuse placements with a lower epoch."""
 RUNNING_KEY = "gpusched:scheduler:running"
+AGENT_CLAIM_KEY = "gpusched:agent:placement:{}"
+"""The agents' claim of a placement (SET NX): whoever sets it first owns the placement."""
+FENCE_TTL_S = 7 * 86_400
 
 # KEYS: leader, epoch. ARGV: instance id, ttl ms. Returns the epoch held, or -1.
 _ACQUIRE_OR_RENEW = """
@@ -65,6 +68,15 @@ class RunningStore:
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:
             await self._redis.hdel(RUNNING_KEY, *placement_ids)
+
+    async def fence(self, placement_ids: list[str]) -> list[bool]:
+        """Claim placements in the agents' ledger under the scheduler's name; True for each
+        one no agent had claimed (it can now never run), False where an agent has it."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pid in placement_ids:
+                pipe.set(AGENT_CLAIM_KEY.format(pid), "scheduler:fenced", nx=True,
+                         ex=FENCE_TTL_S)
+            return [bool(ok) for ok in await pipe.execute()]
 
     async def load(self) -> list[RunningPlacement]:
         raw = await self._redis.hgetall(RUNNING_KEY)
