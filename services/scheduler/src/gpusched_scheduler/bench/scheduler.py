@@ -455,6 +455,9 @@ class Bench:
                "GPUSCHED_OTLP_ENDPOINT": self.otlp, "GPUSCHED_HTTP_PORT": str(port),
                "GPUSCHED_LOG_LEVEL": "WARNING", "GPUSCHED_INSTANCE_ID": SCHEDULERS[i],
                "GPUSCHED_FETCH_MAX_RECORDS": str(self.args.fetch_max_records),
+               # the fake fleet never lists placements as active (it answers with usage),
+               # so a long full-fleet phase must not read as placements never taken
+               "GPUSCHED_UNTAKEN_TIMEOUT_S": "3600",
                **({"GPUSCHED_CYCLE_WINDOW_MS": str(self.args.window_ms)}
                   if self.args.window_ms is not None else {}),
                **(extra_env or {})}
