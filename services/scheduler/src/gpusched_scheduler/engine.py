@@ -546,7 +546,7 @@ class SchedulingEngine:
                 await self._store.fence([r.placement_id for r in gone])
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
-        await self._retry(gone, "node %s lost")
+        await self._retry(gone, "lost")
 
     async def _recover_untaken(self, now_ms: int) -> None:
         """A placement still reserved (its node never listed it as active and no final usage
@@ -567,18 +567,18 @@ class SchedulingEngine:
             fenced = await self._store.fence([r.placement_id for r in untaken])
             untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
         if untaken:
-            await self._retry(untaken, "placement on node %s never taken")
+            await self._retry(untaken, "never took its placement")
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
-        attempt (requeued='node_lost', served first), counted as retried. `why` is a log
-        message with the node id's place."""
+        attempt (requeued='node_lost', served first), counted as retried; `why` says in the
+        log what happened to the node."""
         for r in gone:
             del self.running[r.placement_id]
             self.view.release(r.placement_id)
             retry = r.request.model_copy(update={"attempt": r.request.attempt + 1,
                                                  "requeued": "node_lost"})
-            log.warning(why + ": retrying %s as attempt %d", r.node_id,
+            log.warning("node %s %s: retrying %s as attempt %d", r.node_id, why,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
             await self._publish([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,

@@ -10,14 +10,15 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 
-PLACEMENT_KEY = "gpusched:agent:placement:{}"
+from gpusched_common.redis_keys import (
+    CLAIM_TTL_S,
+    PLACEMENT_CLAIM_KEY,
+    SCHEDULER_EPOCH_KEY,
+    SCHEDULER_RUNNING_KEY,
+)
+
 NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
 """Hash: placement id -> '<run started_at_ms> <placement JSON>' while that run holds it."""
-EPOCH_KEY = "gpusched:scheduler:epoch"
-SCHEDULER_RUNNING_KEY = "gpusched:scheduler:running"
-"""The leading scheduler's placements in flight (hash keyed by placement id): one it has
-already retried elsewhere (node lost) is no longer there."""
-CLAIM_TTL_S = 7 * 86_400
 
 _CLAIM = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -61,7 +62,7 @@ class RedisLedger:
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
                     ) -> bool:
         return bool(await self._claim(
-            keys=[PLACEMENT_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id)],
+            keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id)],
             args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)]))
 
     async def release(self, placement_id: str, node_id: str) -> None:
@@ -78,7 +79,7 @@ class RedisLedger:
                                                                placement_ids)]
 
     async def leader_epoch(self) -> int | None:
-        raw = await self._redis.get(EPOCH_KEY)
+        raw = await self._redis.get(SCHEDULER_EPOCH_KEY)
         return None if raw is None else int(raw)
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from gpusched_common.redis_keys import (
+    CLAIM_TTL_S,
+    PLACEMENT_CLAIM_KEY,
+    SCHEDULER_EPOCH_KEY,
+    SCHEDULER_RUNNING_KEY,
+)
 from gpusched_scheduler.domain.running import RunningPlacement
 
 LEADER_KEY = "gpusched:scheduler:leader"
-EPOCH_KEY = "gpusched:scheduler:epoch"
-"""The current leader's fencing token; agents refuse placements with a lower epoch."""
-RUNNING_KEY = "gpusched:scheduler:running"
-AGENT_CLAIM_KEY = "gpusched:agent:placement:{}"
-"""The agents' claim of a placement (SET NX): whoever sets it first owns the placement."""
-FENCE_TTL_S = 7 * 86_400
 
 # KEYS: leader, epoch. ARGV: instance id, ttl ms. Returns the epoch held, or -1.
 _ACQUIRE_OR_RENEW = """
@@ -46,7 +46,7 @@ class LeaderLease:
 
     async def acquire_or_renew(self) -> int | None:
         """The fencing token while this instance leads, None when another one does."""
-        epoch = int(await self._acquire(keys=[LEADER_KEY, EPOCH_KEY],
+        epoch = int(await self._acquire(keys=[LEADER_KEY, SCHEDULER_EPOCH_KEY],
                                         args=[self.instance_id, self._ttl_ms]))
         return epoch if epoch >= 0 else None
 
@@ -62,22 +62,22 @@ class RunningStore:
 
     async def save(self, placements: list[RunningPlacement]) -> None:
         if placements:
-            await self._redis.hset(RUNNING_KEY, mapping={
+            await self._redis.hset(SCHEDULER_RUNNING_KEY, mapping={
                 p.placement_id: p.model_dump_json() for p in placements})
 
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:
-            await self._redis.hdel(RUNNING_KEY, *placement_ids)
+            await self._redis.hdel(SCHEDULER_RUNNING_KEY, *placement_ids)
 
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         """Claim placements in the agents' ledger under the scheduler's name; True for each
         one no agent had claimed (it can now never run), False where an agent has it."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for pid in placement_ids:
-                pipe.set(AGENT_CLAIM_KEY.format(pid), "scheduler:fenced", nx=True,
-                         ex=FENCE_TTL_S)
+                pipe.set(PLACEMENT_CLAIM_KEY.format(pid), "scheduler:fenced", nx=True,
+                         ex=CLAIM_TTL_S)
             return [bool(ok) for ok in await pipe.execute()]
 
     async def load(self) -> list[RunningPlacement]:
-        raw = await self._redis.hgetall(RUNNING_KEY)
+        raw = await self._redis.hgetall(SCHEDULER_RUNNING_KEY)
         return [RunningPlacement.model_validate_json(v) for v in raw.values()]

@@ -213,14 +213,14 @@ def replay(
             gpus[lo : lo + batch_size] = res.gpus
             state = res.state
     secs = time.perf_counter() - t0
-    if order != "file":  # back to the node list's node and GPU indices
-        start_new = state.node_gpu_start
-        start_old = nodes.state().node_gpu_start
-        gpus = np.asarray(gpus).copy()
-        mask = gpus >= 0
-        owner = np.searchsorted(start_new, gpus[mask], side="right") - 1
-        gpus[mask] = start_old[perm[owner]] + (gpus[mask] - start_new[owner])
-        node = np.where(np.asarray(node) >= 0, perm[np.maximum(node, 0)], -1)
+    # back to the node list's node and GPU indices (the identity in file order)
+    start_new = np.concatenate(([0], np.cumsum(nodes.gpu[perm])))
+    start_old = np.concatenate(([0], np.cumsum(nodes.gpu)))
+    gpus = np.asarray(gpus).copy()
+    mask = gpus >= 0
+    owner = np.searchsorted(start_new, gpus[mask], side="right") - 1
+    gpus[mask] = start_old[perm[owner]] + (gpus[mask] - start_new[owner])
+    node = np.where(np.asarray(node) >= 0, perm[np.maximum(node, 0)], -1)
     req = pods.gpu_request_milli[seq]
     allocated = np.where(node >= 0, req, 0)
     a100 = alloc_at(req, allocated, capacity, 100.0)
