@@ -416,6 +416,13 @@ async def test_standby_takes_over_within_5_s_and_every_request_completes_once(st
         ids = {r["request_id"] for r in work}
         await results.until(lambda recs: ids <= set(results_by_id(recs)), 180, "all results")
         await usage.drain(2.0)
+
+        async def none_left_running() -> bool:  # those that ended during the take-over too
+            async with httpx.AsyncClient(base_url=standby_url, timeout=5) as http:
+                left = (await http.get("/v1/placements")).json()["placements"]
+            return not any(p["request_id"] in ids for p in left)
+        await eventually(none_left_running, timeout_s=10,
+                         what="the new leader to count no finished request as running")
     finally:
         await results.stop()
         await usage.stop()

@@ -389,6 +389,32 @@ async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
     assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
 
 
+async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> None:
+    """Inherited from a leader that died: `ended` finished while nobody led (its final
+    usage went by unmatched), `fenced` was fenced but not yet retried, `lost` was never
+    taken (its command lost on its way), `running` runs and its node lists it."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2, active=("running#0",)),
+                                     one.now)
+    inherited = [RunningPlacement(
+        placement_id=f"{rid}#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=req(rid)) for rid in ("ended", "fenced", "lost", "running")]
+    one.engine.lead(4, inherited, {"ended#0": "ended", "fenced#0": "fenced",
+                                   "lost#0": "untaken", "running#0": "held"})
+    await one.engine.cycle()
+    assert sorted(one.engine.running) == ["lost#0", "running#0"]
+    assert sorted(one.fences.removed) == ["ended#0", "fenced#0"]
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("fenced", 1)]
+    assert list(one.engine.view.reservations) == ["lost#0"]  # holds its memory meanwhile
+    one.now = 31_000
+    one.engine.view.apply_node_state(node("n1", [80000], seq=3, active=("running#0",)),
+                                     one.now)
+    await one.engine.cycle()  # the untaken check finds the lost command
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("fenced", 1), ("lost", 1)]
+    assert sorted(one.engine.running) == ["running#0"]
+
+
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
     book = QuotaBook()
     for i in range(1000):

@@ -9,4 +9,9 @@ placement it has retried elsewhere is no longer there."""
 PLACEMENT_CLAIM_KEY = "gpusched:agent:placement:{}"
 """Who owns a placement (SET NX, first wins): the agent that runs it, or the scheduler when
 it fenced the placement before retrying it elsewhere."""
+FENCED_CLAIM = "scheduler:fenced"
+"""The owner a placement's claim names when the scheduler fenced it."""
 CLAIM_TTL_S = 7 * 86_400
+NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
+"""Hash: placement id -> '<agent run started_at_ms> <placement JSON>' while the agent run
+that claimed the placement holds it; removed once that run ended it (final usage sent)."""

@@ -49,7 +49,7 @@ from gpusched_scheduler.domain.planner import (
 )
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
-from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
 from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,8 @@ class SchedulingEngine:
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._node_specs = NodeSpecCache()
         self._untaken_checked_ms = 0
+        self._inherited: dict[str, ClaimState] = {}
+        """Claim states of the placements taken over on becoming leader, until settled."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -202,10 +204,14 @@ class SchedulingEngine:
         self._metrics = _Metrics(registry or CollectorRegistry())
 
     # --- leadership ---------------------------------------------------------------------
-    def lead(self, epoch: int, running: list[RunningPlacement]) -> None:
-        """Start leading with fencing token `epoch`, taking over the placements in flight."""
+    def lead(self, epoch: int, running: list[RunningPlacement],
+             claims: dict[str, ClaimState] | None = None) -> None:
+        """Start leading with fencing token `epoch`, taking over the placements in flight;
+        `claims` says where each stands in the agents' ledger (its first cycle settles them,
+        see `_take_over`)."""
         self.epoch = epoch
         self.running = {r.placement_id: r for r in running}
+        self._inherited = dict(claims or {})
         self._wake.set()
 
     def step_down(self) -> None:
@@ -355,6 +361,7 @@ class SchedulingEngine:
             return 0
         now = self._clock()
         cfg = self.config
+        await self._take_over()
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
         if not len(self.queue):
@@ -530,6 +537,35 @@ class SchedulingEngine:
             if guarantee is not None and used.get(request.tenant, 0) < guarantee:
                 out[request.request_id] = 0
         return out
+
+    async def _take_over(self) -> None:
+        """Settle the placements inherited from the previous leader by what the agents'
+        ledger says: one its agent ended while no scheduler led (its final usage went by
+        unmatched) is no longer running; one the previous leader fenced but did not get to
+        retry is retried; the others count as reserved on their node until it lists them as
+        active, so a command lost on its way is found by the untaken check."""
+        if not self._inherited:
+            return
+        ended, fenced = [], []
+        for pid, claim in self._inherited.items():
+            r = self.running.get(pid)
+            if r is None:
+                continue
+            if claim == "ended":
+                ended.append(pid)
+                del self.running[pid]
+            elif claim == "fenced":
+                fenced.append(r)
+            elif pid not in (s.active_placement_ids if (s := self.view.nodes.get(r.node_id))
+                             else ()):
+                self.view.reserve(Reservation(pid, r.node_id, r.gpu_indices,
+                                              r.memory_mib_per_gpu, r.request.model))
+        if ended:
+            log.info("taking over: %d placements ended while no scheduler led", len(ended))
+            if self._store is not None:
+                await self._store.remove(ended)
+        await self._retry(fenced, "had a placement fenced by the previous leader")
+        self._inherited = {}
 
     async def _recover_lost_nodes(self, now_ms: int) -> None:
         """Work on a node silent past the time-out goes back to its class as a new attempt

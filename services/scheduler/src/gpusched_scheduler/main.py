@@ -80,7 +80,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                 await _step_down()
             if epoch is not None:
                 log.info("leading with fencing token %d", epoch)
-                engine.lead(epoch, await store.load())
+                running = await store.load()
+                engine.lead(epoch, running, await store.claims(running))
                 leader.set(1)
                 await requests.start()
 

@@ -12,13 +12,11 @@ from redis.asyncio import Redis
 
 from gpusched_common.redis_keys import (
     CLAIM_TTL_S,
+    NODE_CLAIMS_KEY,
     PLACEMENT_CLAIM_KEY,
     SCHEDULER_EPOCH_KEY,
     SCHEDULER_RUNNING_KEY,
 )
-
-NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
-"""Hash: placement id -> '<run started_at_ms> <placement JSON>' while that run holds it."""
 
 _CLAIM = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then

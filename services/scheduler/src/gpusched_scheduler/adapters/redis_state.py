@@ -7,11 +7,13 @@ from redis.asyncio import Redis
 
 from gpusched_common.redis_keys import (
     CLAIM_TTL_S,
+    FENCED_CLAIM,
+    NODE_CLAIMS_KEY,
     PLACEMENT_CLAIM_KEY,
     SCHEDULER_EPOCH_KEY,
     SCHEDULER_RUNNING_KEY,
 )
-from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
 
 LEADER_KEY = "gpusched:scheduler:leader"
 
@@ -74,10 +76,29 @@ class RunningStore:
         one no agent had claimed (it can now never run), False where an agent has it."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for pid in placement_ids:
-                pipe.set(PLACEMENT_CLAIM_KEY.format(pid), "scheduler:fenced", nx=True,
+                pipe.set(PLACEMENT_CLAIM_KEY.format(pid), FENCED_CLAIM, nx=True,
                          ex=CLAIM_TTL_S)
             return [bool(ok) for ok in await pipe.execute()]
+
+    async def claims(self, placements: list[RunningPlacement]) -> dict[str, ClaimState]:
+        """Where each placement stands in the agents' ledger (placement id -> state)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p in placements:
+                pipe.get(PLACEMENT_CLAIM_KEY.format(p.placement_id))
+                pipe.hexists(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
+            answers = await pipe.execute()
+        return {p.placement_id: claim_state(owner, bool(held)) for p, owner, held
+                in zip(placements, answers[::2], answers[1::2], strict=True)}
 
     async def load(self) -> list[RunningPlacement]:
         raw = await self._redis.hgetall(SCHEDULER_RUNNING_KEY)
         return [RunningPlacement.model_validate_json(v) for v in raw.values()]
+
+
+def claim_state(owner: bytes | None, held: bool) -> ClaimState:
+    """A placement's state from its claim's owner and whether its node still holds it."""
+    if owner is None:
+        return "untaken"
+    if owner.decode() == FENCED_CLAIM:
+        return "fenced"
+    return "held" if held else "ended"

@@ -3,6 +3,8 @@ recovery, quotas and fairness reason about. Plain data; persisted by an adapter.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from gpusched_common.contracts import InferenceRequest
@@ -26,3 +28,9 @@ class RunningPlacement(BaseModel):
     @property
     def tenant(self) -> str:
         return self.request.tenant
+
+
+ClaimState = Literal["untaken", "held", "ended", "fenced"]
+"""Where a placement stands in the agents' claim ledger: no agent has claimed it yet; an
+agent run holds it; that run ended it (its final usage is sent); the scheduler fenced it
+(it never runs)."""
