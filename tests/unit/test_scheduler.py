@@ -77,10 +77,10 @@ def test_reservations_count_until_the_agent_reports_the_placement() -> None:
     view = ClusterView()
     view.apply_node_state(node("a", [10000]), 0)
     view.reserve(Reservation("p1", "a", (0,), 6000, SMALL.name))
-    assert view.reserved_mib() == {("a", 0): 6000}
+    assert view.node_reservations("a") == ({0: 6000}, {0: {SMALL.name}})
     # the agent now counts p1 in its own free memory
     view.apply_node_state(node("a", [4000], seq=2, active=("p1",)), 0)
-    assert view.reserved_mib() == {}
+    assert view.node_reservations("a") == ({}, {})
 
 
 def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change() -> None:

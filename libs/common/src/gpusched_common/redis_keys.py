@@ -15,3 +15,7 @@ CLAIM_TTL_S = 7 * 86_400
 NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
 """Hash: placement id -> '<agent run started_at_ms> <placement JSON>' while the agent run
 that claimed the placement holds it; removed once that run ended it (final usage sent)."""
+BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
+"""Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
+reads it per request and answers 429. Value: JSON with period, limit, spent, unit and a
+`reason`."""

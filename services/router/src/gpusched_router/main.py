@@ -21,6 +21,7 @@ from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import Cancel, Rejection, RequestResult, ResultEvent, TokenChunk
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes, broker_lifespan
 from gpusched_router.adapters.results import ResultsHub
@@ -29,9 +30,6 @@ from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
 PRIORITY_HEADER = "x-priority-class"
-BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
-"""Set by accounting (JSON with a `reason`, TTL to the period's end) while a tenant's budget
-is spent; read once per request."""
 
 
 def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:

@@ -37,7 +37,6 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.exceptions import NoScriptError
 
-from gpusched_accounting.domain.budgets import EXHAUSTED_KEY
 from gpusched_accounting.domain.usage import (
     COUNTED,
     COUNTERS_SIZE,
@@ -51,6 +50,7 @@ from gpusched_accounting.domain.usage import (
     guess_outcomes,
     unpack,
 )
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 
 TENANTS_KEY = "gpusched:usage:tenants"
 REQUEST_KEY = "gpusched:usage:req:{}"
@@ -388,8 +388,8 @@ class UsageStore:
 
     async def set_exhausted(self, tenant: str, value: dict, until_ms: int) -> bool:
         """Flag the tenant's budget as spent until `until_ms`; True if newly flagged."""
-        return bool(await self.redis.set(EXHAUSTED_KEY.format(tenant), json.dumps(value),
+        return bool(await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant), json.dumps(value),
                                           nx=True, pxat=until_ms))
 
     async def clear_exhausted(self, tenant: str) -> None:
-        await self.redis.delete(EXHAUSTED_KEY.format(tenant))
+        await self.redis.delete(BUDGET_EXHAUSTED_KEY.format(tenant))

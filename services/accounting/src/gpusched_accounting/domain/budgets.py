@@ -16,9 +16,6 @@ from gpusched_accounting.domain.usage import Totals
 
 Period = Literal["day", "month"]
 Unit = Literal["tokens", "usd"]
-EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
-"""Set (with a TTL to the period's end) while a tenant's budget is spent; the router reads
-it per request and answers 429. Value: JSON with period, limit, spent and unit."""
 
 
 class Budget(BaseModel):

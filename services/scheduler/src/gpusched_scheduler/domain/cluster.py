@@ -89,9 +89,5 @@ class ClusterView:
                 models.setdefault(g, set()).add(r.model)
         return mib, models
 
-    def reserved_mib(self) -> dict[tuple[str, int], int]:
-        return {(node_id, g): mib for node_id in self._by_node
-                for g, mib in self.node_reservations(node_id)[0].items()}
-
     def _bump(self, node_id: str) -> None:
         self.version[node_id] = self.version.get(node_id, 0) + 1
