@@ -556,10 +556,9 @@ class SchedulingEngine:
                 del self.running[pid]
             elif claim == "fenced":
                 fenced.append(r)
-            elif pid not in (s.active_placement_ids if (s := self.view.nodes.get(r.node_id))
-                             else ()):
-                self.view.reserve(Reservation(pid, r.node_id, r.gpu_indices,
-                                              r.memory_mib_per_gpu, r.request.model))
+            else:
+                self.view.reserve_unlisted(Reservation(pid, r.node_id, r.gpu_indices,
+                                                       r.memory_mib_per_gpu, r.request.model))
         if ended:
             log.info("taking over: %d placements ended while no scheduler led", len(ended))
             if self._store is not None:

@@ -58,6 +58,13 @@ class ClusterView:
         self._by_node.setdefault(reservation.node_id, {})[reservation.placement_id] = reservation
         self._bump(reservation.node_id)
 
+    def reserve_unlisted(self, reservation: Reservation) -> None:
+        """Reserve a placement sent earlier (by a previous leader), unless its node's latest
+        report already lists it as active (its free memory then includes the placement)."""
+        state = self.nodes.get(reservation.node_id)
+        if state is None or reservation.placement_id not in state.active_placement_ids:
+            self.reserve(reservation)
+
     def release(self, placement_id: str) -> None:
         r = self.reservations.pop(placement_id, None)
         if r is not None:
