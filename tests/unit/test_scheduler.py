@@ -415,6 +415,29 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     assert sorted(one.engine.running) == ["running#0"]
 
 
+async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_time_out() -> None:
+    """The previous leader placed `orphan` on n9, whose node-state record is gone: this
+    instance never hears from it, so it expects a report within the time-out, then declares
+    the node lost and retries the work (n9 is never offered to the solver meanwhile)."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    orphan = RunningPlacement(
+        placement_id="orphan#0", node_id="n9", gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=req("orphan"))
+    one.engine.lead(4, [orphan], {"orphan#0": "held"})
+    await one.engine.cycle()
+    assert "n9" not in one.engine.view.live_nodes(one.now, 10_000)
+    one.now = 11_000
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now)
+    await one.engine.cycle()
+    assert not one.retries()
+    one.now = 11_001
+    await one.engine.cycle()
+    [retry] = one.retries()
+    assert (retry.request_id, retry.attempt, retry.requeued) == ("orphan", 1, "node_lost")
+    assert "orphan#0" not in one.engine.running
+
+
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
     book = QuotaBook()
     for i in range(1000):

@@ -543,14 +543,18 @@ class SchedulingEngine:
         ledger says: one its agent ended while no scheduler led (its final usage went by
         unmatched) is no longer running; one the previous leader fenced but did not get to
         retry is retried; the others count as reserved on their node until it lists them as
-        active, so a command lost on its way is found by the untaken check."""
+        active, so a command lost on its way is found by the untaken check. A node this
+        instance has never heard from is expected to report within the node time-out, and is
+        lost (its work retried) if it does not."""
         if not self._inherited:
             return
         ended, fenced = [], []
+        now = self._clock()
         for pid, claim in self._inherited.items():
             r = self.running.get(pid)
             if r is None:
                 continue
+            self.view.expect(r.node_id, now)
             if claim == "ended":
                 ended.append(pid)
                 del self.running[pid]

@@ -65,6 +65,12 @@ class ClusterView:
         if state is None or reservation.placement_id not in state.active_placement_ids:
             self.reserve(reservation)
 
+    def expect(self, node_id: str, now_ms: int) -> None:
+        """A node known only from work it runs (inherited from a previous leader), never from
+        a report (its record was deleted, or it died before this instance started): counted
+        as seen now, so it is declared lost after the time-out unless it reports by then."""
+        self.last_seen_ms.setdefault(node_id, now_ms)
+
     def release(self, placement_id: str) -> None:
         r = self.reservations.pop(placement_id, None)
         if r is not None:
@@ -73,7 +79,7 @@ class ClusterView:
 
     def live_nodes(self, now_ms: int, node_timeout_ms: int) -> set[str]:
         return {n for n, seen in self.last_seen_ms.items() if now_ms - seen <= node_timeout_ms
-                and self.nodes[n].status != "stopped"}
+                and (state := self.nodes.get(n)) is not None and state.status != "stopped"}
 
     def newly_lost(self, now_ms: int, node_timeout_ms: int) -> list[str]:
         """Nodes that just went silent past the time-out (each reported once)."""
