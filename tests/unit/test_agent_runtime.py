@@ -44,10 +44,10 @@ class Sink:
 
 
 def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | None = None,
-         spec: str = "2xH100-80GB", ledger: MemoryLedger | None = None, now_ms: int = 1_000
-         ) -> tuple[AgentRuntime, Sink, MemoryLedger]:
+         spec: str = "2xH100-80GB", ledger: MemoryLedger | None = None, now_ms: int = 1_000,
+         sink: Sink | None = None) -> tuple[AgentRuntime, Sink, MemoryLedger]:
     """A runtime started at `now_ms` (its run id); pass `ledger` to restart on one."""
-    sink, ledger = Sink(), ledger or MemoryLedger(epoch)
+    sink, ledger = sink or Sink(), ledger or MemoryLedger(epoch)
     runtime = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated(spec, "n1")),
                            CATALOG, SimulatedExecutor(time_scale, seed=7), sink, ledger,
                            lambda: now_ms, chunk_tokens=4, heartbeat_s=1.0,
@@ -234,6 +234,38 @@ async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_i
     assert (again.request_id, again.attempt, again.requeued) == ("cut", 1, "node_lost")
     assert await restarted.command(placement("cut", max_tokens=5000)) == Ignored("duplicate")
     assert await restarted.recover() == 0 and ledger.held == {"n1": {}}
+
+
+class DiesPublishingTheResult(Sink):
+    """The process dies after the final usage went out, before the result did."""
+
+    async def __call__(self, message: Message, topic: str, key: str, wait: bool = True) -> None:
+        if isinstance(message, RequestResult):
+            raise ConnectionError("the process dies here")
+        await super().__call__(message, topic, key, wait)
+
+
+async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_not_a_rerun(
+) -> None:
+    """The scheduler still counts `done` as placed (it has not read the final usage yet):
+    the next run publishes the filed final records again (the usage applies once: same
+    event id) and hands nothing back, so the request has its result and runs once."""
+    crashed, dying, ledger = make(sink=DiesPublishingTheResult())
+    await crashed.command(placement("done", max_tokens=6))
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == "done#0"]
+    with pytest.raises(ConnectionError):
+        await task
+    [billed] = dying.of(UsageRecord)
+    assert (billed.event_id, billed.completion_tokens) == ("done#0:final", 6)
+    assert list(ledger.held["n1"]) == ["done#0"]
+
+    restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
+    assert await restarted.recover() == 0
+    assert sink.of(UsageRecord) == [billed]
+    [result] = sink.of(RequestResult)
+    assert (result.request_id, result.status, result.completion_tokens) == ("done", "completed", 6)
+    assert not sink.of(InferenceRequest)
+    assert ledger.held == {"n1": {}}
 
 
 @pytest.mark.parametrize("spec", ["1xL4-24GB"])

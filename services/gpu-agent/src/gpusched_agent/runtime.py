@@ -5,7 +5,10 @@ reports node state on start, on change and as a heartbeat.
 Invariants: a placement runs at most once per node (claimed in the ledger before it starts);
 commands from a deposed scheduler (stale fencing epoch) never run; every started placement
 ends with exactly one final usage record, and with either a `request_result` or the request
-handed back to its class topic (preempted, drained), never both and never neither.
+handed back to its class topic (preempted, drained), never both and never neither. These
+final records are filed in the ledger before they are published (`outbox`), so a crash
+while they go out ends with them published again (consumers apply them once), never with
+the request run a second time or left without a result.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
-
 from gpusched_agent.adapters.executor import Executor, Job
 from gpusched_agent.adapters.ledger import PlacementLedger
+from gpusched_agent.domain import outbox
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
@@ -253,20 +255,28 @@ class AgentRuntime:
             log.exception("releasing the claim of %s failed", placement_id)
 
     async def recover(self) -> int:
-        """At start, before the first report: work an earlier run of this node claimed and
-        never ended (it crashed) gets a zero final usage, which ends the placement for the
-        scheduler and for billing (it has the run's own final event id, so if the crash
-        came after that record nothing is counted twice). Unless the scheduler has already
-        retried it elsewhere (the node was declared lost meanwhile), the request goes back
-        to its class as the next attempt. Returns how many it handed back."""
+        """At start, before the first report: what an earlier run of this node claimed and
+        never ended (it crashed) is ended. If that run had filed its final records, they
+        are published again (consumers apply each once). Otherwise the placement gets a
+        zero final usage, which ends it for the scheduler and for billing, and unless the
+        scheduler has already retried it elsewhere (the node was declared lost meanwhile),
+        the request goes back to its class as the next attempt. Returns how many it handed
+        back."""
         left: list[Placement] = []
         for pid, raw in await self._ledger.left_over(self.node_id, self._started_at_ms):
             try:
-                left.append(PLACEMENT.validate_json(raw))
-            except ValidationError as exc:  # nothing to act on; must not stop the agent
+                finals = outbox.decode(raw)
+                if finals is None:
+                    left.append(PLACEMENT.validate_json(raw))
+                    continue
+            except ValueError as exc:  # nothing to act on; must not stop the agent
                 log.error("dropping the unreadable claim of %s an earlier run left: %s",
                           pid, exc)
-                await self._release(pid)
+            else:
+                log.info("publishing again the final records of %s an earlier run filed", pid)
+                for message, topic, key in finals:
+                    await self._publish(message, topic, key)
+            await self._release(pid)
         placed = await self._ledger.still_placed([p.placement_id for p in left])
         for placement, still in zip(left, placed, strict=True):
             run = _Running(placement)
@@ -274,7 +284,7 @@ class AgentRuntime:
                 await self._handback(run, "an earlier run of the agent ended without it",
                                      "node_lost")
             else:
-                await self._publish_usage(run, final=True)
+                await self._finish(run, [])
             await self._release(placement.placement_id)
         return sum(placed)
 
@@ -317,7 +327,7 @@ class AgentRuntime:
                     seq, chunk = seq + 1, []
                 if self._mono() - last_partial_s >= self._usage_interval_s:
                     last_partial_s = self._mono()
-                    await self._publish_usage(run, final=False)
+                    await self._publish(*self._usage(run, final=False))
                 if run.stop_reason is not None:
                     # The cancel may have landed inside a client that swallows it (a Kafka
                     # send): never trust it alone, stop here at the latest.
@@ -340,23 +350,37 @@ class AgentRuntime:
             await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
                                            text="".join(chunk), token_count=len(chunk)),
                                 topics.RESULTS.name, request.request_id)
-        await self._publish_usage(run, final=True)
         if stopped in ("preempted", "drained"):
             log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
                      run.detail)
-            await self._requeue(request, "preempted" if stopped == "preempted" else "node_lost")
+            await self._finish(run, [_retry(request, "preempted" if stopped == "preempted"
+                                            else "node_lost")])
             return
         ended_ms = self._clock()
-        await self._publish(RequestResult(
+        await self._finish(run, [(RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,
             status=status, finish_reason=finish_reason, text="".join(pieces),  # type: ignore[arg-type]
             prompt_tokens=run.prompt_tokens, completion_tokens=len(pieces),
             node_id=self.node_id, gpu_indices=placement.gpu_indices,
             queued_ms=max(0.0, run.started_ms - request.created_at_ms),
             total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms),
-            topics.RESULTS.name, request.request_id)
+            topics.RESULTS.name, request.request_id)])
 
-    async def _publish_usage(self, run: _Running, final: bool) -> None:
+    async def _finish(self, run: _Running, then: list[outbox.Final]) -> None:
+        """End `run`: its final usage, then `then` (its result or its hand-back), filed in the
+        ledger first and then published. If filing fails they are published all the same
+        (a crash before the claim's release then hands the request back, as before)."""
+        finals = [self._usage(run, final=True), *then]
+        try:
+            await self._ledger.finishing(run.placement.placement_id, self.node_id,
+                                         self._started_at_ms, outbox.encode(finals))
+        except Exception:
+            log.exception("filing the final records of %s failed; publishing them anyway",
+                          run.placement.placement_id)
+        for message, topic, key in finals:
+            await self._publish(message, topic, key)
+
+    def _usage(self, run: _Running, final: bool) -> outbox.Final:
         """Bill what `run` consumed since its previous record (deltas): the prompt once, new
         completion tokens, and its share of each of its GPUs. Event ids are deterministic
         (`<placement>:<n>`, `<placement>:final`), so a replayed record is applied once."""
@@ -377,7 +401,7 @@ class AgentRuntime:
             run.partials += 1
             event_id = f"{pid}:{run.partials}"
         request = run.placement.request
-        await self._publish(UsageRecord(
+        return (UsageRecord(
             event_id=event_id, request_id=request.request_id, placement_id=pid,
             tenant=request.tenant, model=request.model, priority_class=request.priority_class,
             node_id=self.node_id, gpu_type=run.gpu_type, prompt_tokens=prompt,
@@ -388,37 +412,37 @@ class AgentRuntime:
     async def _end_unstarted(self, run: _Running, why: str, detail: str) -> None:
         """A placement stopped before it ran: a zero final usage releases the scheduler's
         reservation; then the request ends (cancelled) or goes back (preempted, drained)."""
-        await self._publish_usage(run, final=True)
         request = run.placement.request
         if why == "cancelled":
-            await self._publish(RequestResult(
+            await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="cancelled", finish_reason=f"cancelled: {detail}", prompt_tokens=0,
                 completion_tokens=0, node_id=self.node_id, queued_ms=0, total_ms=0),
-                topics.RESULTS.name, request.request_id)
+                topics.RESULTS.name, request.request_id)])
         else:
-            await self._requeue(request, "preempted" if why == "preempted" else "node_lost")
+            await self._finish(run, [_retry(request, "preempted" if why == "preempted"
+                                            else "node_lost")])
 
     async def _handback(self, run: _Running, reason: str, why: str) -> None:
-        """Return a placement this node cannot run to the scheduler as a new attempt; after
-        MAX_ATTEMPTS it ends with a failed result instead of bouncing forever."""
+        """Return a placement this node cannot run to the scheduler as a new attempt (its
+        zero final usage releases what the scheduler reserved); after MAX_ATTEMPTS it ends
+        with a failed result instead of bouncing forever."""
         request = run.placement.request
         log.warning("handing back %s: %s", run.placement.placement_id, reason)
-        # The scheduler reserved memory for this placement: a zero final usage releases it.
-        await self._publish_usage(run, final=True)
         if request.attempt + 1 >= MAX_ATTEMPTS:
-            await self._publish(RequestResult(
+            await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="failed", finish_reason=f"not runnable after {MAX_ATTEMPTS} attempts: "
                 f"{reason}", prompt_tokens=0, completion_tokens=0, queued_ms=0, total_ms=0),
-                topics.RESULTS.name, request.request_id)
+                topics.RESULTS.name, request.request_id)])
             return
-        await self._requeue(request, why)
+        await self._finish(run, [_retry(request, why)])
 
-    async def _requeue(self, request: InferenceRequest, why: str) -> None:
-        retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why})
-        await self._publish(retry, topics.REQUESTS[request.priority_class].name,
-                            request.request_id)
+
+def _retry(request: InferenceRequest, why: str) -> outbox.Final:
+    """The request back on its class topic as the next attempt."""
+    retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why})
+    return retry, topics.REQUESTS[request.priority_class].name, request.request_id
 
 
 def _uncancel() -> None:

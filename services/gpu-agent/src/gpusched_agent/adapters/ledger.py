@@ -2,7 +2,10 @@
 an in-memory twin for tests and benchmarks.
 
 A claim also files the placement under its node (with the agent run that claimed it) until
-the run ends it, so a run that starts after a crash finds the work its predecessor left."""
+the run ends it, so a run that starts after a crash finds the work its predecessor left.
+Before a run publishes the records that end a placement it files them there in the
+placement's stead (an outbox): a run that starts after a crash in between publishes them
+again rather than running the request a second time."""
 
 from __future__ import annotations
 
@@ -38,12 +41,17 @@ class PlacementLedger(Protocol):
         """True for the first claim of `placement_id` ever (across redeliveries and agent
         restarts); False for every later one. The first also files it under the node."""
 
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
+                        ) -> None:
+        """File `outbox` (the records that end the placement, about to be published) under
+        the node in the placement's stead, for run `run_id`."""
+
     async def release(self, placement_id: str, node_id: str) -> None:
         """The run ended the placement (its final usage is sent): no longer the node's."""
 
     async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
-        """(placement id, placement JSON) of what runs of this node other than `run_id`
-        claimed and never released: what a crashed run left behind."""
+        """(placement id, placement JSON or outbox) of what runs of this node other than
+        `run_id` claimed and never released: what a crashed run left behind."""
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
         """For each, whether the scheduler still counts it as running (not yet retried)."""
@@ -62,6 +70,11 @@ class RedisLedger:
         return bool(await self._claim(
             keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id)],
             args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)]))
+
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
+                        ) -> None:
+        await self._redis.hset(NODE_CLAIMS_KEY.format(node_id), placement_id,
+                               b"%d %s" % (run_id, outbox))
 
     async def release(self, placement_id: str, node_id: str) -> None:
         await self._redis.hdel(NODE_CLAIMS_KEY.format(node_id), placement_id)
@@ -96,6 +109,10 @@ class MemoryLedger:
         self.claims[placement_id] = node_id
         self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, placement)
         return True
+
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
+                        ) -> None:
+        self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, outbox)
 
     async def release(self, placement_id: str, node_id: str) -> None:
         self.held.get(node_id, {}).pop(placement_id, None)

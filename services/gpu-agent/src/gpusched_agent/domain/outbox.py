@@ -1,0 +1,37 @@
+"""The records that end a placement (its final usage, then its result or its hand-back), as
+the agent files them in the ledger before publishing them: a run that starts after a crash
+in between publishes them again instead of running the request a second time."""
+
+from __future__ import annotations
+
+import json
+
+from gpusched_common import topics
+from gpusched_common.contracts import REQUEST, RESULT_EVENT, USAGE, Message
+
+Final = tuple[Message, str, str]
+"""(message, topic, key) as the agent publishes it."""
+
+_READERS = {topics.USAGE.name: USAGE.validate_json, topics.RESULTS.name: RESULT_EVENT.validate_json,
+            **{spec.name: REQUEST.validate_json for spec in topics.REQUESTS.values()}}
+
+
+def encode(finals: list[Final]) -> bytes:
+    return json.dumps({"final": [{"topic": topic, "key": key, "value": message.to_bytes().decode()}
+                                 for message, topic, key in finals]},
+                      separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> list[Final] | None:
+    """The records of an outbox; None when `raw` is a placement (what a claim files).
+    Raises ValueError for anything else."""
+    value = json.loads(raw)
+    if not isinstance(value, dict) or "final" not in value:
+        return None
+    out: list[Final] = []
+    for record in value["final"]:
+        read = _READERS.get(record["topic"])
+        if read is None:
+            raise ValueError(f"an outbox record for topic {record['topic']!r}")
+        out.append((read(record["value"]), record["topic"], record["key"]))
+    return out
