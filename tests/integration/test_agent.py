@@ -1,6 +1,7 @@
 """The GPU agent against the real Kafka and Redis: duplicate and stale placements, commands
 sent from a new node's first report on (none skipped, across a restart too), work a
-killed agent left ended by its next run, a placement the scheduler fenced, a client
+killed agent left ended by its next run (and final records it had filed published), a
+placement the scheduler fenced, a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
 and SIGTERM drain with work in flight."""
 
@@ -18,6 +19,7 @@ from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 from stack_helpers import TopicWatch, eventually, read_topic
 
+from gpusched_agent.domain import outbox
 from gpusched_common import topics
 from gpusched_common.contracts import (
     DEAD_LETTER,
@@ -30,7 +32,9 @@ from gpusched_common.contracts import (
     Placement,
     Preempt,
     RequestResult,
+    UsageRecord,
 )
+from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.stack import ServiceSpec
 from gpusched_scheduler.adapters.redis_state import RunningStore
 
@@ -225,6 +229,44 @@ async def test_a_killed_agent_ends_what_it_left_when_it_starts_again(stack) -> N
                           (topics.RESULTS.name, b'"request_result"')):
         assert not await read_topic(e.kafka_bootstrap, topic, for_request(rid, marker),
                                     timeout_s=2)
+
+
+async def test_final_records_a_killed_agent_had_filed_are_published_by_its_next_run(
+        stack) -> None:
+    """A run killed after filing a placement's final records (its outbox) and before
+    releasing the claim, as it left them in Redis: the next run publishes them (the same
+    final usage event, the completed result), hands nothing back and releases the claim."""
+    e = stack.endpoints
+    node = f"outbox-{uuid.uuid4().hex[:6]}"
+    rid = f"outbox-{uuid.uuid4().hex[:8]}"
+    now = int(time.time() * 1000)
+    usage = UsageRecord(event_id=f"{rid}#0:final", request_id=rid, placement_id=f"{rid}#0",
+                        tenant="acme", model=MODEL, priority_class="standard", node_id=node,
+                        gpu_type="L4-24GB", prompt_tokens=3, completion_tokens=6,
+                        gpu_seconds=0.25, started_at_ms=now - 500, ended_at_ms=now)
+    result = RequestResult(request_id=rid, tenant="acme", model=MODEL, status="completed",
+                           finish_reason="length", text="one two three four five six",
+                           prompt_tokens=3, completion_tokens=6, node_id=node, queued_ms=1,
+                           total_ms=500)
+    claims = NODE_CLAIMS_KEY.format(node)
+    redis = Redis.from_url(e.redis_url)
+    spec = extra_agent(stack, node, FIRST_AGENT_PORT + 13)
+    try:
+        await redis.hset(claims, f"{rid}#0", b"%d %s" % (now - 60_000, outbox.encode(
+            [(usage, topics.USAGE.name, "acme"), (result, topics.RESULTS.name, rid)])))
+        await asyncio.to_thread(stack.processes.start_service, spec)
+        published = [USAGE.validate_json(v) for _, v in await read_topic(
+            e.kafka_bootstrap, topics.USAGE.name, lambda k, v: f'"{rid}#0:final"'.encode() in v)]
+        results = [RESULT_EVENT.validate_json(v) for _, v in await read_topic(
+            e.kafka_bootstrap, topics.RESULTS.name, for_request(rid, b'"request_result"'))]
+        assert not await read_topic(e.kafka_bootstrap, topics.REQUESTS["standard"].name,
+                                    for_request(rid, b'"attempt":1'), timeout_s=2)
+        assert await redis.hgetall(claims) == {}
+    finally:
+        await asyncio.to_thread(stack.processes.stop_service, spec.name)
+        await redis.aclose()
+    assert published == [usage]
+    assert results == [result]
 
 
 async def test_a_placement_the_scheduler_fenced_is_never_run(stack) -> None:
