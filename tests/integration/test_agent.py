@@ -19,8 +19,8 @@ from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 from stack_helpers import TopicWatch, eventually, read_topic
 
-from gpusched_agent.domain import outbox
-from gpusched_common import topics
+from gpusched_agent.adapters.ledger import RedisLedger
+from gpusched_common import outbox, topics
 from gpusched_common.contracts import (
     DEAD_LETTER,
     NODE_STATE,
@@ -37,6 +37,7 @@ from gpusched_common.contracts import (
 from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.stack import ServiceSpec
 from gpusched_scheduler.adapters.redis_state import RunningStore
+from gpusched_scheduler.domain.running import RunningPlacement
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -267,6 +268,34 @@ async def test_final_records_a_killed_agent_had_filed_are_published_by_its_next_
         await redis.aclose()
     assert published == [usage]
     assert results == [result]
+
+
+async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> None:
+    """What a lost node's agent filed in the ledger (real Redis), as the scheduler reads it:
+    the outbox of `done`, nothing for `running` (its claim holds the placement itself)."""
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    node = f"ledger-{uuid.uuid4().hex[:6]}"
+    done, running = (placement(node, f"{n}-{uuid.uuid4().hex[:6]}", 1) for n in ("done", "run"))
+    result = RequestResult(request_id=done.request.request_id, tenant="globex", model=MODEL,
+                           status="completed", finish_reason="length", prompt_tokens=2,
+                           completion_tokens=6, queued_ms=1, total_ms=9)
+    ledger, store = RedisLedger(redis), RunningStore(redis)
+    as_running = [RunningPlacement(
+        placement_id=p.placement_id, node_id=node, gpu_indices=p.gpu_indices,
+        memory_mib_per_gpu=64, kv_cache_mib=64, borrowed=False, estimate_gpu_s=1.0,
+        placed_at_ms=p.placed_at_ms, request=p.request) for p in (done, running)]
+    try:
+        for p in (done, running):
+            assert await ledger.claim(p.placement_id, node, 7, p.to_bytes())
+        await ledger.finishing(done.placement_id, node, 7, outbox.encode(
+            [(result, topics.RESULTS.name, result.request_id)]))
+        filed = await store.filed_finals(as_running)
+        assert filed == {done.placement_id: [(result, topics.RESULTS.name, result.request_id)]}
+        await store.release_claims(as_running[:1])
+        assert [pid for pid, _ in await ledger.left_over(node, 8)] == [running.placement_id]
+    finally:
+        await redis.delete(NODE_CLAIMS_KEY.format(node))
+        await redis.aclose()
 
 
 async def test_a_placement_the_scheduler_fenced_is_never_run(stack) -> None:

@@ -23,6 +23,8 @@ from gpusched_common.contracts import (
     InferenceRequest,
     NodeState,
     Rejection,
+    RequestResult,
+    UsageRecord,
 )
 from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
@@ -321,6 +323,8 @@ class Fences:
         self.taken = taken
         self.fenced: list[str] = []
         self.removed: list[str] = []
+        self.filed: dict[str, list] = {}
+        """Final records an agent filed and never released, by placement id."""
 
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         self.fenced += placement_ids
@@ -331,6 +335,14 @@ class Fences:
 
     async def remove(self, placement_ids: list[str]) -> None:
         self.removed += placement_ids
+
+    async def filed_finals(self, placements) -> dict[str, list]:
+        return {p.placement_id: self.filed[p.placement_id] for p in placements
+                if p.placement_id in self.filed}
+
+    async def release_claims(self, placements) -> None:
+        for p in placements:
+            self.filed.pop(p.placement_id)
 
 
 class OnOneNode:
@@ -387,6 +399,33 @@ async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
                                                                         ("untaken", 1)]
     assert not one.engine.running
     assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
+
+
+async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rerun() -> None:
+    """The agent of `taken` filed its final records (usage, result) and died before they
+    all went out: the scheduler publishes them on its behalf instead of retrying the
+    request; `untaken` is retried as before."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    usage = UsageRecord(event_id="taken#0:final", request_id="taken", placement_id="taken#0",
+                        tenant="acme", model="qwen2.5-1.5b", priority_class="standard",
+                        node_id="n1", gpu_type="H100-80GB", prompt_tokens=3, completion_tokens=6,
+                        gpu_seconds=0.5, started_at_ms=1000, ended_at_ms=2000)
+    result = RequestResult(request_id="taken", tenant="acme", model="qwen2.5-1.5b",
+                           status="completed",
+                           finish_reason="length", prompt_tokens=3, completion_tokens=6,
+                           queued_ms=1, total_ms=1000)
+    one.fences.filed["taken#0"] = [(usage, topics.USAGE.name, "acme"),
+                                   (result, topics.RESULTS.name, "taken")]
+    one.now = 12_000  # silent for 11 s
+    await one.engine.cycle()
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
+    assert [(o.message, o.topic) for o in one.sent[-3:-1]] == [(usage, topics.USAGE.name),
+                                                              (result, topics.RESULTS.name)]
+    assert one.fences.filed == {}  # taken off the node's claims
+    assert list(one.engine.running) == ["taken#0"]  # until its final usage comes back
+    await one.engine.usage([request_record(topics.USAGE.name, 0, usage.to_bytes())])
+    assert not one.engine.running
 
 
 async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> None:

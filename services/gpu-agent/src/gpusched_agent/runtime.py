@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 from gpusched_agent.adapters.executor import Executor, Job
 from gpusched_agent.adapters.ledger import PlacementLedger
-from gpusched_agent.domain import outbox
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
-from gpusched_common import topics
+from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
     PLACEMENT,

@@ -18,7 +18,7 @@ from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from gpusched_common import topics
+from gpusched_common import outbox, topics
 from gpusched_common.catalog import ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
     NODE_STATE,
@@ -575,17 +575,46 @@ class SchedulingEngine:
         (at the front: requeued='node_lost'); the retry is counted. Its placements are
         fenced first, so that if the agent comes back and reads a command it had not taken
         yet it does not run it beside the retry (one it had taken, its next run ends
-        without handing back: the scheduler no longer counts it as running)."""
+        without handing back: the scheduler no longer counts it as running). Work whose
+        agent had filed its final records (it died while publishing them) is finished: the
+        scheduler publishes those records on its behalf and runs nothing again."""
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
         if not lost:
             return
         gone = [r for r in self.running.values() if r.node_id in lost]
         if gone and self._store is not None:
             try:
-                await self._store.fence([r.placement_id for r in gone])
+                fenced = await self._store.fence([r.placement_id for r in gone])
+                finished = await self._store.filed_finals(
+                    [r for r, won in zip(gone, fenced, strict=True) if not won])
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
+                finished = {}
+            if finished and await self._publish_filed(
+                    [r for r in gone if r.placement_id in finished], finished):
+                gone = [r for r in gone if r.placement_id not in finished]
         await self._retry(gone, "lost")
+
+    async def _publish_filed(self, ended: list[RunningPlacement],
+                             finished: dict[str, list[outbox.Final]]) -> bool:
+        """Publish the final records the agents of `ended` filed and take them off their
+        nodes' claims (their final usage then ends each placement here, as theirs would
+        have); False when Kafka refused them."""
+        assert self._store is not None
+        try:
+            await self._publish([Outgoing(message, topic, key, {})
+                                 for records in finished.values()
+                                 for message, topic, key in records])
+        except Exception:
+            log.exception("publishing the final records filed for %s failed", list(finished))
+            return False
+        log.warning("published the final records the agents of lost nodes had filed for %s",
+                    ", ".join(finished))
+        try:
+            await self._store.release_claims(ended)
+        except Exception:  # left filed: an agent that comes back publishes them once more
+            log.exception("releasing the claims of %s failed", list(finished))
+        return True
 
     async def _recover_untaken(self, now_ms: int) -> None:
         """A placement still reserved (its node never listed it as active and no final usage

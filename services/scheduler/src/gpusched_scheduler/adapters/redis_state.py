@@ -3,8 +3,11 @@ flight (so a new leader knows what runs where)."""
 
 from __future__ import annotations
 
+import logging
+
 from redis.asyncio import Redis
 
+from gpusched_common import outbox
 from gpusched_common.redis_keys import (
     CLAIM_TTL_S,
     FENCED_CLAIM,
@@ -14,6 +17,8 @@ from gpusched_common.redis_keys import (
     SCHEDULER_RUNNING_KEY,
 )
 from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
+
+log = logging.getLogger(__name__)
 
 LEADER_KEY = "gpusched:scheduler:leader"
 
@@ -89,6 +94,34 @@ class RunningStore:
             answers = await pipe.execute()
         return {p.placement_id: claim_state(owner, bool(held)) for p, owner, held
                 in zip(placements, answers[::2], answers[1::2], strict=True)}
+
+    async def filed_finals(self, placements: list[RunningPlacement]
+                           ) -> dict[str, list[outbox.Final]]:
+        """The final records agents filed for these placements and never released (the run
+        died while publishing them), by placement id."""
+        if not placements:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p in placements:
+                pipe.hget(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
+            entries = await pipe.execute()
+        out: dict[str, list[outbox.Final]] = {}
+        for p, entry in zip(placements, entries, strict=True):
+            try:
+                finals = outbox.in_claim(entry) if entry is not None else None
+            except ValueError as exc:
+                log.warning("ignoring the unreadable claim of %s: %s", p.placement_id, exc)
+                continue
+            if finals is not None:
+                out[p.placement_id] = finals
+        return out
+
+    async def release_claims(self, placements: list[RunningPlacement]) -> None:
+        """Take placements off their nodes' claims (ended on their agents' behalf)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p in placements:
+                pipe.hdel(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
+            await pipe.execute()
 
     async def load(self) -> list[RunningPlacement]:
         raw = await self._redis.hgetall(SCHEDULER_RUNNING_KEY)

@@ -1,6 +1,7 @@
 """The records that end a placement (its final usage, then its result or its hand-back), as
-the agent files them in the ledger before publishing them: a run that starts after a crash
-in between publishes them again instead of running the request a second time."""
+the agent files them in the ledger (its node's claims hash) before publishing them: a run
+that starts after a crash in between publishes them again instead of running the request a
+second time, and if the node never comes back the scheduler publishes them on its behalf."""
 
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ def decode(raw: bytes) -> list[Final] | None:
             raise ValueError(f"an outbox record for topic {record['topic']!r}")
         out.append((read(record["value"]), record["topic"], record["key"]))
     return out
+
+
+def in_claim(entry: bytes) -> list[Final] | None:
+    """The records filed in a node's claims-hash entry (`<agent run id> <payload>`, as the
+    agent's ledger writes it); None when the entry holds the placement itself."""
+    return decode(entry.partition(b" ")[2])
