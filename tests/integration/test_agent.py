@@ -36,8 +36,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.stack import ServiceSpec
-from gpusched_scheduler.adapters.redis_state import RunningStore
-from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -280,18 +279,15 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
                            status="completed", finish_reason="length", prompt_tokens=2,
                            completion_tokens=6, queued_ms=1, total_ms=9)
     ledger, store = RedisLedger(redis), RunningStore(redis)
-    as_running = [RunningPlacement(
-        placement_id=p.placement_id, node_id=node, gpu_indices=p.gpu_indices,
-        memory_mib_per_gpu=64, kv_cache_mib=64, borrowed=False, estimate_gpu_s=1.0,
-        placed_at_ms=p.placed_at_ms, request=p.request) for p in (done, running)]
     try:
         for p in (done, running):
             assert await ledger.claim(p.placement_id, node, 7, p.to_bytes())
         await ledger.finishing(done.placement_id, node, 7, outbox.encode(
             [(result, topics.RESULTS.name, result.request_id)]))
-        filed = await store.filed_finals(as_running)
-        assert filed == {done.placement_id: [(result, topics.RESULTS.name, result.request_id)]}
-        await store.release_claims(as_running[:1])
+        filed = await store.filed_finals([node, "no-such-node"])
+        assert filed == [Filed(node, done.placement_id,
+                               [(result, topics.RESULTS.name, result.request_id)])]
+        await store.release_claims(filed)
         assert [pid for pid, _ in await ledger.left_over(node, 8)] == [running.placement_id]
     finally:
         await redis.delete(NODE_CLAIMS_KEY.format(node))

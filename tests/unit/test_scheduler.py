@@ -28,6 +28,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
+from gpusched_scheduler.adapters.redis_state import Filed
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import NodeSpecCache, plan_cycle, snapshot
@@ -324,7 +325,7 @@ class Fences:
         self.fenced: list[str] = []
         self.removed: list[str] = []
         self.filed: dict[str, list] = {}
-        """Final records an agent filed and never released, by placement id."""
+        """Final records the agent of n1 filed and never released, by placement id."""
 
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         self.fenced += placement_ids
@@ -336,13 +337,13 @@ class Fences:
     async def remove(self, placement_ids: list[str]) -> None:
         self.removed += placement_ids
 
-    async def filed_finals(self, placements) -> dict[str, list]:
-        return {p.placement_id: self.filed[p.placement_id] for p in placements
-                if p.placement_id in self.filed}
+    async def filed_finals(self, node_ids: list[str]) -> list[Filed]:
+        return [Filed("n1", pid, records) for pid, records in self.filed.items()
+                if "n1" in node_ids]
 
-    async def release_claims(self, placements) -> None:
-        for p in placements:
-            self.filed.pop(p.placement_id)
+    async def release_claims(self, filed: list[Filed]) -> None:
+        for f in filed:
+            self.filed.pop(f.placement_id)
 
 
 class OnOneNode:
@@ -402,9 +403,10 @@ async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
 
 
 async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rerun() -> None:
-    """The agent of `taken` filed its final records (usage, result) and died before they
-    all went out: the scheduler publishes them on its behalf instead of retrying the
-    request; `untaken` is retried as before."""
+    """The agent of n1 filed final records and died before they all went out: for `taken`
+    (usage, result) and for `earlier` (only its result was left: its final usage had
+    already ended it here). The scheduler publishes them on its behalf instead of retrying
+    `taken`; `untaken` is retried as before."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
     await one.place()
     usage = UsageRecord(event_id="taken#0:final", request_id="taken", placement_id="taken#0",
@@ -415,13 +417,16 @@ async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rer
                            status="completed",
                            finish_reason="length", prompt_tokens=3, completion_tokens=6,
                            queued_ms=1, total_ms=1000)
+    earlier = result.model_copy(update={"request_id": "earlier"})
     one.fences.filed["taken#0"] = [(usage, topics.USAGE.name, "acme"),
                                    (result, topics.RESULTS.name, "taken")]
+    one.fences.filed["earlier#0"] = [(earlier, topics.RESULTS.name, "earlier")]
     one.now = 12_000  # silent for 11 s
     await one.engine.cycle()
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
-    assert [(o.message, o.topic) for o in one.sent[-3:-1]] == [(usage, topics.USAGE.name),
-                                                              (result, topics.RESULTS.name)]
+    assert [(o.message, o.topic) for o in one.sent[-4:-1]] == [
+        (usage, topics.USAGE.name), (result, topics.RESULTS.name),
+        (earlier, topics.RESULTS.name)]
     assert one.fences.filed == {}  # taken off the node's claims
     assert list(one.engine.running) == ["taken#0"]  # until its final usage comes back
     await one.engine.usage([request_record(topics.USAGE.name, 0, usage.to_bytes())])

@@ -18,7 +18,7 @@ from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from gpusched_common import outbox, topics
+from gpusched_common import topics
 from gpusched_common.catalog import ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
     NODE_STATE,
@@ -37,7 +37,7 @@ from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
-from gpusched_scheduler.adapters.redis_state import RunningStore
+from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -575,45 +575,47 @@ class SchedulingEngine:
         (at the front: requeued='node_lost'); the retry is counted. Its placements are
         fenced first, so that if the agent comes back and reads a command it had not taken
         yet it does not run it beside the retry (one it had taken, its next run ends
-        without handing back: the scheduler no longer counts it as running). Work whose
-        agent had filed its final records (it died while publishing them) is finished: the
-        scheduler publishes those records on its behalf and runs nothing again."""
+        without handing back: the scheduler no longer counts it as running). Final records
+        its agent had filed and not all published (it died meanwhile) are published on its
+        behalf: their work is finished, not run again, and has its result."""
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
         if not lost:
             return
         gone = [r for r in self.running.values() if r.node_id in lost]
-        if gone and self._store is not None:
+        if self._store is not None:
             try:
-                fenced = await self._store.fence([r.placement_id for r in gone])
-                finished = await self._store.filed_finals(
-                    [r for r, won in zip(gone, fenced, strict=True) if not won])
+                filed = await self._store.filed_finals(lost)
+            except Exception:
+                log.exception("reading the claims of lost node(s) %s failed", lost)
+                filed = []
+            if filed and await self._publish_filed(filed):
+                finished = {f.placement_id for f in filed}
+                gone = [r for r in gone if r.placement_id not in finished]
+            try:
+                if gone:
+                    await self._store.fence([r.placement_id for r in gone])
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
-                finished = {}
-            if finished and await self._publish_filed(
-                    [r for r in gone if r.placement_id in finished], finished):
-                gone = [r for r in gone if r.placement_id not in finished]
         await self._retry(gone, "lost")
 
-    async def _publish_filed(self, ended: list[RunningPlacement],
-                             finished: dict[str, list[outbox.Final]]) -> bool:
-        """Publish the final records the agents of `ended` filed and take them off their
-        nodes' claims (their final usage then ends each placement here, as theirs would
-        have); False when Kafka refused them."""
+    async def _publish_filed(self, filed: list[Filed]) -> bool:
+        """Publish final records agents filed and take them off their nodes' claims (a
+        final usage then ends its placement here, as the agent's would have); False when
+        Kafka refused them."""
         assert self._store is not None
         try:
-            await self._publish([Outgoing(message, topic, key, {})
-                                 for records in finished.values()
-                                 for message, topic, key in records])
+            await self._publish([Outgoing(message, topic, key, {}) for f in filed
+                                 for message, topic, key in f.records])
         except Exception:
-            log.exception("publishing the final records filed for %s failed", list(finished))
+            log.exception("publishing the final records filed for %s failed",
+                          [f.placement_id for f in filed])
             return False
         log.warning("published the final records the agents of lost nodes had filed for %s",
-                    ", ".join(finished))
+                    ", ".join(f.placement_id for f in filed))
         try:
-            await self._store.release_claims(ended)
+            await self._store.release_claims(filed)
         except Exception:  # left filed: an agent that comes back publishes them once more
-            log.exception("releasing the claims of %s failed", list(finished))
+            log.exception("releasing the claims of %s failed", [f.placement_id for f in filed])
         return True
 
     async def _recover_untaken(self, now_ms: int) -> None:

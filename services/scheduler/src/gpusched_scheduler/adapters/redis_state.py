@@ -4,6 +4,7 @@ flight (so a new leader knows what runs where)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
@@ -61,6 +62,15 @@ class LeaderLease:
         await self._release(keys=[LEADER_KEY], args=[self.instance_id])
 
 
+@dataclass(frozen=True)
+class Filed:
+    """Final records an agent filed for a placement (its outbox) and never released."""
+
+    node_id: str
+    placement_id: str
+    records: list[outbox.Final]
+
+
 class RunningStore:
     """Placements in flight, one hash field each; written once per cycle (pipelined)."""
 
@@ -95,32 +105,30 @@ class RunningStore:
         return {p.placement_id: claim_state(owner, bool(held)) for p, owner, held
                 in zip(placements, answers[::2], answers[1::2], strict=True)}
 
-    async def filed_finals(self, placements: list[RunningPlacement]
-                           ) -> dict[str, list[outbox.Final]]:
-        """The final records agents filed for these placements and never released (the run
-        died while publishing them), by placement id."""
-        if not placements:
-            return {}
+    async def filed_finals(self, node_ids: list[str]) -> list[Filed]:
+        """The final records the agents of these nodes filed and never released (the run
+        died while publishing them)."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for p in placements:
-                pipe.hget(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
-            entries = await pipe.execute()
-        out: dict[str, list[outbox.Final]] = {}
-        for p, entry in zip(placements, entries, strict=True):
-            try:
-                finals = outbox.in_claim(entry) if entry is not None else None
-            except ValueError as exc:
-                log.warning("ignoring the unreadable claim of %s: %s", p.placement_id, exc)
-                continue
-            if finals is not None:
-                out[p.placement_id] = finals
+            for node_id in node_ids:
+                pipe.hgetall(NODE_CLAIMS_KEY.format(node_id))
+            held = await pipe.execute()
+        out: list[Filed] = []
+        for node_id, entries in zip(node_ids, held, strict=True):
+            for pid, entry in entries.items():
+                try:
+                    records = outbox.in_claim(entry)
+                except ValueError as exc:
+                    log.warning("ignoring the unreadable claim of %s: %s", pid.decode(), exc)
+                    continue
+                if records is not None:
+                    out.append(Filed(node_id, pid.decode(), records))
         return out
 
-    async def release_claims(self, placements: list[RunningPlacement]) -> None:
+    async def release_claims(self, filed: list[Filed]) -> None:
         """Take placements off their nodes' claims (ended on their agents' behalf)."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for p in placements:
-                pipe.hdel(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
+            for f in filed:
+                pipe.hdel(NODE_CLAIMS_KEY.format(f.node_id), f.placement_id)
             await pipe.execute()
 
     async def load(self) -> list[RunningPlacement]:
