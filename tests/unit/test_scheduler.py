@@ -431,6 +431,10 @@ async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rer
     assert list(one.engine.running) == ["taken#0"]  # until its final usage comes back
     await one.engine.usage([request_record(topics.USAGE.name, 0, usage.to_bytes())])
     assert not one.engine.running
+    charged = one.engine.fair.level("acme", one.now / 1000)
+    # The agent had published its final usage too before it died: the copy is applied once.
+    await one.engine.usage([request_record(topics.USAGE.name, 1, usage.to_bytes())])
+    assert one.engine.fair.level("acme", one.now / 1000) == charged
 
 
 async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> None:

@@ -191,6 +191,9 @@ class SchedulingEngine:
         self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """Placements whose final usage came, so that a copy of it (published again from an
+        outbox after a crash) is not charged twice; bounded by RECENT_DECISIONS."""
         self._preempting: dict[str, int] = {}
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._node_specs = NodeSpecCache()
@@ -303,7 +306,8 @@ class SchedulingEngine:
         self._wake.set()
 
     async def usage(self, records: list[ConsumerRecord]) -> None:
-        """Measured usage: charge fair share; a final record ends its placement."""
+        """Measured usage: charge fair share; a final record ends its placement (its copies
+        are skipped)."""
         now_s = self._clock() / 1000
         ended: list[str] = []
         for record in records:
@@ -311,6 +315,12 @@ class SchedulingEngine:
                 usage = USAGE.validate_json(record.value)
             except ValidationError:
                 continue
+            if usage.final:
+                if usage.placement_id in self._ended:
+                    continue  # a copy: applied once already
+                self._ended[usage.placement_id] = None
+                if len(self._ended) > RECENT_DECISIONS:
+                    self._ended.popitem(last=False)
             self.fair.charge(usage.tenant, usage.gpu_seconds, now_s)
             if not usage.final:
                 continue
