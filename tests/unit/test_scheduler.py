@@ -322,6 +322,8 @@ class Fences:
 
     def __init__(self, taken: set[str]) -> None:
         self.taken = taken
+        self.ended: set[str] = set()
+        """Of `taken`, those their agent has ended (released from its node's claims)."""
         self.fenced: list[str] = []
         self.removed: list[str] = []
         self.filed: dict[str, list] = {}
@@ -330,6 +332,10 @@ class Fences:
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         self.fenced += placement_ids
         return [pid not in self.taken for pid in placement_ids]
+
+    async def claims(self, placements) -> dict[str, str]:
+        return {p.placement_id: "ended" if p.placement_id in self.ended else
+                "held" if p.placement_id in self.taken else "untaken" for p in placements}
 
     async def save(self, placements) -> None:
         pass
@@ -388,6 +394,23 @@ async def test_a_placement_its_node_never_takes_is_fenced_and_retried() -> None:
     assert one.fences.removed == ["untaken#0"]
     assert "untaken#0" not in one.engine.view.reservations
     assert sorted(one.engine.running) == ["taken#0"]  # an agent has it: it stays
+
+
+async def test_a_request_placed_again_after_its_placement_ended_is_not_left_running() -> None:
+    """`taken` was redelivered long after it was decided and placed again under the id of
+    its finished placement; the agent ignores the command as a duplicate, so no final usage
+    will come. The untaken check sees its agent ended it: dropped, not retried, its memory
+    free again."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
+    one.fences.ended.add("taken#0")
+    await one.place()
+    one.now = 32_000
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now)
+    await one.engine.cycle()
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
+    assert not one.engine.running
+    assert not one.engine.view.reservations
+    assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
 
 
 async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:

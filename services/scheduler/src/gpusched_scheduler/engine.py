@@ -633,8 +633,11 @@ class SchedulingEngine:
         came) although the node has reported for `untaken_timeout_ms` since it was sent: the
         command was lost on its way. It is fenced first (claimed in the agents' ledger under
         the scheduler's name, so a late delivery is a duplicate the agent ignores); only
-        those fenced are retried, the others were taken by the agent meanwhile. Looks at
-        most once a second, over the reservations (few: most are taken within a heartbeat)."""
+        those fenced are retried, the others were taken by the agent meanwhile. Of those,
+        one its agent has already ended is no longer running: a request redelivered long
+        after it was decided (past RECENT_DECISIONS) was placed again under the id of its
+        finished placement, which the agent ignores as a duplicate. Looks at most once a
+        second, over the reservations (few: most are taken within a heartbeat)."""
         timeout = self.config.untaken_timeout_ms
         if now_ms - self._untaken_checked_ms < 1_000:
             return
@@ -645,9 +648,27 @@ class SchedulingEngine:
                    and seen.get(r.node_id, 0) - r.placed_at_ms > timeout]
         if untaken and self._store is not None:
             fenced = await self._store.fence([r.placement_id for r in untaken])
+            await self._drop_ended([r for r, won in zip(untaken, fenced, strict=True)
+                                    if not won])
             untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
         if untaken:
             await self._retry(untaken, "never took its placement")
+
+    async def _drop_ended(self, taken: list[RunningPlacement]) -> None:
+        """Placements an agent claimed: those it has ended already are no longer running."""
+        assert self._store is not None
+        if not taken:
+            return
+        claims = await self._store.claims(taken)
+        ended = [r.placement_id for r in taken if claims[r.placement_id] == "ended"]
+        if not ended:
+            return
+        log.warning("placed again after they had ended (late redeliveries): %s",
+                    ", ".join(ended))
+        for pid in ended:
+            del self.running[pid]
+            self.view.release(pid)
+        await self._store.remove(ended)
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
