@@ -413,6 +413,18 @@ async def test_a_request_placed_again_after_its_placement_ended_is_not_left_runn
     assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
 
 
+async def test_work_a_lost_nodes_agent_had_ended_is_not_retried() -> None:
+    """n1 goes silent after its agent ended `taken` but before its final usage arrived:
+    that request is finished, only `untaken` runs again."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    one.fences.ended.add("taken#0")
+    await one.place()
+    one.now = 12_000
+    await one.engine.cycle()
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
+    assert not one.engine.running
+
+
 async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
     await one.place()

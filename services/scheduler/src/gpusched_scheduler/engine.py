@@ -585,7 +585,8 @@ class SchedulingEngine:
         (at the front: requeued='node_lost'); the retry is counted. Its placements are
         fenced first, so that if the agent comes back and reads a command it had not taken
         yet it does not run it beside the retry (one it had taken, its next run ends
-        without handing back: the scheduler no longer counts it as running). Final records
+        without handing back: the scheduler no longer counts it as running; one it has
+        ended already, its final usage not yet here, is not retried). Final records
         its agent had filed and not all published (it died meanwhile) are published on its
         behalf: their work is finished, not run again, and has its result."""
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
@@ -603,7 +604,10 @@ class SchedulingEngine:
                 gone = [r for r in gone if r.placement_id not in finished]
             try:
                 if gone:
-                    await self._store.fence([r.placement_id for r in gone])
+                    fenced = await self._store.fence([r.placement_id for r in gone])
+                    ended = await self._drop_ended(
+                        [r for r, won in zip(gone, fenced, strict=True) if not won])
+                    gone = [r for r in gone if r.placement_id not in ended]
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
         await self._retry(gone, "lost")
@@ -654,21 +658,25 @@ class SchedulingEngine:
         if untaken:
             await self._retry(untaken, "never took its placement")
 
-    async def _drop_ended(self, taken: list[RunningPlacement]) -> None:
-        """Placements an agent claimed: those it has ended already are no longer running."""
+    async def _drop_ended(self, taken: list[RunningPlacement]) -> set[str]:
+        """Placements an agent claimed: those it has ended already are no longer running
+        (returned). Raises, changing nothing, when the claims cannot be read."""
         assert self._store is not None
         if not taken:
-            return
+            return set()
         claims = await self._store.claims(taken)
         ended = [r.placement_id for r in taken if claims[r.placement_id] == "ended"]
         if not ended:
-            return
-        log.warning("placed again after they had ended (late redeliveries): %s",
-                    ", ".join(ended))
+            return set()
+        log.warning("no longer running, their agents ended them: %s", ", ".join(ended))
         for pid in ended:
             del self.running[pid]
             self.view.release(pid)
-        await self._store.remove(ended)
+        try:
+            await self._store.remove(ended)
+        except Exception:  # a new leader finds them ended too
+            log.exception("removing ended placements %s from Redis failed", ended)
+        return set(ended)
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
