@@ -16,6 +16,9 @@ from gpusched_ops.testing import TEST_PORTS
 
 T = TypeVar("T")
 
+ADMIN = {"Authorization": "Bearer sk-admin-demo"}
+"""The demo admin key's header (config/tenants.yaml): reads every tenant's usage."""
+
 PORT_OFFSET = int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
 """Shifts every test port, so several test sessions can run side by side on one machine."""
 TEST_SERVICE_PORTS = ServicePorts(router=28080 + PORT_OFFSET, scheduler=28081 + PORT_OFFSET,

@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio import Redis
-from stack_helpers import end_offsets, eventually, read_topic
+from stack_helpers import ADMIN, end_offsets, eventually, read_topic
 
 from gpusched_accounting.domain.usage import (
     PriceTable,
@@ -34,7 +34,6 @@ from gpusched_ops.stack import ServiceSpec
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = load_prices(CONFIG)
-ADMIN = {"Authorization": "Bearer sk-admin-demo"}
 FIRST_PORT = 28150 + int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
 MODELS = ("qwen2.5-1.5b", "llama-3.1-8b")
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
-from stack_helpers import TopicWatch, eventually, read_topic
+from stack_helpers import ADMIN, TopicWatch, eventually, read_topic
 
 from gpusched_agent.adapters.ledger import RedisLedger
 from gpusched_common import outbox, topics
@@ -40,7 +40,6 @@ from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
-ADMIN = {"Authorization": "Bearer sk-admin-demo"}
 FIRST_AGENT_PORT = 28090 + int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
 """node-1's HTTP port in the test stack (tests/conftest.py)."""
 

@@ -1,7 +1,7 @@
 """Scheduler behaviour on the real stack: strict priority, weighted fair share, quotas and
-borrowing, preemption, gangs, node loss (and an agent killed and back at once) and leader
-fail-over. Most tests run on a small fleet (one simulated L4 node) so that it fills up
-quickly."""
+borrowing, preemption, gangs, node loss (and an agent killed and back at once, and the
+final records a lost node's agent had filed) and leader fail-over. Most tests run on a
+small fleet (one simulated L4 node) so that it fills up quickly."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaProducer
-from stack_helpers import SERVICE_TEST_ENV, TEST_SERVICE_PORTS, TopicWatch, eventually
+from redis.asyncio import Redis
+from stack_helpers import (
+    ADMIN,
+    SERVICE_TEST_ENV,
+    TEST_SERVICE_PORTS,
+    TopicWatch,
+    eventually,
+)
 
-from gpusched_common import topics
+from gpusched_common import outbox, topics
 from gpusched_common.contracts import (
     EVENT,
     RESULT_EVENT,
@@ -27,7 +34,9 @@ from gpusched_common.contracts import (
     NodeState,
     Rejection,
     RequestResult,
+    UsageRecord,
 )
+from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.services import AGENT_NODES, service_specs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -295,52 +304,79 @@ async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stac
     await until_fleet(stack, AGENT_NODES, "the restarted agent ready")
 
 
+class Ghost:
+    """A node that exists only as the node-state records the test produces (no agent): one
+    H100 with MODEL loaded, reporting every second while `beating`."""
+
+    def __init__(self, stack, prefix: str) -> None:
+        self.node_id = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self._started, self._seq = int(time.time() * 1000), 0
+        self._producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+        self._beats: asyncio.Task[None] | None = None
+
+    async def start(self) -> Ghost:
+        await self._producer.start()
+        self._beats = asyncio.create_task(self._beat())
+        return self
+
+    @property
+    def beating(self) -> bool:
+        return self._beats is not None and not self._beats.done()
+
+    def fall_silent(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+
+    async def stop(self) -> None:
+        """Silent, then reported stopped (so no later test counts it)."""
+        self.fall_silent()
+        await self._report("stopped")
+        await self._producer.stop()
+
+    async def _report(self, status: str = "ready") -> None:
+        self._seq += 1
+        state = NodeState(node_id=self.node_id, status=status, seq=self._seq,
+                          started_at_ms=self._started, reported_at_ms=int(time.time() * 1000),
+                          gpus=(GpuState(index=0, uuid=f"{self.node_id}-0", gpu_type="H100-80GB",
+                                         memory_total_mib=81559, memory_free_mib=80000,
+                                         loaded_models=(MODEL,)),))
+        await self._producer.send_and_wait(topics.NODE_STATE.name, state.to_bytes(),
+                                           key=self.node_id.encode())
+
+    async def _beat(self) -> None:
+        while True:
+            await self._report()
+            await asyncio.sleep(1.0)
+
+
+async def until_live(stack, node_id: str) -> None:
+    async def live() -> bool:
+        return node_id in await live_nodes(stack)
+    await eventually(live, what=f"{node_id} live")
+
+
 async def test_a_placement_its_node_never_takes_is_fenced_and_retried_elsewhere(
         stack, small_fleet) -> None:
     """A ghost node reports itself ready with the model loaded but never takes a command,
     which is what a placement lost on its way looks like. GPUSCHED_UNTAKEN_TIMEOUT_S (10 s
     here) after it was sent, while the ghost still reports, the scheduler fences the
     placement and retries it; the request completes once, on the real node."""
-    ghost = f"ghost-{uuid.uuid4().hex[:6]}"
-    started, seq = int(time.time() * 1000), 0
-    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
-    await producer.start()
-
-    async def report(status: str = "ready") -> None:
-        nonlocal seq
-        seq += 1
-        state = NodeState(node_id=ghost, status=status, seq=seq, started_at_ms=started,
-                          reported_at_ms=int(time.time() * 1000), gpus=(GpuState(
-                              index=0, uuid=f"{ghost}-0", gpu_type="H100-80GB",
-                              memory_total_mib=81559, memory_free_mib=80000,
-                              loaded_models=(MODEL,)),))
-        await producer.send_and_wait(topics.NODE_STATE.name, state.to_bytes(),
-                                     key=ghost.encode())
-
-    async def heartbeats() -> None:
-        while True:
-            await report()
-            await asyncio.sleep(1.0)
-
-    beats = asyncio.create_task(heartbeats())
+    ghost = await Ghost(stack, "ghost").start()
     results = await watch(stack, topics.RESULTS.name)
     try:
         retries = await watch(stack, topics.REQUESTS["standard"].name)
         try:
-            async def ghost_live() -> bool:
-                return ghost in await live_nodes(stack)
-            await eventually(ghost_live, what=f"{ghost} live")
+            await until_live(stack, ghost.node_id)
             work = [request("globex", "standard", 50, "ghost", prompt_tokens=100)]
             rid = work[0]["request_id"]
             await produce(stack, work)
-            assert (await placed_on(stack, {rid}))[rid] == ghost  # the model is loaded there
+            # the model is loaded there
+            assert (await placed_on(stack, {rid}))[rid] == ghost.node_id
             await retries.until(lambda recs: any(rid.encode() in v and b'"attempt":1' in v
                                                  for _k, v, _t in recs), 40, "the retry")
-            assert not beats.done()  # retried while the ghost still reported: no node loss
+            assert ghost.beating  # retried while the ghost still reported: no node loss
         finally:
-            beats.cancel()
-            await report("stopped")
-            await producer.stop()
+            await ghost.stop()
             await retries.stop()
         await results.until(lambda recs: rid in results_by_id(recs), 120, "its result")
         await results.drain()
@@ -348,6 +384,72 @@ async def test_a_placement_its_node_never_takes_is_fenced_and_retried_elsewhere(
         await results.stop()
     done = results_by_id(results.records)[rid]
     assert [(r.status, r.node_id) for r in done] == [("completed", "node-small")]
+
+
+async def test_final_records_a_lost_nodes_agent_filed_are_published_and_billed_once(
+        stack) -> None:
+    """A node's agent filed a placement's final records (its outbox: usage, then result)
+    in the ledger, published the usage and died; the node never reports again. Once it is
+    silent for GPUSCHED_NODE_TIMEOUT_S (4 s here) the scheduler publishes the filed records
+    on its behalf and takes them off the node's claims: the request has its result once,
+    is not run again, and accounting bills its usage once although it came twice."""
+    ghost = await Ghost(stack, "outbox").start()
+    rid = f"outbox-{uuid.uuid4().hex[:8]}"
+    now = int(time.time() * 1000)
+    usage = UsageRecord(event_id=f"{rid}#0:final", request_id=rid, placement_id=f"{rid}#0",
+                        tenant="acme", model=MODEL, priority_class="standard",
+                        node_id=ghost.node_id, gpu_type="H100-80GB", prompt_tokens=7,
+                        completion_tokens=5, gpu_seconds=0.75, started_at_ms=now - 900,
+                        ended_at_ms=now)
+    result = RequestResult(request_id=rid, tenant="acme", model=MODEL, status="completed",
+                           finish_reason="length", text="a b c d e", prompt_tokens=7,
+                           completion_tokens=5, node_id=ghost.node_id, queued_ms=1,
+                           total_ms=900)
+    claims = NODE_CLAIMS_KEY.format(ghost.node_id)
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    results = await watch(stack, topics.RESULTS.name)
+    usages = await watch(stack, topics.USAGE.name)
+    retries = await watch(stack, topics.REQUESTS["standard"].name)
+    try:
+        await until_live(stack, ghost.node_id)
+        await redis.hset(claims, f"{rid}#0", b"%d %s" % (now - 60_000, outbox.encode(
+            [(usage, topics.USAGE.name, "acme"), (result, topics.RESULTS.name, rid)])))
+        producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+        await producer.start()
+        try:  # the first record went out before the agent died
+            await producer.send_and_wait(topics.USAGE.name, usage.to_bytes(), key=b"acme")
+        finally:
+            await producer.stop()
+        ghost.fall_silent()
+        await results.until(lambda recs: rid in results_by_id(recs), 30, "the filed result")
+        await usages.until(lambda recs: sum(rid.encode() in v for _k, v, _t in recs) >= 2, 10,
+                           "the filed usage published again")
+        await eventually(lambda: _empty(redis, claims), what="the claim released")
+
+        async def billed() -> dict | None:
+            async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+                r = await http.get(f"/v1/usage/requests/{rid}", headers=ADMIN)
+            return r.json() if r.status_code == 200 else None
+        first = await eventually(billed, what="the usage in accounting")
+        await asyncio.sleep(1.0)  # a second count would show by now
+        again = await billed()
+        await results.drain()
+        await retries.drain()
+    finally:
+        await ghost.stop()
+        await results.stop()
+        await usages.stop()
+        await retries.stop()
+        await redis.aclose()
+    assert [r.status for r in results_by_id(results.records)[rid]] == ["completed"]
+    assert not [v for _k, v, _t in retries.records if rid.encode() in v]
+    assert again == first
+    assert (first["prompt_tokens"], first["completion_tokens"], first["final"]) == (7, 5, True)
+    assert first["gpu_seconds"] == pytest.approx(0.75)
+
+
+async def _empty(redis: Redis, key: str) -> bool:
+    return not await redis.hgetall(key)
 
 
 async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(
