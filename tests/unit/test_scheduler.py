@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker, TestKafkaBroker
 from opentelemetry.trace import NoOpTracer
@@ -470,6 +471,34 @@ async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rer
     # The agent had published its final usage too before it died: the copy is applied once.
     await one.engine.usage([request_record(topics.USAGE.name, 1, usage.to_bytes())])
     assert one.engine.fair.level("acme", one.now / 1000) == charged
+
+
+async def test_filed_final_records_kafka_refused_are_published_next_cycle_not_rerun() -> None:
+    """Kafka refuses the records the lost node's agent filed for `taken`: the request is
+    not retried (it has finished), and the records go out on the next cycle."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    result = RequestResult(request_id="taken", tenant="acme", model="qwen2.5-1.5b",
+                           status="completed", finish_reason="length", prompt_tokens=3,
+                           completion_tokens=6, queued_ms=1, total_ms=1000)
+    one.fences.filed["taken#0"] = [(result, topics.RESULTS.name, "taken")]
+    send = one.engine._send  # noqa: SLF001 - the seam to Kafka is the point
+
+    async def refuse_results(batch):
+        if any(o.topic == topics.RESULTS.name for o in batch):
+            raise KafkaConnectionError("broker down")
+        return await send(batch)
+    one.engine._send = refuse_results  # noqa: SLF001
+    one.now = 12_000
+    await one.engine.cycle()
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
+    assert "taken#0" in one.fences.filed
+    one.engine._send = send  # noqa: SLF001 - Kafka is back
+    one.now = 13_000
+    await one.engine.cycle()
+    assert [o.message for o in one.sent if o.topic == topics.RESULTS.name] == [result]
+    assert one.fences.filed == {}
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
 
 
 async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> None:

@@ -200,6 +200,9 @@ class SchedulingEngine:
         self._untaken_checked_ms = 0
         self._inherited: dict[str, ClaimState] = {}
         """Claim states of the placements taken over on becoming leader, until settled."""
+        self._unpublished: list[Filed] = []
+        """Final records of lost nodes' agents that Kafka refused; published again each cycle
+        (their work is never retried: it has finished)."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -215,6 +218,7 @@ class SchedulingEngine:
         self.epoch = epoch
         self.running = {r.placement_id: r for r in running}
         self._inherited = dict(claims or {})
+        self._unpublished = []  # a leader finds them filed when their node is lost to it
         self._wake.set()
 
     def step_down(self) -> None:
@@ -588,7 +592,10 @@ class SchedulingEngine:
         without handing back: the scheduler no longer counts it as running; one it has
         ended already, its final usage not yet here, is not retried). Final records
         its agent had filed and not all published (it died meanwhile) are published on its
-        behalf: their work is finished, not run again, and has its result."""
+        behalf: their work is finished, not run again, and has its result (if Kafka refuses
+        them, they are published again next cycle)."""
+        if self._unpublished and await self._publish_filed(self._unpublished):
+            self._unpublished = []
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
         if not lost:
             return
@@ -599,9 +606,10 @@ class SchedulingEngine:
             except Exception:
                 log.exception("reading the claims of lost node(s) %s failed", lost)
                 filed = []
-            if filed and await self._publish_filed(filed):
-                finished = {f.placement_id for f in filed}
-                gone = [r for r in gone if r.placement_id not in finished]
+            if filed and not await self._publish_filed(filed):
+                self._unpublished += filed
+            finished = {f.placement_id for f in filed}
+            gone = [r for r in gone if r.placement_id not in finished]
             try:
                 if gone:
                     fenced = await self._store.fence([r.placement_id for r in gone])
