@@ -327,6 +327,10 @@ class Ghost:
         if self._beats is not None:
             self._beats.cancel()
 
+    async def send(self, topic: str, value: bytes, key: bytes) -> None:
+        """A record as the node's agent would publish it."""
+        await self._producer.send_and_wait(topic, value, key=key)
+
     async def stop(self) -> None:
         """Silent, then reported stopped (so no later test counts it)."""
         self.fall_silent()
@@ -340,8 +344,7 @@ class Ghost:
                           gpus=(GpuState(index=0, uuid=f"{self.node_id}-0", gpu_type="H100-80GB",
                                          memory_total_mib=81559, memory_free_mib=80000,
                                          loaded_models=(MODEL,)),))
-        await self._producer.send_and_wait(topics.NODE_STATE.name, state.to_bytes(),
-                                           key=self.node_id.encode())
+        await self.send(topics.NODE_STATE.name, state.to_bytes(), self.node_id.encode())
 
     async def _beat(self) -> None:
         while True:
@@ -414,17 +417,15 @@ async def test_final_records_a_lost_nodes_agent_filed_are_published_and_billed_o
         await until_live(stack, ghost.node_id)
         await redis.hset(claims, f"{rid}#0", b"%d %s" % (now - 60_000, outbox.encode(
             [(usage, topics.USAGE.name, "acme"), (result, topics.RESULTS.name, rid)])))
-        producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
-        await producer.start()
-        try:  # the first record went out before the agent died
-            await producer.send_and_wait(topics.USAGE.name, usage.to_bytes(), key=b"acme")
-        finally:
-            await producer.stop()
+        # the first record went out before the agent died
+        await ghost.send(topics.USAGE.name, usage.to_bytes(), b"acme")
         ghost.fall_silent()
         await results.until(lambda recs: rid in results_by_id(recs), 30, "the filed result")
         await usages.until(lambda recs: sum(rid.encode() in v for _k, v, _t in recs) >= 2, 10,
                            "the filed usage published again")
-        await eventually(lambda: _empty(redis, claims), what="the claim released")
+        async def released() -> bool:
+            return not await redis.hgetall(claims)
+        await eventually(released, what="the claim released")
 
         async def billed() -> dict | None:
             async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
@@ -446,10 +447,6 @@ async def test_final_records_a_lost_nodes_agent_filed_are_published_and_billed_o
     assert again == first
     assert (first["prompt_tokens"], first["completion_tokens"], first["final"]) == (7, 5, True)
     assert first["gpu_seconds"] == pytest.approx(0.75)
-
-
-async def _empty(redis: Redis, key: str) -> bool:
-    return not await redis.hgetall(key)
 
 
 async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_completes(

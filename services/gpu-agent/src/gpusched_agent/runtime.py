@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from gpusched_common.contracts import (
     UsageRecord,
 )
 from gpusched_common.kafka_records import WallClockMs
+from gpusched_common.recent import Recent
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class AgentRuntime:
         self._dirty = asyncio.Event()
         self._running: dict[str, _Running] = {}
         """Placement id -> its run, from claim to its final usage record."""
-        self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._cancelled = Recent(REMEMBERED_CANCELS)
         """Request ids cancelled lately (a placement may arrive after its cancel)."""
 
     # --- node state ----------------------------------------------------------------------
@@ -182,8 +182,6 @@ class AgentRuntime:
         """Stop the request if it runs here (usage so far is billed; it ends 'cancelled');
         remembered for a while in case its placement arrives later."""
         self._cancelled[cancel.request_id] = cancel.reason
-        while len(self._cancelled) > REMEMBERED_CANCELS:
-            self._cancelled.popitem(last=False)
         for pid, run in self._running.items():
             if run.placement.request.request_id == cancel.request_id:
                 return self._stop(pid, "cancelled", cancel.reason)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from gpusched_common.contracts import (
     decode_json_object,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
+from gpusched_common.recent import Recent
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
@@ -188,10 +188,10 @@ class SchedulingEngine:
         self._committing: asyncio.Task[None] | None = None
         self._in_flight: list[asyncio.Task[None]] = []
         """Cycles published but not yet acknowledged, oldest first (see `_settle`)."""
-        self._placed: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._placed = Recent(RECENT_DECISIONS)
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended = Recent(RECENT_DECISIONS)
         """Placements whose final usage came, so that a copy of it (published again from an
         outbox after a crash) is not charged twice; bounded by RECENT_DECISIONS."""
         self._preempting: dict[str, int] = {}
@@ -323,8 +323,6 @@ class SchedulingEngine:
                 if usage.placement_id in self._ended:
                     continue  # a copy: applied once already
                 self._ended[usage.placement_id] = None
-                if len(self._ended) > RECENT_DECISIONS:
-                    self._ended.popitem(last=False)
             self.fair.charge(usage.tenant, usage.gpu_seconds, now_s)
             if not usage.final:
                 continue
@@ -455,8 +453,6 @@ class SchedulingEngine:
         for item in finished:
             self.queue.remove(item)
             self._placed[(item.request.request_id, item.request.attempt)] = None
-        while len(self._placed) > RECENT_DECISIONS:
-            self._placed.popitem(last=False)
         if finished:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
@@ -571,7 +567,6 @@ class SchedulingEngine:
             self.view.expect(r.node_id, now)
             if claim == "ended":
                 ended.append(pid)
-                del self.running[pid]
             elif claim == "fenced":
                 fenced.append(r)
             else:
@@ -579,8 +574,7 @@ class SchedulingEngine:
                                                        r.memory_mib_per_gpu, r.request.model))
         if ended:
             log.info("taking over: %d placements ended while no scheduler led", len(ended))
-            if self._store is not None:
-                await self._store.remove(ended)
+            await self._forget(ended)
         await self._retry(fenced, "had a placement fenced by the previous leader")
         self._inherited = {}
 
@@ -660,9 +654,9 @@ class SchedulingEngine:
                    and seen.get(r.node_id, 0) - r.placed_at_ms > timeout]
         if untaken and self._store is not None:
             fenced = await self._store.fence([r.placement_id for r in untaken])
-            await self._drop_ended([r for r, won in zip(untaken, fenced, strict=True)
-                                    if not won])
+            taken = [r for r, won in zip(untaken, fenced, strict=True) if not won]
             untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
+            await self._drop_ended(taken)
         if untaken:
             await self._retry(untaken, "never took its placement")
 
@@ -677,14 +671,21 @@ class SchedulingEngine:
         if not ended:
             return set()
         log.warning("no longer running, their agents ended them: %s", ", ".join(ended))
+        await self._forget(ended)
+        return set(ended)
+
+    async def _forget(self, ended: list[str]) -> None:
+        """Placements their agents ended without their final usage reaching this instance:
+        no longer running, here or in Redis."""
         for pid in ended:
             del self.running[pid]
             self.view.release(pid)
+        if self._store is None:
+            return
         try:
             await self._store.remove(ended)
         except Exception:  # a new leader finds them ended too
             log.exception("removing ended placements %s from Redis failed", ended)
-        return set(ended)
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
