@@ -11,6 +11,8 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker, TestKafkaBroker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.trace import NoOpTracer
 
 from gpusched_common import topics
@@ -33,9 +35,9 @@ from gpusched_scheduler.adapters.redis_state import Filed
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import NodeSpecCache, plan_cycle, snapshot
-from gpusched_scheduler.domain.queue import Pending
+from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
-from gpusched_scheduler.domain.running import RunningPlacement
+from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
 from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -212,6 +214,35 @@ def test_quota_limits_tokens_per_minute_and_inflight() -> None:
     assert "tokens per minute" in book.check("t", quota, 600, inflight=1, now_ms=1000)
     assert book.check("t", quota, 600, inflight=1, now_ms=61_000) is None
     assert "in flight" in book.check("t", quota, 1, inflight=2, now_ms=61_000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "requeue"]), st.integers(0, 7),
+                          st.sampled_from(["acme", "globex", "initech"]),
+                          st.integers(1, 4), st.integers(100, 9000)), max_size=40))
+def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) -> None:
+    running, queue = RunningSet(), PendingQueue()
+    waiting: dict[int, Pending] = {}
+    for op, i, tenant, gpus, mib in ops:
+        pid = f"p{i}"
+        if op == "add":  # a new placement, or one replacing the same id
+            running[pid] = RunningPlacement(
+                placement_id=pid, node_id="n", gpu_indices=tuple(range(gpus)),
+                memory_mib_per_gpu=mib, kv_cache_mib=mib, borrowed=False, estimate_gpu_s=1.0,
+                placed_at_ms=0, request=req(pid, tenant=tenant))
+        elif op == "remove":
+            running.pop(pid, None)
+            if i in waiting:
+                queue.remove(waiting.pop(i))
+        elif queue.push(item := Pending(req(pid, tenant=tenant), {}, 0)):
+            waiting[i] = item
+        held: dict[str, int] = {}
+        for r in running.values():
+            held[r.tenant] = held.get(r.tenant, 0) + r.memory_mib_per_gpu * len(r.gpu_indices)
+        assert running.memory_mib_by_tenant() == held
+        for t in ("acme", "globex", "initech"):
+            assert running.count(t) == sum(r.tenant == t for r in running.values())
+            assert queue.by_tenant[t] == sum(p.request.tenant == t for p in queue.in_order())
 
 
 @pytest.fixture

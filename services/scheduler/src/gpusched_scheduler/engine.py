@@ -49,7 +49,7 @@ from gpusched_scheduler.domain.planner import (
 )
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
-from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
+from gpusched_scheduler.domain.running import ClaimState, RunningPlacement, RunningSet
 from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class SchedulingEngine:
         self.config = config
         self.view = ClusterView()
         self.queue = PendingQueue()
-        self.running: dict[str, RunningPlacement] = {}
+        self.running = RunningSet()
         self.fair = FairShare(config.fair_half_life_s)
         self.quotas = QuotaBook()
         self.epoch: int | None = None
@@ -216,7 +216,7 @@ class SchedulingEngine:
         `claims` says where each stands in the agents' ledger (its first cycle settles them,
         see `_take_over`)."""
         self.epoch = epoch
-        self.running = {r.placement_id: r for r in running}
+        self.running = RunningSet(running)
         self._inherited = dict(claims or {})
         self._unpublished = []  # a leader finds them filed when their node is lost to it
         self._wake.set()
@@ -387,10 +387,10 @@ class SchedulingEngine:
                         self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
-        used = self._guaranteed_use()
+        used = self.running.memory_mib_by_tenant()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop
         decisions = plan_cycle(
-            snap, chunks, self.catalog, cfg.policy, list(self.running.values()),
+            snap, chunks, self.catalog, cfg.policy, self.running.values(),
             now, self._may_preempt(used))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
@@ -515,19 +515,12 @@ class SchedulingEngine:
         t = self.tenants.get(tenant)
         return None if t is None else t.quota.guaranteed_gpu_memory_mib
 
-    def _guaranteed_use(self) -> dict[str, int]:
-        used: dict[str, int] = {}
-        for r in self.running.values():
-            used[r.tenant] = used.get(r.tenant, 0) + r.memory_mib_per_gpu * len(r.gpu_indices)
-        return used
-
     def _over_quota(self, request: InferenceRequest, now_ms: int) -> str | None:
         tenant = self.tenants.get(request.tenant)
         if tenant is None or (tenant.quota.max_inflight_requests is None
                               and tenant.quota.tokens_per_minute is None):
             return None
-        inflight = sum(1 for p in self.queue.in_order() if p.request.tenant == tenant.name) + \
-            sum(1 for r in self.running.values() if r.tenant == tenant.name)
+        inflight = self.queue.by_tenant[tenant.name] + self.running.count(tenant.name)
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
 

@@ -4,6 +4,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,7 +140,7 @@ class CycleDecisions:
 
 
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
-               running: list[RunningPlacement], now_ms: int,
+               running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], max_preemptions: int = 4) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
@@ -243,7 +244,7 @@ def _never_reason(request: InferenceRequest, kv: int, weight: int, solver_messag
 
 
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
-          running: list[RunningPlacement], now_ms: int, ceiling: int, taken: set[str]
+          running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str]
           ) -> Preemption | None:
     """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
     1), not already being preempted; cost = GPU-seconds of progress lost."""

@@ -6,6 +6,7 @@ recognised and any item leaves in O(1), whatever order the cycle finishes them i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class Pending:
 class PendingQueue:
     by_class: dict[PriorityClass, dict[Key, Pending]] = field(
         default_factory=lambda: {c: {} for c in PRIORITY_CLASSES})
+    by_tenant: Counter[str] = field(default_factory=Counter)
+    """How many items each tenant has waiting (quotas read it on every admission)."""
 
     def push(self, item: Pending) -> bool:
         """Queue at the back of its class, or at the front when it was preempted or lost
@@ -39,6 +42,7 @@ class PendingQueue:
         if item.key in queue:
             return False
         queue[item.key] = item
+        self.by_tenant[item.request.tenant] += 1
         if item.request.requeued in ("preempted", "node_lost"):
             # it waited its turn once already
             self.by_class[item.request.priority_class] = {item.key: item, **{
@@ -65,6 +69,9 @@ class PendingQueue:
         queue = self.by_class[item.request.priority_class]
         if queue.get(item.key) is item:
             del queue[item.key]
+            self.by_tenant[item.request.tenant] -= 1
+            if not self.by_tenant[item.request.tenant]:
+                del self.by_tenant[item.request.tenant]
 
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}

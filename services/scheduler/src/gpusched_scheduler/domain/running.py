@@ -3,6 +3,8 @@ recovery, quotas and fairness reason about. Plain data; persisted by an adapter.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Iterator, MutableMapping, ValuesView
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +30,65 @@ class RunningPlacement(BaseModel):
     @property
     def tenant(self) -> str:
         return self.request.tenant
+
+
+class RunningSet(MutableMapping[str, RunningPlacement]):
+    """The placements in flight by placement id, with what each tenant holds kept as they
+    come and go: quotas and guarantees read a tenant's share in O(1), not by walking every
+    placement in flight on each cycle or admission."""
+
+    def __init__(self, placements: Iterable[RunningPlacement] = ()) -> None:
+        self._by_id: dict[str, RunningPlacement] = {}
+        self._memory_mib: Counter[str] = Counter()
+        self._count: Counter[str] = Counter()
+        for r in placements:
+            self[r.placement_id] = r
+
+    def __getitem__(self, placement_id: str) -> RunningPlacement:
+        return self._by_id[placement_id]
+
+    def __setitem__(self, placement_id: str, placement: RunningPlacement) -> None:
+        if placement_id in self._by_id:
+            self._untally(self._by_id[placement_id])
+        self._by_id[placement_id] = placement
+        self._memory_mib[placement.tenant] += _memory_mib(placement)
+        self._count[placement.tenant] += 1
+
+    def __delitem__(self, placement_id: str) -> None:
+        self._untally(self._by_id.pop(placement_id))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, placement_id: object) -> bool:
+        return placement_id in self._by_id
+
+    def get(self, placement_id: str, default: RunningPlacement | None = None  # type: ignore[override]
+            ) -> RunningPlacement | None:
+        return self._by_id.get(placement_id, default)
+
+    def values(self) -> ValuesView[RunningPlacement]:  # the dict's own view: no copy
+        return self._by_id.values()
+
+    def memory_mib_by_tenant(self) -> dict[str, int]:
+        """GPU memory (MiB, all GPUs of each placement) each tenant holds; a new dict."""
+        return {t: mib for t, mib in self._memory_mib.items() if mib}
+
+    def count(self, tenant: str) -> int:
+        return self._count[tenant]
+
+    def _untally(self, placement: RunningPlacement) -> None:
+        self._memory_mib[placement.tenant] -= _memory_mib(placement)
+        self._count[placement.tenant] -= 1
+        if not self._count[placement.tenant]:
+            del self._memory_mib[placement.tenant], self._count[placement.tenant]
+
+
+def _memory_mib(placement: RunningPlacement) -> int:
+    return placement.memory_mib_per_gpu * len(placement.gpu_indices)
 
 
 ClaimState = Literal["untaken", "held", "ended", "fenced"]
