@@ -41,8 +41,10 @@ class DecisionProducer:
         # default 16 KiB batches a cycle's records filled a partition's batch every ~10
         # records and each further send waited for it to drain (35-77 ms per cycle at
         # 1,000 requests/s). One batch per partition holds a whole cycle.
+        # No linger: a cycle hands over all its records before the sender task runs, so
+        # waiting for more would only delay every placement by the linger.
         self._options = {"bootstrap_servers": bootstrap, "client_id": client_id, "acks": "all",
-                         "enable_idempotence": True, "linger_ms": 1,
+                         "enable_idempotence": True, "linger_ms": 0,
                          "max_batch_size": MAX_BATCH_BYTES}
         self._producer: AIOKafkaProducer | None = None
         self._tracer = tracer
