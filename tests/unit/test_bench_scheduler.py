@@ -7,11 +7,13 @@ import math
 from gpusched_common.contracts import NODE_STATE, REQUEST, USAGE
 from gpusched_scheduler.bench.scheduler import (
     Step,
+    machine_steal,
     metric_sums,
     node_states,
     percentile,
     request_bytes,
     request_kv_mib,
+    steal_pct,
     sustained,
     usage_bytes,
 )
@@ -22,7 +24,7 @@ def _step(rate: int, placed: float, p99: float, missing: int = 0, changes: int =
     return Step(offered_req_s=rate, sent_req_s=rate, placements_per_s=placed, p50_ms=1.0,
                 p99_ms=p99, max_ms=p99, scheduler_p99_ms=p99, measured=rate, missing=missing,
                 scheduler_cpu_pct=nan, bench_cpu_pct=nan, kafka_cpu_pct=nan,
-                scheduler_cpu_us_per_placement=nan, scheduler_cpu_wait_pct=nan,
+                scheduler_cpu_us_per_placement=nan, scheduler_cpu_wait_pct=nan, steal_pct=nan,
                 cycles_per_s=nan, cycle_mean_ms=nan, solver_mean_ms=nan, leader_changes=changes)
 
 
@@ -40,6 +42,13 @@ def test_sustained_is_the_highest_rate_that_kept_up_within_the_latency_limit() -
     assert sustained(steps).offered_req_s == 1000
     assert sustained([_step(500, 500, 10, missing=1)]) is None
     assert sustained([_step(500, 500, 10, changes=1)]) is None
+
+
+def test_steal_is_the_share_of_the_machines_ticks_since_a_reading() -> None:
+    since = machine_steal()
+    share = steal_pct(since)
+    assert math.isnan(share) or 0.0 <= share <= 100.0
+    assert math.isnan(steal_pct((0, 0))) or 0.0 <= steal_pct((0, 0)) <= 100.0
 
 
 def test_bench_records_parse_as_the_contracts() -> None:

@@ -87,6 +87,9 @@ class Step:
     scheduler_cpu_us_per_placement: float
     scheduler_cpu_wait_pct: float
     """Share of the step the leader's event loop was runnable but waited for a CPU."""
+    steal_pct: float
+    """Share of this VM's CPU time the hypervisor ran something else instead (/proc/stat
+    steal): how loaded the host under this machine was during the step."""
     cycles_per_s: float
     cycle_mean_ms: float
     solver_mean_ms: float
@@ -373,6 +376,21 @@ class FakeFleet:
 
 
 # --- processes ----------------------------------------------------------------------------
+def machine_steal() -> tuple[int, int]:
+    """(steal, all) CPU ticks of this machine so far (/proc/stat); (0, 0) where unknown."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (ticks[7], sum(ticks)) if len(ticks) == 8 else (0, 0)
+
+
+def steal_pct(since: tuple[int, int]) -> float:
+    """Share (%) of the machine's CPU time the hypervisor gave to others since `since`."""
+    (steal0, total0), (steal1, total1) = since, machine_steal()
+    return round(100 * (steal1 - steal0) / (total1 - total0), 1) if total1 > total0 else math.nan
+
+
 class CpuMeter:
     """CPU seconds (user and system) of a set of processes between two reads."""
 
@@ -381,6 +399,7 @@ class CpuMeter:
         self.t0 = time.monotonic()
         self.cpu0 = self._read()
         self.wait0 = self._run_queue_total_s()
+        self.steal0 = machine_steal()
 
     def _read(self) -> dict[str, float]:
         out = {}
@@ -559,6 +578,7 @@ class Bench:
         t1 = time.time()
         wall_s, cpu = meter.seconds()
         waited = meter.run_queue_s()
+        steal = steal_pct(meter.steal0)
         fleet.track = False
         metrics = await self.cycle_metrics()
         cycles = metrics[CYCLE_METRICS[0]] - metrics0[CYCLE_METRICS[0]]
@@ -583,6 +603,7 @@ class Bench:
             kafka_cpu_pct=round(100 * cpu.get("kafka", math.nan) / wall_s, 1),
             scheduler_cpu_us_per_placement=round(1e6 * sched_cpu / max(len(window), 1)),
             scheduler_cpu_wait_pct=round(100 * waited.get(SCHEDULERS[0], math.nan) / wall_s, 1),
+            steal_pct=steal,
             cycles_per_s=round(cycles / wall_s, 1),
             cycle_mean_ms=round(1000 * cycle_s / max(cycles, 1), 2),
             solver_mean_ms=round(1000 * solver_s / max(cycles, 1), 2),
@@ -601,7 +622,7 @@ class Bench:
         print(f"{'offered/s':>10}{'sent/s':>9}{'placed/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
               f"{'max ms':>9}{'sched p99':>10}{'missing':>8}{'sched cpu':>10}{'bench cpu':>10}"
               f"{'kafka cpu':>10}{'us/place':>9}{'cpu wait':>9}{'cycles/s':>9}{'cycle ms':>9}"
-              f"{'solve ms':>9}")
+              f"{'solve ms':>9}{'steal':>7}")
         for rate in self.args.rates:
             s = await self.step(rate, self.args.step_s, f"{label[:1]}{rate}-{time.time_ns()}")
             steps.append(s)
@@ -610,6 +631,7 @@ class Bench:
                   f"{s.missing:>8}{s.scheduler_cpu_pct:>9.0f}%{s.bench_cpu_pct:>9.0f}%"
                   f"{s.kafka_cpu_pct:>9.0f}%{s.scheduler_cpu_us_per_placement:>9.0f}"
                   f"{s.scheduler_cpu_wait_pct:>8.0f}%{s.cycles_per_s:>9.0f}{s.cycle_mean_ms:>9.2f}{s.solver_mean_ms:>9.2f}"
+                  f"{s.steal_pct:>6.0f}%"
                   f"{'' if s.ok else '  <- not sustained'}"
                   f"{'' if not s.leader_changes else '  (leader lease lapsed)'}", flush=True)
             if not s.ok and rate > TARGET_RATE_REQ_S:
@@ -775,9 +797,9 @@ async def kafka_echo(bootstrap: str, rate_req_s: int, seconds: float) -> dict:
     consumes each batch as it arrives and produces it again with the scheduler's producer
     settings, and a third consumer measures publish -> echo received, both hops."""
     await topics.ensure_topics(bootstrap, (ECHO_IN, ECHO_OUT))
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1,
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0,
                                 enable_idempotence=True)
-    echo_out = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1,
+    echo_out = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0,
                                 enable_idempotence=True, max_batch_size=1 << 20)
     echo_in = AIOKafkaConsumer(ECHO_IN.name, bootstrap_servers=bootstrap, group_id=None,
                                auto_offset_reset="latest", enable_auto_commit=False)
@@ -846,10 +868,13 @@ async def run(bench: Bench) -> dict:
     print(f"baseline: the engine alone in this process (no Kafka, no Redis): "
           f"{base['placements_per_s']:,} placements/s, {base['us_per_placement']} us each, "
           f"{args.fetch_max_records} pending per class per round", flush=True)
+    since = machine_steal()
     echo = await kafka_echo(bench.bootstrap, TARGET_RATE_REQ_S, args.step_s)
+    echo["steal_pct"] = steal_pct(since)
     result["kafka_echo"] = echo
     print(f"baseline: Kafka alone, publish -> echo -> consume (two hops, no scheduling) at "
-          f"{echo['rate_req_s']}/s: p50 {echo['p50_ms']} ms, p99 {echo['p99_ms']} ms",
+          f"{echo['rate_req_s']}/s: p50 {echo['p50_ms']} ms, p99 {echo['p99_ms']} ms "
+          f"({echo['steal_pct']:g}% of the machine's CPU time stolen by its host meanwhile)",
           flush=True)
     try:
         profile_env = {"GPUSCHED_BENCH_PROFILE": str(args.profile)} if args.profile else {}
