@@ -226,8 +226,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kafka", default=None, help="Use this running Kafka (and --redis).")
     parser.add_argument("--redis", default=None, help="Redis URL of a running stack; the "
                         "bench uses its databases 14 and 15 and flushes them.")
-    parser.add_argument("--port-base", type=int, default=39000,
-                        help="Ports of the bench's own Kafka/Redis/instance start here.")
+    parser.add_argument("--port-base", type=int, default=31000,
+                        help="Ports of the bench's own Kafka/Redis/instance start here (below "
+                        "Linux's ephemeral range, which client sockets draw from).")
     parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
     args = parser.parse_args(argv)
     if args.quick:

@@ -991,9 +991,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kafka", default=None, help="Use this running Kafka (and --redis); "
                         "the stack must run no scheduler of its own.")
     parser.add_argument("--redis", default=None, help="Redis URL of that running stack.")
-    parser.add_argument("--port-base", type=int, default=39192, help="Kafka of the bench's own "
+    parser.add_argument("--port-base", type=int, default=31192, help="Kafka of the bench's own "
                         "stack listens here; the controller, Redis, Jaeger and the schedulers "
-                        "use the next 12 ports.")
+                        "use the next 12 ports (all below Linux's ephemeral range, 32768 up, "
+                        "which client sockets draw from).")
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.step_s, args.warmup_s, args.instances = "500,1000", 3.0, 1.0, "1"
