@@ -236,11 +236,9 @@ def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) ->
                 queue.remove(waiting.pop(i))
         elif queue.push(item := Pending(req(pid, tenant=tenant), {}, 0)):
             waiting[i] = item
-        held: dict[str, int] = {}
-        for r in running.values():
-            held[r.tenant] = held.get(r.tenant, 0) + r.memory_mib_per_gpu * len(r.gpu_indices)
-        assert running.memory_mib_by_tenant() == held
         for t in ("acme", "globex", "initech"):
+            assert running.memory_mib(t) == sum(r.memory_mib_per_gpu * len(r.gpu_indices)
+                                                for r in running.values() if r.tenant == t)
             assert running.count(t) == sum(r.tenant == t for r in running.values())
             assert queue.by_tenant[t] == sum(p.request.tenant == t for p in queue.in_order())
 

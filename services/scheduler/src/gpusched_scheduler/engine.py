@@ -387,11 +387,10 @@ class SchedulingEngine:
                         self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
         solve_started = time.perf_counter()
-        used = self.running.memory_mib_by_tenant()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy, self.running.values(),
-            now, self._may_preempt(used))
+            now, self._may_preempt())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = []
@@ -405,13 +404,13 @@ class SchedulingEngine:
                                   scheduler_epoch=self.epoch, placed_at_ms=now, request=request)
             self.view.reserve(Reservation(pid, place.node_id, place.gpu_indices,
                                           place.memory_mib_per_gpu, spec.name))
-            mib = place.memory_mib_per_gpu * len(place.gpu_indices)
-            used[request.tenant] = used.get(request.tenant, 0) + mib
+            held = self.running.memory_mib(request.tenant) + \
+                place.memory_mib_per_gpu * len(place.gpu_indices)
             guarantee = self._guarantee(request.tenant)
             running = RunningPlacement(
                 placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
-                borrowed=guarantee is not None and used[request.tenant] > guarantee,
+                borrowed=guarantee is not None and held > guarantee,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
                 request=request)
             self.running[pid] = running
@@ -524,10 +523,9 @@ class SchedulingEngine:
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
 
-    def _may_preempt(self, used: dict[str, int]) -> dict[str, int]:
+    def _may_preempt(self) -> dict[str, int]:
         """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
-        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0). `used`:
-        GPU memory (MiB) each tenant holds now."""
+        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0)."""
         out: dict[str, int] = {}
         for item in self.queue.in_order():
             request = item.request
@@ -537,7 +535,7 @@ class SchedulingEngine:
                 out[request.request_id] = 1
                 continue
             guarantee = self._guarantee(request.tenant)
-            if guarantee is not None and used.get(request.tenant, 0) < guarantee:
+            if guarantee is not None and self.running.memory_mib(request.tenant) < guarantee:
                 out[request.request_id] = 0
         return out
 

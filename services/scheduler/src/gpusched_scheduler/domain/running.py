@@ -31,6 +31,11 @@ class RunningPlacement(BaseModel):
     def tenant(self) -> str:
         return self.request.tenant
 
+    @property
+    def memory_mib(self) -> int:
+        """GPU memory it holds on all its GPUs."""
+        return self.memory_mib_per_gpu * len(self.gpu_indices)
+
 
 class RunningSet(MutableMapping[str, RunningPlacement]):
     """The placements in flight by placement id, with what each tenant holds kept as they
@@ -51,7 +56,7 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
         if placement_id in self._by_id:
             self._untally(self._by_id[placement_id])
         self._by_id[placement_id] = placement
-        self._memory_mib[placement.tenant] += _memory_mib(placement)
+        self._memory_mib[placement.tenant] += placement.memory_mib
         self._count[placement.tenant] += 1
 
     def __delitem__(self, placement_id: str) -> None:
@@ -73,22 +78,19 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
     def values(self) -> ValuesView[RunningPlacement]:  # the dict's own view: no copy
         return self._by_id.values()
 
-    def memory_mib_by_tenant(self) -> dict[str, int]:
-        """GPU memory (MiB, all GPUs of each placement) each tenant holds; a new dict."""
-        return {t: mib for t, mib in self._memory_mib.items() if mib}
+    def memory_mib(self, tenant: str) -> int:
+        """GPU memory (MiB, all GPUs of each placement) `tenant` holds."""
+        return self._memory_mib[tenant]
 
     def count(self, tenant: str) -> int:
         return self._count[tenant]
 
     def _untally(self, placement: RunningPlacement) -> None:
-        self._memory_mib[placement.tenant] -= _memory_mib(placement)
+        self._memory_mib[placement.tenant] -= placement.memory_mib
         self._count[placement.tenant] -= 1
         if not self._count[placement.tenant]:
             del self._memory_mib[placement.tenant], self._count[placement.tenant]
 
-
-def _memory_mib(placement: RunningPlacement) -> int:
-    return placement.memory_mib_per_gpu * len(placement.gpu_indices)
 
 
 ClaimState = Literal["untaken", "held", "ended", "fenced"]
