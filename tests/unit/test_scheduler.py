@@ -38,6 +38,7 @@ from gpusched_scheduler.domain.planner import NodeSpecCache, plan_cycle, snapsho
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
+from gpusched_scheduler.domain.solver import ClusterState
 from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -126,6 +127,25 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
         cached_index, fresh_index, cached, fresh = both()
         assert cached_index == fresh_index
         assert decoded(cached) == decoded(fresh)
+
+
+def test_a_reservation_rewrites_only_its_gpu_in_the_cached_snapshot(monkeypatch) -> None:
+    view, cache = ClusterView(), NodeSpecCache()
+    view.apply_node_state(node("a", [80000, 40000]), 0)
+    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
+    before = snapshot(view, view.live_nodes(0, 10_000), cache).state
+    rebuilt = []
+    monkeypatch.setattr(ClusterState, "from_nodes",
+                        classmethod(lambda cls, *a, **k: rebuilt.append(a) or None))
+    view.reserve(Reservation("p1", "a", (1,), 6000, SMALL.name))
+    after = snapshot(view, view.live_nodes(0, 10_000), cache).state
+    assert rebuilt == []  # no fresh build
+    assert after.gpu_mem_free_mib.tolist() == [80000, 34000, 9000]
+    assert before.gpu_mem_free_mib.tolist() == [80000, 40000, 9000]  # left untouched
+    view.release("p1")
+    assert snapshot(view, view.live_nodes(0, 10_000), cache).state.gpu_mem_free_mib.tolist() \
+        == [80000, 40000, 9000]
+    assert rebuilt == []
 
 
 def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:

@@ -28,6 +28,7 @@ gpus_st = st.builds(
     type_name=st.sampled_from(GPU_TYPES),
     milli_free=st.sampled_from([0, 100, 250, 400, 500, 750, 1000, 1000]),
     memory_free_mib=st.integers(0, 16),
+    memory_total_mib=st.none(),  # the total defaults to the free memory
     healthy=st.sampled_from([True, True, True, False]),
     loaded_models=st.lists(st.sampled_from(MODELS), max_size=2, unique=True).map(tuple),
 )

@@ -64,7 +64,7 @@ class Snapshot:
 class NodeSpecCache:
     """The last snapshot and each node's spec with the view's version of that node it was
     built from. Between two cycles most nodes keep their GPUs and reservations: their specs
-    are reused, and only the changed nodes' rows of the solver arrays are rewritten."""
+    are reused, and only the GPUs whose spec changed are rewritten in the solver arrays."""
 
     def __init__(self) -> None:
         self.specs: dict[str, tuple[int, NodeSpec]] = {}
@@ -76,24 +76,20 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     """Ready, live nodes with every GPU (unhealthy ones marked, so indices stay the node's
     own); free memory is net of reservations the agents have not reported yet. With a
     cache, a node whose GPUs and reservations did not change since the last call keeps its
-    spec."""
+    spec, and the last snapshot's arrays are copied with only the changed GPUs rewritten."""
     nodes = view.nodes
-    specs, kept, changed = [], {}, {}
+    specs: list[NodeSpec] = []
+    kept: dict[str, tuple[int, NodeSpec]] = {}
+    changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
+    """Node index -> (its new spec, the spec the last snapshot was built from)."""
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
         version = view.version.get(node_id, 0)
         hit = cache.specs.get(node_id) if cache is not None else None
         if hit is not None and hit[0] == version:
             spec = hit[1]
         else:
-            reserved, loading = view.node_reservations(node_id)
-            gpus = tuple(
-                GpuSpec(type_name=g.gpu_type, milli_free=1000 - min(999, g.running_requests),
-                        memory_free_mib=max(0, g.memory_free_mib - reserved.get(g.index, 0)),
-                        memory_total_mib=g.memory_total_mib, healthy=g.healthy,
-                        loaded_models=tuple(set(g.loaded_models) | loading.get(g.index, set())))
-                for g in sorted(nodes[node_id].gpus, key=lambda g: g.index))
-            spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
-            changed[len(specs)] = spec
+            spec = _node_spec(view, node_id)
+            changed[len(specs)] = (spec, hit[1] if hit is not None else None)
         kept[node_id] = (version, spec)
         specs.append(spec)
     node_index = {s.node_id: i for i, s in enumerate(specs)}
@@ -103,9 +99,36 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     last = cache.last
     cluster = None
     if last is not None and last.node_index == node_index:
-        cluster = last.state.with_nodes(changed) if changed else last.state
+        gpus = _changed_gpus(last.state, changed)
+        if gpus is not None:
+            cluster = last.state.with_gpus(gpus) if gpus else last.state
     cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index)
     return cache.last
+
+
+def _node_spec(view: ClusterView, node_id: str) -> NodeSpec:
+    reserved, loading = view.node_reservations(node_id)
+    gpus = tuple(
+        GpuSpec(g.gpu_type, 1000 - min(999, g.running_requests),
+                max(0, g.memory_free_mib - reserved.get(g.index, 0)), g.memory_total_mib,
+                g.healthy, g.loaded_models if g.index not in loading
+                else tuple(set(g.loaded_models) | loading[g.index]))
+        for g in sorted(view.nodes[node_id].gpus, key=lambda g: g.index))
+    return NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
+
+
+def _changed_gpus(state: ClusterState, changed: dict[int, tuple[NodeSpec, NodeSpec | None]]
+                  ) -> dict[int, GpuSpec] | None:
+    """The GPU rows whose spec differs from the one `state` was built from, or None when a
+    node's GPU count changed (the layout must be built afresh)."""
+    rows: dict[int, GpuSpec] = {}
+    for n, (spec, old) in changed.items():
+        if old is None or len(old.gpus) != len(spec.gpus):
+            return None
+        start = int(state.node_gpu_start[n])
+        rows.update((start + j, g) for j, (g, was) in enumerate(zip(spec.gpus, old.gpus))
+                    if g != was)
+    return rows
 
 
 @dataclass(frozen=True)

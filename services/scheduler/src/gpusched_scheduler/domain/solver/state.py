@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,9 +28,9 @@ DEFAULT_MODEL_SLOTS = 8
 """Loaded-model ids remembered per GPU; a full GPU forgets new loads (affinity is a hint)."""
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU as the cluster reports it (input to ``ClusterState.from_nodes``)."""
+class GpuSpec(NamedTuple):
+    """One GPU as the cluster reports it (input to ``ClusterState.from_nodes``). A named
+    tuple: the scheduler builds one per GPU of every node that changed, every cycle."""
 
     type_name: str
     milli_free: int = WHOLE_GPU_MILLI
@@ -189,33 +190,33 @@ class ClusterState:
             },
         )
 
-    def with_nodes(self, changed: dict[int, NodeSpec]) -> ClusterState | None:
-        """A copy with the nodes at the given indices rebuilt from their specs, or None when
-        that cannot keep the layout (another GPU count, a new GPU type or model name, more
-        models than slots): build afresh then. Decisions on it equal those on a fresh build;
-        only the code tables may hold names no GPU uses any more."""
-        part = ClusterState.from_nodes(changed.values(), model_slots=self.gpu_models.shape[1])
+    def with_gpus(self, changed: dict[int, GpuSpec]) -> ClusterState | None:
+        """A copy with the GPUs at the given indices rebuilt from their specs, or None when
+        that cannot keep the code tables (a new GPU type or model name, more models than
+        slots): build afresh then. Decisions on it equal those on a fresh build; only the
+        code tables may hold names no GPU uses any more."""
         types = {t: i for i, t in enumerate(self.type_names)}
         models = {m: i for i, m in enumerate(self.model_names)}
-        nodes = np.fromiter(changed, np.int64, len(changed))
-        start = self.node_gpu_start
-        counts = start[nodes + 1] - start[nodes]
-        if part.gpu_models.shape[1] != self.gpu_models.shape[1] \
-                or not np.array_equal(np.diff(part.node_gpu_start), counts) \
-                or any(t not in types for t in part.type_names) \
-                or any(m not in models for m in part.model_names):
-            return None
-        gpus = np.concatenate([np.arange(start[n], start[n + 1]) for n in nodes])
-        type_code = np.array([types[t] for t in part.type_names], np.int64)
-        model_code = np.array([models[m] for m in part.model_names] + [-1], np.int64)
+        slots = self.gpu_models.shape[1]
+        for g in changed.values():
+            if g.type_name not in types or len(g.loaded_models) > slots \
+                    or any(m not in models for m in g.loaded_models):
+                return None
         out = self.copy()
-        for name in ("node_cpu_free_milli", "node_mem_free_mib", "node_cpu_total_milli",
-                     "node_mem_total_mib"):
-            getattr(out, name)[nodes] = getattr(part, name)
-        for name in ("gpu_milli_free", "gpu_mem_free_mib", "gpu_mem_total_mib", "gpu_healthy"):
-            getattr(out, name)[gpus] = getattr(part, name)
-        out.gpu_type[gpus] = type_code[part.gpu_type]
-        out.gpu_models[gpus] = model_code[part.gpu_models]  # -1 (empty slot) stays -1
+        if not changed:
+            return out
+        rows = np.fromiter(changed, np.int64, len(changed))
+        gpus = changed.values()
+        out.gpu_type[rows] = [types[g.type_name] for g in gpus]
+        out.gpu_milli_free[rows] = [g.milli_free for g in gpus]
+        out.gpu_mem_free_mib[rows] = [g.memory_free_mib for g in gpus]
+        out.gpu_mem_total_mib[rows] = [
+            g.memory_free_mib if g.memory_total_mib is None else g.memory_total_mib
+            for g in gpus]
+        out.gpu_healthy[rows] = [g.healthy for g in gpus]
+        out.gpu_models[rows] = -1  # empty slots
+        for row, g in changed.items():
+            out.gpu_models[row, : len(g.loaded_models)] = [models[m] for m in g.loaded_models]
         return out
 
     def with_models(self, model_names: tuple[str, ...]) -> ClusterState:
