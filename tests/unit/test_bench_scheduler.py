@@ -1,12 +1,15 @@
 """The scheduler benchmark's pure helpers: what it produces parses as the contracts say,
 and "sustained" means what its report claims."""
 
+import asyncio
 import json
 import math
 
 from gpusched_common.contracts import NODE_STATE, REQUEST, USAGE
 from gpusched_scheduler.bench.scheduler import (
+    LIVE_CYCLE_PER_CLASS,
     Step,
+    engine_only,
     machine_steal,
     metric_sums,
     node_states,
@@ -68,3 +71,9 @@ def test_bench_records_parse_as_the_contracts() -> None:
 def test_metric_sums_add_every_label() -> None:
     text = ('# HELP x\nm_count{a="1"} 2.0\nm_count{a="2"} 3.0\nm_sum 0.5\nother 9\n')
     assert metric_sums(text, ("m_count", "m_sum")) == {"m_count": 5.0, "m_sum": 0.5}
+
+
+def test_the_engine_alone_places_every_request_of_each_round_at_a_live_cycles_size() -> None:
+    result = asyncio.run(engine_only(4, 8, LIVE_CYCLE_PER_CLASS, rounds=3))
+    assert result["placements"] == 3 * 3 * LIVE_CYCLE_PER_CLASS  # rounds x classes x per class
+    assert result["us_per_placement"] > 0

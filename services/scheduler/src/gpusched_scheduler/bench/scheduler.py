@@ -784,6 +784,11 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
             "batch_per_class": batch, "us_per_placement": round(1e6 * elapsed / placed, 1)}
 
 
+LIVE_CYCLE_PER_CLASS = 2
+"""At 500 requests/s a cycle places about 5-6 requests (~90 cycles/s): the engine-alone
+baseline at that size shows what a cycle's fixed costs add to each placement."""
+
+
 # --- baseline: Kafka alone ---------------------------------------------------------------
 ECHO_IN = topics.TopicSpec("gpusched.bench.echo-in", key="request id", partitions=3,
                            retention_ms=3600_000)
@@ -868,6 +873,13 @@ async def run(bench: Bench) -> dict:
     print(f"baseline: the engine alone in this process (no Kafka, no Redis): "
           f"{base['placements_per_s']:,} placements/s, {base['us_per_placement']} us each, "
           f"{args.fetch_max_records} pending per class per round", flush=True)
+    small = await engine_only(args.nodes, args.gpus, LIVE_CYCLE_PER_CLASS,
+                              100 if args.quick else 1000)
+    result["engine_only_live_cycle"] = small
+    print(f"baseline: the engine alone with {LIVE_CYCLE_PER_CLASS} per class per round (about "
+          f"a cycle's work at {TARGET_RATE_REQ_S}/s): {small['placements_per_s']:,} "
+          f"placements/s, {small['us_per_placement']} us each (the ramps' us/place adds "
+          f"Kafka, Redis and telemetry clients to this)", flush=True)
     since = machine_steal()
     echo = await kafka_echo(bench.bootstrap, TARGET_RATE_REQ_S, args.step_s)
     echo["steal_pct"] = steal_pct(since)
