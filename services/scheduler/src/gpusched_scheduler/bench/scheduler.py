@@ -800,7 +800,9 @@ async def kafka_echo(bootstrap: str, rate_req_s: int, seconds: float) -> dict:
     """The latency floor of the scheduler's path with scheduling taken away: records go
     in at `rate_req_s` (three producers' worth of topics collapsed into one), an echo task
     consumes each batch as it arrives and produces it again with the scheduler's producer
-    settings, and a third consumer measures publish -> echo received, both hops."""
+    settings, and a third consumer measures publish -> echo received, both hops. Also the
+    CPU time its clients spent per record (this process does nothing else meanwhile but the
+    fleet's heartbeat): what aiokafka alone costs for a record's path."""
     await topics.ensure_topics(bootstrap, (ECHO_IN, ECHO_OUT))
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0,
                                 enable_idempotence=True)
@@ -832,18 +834,22 @@ async def kafka_echo(bootstrap: str, rate_req_s: int, seconds: float) -> dict:
                                  for records in batches.values() for r in records)
 
     tasks = [asyncio.create_task(echo()), asyncio.create_task(receive())]
+    cpu0 = None
     try:
         await asyncio.sleep(1.0)  # both consumers positioned at the end
         t0 = time.monotonic()
         n = 0
         while (elapsed := time.monotonic() - t0) < seconds + 1.0:
             measuring = elapsed >= 1.0  # the first second warms up
+            if measuring and cpu0 is None:
+                cpu0 = time.process_time()
             for _ in range(int(rate_req_s * elapsed) + 1 - n):
                 await producer.send(ECHO_IN.name, repr(time.time()).encode(),
                                     key=str(n).encode())
                 n += 1
             await asyncio.sleep(0.002)
         await asyncio.sleep(0.5)
+        cpu_s = time.process_time() - (cpu0 or 0.0)
     finally:
         for task in tasks:
             task.cancel()
@@ -852,7 +858,8 @@ async def kafka_echo(bootstrap: str, rate_req_s: int, seconds: float) -> dict:
     latencies.sort()
     return {"rate_req_s": rate_req_s, "records": len(latencies),
             "p50_ms": round(percentile(latencies, 0.50), 1),
-            "p99_ms": round(percentile(latencies, 0.99), 1)}
+            "p99_ms": round(percentile(latencies, 0.99), 1),
+            "cpu_us_per_record": round(1e6 * cpu_s / max(len(latencies), 1))}
 
 
 # --- entry points -------------------------------------------------------------------------
@@ -886,7 +893,9 @@ async def run(bench: Bench) -> dict:
     result["kafka_echo"] = echo
     print(f"baseline: Kafka alone, publish -> echo -> consume (two hops, no scheduling) at "
           f"{echo['rate_req_s']}/s: p50 {echo['p50_ms']} ms, p99 {echo['p99_ms']} ms "
-          f"({echo['steal_pct']:g}% of the machine's CPU time stolen by its host meanwhile)",
+          f"({echo['steal_pct']:g}% of the machine's CPU time stolen by its host meanwhile); "
+          f"its aiokafka clients (publish, consume, publish again, consume; one process) used "
+          f"{echo['cpu_us_per_record']:,} us of CPU per record",
           flush=True)
     try:
         profile_env = {"GPUSCHED_BENCH_PROFILE": str(args.profile)} if args.profile else {}
