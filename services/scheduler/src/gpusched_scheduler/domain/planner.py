@@ -120,15 +120,19 @@ def _node_spec(view: ClusterView, node_id: str) -> NodeSpec:
 def _changed_gpus(state: ClusterState, changed: dict[int, tuple[NodeSpec, NodeSpec | None]]
                   ) -> dict[int, GpuSpec] | None:
     """The GPU rows whose spec differs from the one `state` was built from, or None when a
-    node's GPU count changed (the layout must be built afresh)."""
+    node's GPU count or its own CPU or memory changed (built afresh then)."""
     rows: dict[int, GpuSpec] = {}
     for n, (spec, old) in changed.items():
-        if old is None or len(old.gpus) != len(spec.gpus):
+        if old is None or len(old.gpus) != len(spec.gpus) or _node_own(old) != _node_own(spec):
             return None
         start = int(state.node_gpu_start[n])
         rows.update((start + j, g) for j, (g, was) in enumerate(zip(spec.gpus, old.gpus))
                     if g != was)
     return rows
+
+
+def _node_own(spec: NodeSpec) -> tuple:
+    return spec.cpu_milli, spec.memory_mib, spec.cpu_total_milli, spec.memory_total_mib
 
 
 @dataclass(frozen=True)
