@@ -415,6 +415,11 @@ class CpuMeter:
         now = self._read()
         return time.monotonic() - self.t0, {k: now[k] - self.cpu0.get(k, 0.0) for k in now}
 
+    def steal_pct(self) -> float:
+        """Share (%) of the machine's CPU time its host gave to others since this meter
+        started."""
+        return steal_pct(self.steal0)
+
     def run_queue_s(self) -> dict[str, float]:
         """Seconds each process's main thread waited for a CPU while runnable since this
         meter started (/proc schedstat): time a busy, shared machine took from it."""
@@ -578,7 +583,7 @@ class Bench:
         t1 = time.time()
         wall_s, cpu = meter.seconds()
         waited = meter.run_queue_s()
-        steal = steal_pct(meter.steal0)
+        steal = meter.steal_pct()
         fleet.track = False
         metrics = await self.cycle_metrics()
         cycles = metrics[CYCLE_METRICS[0]] - metrics0[CYCLE_METRICS[0]]

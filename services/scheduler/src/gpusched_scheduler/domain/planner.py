@@ -80,8 +80,8 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     nodes = view.nodes
     specs: list[NodeSpec] = []
     kept: dict[str, tuple[int, NodeSpec]] = {}
+    # node index -> (its new spec, the spec the last snapshot was built from)
     changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
-    """Node index -> (its new spec, the spec the last snapshot was built from)."""
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
         version = view.version.get(node_id, 0)
         hit = cache.specs.get(node_id) if cache is not None else None

@@ -92,7 +92,6 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
             del self._memory_mib[placement.tenant], self._count[placement.tenant]
 
 
-
 ClaimState = Literal["untaken", "held", "ended", "fenced"]
 """Where a placement stands in the agents' claim ledger: no agent has claimed it yet; an
 agent run holds it; that run ended it (its final usage is sent); the scheduler fenced it

@@ -203,8 +203,6 @@ class ClusterState:
                     or any(m not in models for m in g.loaded_models):
                 return None
         out = self.copy()
-        if not changed:
-            return out
         rows = np.fromiter(changed, np.int64, len(changed))
         gpus = changed.values()
         out.gpu_type[rows] = [types[g.type_name] for g in gpus]
