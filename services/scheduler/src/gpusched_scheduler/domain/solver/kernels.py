@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .result import Reason
+
 INF = np.inf
 
 # policy ids (keep in sync with policies.py)
@@ -30,14 +32,14 @@ GPU_PACKING = 3
 FGD = 4
 GPUSCHED = 5
 
-# reason codes (keep in sync with result.Reason)
-PLACED = 0
-INVALID_REQUEST = 1
-NO_ALLOWED_GPU_TYPE = 2
-GANG_TOO_LARGE = 3
-INSUFFICIENT_CPU_MEMORY = 4
-INSUFFICIENT_GPU_SHARE = 5
-INSUFFICIENT_GPU_MEMORY = 6
+# reason codes as plain ints (a compiled kernel reads them as constants)
+PLACED = int(Reason.PLACED)
+INVALID_REQUEST = int(Reason.INVALID_REQUEST)
+NO_ALLOWED_GPU_TYPE = int(Reason.NO_ALLOWED_GPU_TYPE)
+GANG_TOO_LARGE = int(Reason.GANG_TOO_LARGE)
+INSUFFICIENT_CPU_MEMORY = int(Reason.INSUFFICIENT_CPU_MEMORY)
+INSUFFICIENT_GPU_SHARE = int(Reason.INSUFFICIENT_GPU_SHARE)
+INSUFFICIENT_GPU_MEMORY = int(Reason.INSUFFICIENT_GPU_MEMORY)
 
 TIER_MILLI = 1.0e7
 """Score step between gpu-packing tiers (larger than any free milli-GPU of one node)."""

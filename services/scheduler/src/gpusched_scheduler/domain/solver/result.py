@@ -14,7 +14,7 @@ from .state import ClusterState
 
 
 class Reason(IntEnum):
-    """Why a unit was not placed (codes match kernels.py)."""
+    """Why a unit was not placed (the kernels report these codes)."""
 
     PLACED = 0
     INVALID_REQUEST = 1
