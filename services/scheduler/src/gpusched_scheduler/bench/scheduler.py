@@ -54,6 +54,7 @@ TARGET_RATE_REQ_S = 500
 TARGET_P99_MS = 25.0
 TARGET_SUSTAINED_PER_S = 2000
 TARGET_RSS_GROWTH = 0.10
+BROKER_WARM_RATE = 1000
 SCHEDULERS = ("scheduler-bench-a", "scheduler-bench-b")
 
 
@@ -879,6 +880,11 @@ async def run(bench: Bench) -> dict:
                     "window_ms": args.window_ms, "instances": {},
                     "cpu_count": os.cpu_count(),
                     "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    if args.warm_broker_s:
+        print(f"warming the broker: {args.warm_broker_s:g} s of Kafka echo traffic at "
+              f"{BROKER_WARM_RATE:,} records/s (unmeasured)", flush=True)
+        await kafka_echo(bench.bootstrap, BROKER_WARM_RATE, args.warm_broker_s)
+    result["broker_warm_s"] = args.warm_broker_s
     base = await engine_only(args.nodes, args.gpus, args.fetch_max_records,
                              3 if args.quick else 10)
     result["engine_only"] = base
@@ -999,6 +1005,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup-s", type=float, default=2.0,
                         help="Unmeasured seconds at each rate before measuring.")
     parser.add_argument("--instances", default="1,2", help="Runs with 1 and/or 2 schedulers.")
+    parser.add_argument("--warm-broker-s", type=float, default=60.0,
+                        help="Unmeasured seconds of Kafka traffic (the echo baseline's clients "
+                        f"at {BROKER_WARM_RATE:,}/s) before anything is measured, so that the "
+                        "broker's JIT compiler has compiled its hot code, as in a broker that "
+                        "has been running a while.")
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (H100-80GB).")
     parser.add_argument("--hold-ms", type=float, default=200.0,
@@ -1024,6 +1035,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.step_s, args.warmup_s, args.instances = "500,1000", 3.0, 1.0, "1"
+        args.warm_broker_s = 0.0
         args.full_s = min(args.full_s, 5.0)
     args.rates = [int(r) for r in args.rates.split(",")]
     args.instances = [int(i) for i in args.instances.split(",")]
