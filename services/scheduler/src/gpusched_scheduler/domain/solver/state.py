@@ -39,6 +39,11 @@ class GpuSpec(NamedTuple):
     healthy: bool = True
     loaded_models: tuple[str, ...] = ()
 
+    @property
+    def memory_capacity_mib(self) -> int:
+        """The GPU's memory size: its total when reported, else its free memory."""
+        return self.memory_free_mib if self.memory_total_mib is None else self.memory_total_mib
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -120,13 +125,7 @@ class ClusterState:
             gpu_type=np.array([type_index[g.type_name] for g in gpus], np.int64),
             gpu_milli_free=np.array([g.milli_free for g in gpus], np.int64),
             gpu_mem_free_mib=mem_free,
-            gpu_mem_total_mib=np.array(
-                [
-                    g.memory_free_mib if g.memory_total_mib is None else g.memory_total_mib
-                    for g in gpus
-                ],
-                np.int64,
-            ),
+            gpu_mem_total_mib=np.array([g.memory_capacity_mib for g in gpus], np.int64),
             gpu_healthy=np.array([g.healthy for g in gpus], np.bool_),
             gpu_models=gpu_models,
             type_names=tuple(type_index),
@@ -208,9 +207,7 @@ class ClusterState:
         out.gpu_type[rows] = [types[g.type_name] for g in gpus]
         out.gpu_milli_free[rows] = [g.milli_free for g in gpus]
         out.gpu_mem_free_mib[rows] = [g.memory_free_mib for g in gpus]
-        out.gpu_mem_total_mib[rows] = [
-            g.memory_free_mib if g.memory_total_mib is None else g.memory_total_mib
-            for g in gpus]
+        out.gpu_mem_total_mib[rows] = [g.memory_capacity_mib for g in gpus]
         out.gpu_healthy[rows] = [g.healthy for g in gpus]
         out.gpu_models[rows] = -1  # empty slots
         for row, g in changed.items():
