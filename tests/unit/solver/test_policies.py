@@ -13,6 +13,7 @@ from gpusched_scheduler.domain.solver import (
     Placed,
     Reason,
     ShapeDistribution,
+    SolverSession,
     Unschedulable,
     WorkBatch,
     get_policy,
@@ -81,6 +82,17 @@ def test_type_constraint():
     assert res.outcome(0).node_id == "b"
     res = solve(state, one(allowed_gpu_types=["H100"]), "first-fit")
     assert res.outcome(0).reason == Reason.NO_ALLOWED_GPU_TYPE
+
+
+@pytest.mark.parametrize("policy", ["best-fit", "gpusched"])
+def test_a_cluster_without_nodes_places_nothing_and_says_why(policy):
+    batch = WorkBatch.from_units(num_gpu=[1, 0], gpu_milli=[500, 0], cpu_milli=[1000, 1000],
+                                 mem_mib=[1024, 1024])
+    empty = ClusterState.from_nodes([])
+    for res in (solve(empty, batch, policy),
+                SolverSession(policy, ShapeDistribution.from_batch(batch)).solve(empty, batch)):
+        assert [res.outcome(u).reason for u in range(2)] == [
+            Reason.NO_ALLOWED_GPU_TYPE, Reason.INSUFFICIENT_CPU_MEMORY]
 
 
 def test_model_weight_charged_only_where_not_loaded():

@@ -19,11 +19,13 @@ from .solve import (
     fresh_bookkeeping,
     group_rows,
     lookahead_order,
+    nowhere,
     resolve,
+    result_buffers,
     state_tuple,
     work_buffers,
 )
-from .state import MAX_GANG_GPUS, ClusterState, WorkBatch
+from .state import ClusterState, WorkBatch
 
 
 class SolverSession:
@@ -134,15 +136,10 @@ class SolverSession:
               ) -> SolveResult:
         """Same contract and decisions as ``solve(state, batch, policy, shapes=...)``."""
         work, units = resolve(state.copy(), batch)
-        n = len(batch)
-        out_node = np.full(n, -1, np.int64)
-        out_gpus = np.full((n, MAX_GANG_GPUS), -1, np.int64)
-        out_reason = np.zeros(n, np.int64)
-        stats = np.zeros(4, np.int64)
         if work.num_nodes == 0:
-            out_reason[:] = K.NO_ALLOWED_GPU_TYPE
-            out_reason[batch.num_gpu == 0] = K.INSUFFICIENT_CPU_MEMORY
-            return SolveResult(out_node, out_gpus, out_reason, work, self.policy.name, stats)
+            return nowhere(work, batch, self.policy.name)
+        n = len(batch)
+        out_node, out_gpus, out_reason, stats = result_buffers(n)
         if not self._compatible(work):
             self._reset(work, batch)
             changed = np.zeros(0, np.int64)

@@ -236,33 +236,42 @@ def solve(
         ],
         np.float64,
     )
+    if work.num_nodes == 0:
+        return nowhere(work, batch, pol.name)
     slots, n_slots = shape_slots(units, work.num_nodes)
     order = lookahead_order(batch) if lookahead else np.arange(len(batch), dtype=np.int64)
-    n = len(batch)
-    out_node = np.full(n, -1, np.int64)
-    out_gpus = np.full((n, MAX_GANG_GPUS), -1, np.int64)
-    out_reason = np.zeros(n, np.int64)
-    stats = np.zeros(4, np.int64)
-    if work.num_nodes == 0:
-        out_reason[:] = K.NO_ALLOWED_GPU_TYPE  # nothing to place on
-        out_reason[batch.num_gpu == 0] = K.INSUFFICIENT_CPU_MEMORY
-    else:
-        K.solve_kernel(
-            pol.kernel_id,
-            state_tuple(work),
-            units,
-            w,
-            order,
-            slots,
-            *work_buffers(work.num_nodes, n_slots, len(w[0]), pol.uses_shapes),
-            fresh_bookkeeping(work.num_nodes, n_slots, n + 1),
-            out_node,
-            out_gpus,
-            out_reason,
-            params,
-            stats,
-        )
+    out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
+    K.solve_kernel(
+        pol.kernel_id,
+        state_tuple(work),
+        units,
+        w,
+        order,
+        slots,
+        *work_buffers(work.num_nodes, n_slots, len(w[0]), pol.uses_shapes),
+        fresh_bookkeeping(work.num_nodes, n_slots, len(batch) + 1),
+        out_node,
+        out_gpus,
+        out_reason,
+        params,
+        stats,
+    )
     return SolveResult(out_node, out_gpus, out_reason, work, pol.name, stats)
+
+
+def result_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``solve_kernel``'s outputs for ``n`` units, all unplaced: (node, GPUs, reason,
+    stats)."""
+    return (np.full(n, -1, np.int64), np.full((n, MAX_GANG_GPUS), -1, np.int64),
+            np.zeros(n, np.int64), np.zeros(4, np.int64))
+
+
+def nowhere(work: ClusterState, batch: WorkBatch, policy: str) -> SolveResult:
+    """The result on a cluster without nodes: nothing placed, each unit with its reason."""
+    out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
+    out_reason[:] = K.NO_ALLOWED_GPU_TYPE
+    out_reason[batch.num_gpu == 0] = K.INSUFFICIENT_CPU_MEMORY
+    return SolveResult(out_node, out_gpus, out_reason, work, policy, stats)
 
 
 def release(
