@@ -293,19 +293,12 @@ class FakeFleet:
 
     async def _send(self, topic: str, partitions: int, records: list[tuple[bytes, bytes]]
                     ) -> None:
-        """Append records to one batch per call, on partitions in turn (no per-record
-        futures: the cheapest way aiokafka offers to produce many small records)."""
+        """Produce `records` in batches, on partitions in turn."""
         i = 0
         while i < len(records):
-            batch = self.producer.create_batch()
-            while i < len(records):
-                key, value = records[i]
-                if batch.append(key=key, value=value, timestamp=None) is None:
-                    break
-                i += 1
             part = self._rr.get(topic, 0)
             self._rr[topic] = (part + 1) % partitions
-            await self.producer.send_batch(batch, topic, partition=part)
+            i += await send_batch_now(self.producer, topic, part, records[i:])
 
     async def offer(self, rate_req_s: float, duration_s: float, classes: tuple[str, ...],
                     prefix: str) -> list[str]:
@@ -374,6 +367,25 @@ class FakeFleet:
         self.sent_at.clear()
         self.done.clear()
         return left
+
+
+async def send_batch_now(producer: AIOKafkaProducer, topic: str, partition: int,
+                         records: list[tuple[bytes, bytes]]) -> int:
+    """Produce as many of `records` (key, value) as fit one batch to `partition`; returns
+    how many. No per-record futures: the cheapest way aiokafka offers to produce many small
+    records. The batch is closed before it is handed over: aiokafka sends a closed batch at
+    once, an open one only after the producer's linger, which the requests' latency would
+    count although no scheduler is involved yet."""
+    batch = producer.create_batch()
+    n = 0
+    while n < len(records) and batch.append(key=records[n][0], value=records[n][1],
+                                            timestamp=None) is not None:
+        n += 1
+    if n == 0 and records:
+        raise ValueError(f"a record of {len(records[0][1])} bytes exceeds the batch size")
+    batch.close()
+    await producer.send_batch(batch, topic, partition=partition)
+    return n
 
 
 # --- processes ----------------------------------------------------------------------------
