@@ -222,6 +222,8 @@ def solve(
     """
     pol = get_policy(policy)
     work, units = resolve(state.copy(), batch)
+    if work.num_nodes == 0:
+        return nowhere(work, batch, pol.name)
     dist = ShapeDistribution.empty()
     if pol.uses_shapes:
         dist = shapes or ShapeDistribution.from_batch(batch)
@@ -236,8 +238,6 @@ def solve(
         ],
         np.float64,
     )
-    if work.num_nodes == 0:
-        return nowhere(work, batch, pol.name)
     slots, n_slots = shape_slots(units, work.num_nodes)
     order = lookahead_order(batch) if lookahead else np.arange(len(batch), dtype=np.int64)
     out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
