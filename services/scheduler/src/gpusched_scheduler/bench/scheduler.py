@@ -665,6 +665,7 @@ class Bench:
         await fleet.offer(TARGET_RATE_REQ_S, 10.0, topics_classes(), f"soakw-{time.time_ns()}")
         start = self.rss_mib()
         series = [start]
+        p99_series: list[float] = []
         lat: list[float] = []
         prefix = f"soak-{time.time_ns()}"
         done = 0.0
@@ -674,15 +675,19 @@ class Bench:
                                     f"{prefix}-{int(done)}")
             done += chunk
             await fleet.settle(ids[-50:], 5.0)
-            lat += [fleet.done.pop(r)[1] for r in ids if r in fleet.done]
+            chunk_lat = sorted(fleet.done.pop(r)[1] for r in ids if r in fleet.done)
+            lat += chunk_lat
             series.append(self.rss_mib())
-            print(f"  {done:6.0f} s  rss {series[-1]:7.1f} MiB  placed {len(lat)}", flush=True)
+            p99_series.append(round(percentile(chunk_lat, 0.99), 1))
+            print(f"  {done:6.0f} s  rss {series[-1]:7.1f} MiB  placed {len(lat)}  "
+                  f"p99 {p99_series[-1]:g} ms", flush=True)
         lat.sort()
         fleet.done.clear()
         end = series[-1]
         return {"seconds": seconds, "rate_req_s": TARGET_RATE_REQ_S, "rss_mib_start": start,
                 "rss_mib_end": end, "rss_growth": round(end / start - 1, 4),
-                "rss_mib_series_10s": series, "placed": len(lat),
+                "rss_mib_series_10s": series, "p99_ms_series_10s": p99_series,
+                "placed": len(lat),
                 "p50_ms": round(percentile(lat, 0.5), 2),
                 "p99_ms": round(percentile(lat, 0.99), 2)}
 
