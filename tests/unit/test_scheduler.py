@@ -14,6 +14,7 @@ from faststream.kafka import KafkaBroker, TestKafkaBroker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import NoOpTracer
+from prometheus_client import CollectorRegistry
 
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
@@ -325,6 +326,31 @@ async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) ->
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.request_id == "i1"
     assert engine.queue.depth()["batch"] == 1
+
+
+async def test_queue_depth_per_class_and_tenant_is_exported_as_of_the_scrape() -> None:
+    registry = CollectorRegistry()
+
+    async def publish(batch):
+        return asyncio.gather()
+
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12),
+                              registry=registry)
+    engine.lead(3, [])
+    for rid, cls, tenant in (("a1", "batch", "acme"), ("a2", "batch", "acme"),
+                             ("g1", "interactive", "globex")):
+        engine.queue.push(Pending(req(rid, cls, tenant=tenant), {}, 0))
+
+    def depth() -> dict[tuple[str, str], float]:
+        return {(s.labels["priority_class"], s.labels["tenant"]): s.value
+                for m in registry.collect() if m.name == "gpusched_scheduler_queue_depth"
+                for s in m.samples}
+
+    assert depth() == {("batch", "acme"): 2, ("interactive", "globex"): 1}
+    engine.view.apply_node_state(node("n1", [80000]), 0)
+    assert await engine.cycle() == 3
+    assert depth() == {}  # placed: nothing waits, and no stale series is left behind
 
 
 class Commits:

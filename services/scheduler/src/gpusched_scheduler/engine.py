@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from gpusched_common import topics
@@ -207,7 +209,7 @@ class SchedulingEngine:
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
         self._last_scaling_s = 0.0
-        self._metrics = _Metrics(registry or CollectorRegistry())
+        self._metrics = _Metrics(registry or CollectorRegistry(), lambda: self.queue)
 
     # --- leadership ---------------------------------------------------------------------
     def lead(self, epoch: int, running: list[RunningPlacement],
@@ -377,7 +379,6 @@ class SchedulingEngine:
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
         if not len(self.queue):
-            self._update_depth_gauges()
             return 0
         started = time.perf_counter()
         chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
@@ -463,7 +464,6 @@ class SchedulingEngine:
             self._wake.set()  # more was pending than this cycle took
         self._metrics.cycle_seconds.observe(time.perf_counter() - started)
         self._metrics.decisions.inc(len(messages))
-        self._update_depth_gauges()
         return len(messages)
 
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
@@ -728,15 +728,6 @@ class SchedulingEngine:
                 queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
                 topics.EVENTS.name, spec.name, {})])
 
-    def _update_depth_gauges(self) -> None:
-        depth: dict[tuple[str, str], int] = {}
-        for item in self.queue.in_order():
-            key = (item.request.priority_class, item.request.tenant)
-            depth[key] = depth.get(key, 0) + 1
-        self._metrics.depth.clear()
-        for (cls, tenant), n in depth.items():
-            self._metrics.depth.labels(cls, tenant).set(n)
-
     async def _refuse(self, refused: Refused) -> None:
         self._metrics.rejected.labels("invalid").inc()
         out = [Outgoing(refused.dead_letter, topics.DEAD_LETTERS.name,
@@ -776,10 +767,26 @@ def _weighted_tokens(prompt_tokens: int, completion_tokens: int) -> float:
     return max(1.0, completion_tokens + prompt_tokens / 20)
 
 
+class _QueueDepth(Collector):
+    """`gpusched_scheduler_queue_depth`, counted from the pending queue when scraped: a
+    gauge set on every cycle cost more than ordering the queue (2.2 ms per cycle with 768
+    requests of 100 tenants pending), for a value read every few seconds. The scrape runs
+    on the engine's event loop, so it sees the queue between cycles."""
+
+    def __init__(self, queue: Callable[[], PendingQueue]) -> None:
+        self._queue = queue
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("gpusched_scheduler_queue_depth", "Pending requests.",
+                                   labels=["priority_class", "tenant"])
+        for (cls, tenant), n in sorted(self._queue().depth_by_tenant().items()):
+            family.add_metric([cls, tenant], n)
+        yield family
+
+
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.depth = Gauge("gpusched_scheduler_queue_depth", "Pending requests.",
-                           ["priority_class", "tenant"], registry=registry)
+    def __init__(self, registry: CollectorRegistry, queue: Callable[[], PendingQueue]) -> None:
+        registry.register(_QueueDepth(queue))
         self.decisions = Counter("gpusched_scheduler_decisions_total",
                                  "Placements, rejections and preemptions published.",
                                  registry=registry)

@@ -76,5 +76,10 @@ class PendingQueue:
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}
 
+    def depth_by_tenant(self) -> Counter[tuple[PriorityClass, str]]:
+        """Items waiting per (class, tenant)."""
+        return Counter((cls, item.request.tenant) for cls, queue in self.by_class.items()
+                       for item in queue.values())
+
     def __len__(self) -> int:
         return sum(len(q) for q in self.by_class.values())
