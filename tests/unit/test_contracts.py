@@ -61,6 +61,10 @@ def test_prompt_tokens_are_four_bytes_each_rounded_up() -> None:
     assert count_prompt_tokens("abcd") == 1
     assert count_prompt_tokens("abcde") == 2
     assert count_prompt_tokens("tok " * 100) == 100
+    # bytes of UTF-8, not characters: 2 + 3 + 4 bytes
+    assert count_prompt_tokens("é") == 1
+    assert count_prompt_tokens("é日😀") == 3
+    assert count_prompt_tokens("é" * 100) == 50
 
 
 def test_topics_are_named_once_with_a_class_each() -> None:

@@ -283,4 +283,7 @@ def count_prompt_tokens(prompt: str) -> int:
     Four bytes per token is the usual English average of BPE tokenizers; a request may carry
     an explicit `prompt_tokens` instead.
     """
-    return max(1, -(-len(prompt.encode()) // 4))
+    # an ASCII string's length is its UTF-8 size, known without encoding it (the scheduler
+    # sizes every pending request on every cycle)
+    size = len(prompt) if prompt.isascii() else len(prompt.encode())
+    return max(1, -(-size // 4))
