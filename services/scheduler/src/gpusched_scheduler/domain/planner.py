@@ -190,6 +190,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
             else None
         result = solve(state, batch, policy, shapes=shapes)
+        never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -199,14 +200,17 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             for u in range(end - len(chunk.items), end):
                 item = items[u]
                 outcome = result.outcome(u)
-                kv, weight = memory_per_gpu(item.request, catalog.get(item.request.model))
+                kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
                 if hasattr(outcome, "gpu_indices"):
                     loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
                                         item.request.model)
                     placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
                                         kv + (0 if loaded else weight)))
-                elif outcome.reason in PERMANENT or _never_fits(snap, kv + weight,
-                                                               item.request.num_gpus):
+                    continue
+                size = (kv + weight, item.request.num_gpus)
+                if size not in never_fits:
+                    never_fits[size] = _never_fits(snap, *size)
+                if outcome.reason in PERMANENT or never_fits[size]:
                     rejected.append(Reject(item, _never_reason(item.request, kv, weight,
                                                                outcome.message)))
                 else:
