@@ -209,7 +209,7 @@ class SchedulingEngine:
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
         self._last_scaling_s = 0.0
-        self._metrics = _Metrics(registry or CollectorRegistry(), lambda: self.queue)
+        self._metrics = _Metrics(registry or CollectorRegistry(), self.queue)
 
     # --- leadership ---------------------------------------------------------------------
     def lead(self, epoch: int, running: list[RunningPlacement],
@@ -773,19 +773,19 @@ class _QueueDepth(Collector):
     requests of 100 tenants pending), for a value read every few seconds. The scrape runs
     on the engine's event loop, so it sees the queue between cycles."""
 
-    def __init__(self, queue: Callable[[], PendingQueue]) -> None:
+    def __init__(self, queue: PendingQueue) -> None:
         self._queue = queue
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("gpusched_scheduler_queue_depth", "Pending requests.",
                                    labels=["priority_class", "tenant"])
-        for (cls, tenant), n in sorted(self._queue().depth_by_tenant().items()):
+        for (cls, tenant), n in sorted(self._queue.depth_by_tenant().items()):
             family.add_metric([cls, tenant], n)
         yield family
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry, queue: Callable[[], PendingQueue]) -> None:
+    def __init__(self, registry: CollectorRegistry, queue: PendingQueue) -> None:
         registry.register(_QueueDepth(queue))
         self.decisions = Counter("gpusched_scheduler_decisions_total",
                                  "Placements, rejections and preemptions published.",
