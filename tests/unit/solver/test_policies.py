@@ -59,6 +59,18 @@ def test_sharing_unit_choice(policy, expected_node, expected_gpu):
     assert (out.node_index, out.gpu_indices) == (expected_node, (expected_gpu,))
 
 
+@pytest.mark.parametrize("policy, expected_gpu", [("best-fit", 0), ("gpusched", 1)])
+def test_gpusched_pairs_shares_the_way_the_workload_packs(policy, expected_gpu):
+    """A 320 next to a 470 strands 210 that this workload never uses; next to another 320
+    it leaves room for a third (320+320+320 is part of the workload's best packing)."""
+    state = cluster((None, [530, 680]))  # a 470 and a 320 already placed
+    workload = WorkBatch.from_units(num_gpu=[1] * 4, gpu_milli=[650, 470, 320, 320],
+                                    cpu_milli=[1000] * 4, mem_mib=[1024] * 4)
+    res = solve(state, one(gpu_milli=320), policy,
+                shapes=ShapeDistribution.from_batch(workload))
+    assert res.outcome(0).gpu_indices == (expected_gpu,)
+
+
 def test_whole_gpu_unit_needs_a_fully_free_gpu():
     state = cluster((None, [999, 999]), (None, [999, 1000]))
     res = solve(state, one(gpu_milli=1000), "first-fit")

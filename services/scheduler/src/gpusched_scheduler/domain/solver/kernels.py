@@ -10,7 +10,9 @@ Tuples used throughout (all int64 unless noted):
        gpu_type, gpu_milli_free, gpu_mem_free, gpu_healthy[bool], gpu_models[G, K])
   U = (num_gpu, gpu_milli, gpu_mem, cpu, mem, type_mask, model, weight)
   W = (shape_cpu, shape_mem, shape_num_gpu, shape_milli, shape_gpu_mem, shape_mask,
-       shape_weight)  -- the workload's typical shapes, used by fgd and gpusched
+       shape_weight, fill_value[1001], price[1001])  -- the workload's typical shapes
+       (fgd; gpusched's gangs and CPU-only units) and what free GPU share is worth to it
+       (gpusched's GPU choice, ``prices.price_tables``)
   params = [affinity_bonus_milli, stranded_weight, cpu_milli_per_gpu_milli,
             mem_mib_per_gpu_milli, shape_weight_sum]  (float64)
 """
@@ -40,6 +42,10 @@ GANG_TOO_LARGE = int(Reason.GANG_TOO_LARGE)
 INSUFFICIENT_CPU_MEMORY = int(Reason.INSUFFICIENT_CPU_MEMORY)
 INSUFFICIENT_GPU_SHARE = int(Reason.INSUFFICIENT_GPU_SHARE)
 INSUFFICIENT_GPU_MEMORY = int(Reason.INSUFFICIENT_GPU_MEMORY)
+
+TIGHT_PER_MILLI = 1.0e-4
+"""gpusched's tie-break toward the GPU with less free share: at most 0.1 for a whole GPU,
+below the price loss's step (1 milli-GPU)."""
 
 TIER_MILLI = 1.0e7
 """Score step between gpu-packing tiers (larger than any free milli-GPU of one node)."""
@@ -86,7 +92,7 @@ def frag_rows(S, n, W, C):
     gmilli = S[6]
     gmem = S[7]
     healthy = S[8]
-    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count = W
+    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count, _, _ = W
     total = 0
     for g in range(lo, hi):
         if healthy[g]:
@@ -155,6 +161,19 @@ def frag_after(S, n, u, U, sel, k, W, C):
     return f
 
 
+@njit(cache=True, inline="always")
+def share_loss_key(W, free_milli, milli, loaded, params):
+    """gpusched's key for putting ``milli`` on a GPU with ``free_milli`` free (lower is
+    better), in milli-GPU: the share the placement costs at the workload's LP prices
+    (``fill_value[f] - price[milli] - fill_value[f - milli]``, micro-GPUs), then a hair
+    toward the tighter GPU, minus the affinity bonus when the unit's model is loaded."""
+    loss = W[7][free_milli] - W[8][milli] - W[7][free_milli - milli]
+    key = (loss + 500) // 1000 + free_milli * TIGHT_PER_MILLI  # micro-GPU rounding is noise
+    if loaded:
+        key -= params[0]
+    return key
+
+
 @njit(cache=True)
 def node_gpu_free_total(S, n):
     tot = 0
@@ -220,7 +239,7 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
                 nc += 1
         if nc < k:
             return INF
-    use_frag = policy == FGD or policy == GPUSCHED
+    use_frag = policy == FGD or (policy == GPUSCHED and k != 1)
     fnow = 0.0
     if use_frag:
         fnow = C[0][n]
@@ -235,6 +254,9 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
             keys[c] = S[6][g]
         elif policy == GPU_PACKING:
             keys[c] = S[6][g] if S[6][g] < 1000 else 2000.0
+        elif policy == GPUSCHED:
+            keys[c] = share_loss_key(W, S[6][g], milli, model_loaded(S[9], g, U[6][u]),
+                                     params)
         else:
             # fragmentation delta of putting one GPU's share on g; identical GPUs share it
             dup = -1
@@ -253,8 +275,6 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
             else:
                 sel[0] = g
                 keys[c] = frag_after(S, n, u, U, sel, 1, W, C) - fnow
-                if policy == GPUSCHED and model_loaded(S[9], g, U[6][u]):
-                    keys[c] -= params[0] * params[4]
     # ---- pick the k lowest (key, GPU index); cand is ascending so strict < keeps ties low --
     first_key = 0.0
     for j in range(k):
@@ -301,21 +321,20 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
         elif node_active(S, n):
             tier = 1.0
         return tier * TIER_MILLI + (gfree - greq)
-    # FGD and GPUSCHED: growth of the node's fragmentation
-    if k <= 1:
-        delta = first_key if k == 1 else frag_after(S, n, u, U, sel, 0, W, C) - fnow
-    else:
-        delta = frag_after(S, n, u, U, sel, k, W, C) - fnow
-        if policy == GPUSCHED:
-            for j in range(k):
-                if model_loaded(S[9], sel[j], U[6][u]):
-                    delta -= params[0] * params[4]
-    if policy == FGD:
+    if policy == FGD:  # growth of the node's fragmentation, quantised as published
+        delta = first_key if k == 1 else frag_after(S, n, u, U, sel, k, W, C) - fnow
         return fgd_score(delta, params[4])
-    # gpusched: fragmentation per unit of workload (milli-GPU) plus the growth of GPU share
+    # gpusched: the chosen GPU's price loss (single-GPU units) or the node's fragmentation
+    # growth per unit of workload (gangs, CPU-only units), plus the growth of GPU share
     # stranded by missing CPU/memory at the workload's CPU and memory per milli-GPU
     before = stranded_milli(gfree, S[0][n], S[1][n], params)
     after = stranded_milli(gfree - greq, cpu_after, mem_after, params)
+    if k == 1:
+        return first_key + params[1] * (after - before)
+    delta = frag_after(S, n, u, U, sel, k, W, C) - fnow
+    for j in range(k):
+        if model_loaded(S[9], sel[j], U[6][u]):
+            delta -= params[0] * params[4]
     return delta / params[4] + params[1] * (after - before)
 
 
@@ -390,10 +409,11 @@ def diagnose(S, u, U):
 
 
 @njit(cache=True)
-def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu, cand):
+def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu, cand):
     """``eval_node`` for FGD/gpusched and the single-GPU unit ``u`` on ``nodes[:count]``, in
     one call: ``out_score[i]`` is the node's score (inf = does not fit) and ``out_gpu[i]``
     the GPU ``eval_node`` would pick (-1 when it does not fit). Same floats, same GPU.
+    gpusched's key is a lookup in the price tables; FGD's is the fragmentation growth:
 
     Why a batch: every call of a Numba function that takes the state tuples pays an atomic
     reference-count increment and decrement per array (about 30 arrays here); paid once per
@@ -416,7 +436,7 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
     fit_rows = C[1]
     frag_rows_ = C[2]
     total_free = C[3]
-    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count = W
+    w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count, _, _ = W
     n_shapes = w_cpu.shape[0]
     n_slots = models.shape[1]
     milli = U[1][u]
@@ -426,7 +446,6 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
     mask = U[5][u]
     model = U[6][u]
     weight = U[7][u]
-    bonus = params[0] * params[4]
     weight_from = np.zeros(n_shapes + 1, np.int64)  # weight_from[s] = sum of w_count[s:]
     for s in range(n_shapes - 1, -1, -1):
         weight_from[s] = weight_from[s + 1] + w_count[s]
@@ -475,6 +494,12 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
                 continue
             cand[nc] = g
             nc += 1
+            if policy == GPUSCHED:
+                key = share_loss_key(W, a, milli, loaded, params)
+                if key < best_key:
+                    best_key = key
+                    best = g
+                continue
             if np.isnan(fnow):
                 fnow = frag_rows(S, n, W, C)
             # fragmentation after taking `milli`/`need` from g: frag_after for one GPU,
@@ -501,8 +526,6 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
                 frag = frag_rows_[n, s] - a * (1 - fit_before) + a_after * (1 - fit_after)
                 f += w_count[s] * (frag if alive & (fit >= ks) else total_after)
             key = float(f) - fnow
-            if policy == GPUSCHED and loaded:
-                key -= bonus
             if key < best_key:
                 best_key = key
                 best = g
@@ -512,10 +535,13 @@ def frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, o
         if policy == FGD:
             out_score[i] = fgd_score(best_key, params[4])
         else:
-            gfree = total_free[n]
+            gfree = 0  # the FGD rows (total_free) are not kept for gpusched's units
+            for g in range(gpu_start[n], gpu_start[n + 1]):
+                if healthy[g]:
+                    gfree += gmilli[g]
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
             after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
-            out_score[i] = best_key / params[4] + params[1] * (after - before)
+            out_score[i] = best_key + params[1] * (after - before)
 
 
 @njit(cache=True)
@@ -524,7 +550,7 @@ def score_nodes(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
     """``out_score[i] = eval_node(policy, S, nodes[i], u, ...)`` for i < count (the batched
     single-GPU FGD/gpusched path when it applies; ``out_gpu`` is its scratch)."""
     if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
-        frag_single_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
+        single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
                            cand)
         return
     for i in range(count):
@@ -734,7 +760,7 @@ def solve_kernel(
                     pend[m] = n
                     m += 1
             if fast:
-                frag_single_scores(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, cand)
+                single_gpu_scores(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, cand)
             else:
                 score_nodes(policy, S, u, U, W, C, params, pend, m, pscore, pgpu, sel, cand,
                             keys)
@@ -775,7 +801,7 @@ def solve_kernel(
         stats[2] += 1
         if fast:
             pend[0] = best
-            frag_single_scores(policy, S, u, U, W, C, params, pend, 1, pscore, pgpu, cand)
+            single_gpu_scores(policy, S, u, U, W, C, params, pend, 1, pscore, pgpu, cand)
             best_sel[0] = pgpu[0]
         else:
             eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)

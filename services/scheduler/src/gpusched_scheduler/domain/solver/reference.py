@@ -101,15 +101,29 @@ def _stranded(gfree, cpu, mem, params) -> float:
     return s
 
 
-def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params) -> tuple[float, list]:
-    """(score, chosen GPUs) of placing ``unit`` on node ``n``; lower wins, inf = no fit."""
+def _share_loss_key(free: int, unit: dict, loaded: bool, prices, params) -> float:
+    """kernels.share_loss_key: the share a placement costs at the LP prices, in milli-GPU,
+    a hair toward the tighter GPU, minus the affinity bonus."""
+    fill_value, price = prices
+    loss = fill_value[free] - price[unit["milli"]] - fill_value[free - unit["milli"]]
+    key = (loss + 500) // 1000 + free * K.TIGHT_PER_MILLI
+    if loaded:
+        key -= params[0]
+    return key
+
+
+def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
+               prices=None) -> tuple[float, list]:
+    """(score, chosen GPUs) of placing ``unit`` on node ``n``; lower wins, inf = no fit.
+    ``prices``: gpusched's (fill_value, price) lists."""
     k = unit["k"]
     if c.cpu[n] < unit["cpu"] or c.mem[n] < unit["mem"]:
         return math.inf, []
     cand = [g for g in c.gpus[n] if _gpu_fits(c, g, unit)] if k > 0 else []
     if len(cand) < k:
         return math.inf, []
-    fnow = _frag_of(c, n, None, [], shapes) if policy in (K.FGD, K.GPUSCHED) else 0.0
+    use_frag = policy == K.FGD or (policy == K.GPUSCHED and k != 1)
+    fnow = _frag_of(c, n, None, [], shapes) if use_frag else 0.0
     keys = {}
     memo = {}  # GPUs alike in every way the score sees share one fragmentation delta
     for g in cand:
@@ -119,12 +133,13 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params) -> 
             keys[g] = float(c.gmilli[g])
         elif policy == K.GPU_PACKING:
             keys[g] = float(c.gmilli[g]) if c.gmilli[g] < 1000 else 2000.0
+        elif policy == K.GPUSCHED:
+            keys[g] = _share_loss_key(c.gmilli[g], unit, c.loaded(g, unit["model"]), prices,
+                                      params)
         else:
             alike = (c.gmilli[g], c.gtype[g], c.gmem[g], c.loaded(g, unit["model"]))
             if alike not in memo:
                 memo[alike] = _frag_of(c, n, unit, [g], shapes) - fnow
-                if policy == K.GPUSCHED and c.loaded(g, unit["model"]):
-                    memo[alike] -= params[0] * params[4]
             keys[g] = memo[alike]
     ranked = sorted(cand, key=lambda g: (keys[g], g))[:k]
     first_key = keys[ranked[0]] if k > 0 else 0.0
@@ -156,18 +171,17 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params) -> 
         else:
             tier = 2.0
         return tier * K.TIER_MILLI + (gfree - greq), sel
-    if k == 1:
-        delta = first_key
-    else:
-        delta = _frag_of(c, n, unit, sel, shapes) - fnow
-        if policy == K.GPUSCHED and k > 1:
-            for g in sel:
-                if c.loaded(g, unit["model"]):
-                    delta -= params[0] * params[4]
     if policy == K.FGD:
+        delta = first_key if k == 1 else _frag_of(c, n, unit, sel, shapes) - fnow
         return _fgd_score(delta, params[4]), sel
     before = _stranded(gfree, c.cpu[n], c.mem[n], params)
     after = _stranded(gfree - greq, cpu_after, mem_after, params)
+    if k == 1:
+        return first_key + params[1] * (after - before), sel
+    delta = _frag_of(c, n, unit, sel, shapes) - fnow
+    for g in sel:
+        if c.loaded(g, unit["model"]):
+            delta -= params[0] * params[4]
     return delta / params[4] + params[1] * (after - before), sel
 
 
@@ -245,6 +259,7 @@ def reference_solve(
              gmem=int(w[4][i]), mask=int(w[5][i]), count=int(w[6][i]))
         for i in range(len(w[0]))
     ]
+    prices = (w[7].tolist(), w[8].tolist())
     params = [affinity_bonus_milli, stranded_weight, dist.cpu_per_gpu_milli,
               dist.mem_per_gpu_milli, max(float(dist.count.sum()), 1.0)]
     c = _Cluster(work)
@@ -262,7 +277,7 @@ def reference_solve(
             continue
         best, best_score, best_sel = -1, math.inf, []
         for n in range(len(c.cpu)):
-            sc, sel = score_node(pol.kernel_id, c, n, unit, shape_rows, params)
+            sc, sel = score_node(pol.kernel_id, c, n, unit, shape_rows, params, prices)
             if sc < best_score:
                 best, best_score, best_sel = n, sc, sel
         if best < 0:

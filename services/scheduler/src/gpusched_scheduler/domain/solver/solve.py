@@ -5,12 +5,13 @@ Adapters pass plain arrays in and read plain arrays out; no I/O, clock or global
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import kernels as K
 from .policies import DEFAULT_POLICY, get_policy
+from .prices import GPU_MILLI, price_tables
 from .result import SolveResult
 from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, ClusterState, WorkBatch
 
@@ -35,6 +36,10 @@ class ShapeDistribution:
     count: np.ndarray
     cpu_per_gpu_milli: float = 0.0  # workload's CPU milli per milli-GPU (GPU units)
     mem_per_gpu_milli: float = 0.0  # workload's memory MiB per milli-GPU (GPU units)
+    # what free share is worth to the workload (``prices.price_tables``, micro-GPUs by
+    # milli-GPU 0..1000): gpusched's GPU choice; all zero = no sharing requests
+    fill_value: np.ndarray = field(default_factory=lambda: np.zeros(GPU_MILLI + 1, np.int64))
+    price: np.ndarray = field(default_factory=lambda: np.zeros(GPU_MILLI + 1, np.int64))
 
     @classmethod
     def from_batch(
@@ -65,6 +70,10 @@ class ShapeDistribution:
         u = uniq[keep]
         gpu_units = batch.num_gpu > 0
         gpu_milli = int((batch.num_gpu * batch.gpu_milli)[gpu_units].sum())
+        # prices over every unit, not just the typical shapes: rare small shares matter
+        sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
+        sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
+        fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
         return cls(
             cpu_milli=u[:, 0].copy(),
             mem_mib=u[:, 1].copy(),
@@ -75,6 +84,8 @@ class ShapeDistribution:
             count=counts[keep].astype(np.int64),
             cpu_per_gpu_milli=float(batch.cpu_milli[gpu_units].sum()) / max(gpu_milli, 1),
             mem_per_gpu_milli=float(batch.mem_mib[gpu_units].sum()) / max(gpu_milli, 1),
+            fill_value=fill_value,
+            price=price,
         )
 
     @classmethod
@@ -85,7 +96,8 @@ class ShapeDistribution:
     def arrays(self, state: ClusterState) -> tuple:
         """The kernels' W tuple, shapes in ascending CPU order (stable): the single-GPU
         scorer stops at the first shape a node's CPU cannot host. Any order gives the same
-        scores (integer sums), so the reference uses this order too."""
+        scores (integer sums), so the reference uses this order too. Then the two price
+        tables."""
         masks = np.array([state.type_mask(t) for t in self.type_sets], np.int64).reshape(-1)
         by_cpu = np.argsort(self.cpu_milli, kind="stable")
         return tuple(
@@ -99,7 +111,7 @@ class ShapeDistribution:
                 masks,
                 self.count,
             )
-        )
+        ) + (self.fill_value, self.price)
 
 
 def state_tuple(state: ClusterState) -> tuple:
