@@ -66,7 +66,9 @@ def batches(draw, max_units: int = 8) -> WorkBatch:
         gpu_milli=milli,
         cpu_milli=draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),
         mem_mib=draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),
-        gpu_mem_mib=draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)),
+        # half the batches reserve no GPU memory: gpusched then places by its price tables
+        gpu_mem_mib=draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)
+                         | st.just([0] * n)),
         allowed_gpu_types=allowed,
         model_id=draw(st.lists(st.none() | st.sampled_from(MODELS), min_size=n, max_size=n)),
         model_weight_mib=draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)),

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from gpusched_scheduler.bench import optimal
+from gpusched_scheduler.domain.solver import ShapeDistribution, WorkBatch
 from gpusched_scheduler.domain.solver.prices import MICRO, price_tables, share_prices
+from gpusched_scheduler.domain.solver.solve import policy_params
 
 
 def test_each_share_costs_its_part_of_an_optimal_packing():
@@ -54,3 +56,16 @@ def test_prices_reach_the_configuration_lp_optimum(seed):
 def test_without_sharing_requests_every_share_is_worth_nothing():
     fill_value, price = price_tables(np.array([0, 1000]), np.array([5, 7]))
     assert not fill_value.any() and not price.any()
+
+
+def test_workloads_that_hold_gpu_memory_keep_fgd():
+    """The tables see only compute share: where requests also hold GPU memory (LLM serving
+    shares a GPU by memory) gpusched keeps FGD's memory-aware shapes."""
+    by_share = WorkBatch.from_units(num_gpu=[1, 1], gpu_milli=[470, 320], cpu_milli=[0, 0],
+                                    mem_mib=[0, 0])
+    by_memory = WorkBatch.from_units(num_gpu=[1, 1], gpu_milli=[1, 1], cpu_milli=[0, 0],
+                                     mem_mib=[0, 0], gpu_mem_mib=[20000, 30000])
+    assert policy_params(ShapeDistribution.from_batch(by_share), 200.0, 5.0)[5] == 1.0
+    memory = ShapeDistribution.from_batch(by_memory)
+    assert not memory.fill_value.any()
+    assert policy_params(memory, 200.0, 5.0)[5] == 0.0

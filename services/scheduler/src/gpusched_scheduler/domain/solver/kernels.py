@@ -14,7 +14,8 @@ Tuples used throughout (all int64 unless noted):
        (fgd; gpusched's gangs and CPU-only units) and what free GPU share is worth to it
        (gpusched's GPU choice, ``prices.price_tables``)
   params = [affinity_bonus_milli, stranded_weight, cpu_milli_per_gpu_milli,
-            mem_mib_per_gpu_milli, shape_weight_sum]  (float64)
+            mem_mib_per_gpu_milli, shape_weight_sum, priced]  (float64; priced: 1.0 when
+            gpusched places single-GPU units by the price tables, see ``solve.policy_params``)
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
                 nc += 1
         if nc < k:
             return INF
-    use_frag = policy == FGD or (policy == GPUSCHED and k != 1)
+    priced = policy == GPUSCHED and params[5] > 0.0
+    use_frag = policy == FGD or (policy == GPUSCHED and not (priced and k == 1))
     fnow = 0.0
     if use_frag:
         fnow = C[0][n]
@@ -254,7 +256,7 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
             keys[c] = S[6][g]
         elif policy == GPU_PACKING:
             keys[c] = S[6][g] if S[6][g] < 1000 else 2000.0
-        elif policy == GPUSCHED:
+        elif priced:
             keys[c] = share_loss_key(W, S[6][g], milli, model_loaded(S[9], g, U[6][u]),
                                      params)
         else:
@@ -275,6 +277,8 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
             else:
                 sel[0] = g
                 keys[c] = frag_after(S, n, u, U, sel, 1, W, C) - fnow
+                if policy == GPUSCHED and model_loaded(S[9], g, U[6][u]):
+                    keys[c] -= params[0] * params[4]
     # ---- pick the k lowest (key, GPU index); cand is ascending so strict < keeps ties low --
     first_key = 0.0
     for j in range(k):
@@ -324,17 +328,20 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
     if policy == FGD:  # growth of the node's fragmentation, quantised as published
         delta = first_key if k == 1 else frag_after(S, n, u, U, sel, k, W, C) - fnow
         return fgd_score(delta, params[4])
-    # gpusched: the chosen GPU's price loss (single-GPU units) or the node's fragmentation
-    # growth per unit of workload (gangs, CPU-only units), plus the growth of GPU share
-    # stranded by missing CPU/memory at the workload's CPU and memory per milli-GPU
+    # gpusched: the chosen GPU's price loss (single-GPU units, when priced) or the node's
+    # fragmentation growth per unit of workload, plus the growth of GPU share stranded by
+    # missing CPU/memory at the workload's CPU and memory per milli-GPU
     before = stranded_milli(gfree, S[0][n], S[1][n], params)
     after = stranded_milli(gfree - greq, cpu_after, mem_after, params)
-    if k == 1:
+    if priced and k == 1:
         return first_key + params[1] * (after - before)
-    delta = frag_after(S, n, u, U, sel, k, W, C) - fnow
-    for j in range(k):
-        if model_loaded(S[9], sel[j], U[6][u]):
-            delta -= params[0] * params[4]
+    if k == 1:
+        delta = first_key
+    else:
+        delta = frag_after(S, n, u, U, sel, k, W, C) - fnow
+        for j in range(k):
+            if model_loaded(S[9], sel[j], U[6][u]):
+                delta -= params[0] * params[4]
     return delta / params[4] + params[1] * (after - before)
 
 
@@ -413,7 +420,8 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
     """``eval_node`` for FGD/gpusched and the single-GPU unit ``u`` on ``nodes[:count]``, in
     one call: ``out_score[i]`` is the node's score (inf = does not fit) and ``out_gpu[i]``
     the GPU ``eval_node`` would pick (-1 when it does not fit). Same floats, same GPU.
-    gpusched's key is a lookup in the price tables; FGD's is the fragmentation growth:
+    gpusched's key is a lookup in the price tables when priced, else (and for FGD) the
+    fragmentation growth:
 
     Why a batch: every call of a Numba function that takes the state tuples pays an atomic
     reference-count increment and decrement per array (about 30 arrays here); paid once per
@@ -439,6 +447,8 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
     w_cpu, w_mem, w_k, w_milli, w_gmem, w_mask, w_count, _, _ = W
     n_shapes = w_cpu.shape[0]
     n_slots = models.shape[1]
+    priced = policy == GPUSCHED and params[5] > 0.0
+    bonus = params[0] * params[4]
     milli = U[1][u]
     unit_gmem = U[2][u]
     unit_cpu = U[3][u]
@@ -494,7 +504,7 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
                 continue
             cand[nc] = g
             nc += 1
-            if policy == GPUSCHED:
+            if priced:
                 key = share_loss_key(W, a, milli, loaded, params)
                 if key < best_key:
                     best_key = key
@@ -526,6 +536,8 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
                 frag = frag_rows_[n, s] - a * (1 - fit_before) + a_after * (1 - fit_after)
                 f += w_count[s] * (frag if alive & (fit >= ks) else total_after)
             key = float(f) - fnow
+            if policy == GPUSCHED and loaded:
+                key -= bonus
             if key < best_key:
                 best_key = key
                 best = g
@@ -535,13 +547,14 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
         if policy == FGD:
             out_score[i] = fgd_score(best_key, params[4])
         else:
-            gfree = 0  # the FGD rows (total_free) are not kept for gpusched's units
+            gfree = 0  # the FGD rows (total_free) are not kept when priced
             for g in range(gpu_start[n], gpu_start[n + 1]):
                 if healthy[g]:
                     gfree += gmilli[g]
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
             after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
-            out_score[i] = best_key + params[1] * (after - before)
+            growth = best_key if priced else best_key / params[4]
+            out_score[i] = growth + params[1] * (after - before)
 
 
 @njit(cache=True)

@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels as K
 from .policies import get_policy
 from .result import SolveResult
-from .solve import ShapeDistribution, resolve
+from .solve import ShapeDistribution, policy_params, resolve
 from .state import MAX_GANG_GPUS, ClusterState, WorkBatch
 
 
@@ -122,7 +122,8 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
     cand = [g for g in c.gpus[n] if _gpu_fits(c, g, unit)] if k > 0 else []
     if len(cand) < k:
         return math.inf, []
-    use_frag = policy == K.FGD or (policy == K.GPUSCHED and k != 1)
+    priced = policy == K.GPUSCHED and params[5] > 0.0
+    use_frag = policy == K.FGD or (policy == K.GPUSCHED and not (priced and k == 1))
     fnow = _frag_of(c, n, None, [], shapes) if use_frag else 0.0
     keys = {}
     memo = {}  # GPUs alike in every way the score sees share one fragmentation delta
@@ -133,13 +134,15 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
             keys[g] = float(c.gmilli[g])
         elif policy == K.GPU_PACKING:
             keys[g] = float(c.gmilli[g]) if c.gmilli[g] < 1000 else 2000.0
-        elif policy == K.GPUSCHED:
+        elif priced:
             keys[g] = _share_loss_key(c.gmilli[g], unit, c.loaded(g, unit["model"]), prices,
                                       params)
         else:
             alike = (c.gmilli[g], c.gtype[g], c.gmem[g], c.loaded(g, unit["model"]))
             if alike not in memo:
                 memo[alike] = _frag_of(c, n, unit, [g], shapes) - fnow
+                if policy == K.GPUSCHED and c.loaded(g, unit["model"]):
+                    memo[alike] -= params[0] * params[4]
             keys[g] = memo[alike]
     ranked = sorted(cand, key=lambda g: (keys[g], g))[:k]
     first_key = keys[ranked[0]] if k > 0 else 0.0
@@ -176,12 +179,15 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
         return _fgd_score(delta, params[4]), sel
     before = _stranded(gfree, c.cpu[n], c.mem[n], params)
     after = _stranded(gfree - greq, cpu_after, mem_after, params)
-    if k == 1:
+    if priced and k == 1:
         return first_key + params[1] * (after - before), sel
-    delta = _frag_of(c, n, unit, sel, shapes) - fnow
-    for g in sel:
-        if c.loaded(g, unit["model"]):
-            delta -= params[0] * params[4]
+    if k == 1:
+        delta = first_key
+    else:
+        delta = _frag_of(c, n, unit, sel, shapes) - fnow
+        for g in sel:
+            if c.loaded(g, unit["model"]):
+                delta -= params[0] * params[4]
     return delta / params[4] + params[1] * (after - before), sel
 
 
@@ -260,8 +266,7 @@ def reference_solve(
         for i in range(len(w[0]))
     ]
     prices = (w[7].tolist(), w[8].tolist())
-    params = [affinity_bonus_milli, stranded_weight, dist.cpu_per_gpu_milli,
-              dist.mem_per_gpu_milli, max(float(dist.count.sum()), 1.0)]
+    params = policy_params(dist, affinity_bonus_milli, stranded_weight).tolist()
     c = _Cluster(work)
     cols = [a.tolist() for a in units]
     n_units = len(batch)

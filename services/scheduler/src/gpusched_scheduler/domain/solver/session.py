@@ -20,6 +20,7 @@ from .solve import (
     group_rows,
     lookahead_order,
     nowhere,
+    policy_params,
     resolve,
     result_buffers,
     state_tuple,
@@ -70,11 +71,7 @@ class SolverSession:
                 self.shapes = ShapeDistribution.from_batch(batch)
             dist = self.shapes
         self._w = dist.arrays(state)
-        self._params = np.array(
-            [self._bonus, self._stranded, dist.cpu_per_gpu_milli, dist.mem_per_gpu_milli,
-             max(float(dist.count.sum()), 1.0)],
-            np.float64,
-        )
+        self._params = policy_params(dist, self._bonus, self._stranded)
         n = state.num_nodes
         size = 1 << max(0, int(n - 1).bit_length())
         budget = max(1, SHAPE_CACHE_BUDGET_BYTES // (8 * (n + 2 * size)))

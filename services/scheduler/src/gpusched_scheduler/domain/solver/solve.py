@@ -70,8 +70,13 @@ class ShapeDistribution:
         u = uniq[keep]
         gpu_units = batch.num_gpu > 0
         gpu_milli = int((batch.num_gpu * batch.gpu_milli)[gpu_units].sum())
-        # prices over every unit, not just the typical shapes: rare small shares matter
+        # Prices over every unit, not just the typical shapes (rare small shares matter),
+        # and only where the workload shares GPUs by compute share alone: the tables see
+        # only the share, so where requests hold GPU memory too (LLM serving shares a GPU
+        # by memory) FGD's shapes, which count memory, keep deciding.
         sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
+        if (batch.gpu_mem_mib[gpu_units] > 0).any():
+            sharing[:] = False
         sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
         fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
         return cls(
@@ -240,16 +245,7 @@ def solve(
     if pol.uses_shapes:
         dist = shapes or ShapeDistribution.from_batch(batch)
     w = dist.arrays(work)
-    params = np.array(
-        [
-            affinity_bonus_milli,
-            stranded_weight,
-            dist.cpu_per_gpu_milli,
-            dist.mem_per_gpu_milli,
-            max(float(dist.count.sum()), 1.0),
-        ],
-        np.float64,
-    )
+    params = policy_params(dist, affinity_bonus_milli, stranded_weight)
     slots, n_slots = shape_slots(units, work.num_nodes)
     order = lookahead_order(batch) if lookahead else np.arange(len(batch), dtype=np.int64)
     out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
@@ -269,6 +265,16 @@ def solve(
         stats,
     )
     return SolveResult(out_node, out_gpus, out_reason, work, pol.name, stats)
+
+
+def policy_params(dist: ShapeDistribution, affinity_bonus_milli: float,
+                  stranded_weight: float) -> np.ndarray:
+    """The kernels' ``params`` (see ``kernels``); gpusched prices single-GPU units when
+    the distribution has price tables."""
+    priced = bool(dist.fill_value.any())
+    return np.array([affinity_bonus_milli, stranded_weight, dist.cpu_per_gpu_milli,
+                     dist.mem_per_gpu_milli, max(float(dist.count.sum()), 1.0),
+                     float(priced)], np.float64)
 
 
 def result_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
