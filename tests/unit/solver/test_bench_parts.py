@@ -63,3 +63,11 @@ def test_prefix_bound_stops_where_the_shares_no_longer_fit():
     # 4 GPUs: 700 + 300 share one, so all four requests fit (a 2-GPU gang last)
     b = optimal.prefix_bound(np.array([1, 1, 1, 2]), np.array([700, 300, 600, 1000]), 4)
     assert b == optimal.PrefixBound(prefix_len=4, unalloc_gpus=0.4)
+
+
+def test_packing_gap_compares_the_gpus_used_with_the_lp_for_the_same_pods():
+    pytest.importorskip("ortools")
+    # three 500s on three GPUs (the LP needs 1.5); whole-GPU pods are left out
+    used, lp = optimal.packing_gap(np.array([1, 1, 1, 1]), np.array([500, 500, 500, 1000]),
+                                   np.array([[0], [1], [2], [3]]))
+    assert used == 3 and lp == pytest.approx(1.5)

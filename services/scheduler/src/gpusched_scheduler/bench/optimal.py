@@ -174,6 +174,14 @@ def min_gpus_for_shares(count_by_share: dict[int, int], patterns: list[tuple[int
     """Lower bound on the GPUs that can hold the given sharing requests (milli-GPU -> number
     of requests): the configuration LP's optimum rounded up (GLOP), or None without
     OR-Tools. Valid whatever the nodes, CPU, memory and GPU types: it only relaxes them."""
+    gpus = share_lp(count_by_share, patterns, sizes)
+    return None if gpus is None else math.ceil(gpus - 1e-6)
+
+
+def share_lp(count_by_share: dict[int, int], patterns: list[tuple[int, ...]],
+             sizes: list[int]) -> float | None:
+    """The configuration LP's optimum (fractional GPUs) for the given sharing requests, or
+    None without OR-Tools."""
     try:
         from ortools.linear_solver import pywraplp
     except ImportError:
@@ -187,7 +195,7 @@ def min_gpus_for_shares(count_by_share: dict[int, int], patterns: list[tuple[int
     solver.Minimize(sum(use))
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return None
-    return math.ceil(solver.Objective().Value() - 1e-6)
+    return solver.Objective().Value()
 
 
 @dataclass(frozen=True)
@@ -232,3 +240,16 @@ def prefix_bound(num_gpu: np.ndarray, gpu_milli: np.ndarray, cluster_gpus: int
             hi = mid - 1
     placed_milli = int((k[:lo] * m[:lo]).sum())
     return PrefixBound(lo, round(cluster_gpus - placed_milli / 1000.0, 1))
+
+
+def packing_gap(num_gpu: np.ndarray, gpu_milli: np.ndarray, gpus: np.ndarray
+                ) -> tuple[int, float] | None:
+    """How well a replay packed the sharing pods it placed: (GPUs holding them, the
+    configuration LP's minimum for the same pods), or None without OR-Tools. ``num_gpu``,
+    ``gpu_milli`` and ``gpus`` (cluster GPU indices, -1 padded) are per placed pod."""
+    one = (np.asarray(num_gpu) == 1) & (np.asarray(gpu_milli) < 1000)
+    milli = np.asarray(gpu_milli)[one]
+    vals, counts = np.unique(milli, return_counts=True)
+    sizes = sorted(vals.tolist(), reverse=True)
+    lp = share_lp(dict(zip(vals.tolist(), counts.tolist())), share_patterns(sizes), sizes)
+    return None if lp is None else (len(np.unique(np.asarray(gpus)[one, 0])), lp)
