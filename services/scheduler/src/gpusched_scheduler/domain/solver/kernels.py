@@ -167,7 +167,9 @@ def share_loss_key(W, free_milli, milli, loaded, params):
     """gpusched's key for putting ``milli`` on a GPU with ``free_milli`` free (lower is
     better), in milli-GPU: the share the placement costs at the workload's LP prices
     (``fill_value[f] - price[milli] - fill_value[f - milli]``, micro-GPUs), then a hair
-    toward the tighter GPU, minus the affinity bonus when the unit's model is loaded."""
+    toward the tighter GPU, minus the affinity bonus when the unit's model is loaded.
+    ``free_milli`` beyond a whole GPU reads as a whole GPU (the tables end there)."""
+    free_milli = min(free_milli, 1000)
     loss = W[7][free_milli] - W[8][milli] - W[7][free_milli - milli]
     key = (loss + 500) // 1000 + free_milli * TIGHT_PER_MILLI  # micro-GPU rounding is noise
     if loaded:
@@ -421,7 +423,7 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
     one call: ``out_score[i]`` is the node's score (inf = does not fit) and ``out_gpu[i]``
     the GPU ``eval_node`` would pick (-1 when it does not fit). Same floats, same GPU.
     gpusched's key is a lookup in the price tables when priced, else (and for FGD) the
-    fragmentation growth:
+    fragmentation growth.
 
     Why a batch: every call of a Numba function that takes the state tuples pays an atomic
     reference-count increment and decrement per array (about 30 arrays here); paid once per
@@ -564,7 +566,7 @@ def score_nodes(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
     single-GPU FGD/gpusched path when it applies; ``out_gpu`` is its scratch)."""
     if U[0][u] == 1 and (policy == FGD or policy == GPUSCHED):
         single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, out_gpu,
-                           cand)
+                          cand)
         return
     for i in range(count):
         out_score[i] = eval_node(policy, S, nodes[i], u, U, W, sel, cand, keys, C, params)

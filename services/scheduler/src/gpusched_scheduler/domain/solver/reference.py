@@ -105,6 +105,7 @@ def _share_loss_key(free: int, unit: dict, loaded: bool, prices, params) -> floa
     """kernels.share_loss_key: the share a placement costs at the LP prices, in milli-GPU,
     a hair toward the tighter GPU, minus the affinity bonus."""
     fill_value, price = prices
+    free = min(free, 1000)
     loss = fill_value[free] - price[unit["milli"]] - fill_value[free - unit["milli"]]
     key = (loss + 500) // 1000 + free * K.TIGHT_PER_MILLI
     if loaded:
