@@ -166,6 +166,17 @@ def test_gpusched_keeps_cpu_rich_nodes_for_cpu_heavy_work():
     assert res.outcome(0).node_id == "cpu-rich"
 
 
+def test_gpusched_puts_cpu_only_work_where_gpus_need_the_cpu_least():
+    """Beside busy GPUs a core costs no GPU anything; beside free ones it may strand them."""
+    state = ClusterState.from_nodes([
+        NodeSpec("roomy-but-free-gpus", 64000, 65536,
+                 tuple(GpuSpec("G", 1000, 0) for _ in range(8))),
+        NodeSpec("busy-gpus", 16000, 65536, tuple(GpuSpec("G", 0, 0) for _ in range(8))),
+    ])
+    res = solve(state, one(num_gpu=0, gpu_milli=0, cpu=4000, mem=0), "gpusched")
+    assert res.outcome(0).node_id == "busy-gpus"
+
+
 def test_lookahead_places_big_units_first_but_reports_in_batch_order():
     state = cluster((None, [1000, 1000]))
     batch = WorkBatch.from_units(num_gpu=[1, 1, 2], gpu_milli=[500, 500, 1000],

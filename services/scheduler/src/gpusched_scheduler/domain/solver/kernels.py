@@ -44,9 +44,10 @@ INSUFFICIENT_CPU_MEMORY = int(Reason.INSUFFICIENT_CPU_MEMORY)
 INSUFFICIENT_GPU_SHARE = int(Reason.INSUFFICIENT_GPU_SHARE)
 INSUFFICIENT_GPU_MEMORY = int(Reason.INSUFFICIENT_GPU_MEMORY)
 
-TIGHT_PER_MILLI = 1.0e-4
-"""gpusched's tie-break toward the GPU with less free share: at most 0.1 for a whole GPU,
-below the price loss's step (1 milli-GPU)."""
+HAIR = 1.0e-4
+"""Weight of gpusched's tie-breaks (the tighter GPU per free milli-GPU; stranded growth
+between CPU-only placements): at most 0.1 for a whole GPU, below a milli-GPU of the main
+term."""
 
 TIER_MILLI = 1.0e7
 """Score step between gpu-packing tiers (larger than any free milli-GPU of one node)."""
@@ -171,7 +172,7 @@ def share_loss_key(W, free_milli, milli, loaded, params):
     ``free_milli`` beyond a whole GPU reads as a whole GPU (the tables end there)."""
     free_milli = min(free_milli, 1000)
     loss = W[7][free_milli] - W[8][milli] - W[7][free_milli - milli]
-    key = (loss + 500) // 1000 + free_milli * TIGHT_PER_MILLI  # micro-GPU rounding is noise
+    key = (loss + 500) // 1000 + free_milli * HAIR  # micro-GPU rounding is noise
     if loaded:
         key -= params[0]
     return key
@@ -243,7 +244,7 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
         if nc < k:
             return INF
     priced = policy == GPUSCHED and params[5] > 0.0
-    use_frag = policy == FGD or (policy == GPUSCHED and not (priced and k == 1))
+    use_frag = policy == FGD or (policy == GPUSCHED and (k > 1 or (k == 1 and not priced)))
     fnow = 0.0
     if use_frag:
         fnow = C[0][n]
@@ -335,6 +336,12 @@ def eval_node(policy, S, n, u, U, W, sel, cand, keys, C, params):
     # missing CPU/memory at the workload's CPU and memory per milli-GPU
     before = stranded_milli(gfree, S[0][n], S[1][n], params)
     after = stranded_milli(gfree - greq, cpu_after, mem_after, params)
+    if k == 0:
+        # CPU-only: take CPU where GPUs need it least, i.e. the free GPU share whose CPU the
+        # unit takes if the node's free CPU were spread over it evenly; stranded growth
+        # breaks ties (all the nodes whose GPUs are busy)
+        taken = U[3][u] * gfree / max(S[0][n], 1)
+        return taken + HAIR * params[1] * (after - before)
     if priced and k == 1:
         return first_key + params[1] * (after - before)
     if k == 1:

@@ -107,7 +107,7 @@ def _share_loss_key(free: int, unit: dict, loaded: bool, prices, params) -> floa
     fill_value, price = prices
     free = min(free, 1000)
     loss = fill_value[free] - price[unit["milli"]] - fill_value[free - unit["milli"]]
-    key = (loss + 500) // 1000 + free * K.TIGHT_PER_MILLI
+    key = (loss + 500) // 1000 + free * K.HAIR
     if loaded:
         key -= params[0]
     return key
@@ -124,7 +124,7 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
     if len(cand) < k:
         return math.inf, []
     priced = policy == K.GPUSCHED and params[5] > 0.0
-    use_frag = policy == K.FGD or (policy == K.GPUSCHED and not (priced and k == 1))
+    use_frag = policy == K.FGD or (policy == K.GPUSCHED and (k > 1 or (k == 1 and not priced)))
     fnow = _frag_of(c, n, None, [], shapes) if use_frag else 0.0
     keys = {}
     memo = {}  # GPUs alike in every way the score sees share one fragmentation delta
@@ -180,6 +180,9 @@ def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
         return _fgd_score(delta, params[4]), sel
     before = _stranded(gfree, c.cpu[n], c.mem[n], params)
     after = _stranded(gfree - greq, cpu_after, mem_after, params)
+    if k == 0:
+        taken = unit["cpu"] * gfree / max(c.cpu[n], 1)
+        return taken + K.HAIR * params[1] * (after - before), sel
     if priced and k == 1:
         return first_key + params[1] * (after - before), sel
     if k == 1:
