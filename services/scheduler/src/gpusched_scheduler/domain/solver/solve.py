@@ -74,11 +74,12 @@ class ShapeDistribution:
         # and only where the workload shares GPUs by compute share alone: the tables see
         # only the share, so where requests hold GPU memory too (LLM serving shares a GPU
         # by memory) FGD's shapes, which count memory, keep deciding.
+        tables = {}  # none: the fields' all-zero defaults (a live cycle pays nothing here)
         sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
-        if (batch.gpu_mem_mib[gpu_units] > 0).any():
-            sharing[:] = False
-        sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
-        fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
+        if not batch.gpu_mem_mib[gpu_units].any() and sharing.any():
+            sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
+            fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
+            tables = {"fill_value": fill_value, "price": price}
         return cls(
             cpu_milli=u[:, 0].copy(),
             mem_mib=u[:, 1].copy(),
@@ -89,8 +90,7 @@ class ShapeDistribution:
             count=counts[keep].astype(np.int64),
             cpu_per_gpu_milli=float(batch.cpu_milli[gpu_units].sum()) / max(gpu_milli, 1),
             mem_per_gpu_milli=float(batch.mem_mib[gpu_units].sum()) / max(gpu_milli, 1),
-            fill_value=fill_value,
-            price=price,
+            **tables,
         )
 
     @classmethod
