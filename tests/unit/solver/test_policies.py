@@ -188,6 +188,18 @@ def test_lookahead_places_big_units_first_but_reports_in_batch_order():
     assert np.all(batched.gpus[2, :2] == [0, 1])
 
 
+def test_gpusched_lookahead_moves_only_gangs_forward():
+    """Prices assume units keep coming in the workload's mix: look-ahead keeps the batch
+    order except for gangs, which go first, largest first."""
+    from gpusched_scheduler.domain.solver import lookahead_order
+
+    batch = WorkBatch.from_units(num_gpu=[1, 1, 2, 0, 4, 1], gpu_milli=[320, 810, 1000, 0,
+                                 1000, 1000], cpu_milli=[9, 1, 1, 9, 1, 1], mem_mib=[0] * 6)
+    assert get_policy("gpusched").lookahead == "gangs-first"
+    assert lookahead_order(batch, "gangs-first").tolist() == [4, 2, 0, 1, 3, 5]
+    assert lookahead_order(batch).tolist() == [4, 2, 5, 1, 0, 3]  # biggest-first
+
+
 def _group_rows_by_sorting(cols):
     """Plain NumPy grouping: equal rows via a lexsort, ids renumbered by first row."""
     keys = np.stack(cols, axis=1)

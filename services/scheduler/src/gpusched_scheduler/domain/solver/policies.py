@@ -18,6 +18,7 @@ class Policy:
     kernel_id: int
     uses_shapes: bool
     description: str
+    lookahead: str = "biggest-first"  # how a look-ahead batch is ordered (solve.lookahead_order)
 
 
 POLICIES: dict[str, Policy] = {
@@ -54,8 +55,10 @@ POLICIES: dict[str, Policy] = {
             "gpusched",
             K.GPUSCHED,
             True,
-            "FGD over shape-weighted fragmentation plus model affinity and a tightness "
-            "tie-break; gpusched's default",
+            "the workload's bin-packing LP prices (least share lost per placement) plus "
+            "stranded GPU share, model affinity and a tightness tie-break; CPU-only work "
+            "where GPUs need the CPU least; gangs by FGD; gpusched's default",
+            lookahead="gangs-first",
         ),
     )
 }

@@ -277,7 +277,7 @@ def reference_solve(
     out_node = np.full(n_units, -1, np.int64)
     out_gpus = np.full((n_units, MAX_GANG_GPUS), -1, np.int64)
     out_reason = np.zeros(n_units, np.int64)
-    order = lookahead_order(batch) if lookahead else np.arange(n_units)
+    order = lookahead_order(batch, pol.lookahead) if lookahead else np.arange(n_units)
     for u in order.tolist()[: limit if limit is not None else n_units]:
         unit = dict(k=cols[0][u], milli=cols[1][u], gmem=cols[2][u], cpu=cols[3][u],
                     mem=cols[4][u], mask=cols[5][u], model=cols[6][u], weight=cols[7][u])

@@ -154,7 +154,8 @@ class SolverSession:
         if len(changed):
             K.note_changed(changed, self._P, self._C)
         slots = self._slots_for(units) if n else np.zeros(0, np.int64)
-        order = lookahead_order(batch) if lookahead else np.arange(n, dtype=np.int64)
+        order = (lookahead_order(batch, self.policy.lookahead) if lookahead
+                 else np.arange(n, dtype=np.int64))
         K.solve_kernel(
             self.policy.kernel_id, S, units, self._w, order, slots, self._scores,
             self._trees, self._C, self._P, out_node, out_gpus, out_reason, self._params,

@@ -212,9 +212,15 @@ def fresh_bookkeeping(n_nodes: int, n_slots: int, log_capacity: int) -> tuple:
     )
 
 
-def lookahead_order(batch: WorkBatch) -> np.ndarray:
-    """Order for a batch the solver may see whole: biggest GPU demand first (then CPU),
-    stable, i.e. first-fit-decreasing style. Results are still reported in batch order."""
+def lookahead_order(batch: WorkBatch, how: str = "biggest-first") -> np.ndarray:
+    """Order for a batch the solver may see whole (stable; results are still reported in
+    batch order). "biggest-first": biggest GPU demand first, then CPU, i.e. first-fit-
+    decreasing style. "gangs-first": gangs (all or nothing, the hardest to fit) first,
+    largest first, then the rest in batch order; for gpusched, whose prices assume the
+    units keep coming in the workload's mix, which biggest-first breaks inside a batch."""
+    if how == "gangs-first":
+        gang = np.where(batch.num_gpu > 1, batch.num_gpu, 0)
+        return np.lexsort((np.arange(len(batch)), -gang)).astype(np.int64)
     demand = batch.num_gpu * batch.gpu_milli
     return np.lexsort((np.arange(len(batch)), -batch.cpu_milli, -demand)).astype(np.int64)
 
@@ -232,7 +238,8 @@ def solve(
     """Place every unit of ``batch`` on ``state`` with the named policy.
 
     Units are considered in batch order, each seeing the placements before it (online);
-    with ``lookahead=True`` the whole batch is reordered biggest-first before placing.
+    with ``lookahead=True`` the whole batch is reordered first (the policy's
+    ``lookahead``: biggest-first, or gangs-first for gpusched).
     ``shapes`` is the workload distribution FGD-style policies score against (default: the
     batch's own). Never over-commits CPU, memory, GPU share or GPU memory; a unit that
     fits nowhere gets node -1 and a reason. ``state`` is left untouched.
@@ -247,7 +254,8 @@ def solve(
     w = dist.arrays(work)
     params = policy_params(dist, affinity_bonus_milli, stranded_weight)
     slots, n_slots = shape_slots(units, work.num_nodes)
-    order = lookahead_order(batch) if lookahead else np.arange(len(batch), dtype=np.int64)
+    order = (lookahead_order(batch, pol.lookahead) if lookahead
+             else np.arange(len(batch), dtype=np.int64))
     out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
     K.solve_kernel(
         pol.kernel_id,
