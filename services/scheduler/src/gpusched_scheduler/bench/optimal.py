@@ -3,7 +3,7 @@ optional ``bench`` extra with OR-Tools) and vs a simple lower bound (larger inst
 
 An instance is a batch of units that must all be placed on identical nodes; the objective
 is the number of GPUs with anything on them. Policies run online (batch order) and with
-look-ahead (the whole batch, biggest first).
+look-ahead (the whole batch, in the policy's look-ahead order).
 """
 
 from __future__ import annotations

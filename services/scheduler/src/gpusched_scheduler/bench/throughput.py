@@ -60,7 +60,7 @@ def single_gpu_batch(pods: PodList, n_units: int, n_gpus: int, seed: int) -> Wor
 @dataclass(frozen=True)
 class ThroughputRow:
     policy: str
-    order: str  # "arrival" (batch order) or "lookahead" (biggest first)
+    order: str  # "arrival" (batch order) or "lookahead" (the policy's look-ahead order)
     gpus: int
     batch: int
     numba_per_s: float
