@@ -178,7 +178,7 @@ def share_loss_key(W, free_milli, milli, loaded, params):
     return key
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # inlined: the batched scorer calls it per node
 def node_gpu_free_total(S, n):
     tot = 0
     cap = 0
@@ -556,10 +556,7 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
         if policy == FGD:
             out_score[i] = fgd_score(best_key, params[4])
         else:
-            gfree = 0  # the FGD rows (total_free) are not kept when priced
-            for g in range(gpu_start[n], gpu_start[n + 1]):
-                if healthy[g]:
-                    gfree += gmilli[g]
+            gfree = node_gpu_free_total(S, n)[0]  # the FGD rows are not kept when priced
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
             after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
             growth = best_key if priced else best_key / params[4]

@@ -29,12 +29,12 @@ _MAX_PIVOTS = 2_000
 @njit(cache=True)
 def _knapsack(sizes, values, capacity):
     """Unbounded knapsack over ``sizes`` (milli-GPU) with ``values``: best[c] for every
-    capacity c <= ``capacity`` and the size taken last to reach it (-1: none)."""
+    capacity c <= ``capacity`` and the size taken last to reach it (-1: none, best[c] is
+    best[c - 1]'s)."""
     best = np.zeros(capacity + 1, values.dtype)
     last = np.full(capacity + 1, -1, np.int64)
     for c in range(1, capacity + 1):
         best[c] = best[c - 1]
-        last[c] = last[c - 1] if last[c - 1] < 0 else -2  # -2: carried over from c - 1
         for i in range(sizes.shape[0]):
             s = sizes[i]
             if s <= c and best[c - s] + values[i] > best[c]:
@@ -48,13 +48,11 @@ def _pattern(sizes: np.ndarray, last: np.ndarray, capacity: int) -> np.ndarray:
     c = capacity
     while c > 0:
         i = last[c]
-        if i == -1:
-            break
-        if i == -2:
+        if i < 0:
             c -= 1
-            continue
-        counts[i] += 1
-        c -= sizes[i]
+        else:
+            counts[i] += 1
+            c -= sizes[i]
     return counts
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels as K
 from .policies import get_policy
 from .result import SolveResult
-from .solve import ShapeDistribution, policy_params, resolve
+from .solve import ShapeDistribution, policy_params, resolve, unit_order
 from .state import MAX_GANG_GPUS, ClusterState, WorkBatch
 
 
@@ -114,7 +114,7 @@ def _share_loss_key(free: int, unit: dict, loaded: bool, prices, params) -> floa
 
 
 def score_node(policy: int, c: _Cluster, n: int, unit: dict, shapes, params,
-               prices=None) -> tuple[float, list]:
+               prices) -> tuple[float, list]:
     """(score, chosen GPUs) of placing ``unit`` on node ``n``; lower wins, inf = no fit.
     ``prices``: gpusched's (fill_value, price) lists."""
     k = unit["k"]
@@ -256,8 +256,6 @@ def reference_solve(
     limit: int | None = None,
 ) -> SolveResult:
     """Same contract as ``solve``; ``limit`` stops after that many units (benchmarks)."""
-    from .solve import lookahead_order
-
     pol = get_policy(policy)
     work, units = resolve(state.copy(), batch)
     dist = ShapeDistribution.empty()
@@ -277,7 +275,7 @@ def reference_solve(
     out_node = np.full(n_units, -1, np.int64)
     out_gpus = np.full((n_units, MAX_GANG_GPUS), -1, np.int64)
     out_reason = np.zeros(n_units, np.int64)
-    order = lookahead_order(batch, pol.lookahead) if lookahead else np.arange(n_units)
+    order = unit_order(batch, pol, lookahead)
     for u in order.tolist()[: limit if limit is not None else n_units]:
         unit = dict(k=cols[0][u], milli=cols[1][u], gmem=cols[2][u], cpu=cols[3][u],
                     mem=cols[4][u], mask=cols[5][u], model=cols[6][u], weight=cols[7][u])

@@ -18,12 +18,12 @@ from .solve import (
     ShapeDistribution,
     fresh_bookkeeping,
     group_rows,
-    lookahead_order,
     nowhere,
     policy_params,
     resolve,
     result_buffers,
     state_tuple,
+    unit_order,
     work_buffers,
 )
 from .state import ClusterState, WorkBatch
@@ -154,8 +154,7 @@ class SolverSession:
         if len(changed):
             K.note_changed(changed, self._P, self._C)
         slots = self._slots_for(units) if n else np.zeros(0, np.int64)
-        order = (lookahead_order(batch, self.policy.lookahead) if lookahead
-                 else np.arange(n, dtype=np.int64))
+        order = unit_order(batch, self.policy, lookahead)
         K.solve_kernel(
             self.policy.kernel_id, S, units, self._w, order, slots, self._scores,
             self._trees, self._C, self._P, out_node, out_gpus, out_reason, self._params,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import kernels as K
-from .policies import DEFAULT_POLICY, get_policy
+from .policies import DEFAULT_POLICY, Policy, get_policy
 from .prices import GPU_MILLI, price_tables
 from .result import SolveResult
 from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, ClusterState, WorkBatch
@@ -75,8 +75,9 @@ class ShapeDistribution:
         # only the share, so where requests hold GPU memory too (LLM serving shares a GPU
         # by memory) FGD's shapes, which count memory, keep deciding.
         tables = {}  # none: the fields' all-zero defaults (a live cycle pays nothing here)
-        sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
-        if not batch.gpu_mem_mib[gpu_units].any() and sharing.any():
+        sharing = None if batch.gpu_mem_mib[gpu_units].any() else (
+            gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI))
+        if sharing is not None and sharing.any():
             sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
             fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
             tables = {"fill_value": fill_value, "price": price}
@@ -225,6 +226,14 @@ def lookahead_order(batch: WorkBatch, how: str = "biggest-first") -> np.ndarray:
     return np.lexsort((np.arange(len(batch)), -batch.cpu_milli, -demand)).astype(np.int64)
 
 
+def unit_order(batch: WorkBatch, policy: Policy, lookahead: bool) -> np.ndarray:
+    """The order the kernels place ``batch`` in: batch order (online), or the policy's
+    look-ahead order."""
+    if lookahead:
+        return lookahead_order(batch, policy.lookahead)
+    return np.arange(len(batch), dtype=np.int64)
+
+
 def solve(
     state: ClusterState,
     batch: WorkBatch,
@@ -254,8 +263,7 @@ def solve(
     w = dist.arrays(work)
     params = policy_params(dist, affinity_bonus_milli, stranded_weight)
     slots, n_slots = shape_slots(units, work.num_nodes)
-    order = (lookahead_order(batch, pol.lookahead) if lookahead
-             else np.arange(len(batch), dtype=np.int64))
+    order = unit_order(batch, pol, lookahead)
     out_node, out_gpus, out_reason, stats = result_buffers(len(batch))
     K.solve_kernel(
         pol.kernel_id,
