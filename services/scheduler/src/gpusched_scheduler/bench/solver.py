@@ -238,14 +238,18 @@ def report_prefix_bound(traces: Path, nodes: openb.NodeList, seeds: int,
         gaps = []
         for r in rs:
             placed = r.node >= 0
-            used, lp = optimal.packing_gap(pods.num_gpu[r.sequence][placed],
-                                           pods.gpu_milli[r.sequence][placed], r.gpus[placed])
+            gap = optimal.packing_gap(pods.num_gpu[r.sequence][placed],
+                                      pods.gpu_milli[r.sequence][placed], r.gpus[placed])
+            if gap is None:  # GLOP found no optimum: report the rest without this seed
+                continue
+            used, lp = gap
             gaps.append(used - lp)
             packing.append({"policy": policy, "seed": r.seed, "sharing_gpus": used,
                             "lp_min_gpus": round(lp, 2)})
         print(f"  {policy:<12} {at_fail:6.1f} at its first 1-GPU failure, {end:6.1f} at 130%; "
-              f"its sharing pods take {float(np.mean(gaps)):.1f} GPUs more than the "
-              "configuration LP needs for the same pods")
+              + (f"its sharing pods take {float(np.mean(gaps)):.1f} GPUs more than the "
+                 "configuration LP needs for the same pods" if gaps else
+                 "packing gap not measured (GLOP found no optimum)"))
     out["openb_packing_gap"] = packing
 
 
@@ -296,11 +300,13 @@ def run_throughput(args, traces: Path, out: dict) -> None:
     out["throughput"] = rows
     at4k = [r for r in rows if r["gpus"] == 4096]
     if at4k:
-        best = max(at4k, key=lambda r: r["numba_per_s"])
+        # the policy we ship at its slowest, whatever the order or batch size
+        slow = min((r for r in at4k if r["policy"] == BEST_POLICY),
+                   key=lambda r: r["numba_per_s"])
         out.setdefault("targets", []).append(
-            {"target": ">= 100,000 placements/s at 4,096 GPUs (best row)",
-             "value": best["numba_per_s"], "ok": best["numba_per_s"] >= 100_000,
-             "row": {k: best[k] for k in ("policy", "order", "batch")}})
+            {"target": f">= 100,000 placements/s at 4,096 GPUs ({BEST_POLICY}, slowest row)",
+             "value": slow["numba_per_s"], "ok": slow["numba_per_s"] >= 100_000,
+             "row": {k: slow[k] for k in ("policy", "order", "batch")}})
         worst = min(r["speedup"] for r in at4k)
         out["targets"].append({"target": ">= 100x the pure-Python reference (every row at "
                                "4,096 GPUs)", "value": worst, "ok": worst >= 100})
