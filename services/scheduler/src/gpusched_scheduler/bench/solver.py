@@ -61,9 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"folder with the openb node list and pod lists (default {DEFAULT_TRACES})")
     p.add_argument("--seeds", type=int, default=None,
                    help="seeds per pod list (default 10, quick 2)")
-    p.add_argument("--lookahead-seeds", type=int, default=2,
-                   help="seeds for the look-ahead (batch16/batch64) rows, which are slower "
-                   "(one solve per micro-batch); only pod lists with published numbers")
+    p.add_argument("--lookahead-seeds", type=int, default=None,
+                   help="seeds for the look-ahead (batch16/batch64) rows (default: as many "
+                   "as --seeds, so they compare with the online rows); only pod lists with "
+                   "published numbers")
     p.add_argument("--pod-lists", default=None,
                    help="comma-separated pod lists (default: every openb_pod_list_*.csv; "
                    "quick: default)")
@@ -136,7 +137,8 @@ def run_openb(args, traces: Path, out: dict) -> None:
                              gpu_start)
         if BEST_POLICY in policies and (args.quick or any(t == name for t, _ in published)):
             for bs in LOOKAHEAD_BATCHES:
-                for seed in range(min(seeds, args.lookahead_seeds)):
+                for seed in range(seeds if args.lookahead_seeds is None
+                                  else min(seeds, args.lookahead_seeds)):
                     lookahead_rows.append(
                         openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs,
                                      order=args.node_order))
