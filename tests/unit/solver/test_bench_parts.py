@@ -1,12 +1,16 @@
 """The benchmark's parts on tiny inputs (no ../shared needed): throughput rows, the
-distance-to-optimal rows and lower bound, and the cluster/batch builders."""
+distance-to-optimal rows and lower bound, the cluster/batch builders, and the openb
+replay's seeds on a three-node trace."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from gpusched_scheduler.bench import optimal, throughput
+from gpusched_scheduler.bench import solver as bench_solver
 from gpusched_scheduler.bench.openb import NodeList, PodList
 
 
@@ -71,3 +75,34 @@ def test_packing_gap_compares_the_gpus_used_with_the_lp_for_the_same_pods():
     used, lp = optimal.packing_gap(np.array([1, 1, 1, 1]), np.array([500, 500, 500, 1000]),
                                    np.array([[0], [1], [2], [3]]))
     assert used == 3 and lp == pytest.approx(1.5)
+
+
+def _write_tiny_traces(folder) -> None:
+    (folder / "openb_node_list_gpu_node.csv").write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\n"
+        "n0,32000,131072,4,G2\nn1,32000,131072,4,G2\nn2,16000,65536,2,T4\n")
+    (folder / "openb_pod_list_default.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "p0,4000,8192,1,1000,\np1,2000,4096,1,470,\np2,2000,4096,1,320,\n"
+        "p3,8000,16384,2,1000,\np4,1000,2048,0,0,\n")
+    (folder / "fgd_reference.csv").write_text(
+        "workload,policy,n_seeds,alloc_pct_at_100,alloc_pct_at_130,"
+        "unalloc_gpus_at_130_of_6212\nopenb_pod_list_default,06-FGD,10,90,92,1\n")
+
+
+@pytest.mark.parametrize("extra, lookahead_seeds", [([], [0, 1, 2]),
+                                                    (["--lookahead-seeds", "1"], [0])])
+def test_lookahead_rows_run_on_the_online_rows_seeds_unless_told_fewer(
+        tmp_path, extra, lookahead_seeds):
+    """Look-ahead rows sit next to the online rows in the table, so by default they
+    average the same seeds (they once ran on 2 seeds against 10 and misled)."""
+    _write_tiny_traces(tmp_path)
+    out = tmp_path / "out.json"
+    assert bench_solver.main(["--traces", str(tmp_path), "--seeds", "3",
+                              "--policies", "gpusched", "--skip", "throughput,first,optimal",
+                              "--json", str(out)] + extra) == 0
+    result = json.loads(out.read_text())
+    assert sorted({r["seed"] for r in result["openb"]}) == [0, 1, 2]
+    for mode in ("batch16", "batch64"):
+        assert sorted(r["seed"] for r in result["openb_lookahead"]
+                      if r["mode"] == mode) == lookahead_seeds
