@@ -17,6 +17,7 @@ from gpusched_scheduler.domain.solver import (
     Unschedulable,
     WorkBatch,
     get_policy,
+    lookahead_order,
     solve,
 )
 from gpusched_scheduler.domain.solver.solve import group_rows
@@ -191,8 +192,6 @@ def test_lookahead_places_big_units_first_but_reports_in_batch_order():
 def test_gpusched_lookahead_moves_only_gangs_forward():
     """Prices assume units keep coming in the workload's mix: look-ahead keeps the batch
     order except for gangs, which go first, largest first."""
-    from gpusched_scheduler.domain.solver import lookahead_order
-
     batch = WorkBatch.from_units(num_gpu=[1, 1, 2, 0, 4, 1], gpu_milli=[320, 810, 1000, 0,
                                  1000, 1000], cpu_milli=[9, 1, 1, 9, 1, 1], mem_mib=[0] * 6)
     assert get_policy("gpusched").lookahead == "gangs-first"

@@ -123,6 +123,8 @@ def run_openb(args, traces: Path, out: dict) -> None:
     else:
         names = openb.pod_list_names(traces)
     seeds = args.seeds or (2 if args.quick else 10)
+    lookahead_seeds = seeds if args.lookahead_seeds is None else min(seeds,
+                                                                     args.lookahead_seeds)
     policies = args.policies.split(",")
     rows, lookahead_rows = [], []
     t0 = time.perf_counter()
@@ -137,8 +139,7 @@ def run_openb(args, traces: Path, out: dict) -> None:
                              gpu_start)
         if BEST_POLICY in policies and (args.quick or any(t == name for t, _ in published)):
             for bs in LOOKAHEAD_BATCHES:
-                for seed in range(seeds if args.lookahead_seeds is None
-                                  else min(seeds, args.lookahead_seeds)):
+                for seed in range(lookahead_seeds):
                     lookahead_rows.append(
                         openb.replay(nodes, pods, BEST_POLICY, seed, batch_size=bs,
                                      order=args.node_order))

@@ -556,7 +556,8 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
         if policy == FGD:
             out_score[i] = fgd_score(best_key, params[4])
         else:
-            gfree = node_gpu_free_total(S, n)[0]  # the FGD rows are not kept when priced
+            # the FGD rows filled above hold the node's free share; priced, none were
+            gfree = node_gpu_free_total(S, n)[0] if priced else total_free[n]
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
             after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
             growth = best_key if priced else best_key / params[4]

@@ -75,12 +75,13 @@ class ShapeDistribution:
         # only the share, so where requests hold GPU memory too (LLM serving shares a GPU
         # by memory) FGD's shapes, which count memory, keep deciding.
         tables = {}  # none: the fields' all-zero defaults (a live cycle pays nothing here)
-        sharing = None if batch.gpu_mem_mib[gpu_units].any() else (
-            gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI))
-        if sharing is not None and sharing.any():
-            sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
-            fill_value, price = price_tables(sizes, np.bincount(at, batch.num_gpu[sharing]))
-            tables = {"fill_value": fill_value, "price": price}
+        if not batch.gpu_mem_mib[gpu_units].any():
+            sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
+            if sharing.any():
+                sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
+                fill_value, price = price_tables(sizes,
+                                                 np.bincount(at, batch.num_gpu[sharing]))
+                tables = {"fill_value": fill_value, "price": price}
         return cls(
             cpu_milli=u[:, 0].copy(),
             mem_mib=u[:, 1].copy(),
