@@ -223,3 +223,16 @@ def test_group_rows_matches_a_sorting_grouping(seed):
     want_gid, want_counts = _group_rows_by_sorting(cols)
     assert gid.tolist() == want_gid.tolist()
     assert counts.tolist() == want_counts.tolist()
+
+
+def test_typical_shapes_are_capped_most_frequent_first():
+    """A batch of mostly one-off shapes would otherwise keep nearly all of them, and FGD's
+    cost per scored node grows with their number."""
+    cpu = np.concatenate([np.full(50, 7), np.full(30, 5), np.arange(1000, 1900)])
+    batch = WorkBatch.from_units(num_gpu=np.ones(len(cpu), np.int64),
+                                 gpu_milli=np.full(len(cpu), 500), cpu_milli=cpu,
+                                 mem_mib=np.zeros(len(cpu), np.int64))
+    assert len(ShapeDistribution.from_batch(batch, max_shapes=10_000).count) > 800
+    capped = ShapeDistribution.from_batch(batch, max_shapes=4)
+    assert capped.count.tolist()[:2] == [50, 30] and len(capped.count) == 4
+    assert capped.cpu_milli.tolist()[:2] == [7, 5]

@@ -18,6 +18,10 @@ from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, ClusterState, WorkBatch
 SHAPE_CACHE_BUDGET_BYTES = 48 << 20
 """Memory the per-shape score caches of one solve may use (beyond it units are scanned)."""
 
+MAX_TYPICAL_SHAPES = 128
+"""At most this many typical shapes: FGD's cost per scored node grows with their number.
+openb keeps 31-111 at 95% coverage; a workload of mostly one-off shapes would keep all."""
+
 
 @dataclass(frozen=True, eq=False)
 class ShapeDistribution:
@@ -43,11 +47,16 @@ class ShapeDistribution:
 
     @classmethod
     def from_batch(
-        cls, batch: WorkBatch, coverage: float = 0.95, with_memory: bool = False
+        cls,
+        batch: WorkBatch,
+        coverage: float = 0.95,
+        with_memory: bool = False,
+        max_shapes: int = MAX_TYPICAL_SHAPES,
     ) -> ShapeDistribution:
         """Most frequent shapes (CPU, GPUs, share, GPU memory, allowed types, and host memory
-        when ``with_memory``) that together cover ``coverage`` of the units. Like the FGD
-        paper, host memory is left out of the shapes by default."""
+        when ``with_memory``) that together cover ``coverage`` of the units, at most
+        ``max_shapes`` of them. Like the FGD paper, host memory is left out of the shapes by
+        default."""
         if len(batch) == 0:
             return cls.empty()
         cols = np.stack(
@@ -66,7 +75,7 @@ class ShapeDistribution:
         uniq[gid] = cols
         order = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first, stable
         cum = np.cumsum(counts[order])
-        keep = order[: int(np.searchsorted(cum, coverage * cum[-1]) + 1)]
+        keep = order[: min(int(np.searchsorted(cum, coverage * cum[-1]) + 1), max_shapes)]
         u = uniq[keep]
         gpu_units = batch.num_gpu > 0
         gpu_milli = int((batch.num_gpu * batch.gpu_milli)[gpu_units].sum())
