@@ -20,7 +20,7 @@ from gpusched_scheduler.domain.solver import (
     lookahead_order,
     solve,
 )
-from gpusched_scheduler.domain.solver.solve import group_rows
+from gpusched_scheduler.domain.solver.solve import MAX_TYPICAL_SHAPES, group_rows
 
 
 def cluster(*nodes: tuple[int, list[int]], gpu_type: str = "T4", mem: int = 16000,
@@ -233,6 +233,7 @@ def test_typical_shapes_are_capped_most_frequent_first():
                                  gpu_milli=np.full(len(cpu), 500), cpu_milli=cpu,
                                  mem_mib=np.zeros(len(cpu), np.int64))
     assert len(ShapeDistribution.from_batch(batch, max_shapes=10_000).count) > 800
+    assert len(ShapeDistribution.from_batch(batch).count) == MAX_TYPICAL_SHAPES
     capped = ShapeDistribution.from_batch(batch, max_shapes=4)
     assert capped.count.tolist()[:2] == [50, 30] and len(capped.count) == 4
     assert capped.cpu_milli.tolist()[:2] == [7, 5]
