@@ -247,9 +247,8 @@ def packing_gap(num_gpu: np.ndarray, gpu_milli: np.ndarray, gpus: np.ndarray
     """How well a replay packed the sharing pods it placed: (GPUs holding them, the
     configuration LP's minimum for the same pods), or None without OR-Tools. ``num_gpu``,
     ``gpu_milli`` and ``gpus`` (cluster GPU indices, -1 padded) are per placed pod."""
-    one = (np.asarray(num_gpu) == 1) & (np.asarray(gpu_milli) < 1000)
-    milli = np.asarray(gpu_milli)[one]
-    vals, counts = np.unique(milli, return_counts=True)
+    one = (num_gpu == 1) & (gpu_milli < 1000)
+    vals, counts = np.unique(gpu_milli[one], return_counts=True)
     sizes = sorted(vals.tolist(), reverse=True)
     lp = share_lp(dict(zip(vals.tolist(), counts.tolist())), share_patterns(sizes), sizes)
-    return None if lp is None else (len(np.unique(np.asarray(gpus)[one, 0])), lp)
+    return None if lp is None else (len(np.unique(gpus[one, 0])), lp)

@@ -178,7 +178,7 @@ def share_loss_key(W, free_milli, milli, loaded, params):
     return key
 
 
-@njit(cache=True, inline="always")  # inlined: the batched scorer calls it per node
+@njit(cache=True)
 def node_gpu_free_total(S, n):
     tot = 0
     cap = 0
@@ -480,9 +480,13 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
         best = -1
         best_key = INF
         nc = 0  # distinct candidate GPU states so far, each by its lowest GPU index
+        gfree = 0  # the node's free share (healthy GPUs), for the stranded term
         for g in range(gpu_start[n], gpu_start[n + 1]):
+            if not healthy[g]:
+                continue
             a = gmilli[g]
-            if not healthy[g] or (mask >> gtype[g]) & 1 == 0 or a < milli:
+            gfree += a
+            if (mask >> gtype[g]) & 1 == 0 or a < milli:
                 continue
             loaded = False
             if model >= 0:
@@ -556,8 +560,6 @@ def single_gpu_scores(policy, S, u, U, W, C, params, nodes, count, out_score, ou
         if policy == FGD:
             out_score[i] = fgd_score(best_key, params[4])
         else:
-            # the FGD rows filled above hold the node's free share; priced, none were
-            gfree = node_gpu_free_total(S, n)[0] if priced else total_free[n]
             before = stranded_milli(gfree, cpu_free[n], mem_free[n], params)
             after = stranded_milli(gfree - milli, cpu_after, mem_after, params)
             growth = best_key if priced else best_key / params[4]
