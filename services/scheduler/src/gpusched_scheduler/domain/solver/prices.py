@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-GPU_MILLI = 1000
+from .state import WHOLE_GPU_MILLI
+
 MICRO = 1_000_000
 """Prices are in micro-GPUs: a whole GPU is worth ``MICRO``."""
 
@@ -67,7 +68,7 @@ def share_prices(sizes: np.ndarray, demand: np.ndarray) -> np.ndarray:
     if m == 0:
         return np.zeros(0)
     # start from one pattern per size (as many copies as fit): a feasible diagonal basis
-    basis = np.diag((GPU_MILLI // sizes).astype(np.float64))
+    basis = np.diag((WHOLE_GPU_MILLI // sizes).astype(np.float64))
     cost = np.ones(m)  # 1 per pattern column, 0 per surplus column
     x = demand / np.diag(basis)
     y = np.zeros(m)
@@ -77,10 +78,10 @@ def share_prices(sizes: np.ndarray, demand: np.ndarray) -> np.ndarray:
         if len(neg):  # a surplus column prices out: drop the over-covered size's price
             column, column_cost = -np.eye(m)[neg[0]], 0.0
         else:
-            best, last = _knapsack(sizes, y, GPU_MILLI)
-            if best[GPU_MILLI] <= 1.0 + _EPS:
+            best, last = _knapsack(sizes, y, WHOLE_GPU_MILLI)
+            if best[WHOLE_GPU_MILLI] <= 1.0 + _EPS:
                 break  # no pattern is worth more than the GPU it takes: optimal
-            column, column_cost = _pattern(sizes, last, GPU_MILLI), 1.0
+            column, column_cost = _pattern(sizes, last, WHOLE_GPU_MILLI), 1.0
         d = np.linalg.solve(basis, column)
         rows = np.flatnonzero(d > _EPS)
         if len(rows) == 0:
@@ -102,10 +103,10 @@ def price_tables(sizes: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, np.
     ``f`` milli-GPU are worth. ``fill_value[f] >= price[s] + fill_value[f - s]`` for every
     s <= f, so a placement's loss is never negative. Without sharing requests both are 0."""
     sizes = np.asarray(sizes, np.int64)
-    keep = (sizes > 0) & (sizes < GPU_MILLI)
+    keep = (sizes > 0) & (sizes < WHOLE_GPU_MILLI)
     sizes, demand = sizes[keep], np.asarray(demand, np.float64)[keep]
     y = np.rint(share_prices(sizes, demand) * MICRO).astype(np.int64)
-    fill_value, _ = _knapsack(sizes, y, GPU_MILLI)
+    fill_value, _ = _knapsack(sizes, y, WHOLE_GPU_MILLI)
     price = fill_value.copy()
     price[sizes] = y
     return fill_value, price

@@ -11,9 +11,9 @@ import numpy as np
 
 from . import kernels as K
 from .policies import DEFAULT_POLICY, Policy, get_policy
-from .prices import GPU_MILLI, price_tables
+from .prices import price_tables
 from .result import SolveResult
-from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, ClusterState, WorkBatch
+from .state import ANY_GPU_TYPE, MAX_GANG_GPUS, WHOLE_GPU_MILLI, ClusterState, WorkBatch
 
 SHAPE_CACHE_BUDGET_BYTES = 48 << 20
 """Memory the per-shape score caches of one solve may use (beyond it units are scanned)."""
@@ -42,8 +42,8 @@ class ShapeDistribution:
     mem_per_gpu_milli: float = 0.0  # workload's memory MiB per milli-GPU (GPU units)
     # what free share is worth to the workload (``prices.price_tables``, micro-GPUs by
     # milli-GPU 0..1000): gpusched's GPU choice; all zero = no sharing requests
-    fill_value: np.ndarray = field(default_factory=lambda: np.zeros(GPU_MILLI + 1, np.int64))
-    price: np.ndarray = field(default_factory=lambda: np.zeros(GPU_MILLI + 1, np.int64))
+    fill_value: np.ndarray = field(default_factory=lambda: np.zeros(WHOLE_GPU_MILLI + 1, np.int64))
+    price: np.ndarray = field(default_factory=lambda: np.zeros(WHOLE_GPU_MILLI + 1, np.int64))
 
     @classmethod
     def from_batch(
@@ -85,7 +85,7 @@ class ShapeDistribution:
         # by memory) FGD's shapes, which count memory, keep deciding.
         tables = {}  # none: the fields' all-zero defaults (a live cycle pays nothing here)
         if not batch.gpu_mem_mib[gpu_units].any():
-            sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < GPU_MILLI)
+            sharing = gpu_units & (batch.gpu_milli > 0) & (batch.gpu_milli < WHOLE_GPU_MILLI)
             if sharing.any():
                 sizes, at = np.unique(batch.gpu_milli[sharing], return_inverse=True)
                 fill_value, price = price_tables(sizes,
