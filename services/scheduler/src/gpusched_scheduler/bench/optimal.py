@@ -172,16 +172,16 @@ def share_patterns(sizes: list[int], capacity_milli: int = 1000) -> list[tuple[i
 def min_gpus_for_shares(count_by_share: dict[int, int], patterns: list[tuple[int, ...]],
                         sizes: list[int]) -> int | None:
     """Lower bound on the GPUs that can hold the given sharing requests (milli-GPU -> number
-    of requests): the configuration LP's optimum rounded up (GLOP), or None without
-    OR-Tools. Valid whatever the nodes, CPU, memory and GPU types: it only relaxes them."""
+    of requests): the configuration LP's optimum rounded up, or None as ``share_lp``.
+    Valid whatever the nodes, CPU, memory and GPU types: it only relaxes them."""
     gpus = share_lp(count_by_share, patterns, sizes)
     return None if gpus is None else math.ceil(gpus - 1e-6)
 
 
 def share_lp(count_by_share: dict[int, int], patterns: list[tuple[int, ...]],
              sizes: list[int]) -> float | None:
-    """The configuration LP's optimum (fractional GPUs) for the given sharing requests, or
-    None without OR-Tools."""
+    """The configuration LP's optimum (fractional GPUs) for the given sharing requests (GLOP),
+    or None without OR-Tools or when GLOP reports no optimum."""
     try:
         from ortools.linear_solver import pywraplp
     except ImportError:
@@ -213,8 +213,9 @@ class PrefixBound:
 def prefix_bound(num_gpu: np.ndarray, gpu_milli: np.ndarray, cluster_gpus: int
                  ) -> PrefixBound | None:
     """``PrefixBound`` for requests in arrival order (whole GPUs: ``gpu_milli`` 1000, any
-    ``num_gpu``; sharing: one GPU of ``gpu_milli`` < 1000), or None without OR-Tools.
-    Binary search on the prefix length; each step is one configuration LP."""
+    ``num_gpu``; sharing: one GPU of ``gpu_milli`` < 1000), or None as ``share_lp`` (for
+    any step: a step taken as "does not fit" would overstate the bound). Binary search on
+    the prefix length; each step is one configuration LP."""
     num_gpu = np.asarray(num_gpu, np.int64)
     gpu_milli = np.asarray(gpu_milli, np.int64)
     gpu = (num_gpu > 0) & (gpu_milli > 0)
@@ -234,10 +235,10 @@ def prefix_bound(num_gpu: np.ndarray, gpu_milli: np.ndarray, cluster_gpus: int
         return None
     while lo < hi:  # largest prefix the bound cannot rule out
         mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
+        ok = fits(mid)
+        if ok is None:
+            return None
+        lo, hi = (mid, hi) if ok else (lo, mid - 1)
     placed_milli = int((k[:lo] * m[:lo]).sum())
     return PrefixBound(lo, round(cluster_gpus - placed_milli / 1000.0, 1))
 
@@ -245,7 +246,7 @@ def prefix_bound(num_gpu: np.ndarray, gpu_milli: np.ndarray, cluster_gpus: int
 def packing_gap(num_gpu: np.ndarray, gpu_milli: np.ndarray, gpus: np.ndarray
                 ) -> tuple[int, float] | None:
     """How well a replay packed the sharing pods it placed: (GPUs holding them, the
-    configuration LP's minimum for the same pods), or None without OR-Tools. ``num_gpu``,
+    configuration LP's minimum for the same pods), or None as ``share_lp``. ``num_gpu``,
     ``gpu_milli`` and ``gpus`` (cluster GPU indices, -1 padded) are per placed pod."""
     one = (num_gpu == 1) & (gpu_milli < 1000)
     vals, counts = np.unique(gpu_milli[one], return_counts=True)

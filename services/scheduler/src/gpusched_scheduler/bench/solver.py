@@ -123,8 +123,7 @@ def run_openb(args, traces: Path, out: dict) -> None:
     else:
         names = openb.pod_list_names(traces)
     seeds = args.seeds or (2 if args.quick else 10)
-    lookahead_seeds = seeds if args.lookahead_seeds is None else min(seeds,
-                                                                     args.lookahead_seeds)
+    lookahead_seeds = seeds if args.lookahead_seeds is None else min(seeds, args.lookahead_seeds)
     policies = args.policies.split(",")
     rows, lookahead_rows = [], []
     t0 = time.perf_counter()
@@ -223,7 +222,7 @@ def report_prefix_bound(traces: Path, nodes: openb.NodeList, seeds: int,
         b = optimal.prefix_bound(pods.num_gpu[seq], pods.gpu_milli[seq], nodes.total_gpus)
         if b is None:
             print("\nprefix bound skipped: OR-Tools not installed (pip install "
-                  "'gpusched-scheduler[bench]')")
+                  "'gpusched-scheduler[bench]'), or GLOP found no optimum")
             return
         bounds.append({"seed": seed, **asdict(b)})
     out["openb_prefix_bound"] = bounds
