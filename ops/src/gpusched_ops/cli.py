@@ -167,8 +167,13 @@ def usage(
 
 def usage_table(data: dict) -> Table:
     group = data.get("group_by") or "model"
+
+    def utc(ms: int) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ms / 1000))
+
     table = Table("tenant", group, "requests", "prompt tokens", "completion tokens",
-                  "GPU-seconds", "cost USD", title="usage (from accounting)")
+                  "GPU-seconds", "cost USD", title=f"usage from accounting, "
+                  f"{utc(data['start_ms'])} to {utc(data['end_ms'])} UTC")
 
     def cells(row: dict) -> list[str]:
         return [str(row["requests"]), str(row["prompt_tokens"]), str(row["completion_tokens"]),
@@ -195,12 +200,15 @@ def demo(
     up(run_dir)
     endpoints = _stack(run_dir).endpoints()
     plans = make_plan(requests, seed)
+    # usage from this run on (accounting widens the start to its minute), not the last 24 h
+    started_ms = int(time.time() * 1000)
     started = time.perf_counter()
     with console.status(f"running {requests} requests"):
         outcomes = asyncio.run(run_workload(plans, urls()["router"], endpoints.kafka_bootstrap))
     wall_s = time.perf_counter() - started
     time.sleep(1.0)  # let the last usage records land before reading accounting back
-    usage_data = httpx.get(f"{urls()['accounting']}/v1/usage", params={"group_by": "model"},
+    usage_data = httpx.get(f"{urls()['accounting']}/v1/usage",
+                           params={"group_by": "model", "start": started_ms},
                            headers={"Authorization": "Bearer sk-admin-demo"}, timeout=10).json()
     traced = next((o for o in outcomes if o.trace_id), None)
     report = {
