@@ -151,6 +151,15 @@ def usage(
     """Tokens, requests, GPU-seconds and cost per tenant over a window, from accounting."""
     params = {"group_by": group_by, **({"tenant": tenant} if tenant else {}),
               **({"start": start} if start else {}), **({"end": end} if end else {})}
+    data = read_usage(accounting_url, api_key, params)
+    if as_json:
+        print(json.dumps(data))
+        return
+    console.print(usage_table(data))
+
+
+def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
+    """Accounting's `/v1/usage` report, or a clear error and exit."""
     try:
         resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
                          headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
@@ -158,11 +167,7 @@ def usage(
         _fail(f"accounting not reachable at {accounting_url} ({exc}); is the stack up?")
     if resp.status_code != 200:
         _fail(f"{resp.status_code}: {resp.text}")
-    data = resp.json()
-    if as_json:
-        print(json.dumps(data))
-        return
-    console.print(usage_table(data))
+    return resp.json()
 
 
 def usage_table(data: dict) -> Table:
@@ -207,9 +212,8 @@ def demo(
         outcomes = asyncio.run(run_workload(plans, urls()["router"], endpoints.kafka_bootstrap))
     wall_s = time.perf_counter() - started
     time.sleep(1.0)  # let the last usage records land before reading accounting back
-    usage_data = httpx.get(f"{urls()['accounting']}/v1/usage",
-                           params={"group_by": "model", "start": started_ms},
-                           headers={"Authorization": "Bearer sk-admin-demo"}, timeout=10).json()
+    usage_data = read_usage(urls()["accounting"], "sk-admin-demo",
+                            {"group_by": "model", "start": started_ms})
     traced = next((o for o in outcomes if o.trace_id), None)
     report = {
         "requests": len(outcomes), "wall_s": round(wall_s, 2),
