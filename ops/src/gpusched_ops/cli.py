@@ -12,7 +12,7 @@ from typing import Annotated
 import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from gpusched_ops.services import service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir
@@ -31,6 +31,12 @@ DEFAULT_RUN_DIR = default_cache_dir() / "run"
 
 def _stack(run_dir: Path) -> LocalStack:
     return LocalStack(run_dir)
+
+
+def _table(*headers: str, title: str | None = None) -> Table:
+    """A table whose cells wrap instead of being cut with an ellipsis: piped to a file or a
+    CI log the console is 80 columns wide, and a cut model name or log path is no use."""
+    return Table(*(Column(h, overflow="fold") for h in headers), title=title)
 
 
 def _fail(message: str) -> None:
@@ -55,7 +61,7 @@ def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
         _fail(str(exc))
     console.print(f"[green]up[/green]: router {urls()['router']}, accounting "
                   f"{urls()['accounting']}, Jaeger {endpoints.jaeger_query_url}; logs in "
-                  f"{run_dir / 'logs'}")
+                  f"{stack.log_dir}")
 
 
 @app.command()
@@ -68,18 +74,20 @@ def down(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
 @app.command()
 def status(run_dir: RunDir = DEFAULT_RUN_DIR, as_json: JsonOut = False) -> None:
     """Each process of the local stack: pid, alive, resident memory, log file."""
-    rows = _stack(run_dir).status()
+    stack = _stack(run_dir)
+    rows = stack.status()
     if as_json:
         print(json.dumps([{"name": r.name, "pid": r.pid, "alive": r.alive,
                            "rss_mib": r.rss_mib, "log": str(r.log_path)} for r in rows]))
         return
-    table = Table("process", "pid", "state", "RSS MiB", "log")
+    table = _table("process", "pid", "state", "RSS MiB", "log",
+                   title=f"logs in {stack.log_dir}")
     total = 0.0
     for r in rows:
         total += r.rss_mib or 0
         table.add_row(r.name, str(r.pid or "-"), "[green]up[/green]" if r.alive else
                       "[red]down[/red]", f"{r.rss_mib:.0f}" if r.rss_mib else "-",
-                      str(r.log_path))
+                      r.log_path.name)
     table.add_row("total", "", "", f"{total:.0f}", "")
     console.print(table)
 
@@ -96,7 +104,7 @@ def nodes(as_json: JsonOut = False,
     if as_json:
         print(json.dumps(data))
         return
-    table = Table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
+    table = _table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
     for node in data["nodes"]:
         for gpu in node["gpus"]:
             table.add_row(node["node_id"], node["status"], str(gpu["index"]), gpu["gpu_type"],
@@ -176,9 +184,9 @@ def usage_table(data: dict) -> Table:
     def utc(ms: int) -> str:
         return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ms / 1000))
 
-    table = Table("tenant", group, "requests", "prompt tokens", "completion tokens",
-                  "GPU-seconds", "cost USD", title=f"usage from accounting, "
-                  f"{utc(data['start_ms'])} to {utc(data['end_ms'])} UTC")
+    table = _table("tenant", group, "requests", "prompt\ntokens", "completion\ntokens",
+                   "GPU-\nseconds", "cost\nUSD", title=f"usage from accounting, "
+                   f"{utc(data['start_ms'])} to {utc(data['end_ms'])} UTC")
 
     def cells(row: dict) -> list[str]:
         return [str(row["requests"]), str(row["prompt_tokens"]), str(row["completion_tokens"]),
@@ -234,8 +242,8 @@ def demo(
     if as_json:
         print(json.dumps(report))
     else:
-        table = Table("priority class", "requests", "completed", "via Kafka", "p50 ms",
-                      "p95 ms", "p99 ms", title=f"{len(outcomes)} requests in {wall_s:.1f} s")
+        table = _table("priority class", "requests", "completed", "via Kafka", "p50 ms",
+                       "p95 ms", "p99 ms", title=f"{len(outcomes)} requests in {wall_s:.1f} s")
         for cls, row in report["by_class"].items():
             table.add_row(cls, *(str(row[k]) for k in ("requests", "completed", "via_kafka",
                                                        "p50_ms", "p95_ms", "p99_ms")))

@@ -312,9 +312,14 @@ class LocalStack:
             )
         return statuses
 
+    @property
+    def log_dir(self) -> Path:
+        """The folder of every process's log."""
+        return self.run_dir / "logs"
+
     def log_path(self, name: str) -> Path:
         """Where the process `name` writes its stdout and stderr (appended across restarts)."""
-        return self.run_dir / "logs" / f"{name}.log"
+        return self.log_dir / f"{name}.log"
 
     def data_dir(self, name: str) -> Path:
         """The persistent data folder of component `name`."""
@@ -337,7 +342,7 @@ class LocalStack:
             java,
             *KAFKA_JVM_FLAGS,
             f"-Dlog4j2.configurationFile={root / 'ops' / 'stack' / 'kafka' / 'log4j2.properties'}",
-            f"-Dkafka.logs.dir={self.run_dir / 'logs'}",
+            f"-Dkafka.logs.dir={self.log_dir}",
             "-cp",
             f"{libs}/*",
         ]
