@@ -1,14 +1,17 @@
-"""The `gpusched` command's tables stay whole where output is piped: a CI log or a file gets
-an 80-column console, and a model name cut to "llama-3.…" is no use there."""
+"""The `gpusched` command's output for people: tables stay whole where output is piped (a CI
+log or a file gets an 80-column console, and a model name cut to "llama-3.…" is no use
+there), and a service that is down is named, with exit status 1, not a traceback."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from rich.console import Console
+from typer.testing import CliRunner
 
-from gpusched_ops.cli import usage_table
+from gpusched_ops.cli import app, usage_table
 
 MODELS = Path(__file__).resolve().parents[2] / "config" / "models.yaml"
 
@@ -32,3 +35,17 @@ def test_usage_table_keeps_every_name_and_header_whole_at_80_columns() -> None:
     assert all(len(line) <= 80 for line in text.splitlines())
     for word in (*models, "globex", "initech", "completion", "seconds", "139800", "0.0097"):
         assert word in text, word
+
+
+@pytest.mark.parametrize("args", [
+    ["submit", "hi", "--router-url", "http://127.0.0.1:1"],
+    ["usage", "--accounting-url", "http://127.0.0.1:1"],
+    ["nodes", "--scheduler-url", "http://127.0.0.1:1"],
+])
+def test_a_service_that_is_down_gives_a_clear_error_and_exit_1(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args)
+
+    assert result.exit_code == 1, result.output
+    assert "not reachable at http://127.0.0.1:1" in result.output
+    assert "is the stack up?" in result.output
+    assert "Traceback" not in result.output

@@ -125,7 +125,7 @@ def submit(
     as_json: JsonOut = False,
 ) -> None:
     """Send one completion through the router and stream its tokens."""
-    from openai import APIStatusError, OpenAI
+    from openai import APIConnectionError, APIStatusError, OpenAI
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key)
     headers = {"X-Priority-Class": priority} if priority else {}
@@ -141,8 +141,11 @@ def submit(
                 sys.stdout.write(chunk.choices[0].text)
                 sys.stdout.flush()
         print()
-    except APIStatusError as exc:
-        _fail(f"{exc.status_code}: {exc.message}")
+    except APIStatusError as exc:  # the router's OpenAI-shaped error carries the reason
+        reason = exc.body.get("message") if isinstance(exc.body, dict) else None
+        _fail(f"{exc.status_code}: {reason or exc.message}")
+    except APIConnectionError as exc:
+        _fail(f"router not reachable at {router_url} ({exc.__cause__ or exc}); is the stack up?")
 
 
 @app.command()
