@@ -49,3 +49,10 @@ def test_a_service_that_is_down_gives_a_clear_error_and_exit_1(args: list[str]) 
     assert "not reachable at http://127.0.0.1:1" in result.output
     assert "is the stack up?" in result.output
     assert "Traceback" not in result.output
+
+
+def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
+    result = CliRunner().invoke(app, ["reconcile", "--kafka", "127.0.0.1:1"])
+
+    assert result.exit_code == 2, result.output  # 1 means "totals differ"
+    assert "Kafka not reachable at 127.0.0.1:1; is the stack up?" in result.output

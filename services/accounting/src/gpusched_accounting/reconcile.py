@@ -1,6 +1,7 @@
 """`gpusched reconcile`: recompute usage totals per tenant and day from the usage topic (every
 record still retained, with the live apply's dedup and request rules) and report every
-difference from the live counters in Redis. Exit status 0 when they agree, 1 otherwise."""
+difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
+differ, 2 when Kafka or Redis cannot be reached."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaConnectionError
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
@@ -34,8 +37,8 @@ async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
     """Every parseable usage record of `topic`, from the beginning to the current end."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
                                 enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
     try:
+        await consumer.start()
         parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
         if not parts:
             await consumer._client.force_metadata_update()  # noqa: SLF001
@@ -106,7 +109,14 @@ def main(argv: list[str]) -> int:
                         help="Folder with prices.yaml (costs are recomputed with it).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the report here.")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args))
+    try:
+        report = asyncio.run(run(args))
+    except KafkaConnectionError:
+        print(f"error: Kafka not reachable at {args.kafka}; is the stack up?", file=sys.stderr)
+        return 2
+    except RedisConnectionError:
+        print(f"error: Redis not reachable at {args.redis}; is the stack up?", file=sys.stderr)
+        return 2
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(f"{report['records']} usage records read, {report['tenant_days_checked']} "
