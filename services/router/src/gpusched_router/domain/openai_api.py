@@ -36,13 +36,17 @@ class ApiError:
 
 
 class _Body(BaseModel):
-    # Unknown OpenAI fields (temperature, top_p, user, ...) are accepted and ignored.
+    # Other OpenAI fields (user, logprobs, ...) are accepted and ignored. Sampling settings
+    # are checked as OpenAI checks them, then left to the executor's own.
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
     stream: bool = False
     seed: int | None = None
     stream_options: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
 
 
 class CompletionBody(_Body):
@@ -126,6 +130,9 @@ def _finish(
     parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
     priority_header: str | None, catalog: ModelCatalog, request_id: str, now_ms: int,
 ) -> ParsedRequest | ApiError:
+    if parsed.n != 1:  # one result per request: answering n > 1 with one choice loses n - 1
+        return ApiError(400, f"n is {parsed.n}; one choice per request is supported, send "
+                        f"{parsed.n} requests instead", param="n")
     spec = catalog.get(parsed.model)
     if spec is None:
         return ApiError(404, f"model '{parsed.model}' does not exist; available models: "
