@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from rich.console import Console
@@ -56,3 +57,22 @@ def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
 
     assert result.exit_code == 2, result.output  # 1 means "totals differ"
     assert "Kafka not reachable at 127.0.0.1:1; is the stack up?" in result.output
+
+
+
+@pytest.mark.parametrize("response,printed", [
+    (httpx.Response(400, json={"detail": "start (5) must be before end (1)"}),
+     "error: 400: start (5) must be before end (1)"),
+    (httpx.Response(422, json={"detail": [{"loc": ["query", "group_by"],
+                                           "msg": "Input should be 'model'"}]}),
+     "error: 422: group_by: Input should be 'model'"),
+    (httpx.Response(502, text="Bad Gateway"), "error: 502: Bad Gateway"),
+])
+def test_usage_refused_by_accounting_prints_the_reason_and_exits_1(
+        monkeypatch: pytest.MonkeyPatch, response: httpx.Response, printed: str) -> None:
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: response)
+
+    result = CliRunner().invoke(app, ["usage"])
+
+    assert result.exit_code == 1, result.output
+    assert printed in result.output

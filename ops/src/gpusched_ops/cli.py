@@ -177,8 +177,21 @@ def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
     except httpx.HTTPError as exc:
         _fail(f"accounting not reachable at {accounting_url} ({exc}); is the stack up?")
     if resp.status_code != 200:
-        _fail(f"{resp.status_code}: {resp.text}")
+        _fail(f"{resp.status_code}: {_reason(resp)}")
     return resp.json()
+
+
+def _reason(resp: httpx.Response) -> str:
+    """A FastAPI error's reason: its `detail` string, or `param: message` per invalid field."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, list):
+        detail = "; ".join(f"{e['loc'][-1]}: {e['msg']}" for e in detail
+                           if isinstance(e, dict) and e.get("loc") and "msg" in e) or None
+    return detail if isinstance(detail, str) else resp.text
 
 
 def usage_table(data: dict) -> Table:
