@@ -1,6 +1,7 @@
 """The `gpusched` command's output for people: tables stay whole where output is piped (a CI
 log or a file gets an 80-column console, and a model name cut to "llama-3.…" is no use
-there), and a service that is down is named, with exit status 1, not a traceback."""
+there), and a service that is down or refuses reads as a reason with exit status 1, not a
+traceback or a raw JSON body."""
 
 from __future__ import annotations
 
