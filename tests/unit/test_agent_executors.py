@@ -27,9 +27,9 @@ H100 = GPU_TYPES["H100-80GB"]
 
 
 def job(rid: str, max_tokens: int = 12, seed: int | None = None, prompt: str = "hello world",
-        gpu: int = 0) -> Job:
+        gpu: int = 0, **sampling: float) -> Job:
     req = InferenceRequest(request_id=rid, tenant="t", model=SMALL.name, prompt=prompt,
-                           max_tokens=max_tokens, seed=seed, created_at_ms=0)
+                           max_tokens=max_tokens, seed=seed, created_at_ms=0, **sampling)
     return Job(req, max(1, len(prompt) // 4), SMALL, H100, gpu, f"{rid}#0")
 
 
@@ -100,6 +100,20 @@ async def test_torch_batched_decoding_matches_decoding_alone(torch_executor) -> 
     assert [len(t) for t in together] == [10, 7, 12]
 
 
+async def test_torch_samples_with_the_requests_temperature_and_top_p(torch_executor) -> None:
+    """Temperature 0, or a top_p that keeps only the likeliest token, is greedy decoding: the
+    seed no longer matters. The executor's default (temperature 1) samples, so seeds differ."""
+    await torch_executor.load(SMALL, 0)
+
+    async def text(seed: int, **sampling: float) -> list[str]:
+        return await collect(torch_executor.generate(job(f"s{seed}", 24, seed, **sampling)))
+
+    greedy = await text(1, temperature=0)
+    assert await text(2, temperature=0) == greedy
+    assert await text(3, top_p=1e-6) == greedy
+    assert await text(1) != await text(2)
+
+
 async def test_torch_request_too_long_for_the_model_says_so(torch_executor) -> None:
     with pytest.raises(ExecutorError, match="shorter request"):
         torch_executor.generate(job("huge", max_tokens=9000))
@@ -158,6 +172,15 @@ async def test_openai_executor_streams_from_a_local_server() -> None:
     assert tokens == [f" w{i}" for i in range(9)]
     assert server.bodies[0]["model"] == "served-model" and server.bodies[0]["stream"] is True
     assert server.bodies[0]["seed"] == 4
+    assert "temperature" not in server.bodies[0]  # unset: the server's own default
+
+
+async def test_openai_executor_forwards_the_requests_sampling_settings() -> None:
+    async with LocalServer() as server:
+        ex = OpenAIExecutor(server.url)
+        await collect(ex.generate(job("o2", max_tokens=2, temperature=0.2, top_p=0.9)))
+        await ex.close()
+    assert (server.bodies[0]["temperature"], server.bodies[0]["top_p"]) == (0.2, 0.9)
 
 
 async def test_openai_executor_stops_the_server_stream_when_cancelled() -> None:

@@ -24,6 +24,14 @@ def test_valid_completion_becomes_a_request_in_the_tenants_default_class() -> No
     assert parsed.request.max_tokens == 5 and not parsed.stream
 
 
+def test_sampling_settings_travel_with_the_request() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "temperature": 0,
+                         "top_p": 0.5})
+    assert (parsed.request.temperature, parsed.request.top_p) == (0, 0.5)
+    unset = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}).request
+    assert (unset.temperature, unset.top_p) == (None, None)  # the executor's own
+
+
 def test_priority_header_overrides_default_class() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}, priority="batch")
     assert parsed.request.priority_class == "batch"
@@ -38,6 +46,7 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "n": 3}, 400, "send 3 requests"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("a string", 400, "JSON object"),
     ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
      "context limit"),

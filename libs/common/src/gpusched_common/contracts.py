@@ -18,6 +18,11 @@ PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 
+Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
+                                     "OpenAI's API (0: always the likeliest token).")]
+TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: draw from the likeliest "
+                              "tokens that together hold this much probability.")]
+
 MAX_PROMPT_CHARS = 200_000
 """Largest prompt accepted anywhere (router and Kafka); the model's context limit also applies."""
 
@@ -52,6 +57,8 @@ class InferenceRequest(Message):
         default=None, ge=1, description="Override the counted prompt length (trace replays)."
     )
     seed: int | None = None
+    temperature: Temperature | None = None  # None: the executor's own setting
+    top_p: TopP | None = None
     num_gpus: int = Field(
         default=1, ge=1, le=8, description="GPUs of one node that run it together (a gang: "
         "tensor parallel; weights and KV cache are split evenly across them).")

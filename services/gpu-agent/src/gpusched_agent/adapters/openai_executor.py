@@ -40,8 +40,8 @@ class OpenAIExecutor:
         request = job.request
         body = {"model": self._model_override or job.model.name, "prompt": request.prompt,
                 "max_tokens": request.max_tokens, "stream": True}
-        if request.seed is not None:
-            body["seed"] = request.seed
+        body |= {k: v for k, v in (("seed", request.seed), ("temperature", request.temperature),
+                                   ("top_p", request.top_p)) if v is not None}
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:

@@ -26,6 +26,8 @@ class _SeqState:
     tokens: list[int]
     cache: torch.Tensor
     generator: torch.Generator
+    temperature: float
+    top_p: float
     next_token: int = 0
 
 
@@ -86,11 +88,16 @@ class TorchExecutor:
             out["cuda_peak_allocated"] = int(torch.cuda.max_memory_allocated())
         return out
 
-    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> int:
-        if self._temperature <= 0:
+    @staticmethod
+    def _sample(logits: torch.Tensor, st: _SeqState) -> int:
+        if st.temperature <= 0:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self._temperature, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=gen))
+        probs = torch.softmax(logits.float() / st.temperature, dim=-1).cpu()
+        if st.top_p < 1:  # the likeliest tokens until their mass reaches top_p (at least one)
+            ranked, order = probs.sort(descending=True)
+            keep = ranked.cumsum(0) - ranked < st.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ranked[keep])
+        return int(torch.multinomial(probs, 1, generator=st.generator))
 
     def _batch(self, job: Job) -> ContinuousBatcher:
         key = (job.gpu_index, job.model.name)
@@ -103,7 +110,7 @@ class TorchExecutor:
 
         def prefill_sync(seq: Sequence) -> str:
             st: _SeqState = seq.state
-            st.next_token = self._sample(lm.prefill(st.tokens, st.cache), st.generator)
+            st.next_token = self._sample(lm.prefill(st.tokens, st.cache), st)
             return VOCAB[st.next_token]
 
         def step_sync(seqs: list[Sequence]) -> list[str]:
@@ -112,7 +119,7 @@ class TorchExecutor:
                                [s.kv_tokens - 1 for s in seqs], [st.cache for st in states])
             out = []
             for st, row in zip(states, logits):
-                st.next_token = self._sample(row, st.generator)
+                st.next_token = self._sample(row, st)
                 out.append(VOCAB[st.next_token])
             return out
 
@@ -137,9 +144,11 @@ class TorchExecutor:
         gen = torch.Generator().manual_seed(
             request.seed if request.seed is not None
             else int(hashlib.sha256(request.request_id.encode()).hexdigest()[:8], 16))
+        temperature = self._temperature if request.temperature is None else request.temperature
         state = _SeqState(tokens=tokenize(request.prompt, job.prompt_tokens),
                           cache=lm.new_cache(job.prompt_tokens + request.max_tokens),
-                          generator=gen)
+                          generator=gen, temperature=temperature,
+                          top_p=1.0 if request.top_p is None else request.top_p)
         # kv_tokens counts the prompt; the token sampled at prefill enters the cache at the
         # first decode step, at position kv_tokens - 1 after the batcher's increment.
         seq = Sequence(job.key, request.max_tokens, job.prompt_tokens, state=state)

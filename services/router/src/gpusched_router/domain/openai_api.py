@@ -16,6 +16,8 @@ from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
     PRIORITY_CLASSES,
     InferenceRequest,
+    Temperature,
+    TopP,
     count_prompt_tokens,
 )
 
@@ -36,8 +38,7 @@ class ApiError:
 
 
 class _Body(BaseModel):
-    # Other OpenAI fields (user, logprobs, ...) are accepted and ignored. Sampling settings
-    # are checked as OpenAI checks them, then left to the executor's own.
+    # Other OpenAI fields (user, logprobs, ...) are accepted and ignored.
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
@@ -45,8 +46,8 @@ class _Body(BaseModel):
     seed: int | None = None
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
 
 
 class CompletionBody(_Body):
@@ -157,6 +158,8 @@ def _finish(
         prompt=prompt,
         max_tokens=max_tokens,
         seed=parsed.seed,
+        temperature=parsed.temperature,
+        top_p=parsed.top_p,
         created_at_ms=now_ms,
     )
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
