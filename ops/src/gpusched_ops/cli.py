@@ -44,6 +44,10 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _unreachable(service: str, url: str, cause: object) -> None:
+    _fail(f"{service} not reachable at {url} ({cause}); is the stack up?")
+
+
 @app.command()
 def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
     """Install (cached) and start Kafka, Redis, Jaeger and the services with two simulated
@@ -100,7 +104,7 @@ def nodes(as_json: JsonOut = False,
     try:
         data = httpx.get(f"{scheduler_url}/v1/cluster", timeout=5).json()
     except httpx.HTTPError as exc:
-        _fail(f"scheduler not reachable at {scheduler_url} ({exc}); is the stack up?")
+        _unreachable("scheduler", scheduler_url, exc)
     if as_json:
         print(json.dumps(data))
         return
@@ -145,7 +149,7 @@ def submit(
         reason = exc.body.get("message") if isinstance(exc.body, dict) else None
         _fail(f"{exc.status_code}: {reason or exc.message}")
     except APIConnectionError as exc:
-        _fail(f"router not reachable at {router_url} ({exc.__cause__ or exc}); is the stack up?")
+        _unreachable("router", router_url, exc.__cause__ or exc)
 
 
 @app.command()
@@ -175,7 +179,7 @@ def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
         resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
                          headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
     except httpx.HTTPError as exc:
-        _fail(f"accounting not reachable at {accounting_url} ({exc}); is the stack up?")
+        _unreachable("accounting", accounting_url, exc)
     if resp.status_code != 200:
         _fail(f"{resp.status_code}: {_reason(resp)}")
     return resp.json()
