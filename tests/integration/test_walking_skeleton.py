@@ -63,6 +63,25 @@ async def test_openai_chat_completion_non_streaming(stack) -> None:
     assert reply.usage.completion_tokens == 7
 
 
+async def test_a_stop_string_ends_the_streamed_text_before_it(stack) -> None:
+    full = await client(stack).completions.create(model=MODEL, prompt="Say hi", max_tokens=40,
+                                                  seed=11)
+    text = full.choices[0].text
+    words = text.split()
+    stop = f"{words[5][1:]} {words[6][:2]}"  # spans two tokens
+    stream = await client(stack).completions.create(
+        model=MODEL, prompt="Say hi", max_tokens=40, seed=11, stop=[stop, "never said"],
+        stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == text[:text.find(stop)]
+    assert finish == "stop" and usage.completion_tokens < 40
+
+
 async def test_request_produced_straight_to_kafka_completes(stack) -> None:
     request_id = f"kcat-{uuid.uuid4().hex[:8]}"
     # The documented shape, as `kcat -P -t gpusched.requests.batch -k <id>` would send it:

@@ -1,13 +1,17 @@
-"""GPU agent domain: inventories, memory admission with eviction, GPU-second shares."""
+"""GPU agent domain: inventories, memory admission with eviction, GPU-second shares, stop
+strings."""
 
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpusched_agent.domain import perf_model
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo, catalog_type, parse_simulated
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
+from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common.catalog import GPU_TYPES, load_models
 from gpusched_common.contracts import InferenceRequest, Placement
 
@@ -118,3 +122,49 @@ def test_a_gang_is_admitted_on_all_its_gpus_or_none() -> None:
                                      GpuInfo(1, "b", "H100-80GB", 81559, healthy=False)])
     assert isinstance(sick.admit(gang, huge), Refused)
     assert [g.free_mib() for g in sick.gpus] == [81559, 81559]
+
+
+@pytest.mark.parametrize("tokens,stops,end", [
+    (["ab", "xENDy", "zz"], ["END"], 3),  # inside one token
+    (["he", "ll", "o wor", "ld"], ["o w"], 4),  # across tokens
+    (["hel", "lo world"], ["world", "lo"], 3),  # the earliest of two found at once
+    (["STOP", "more"], ["STOP"], 0),  # at the very start: empty text
+    (["a", "b", "c"], ["x"], None),
+    (["a", "b", "c"], None, None),
+])
+def test_stop_strings_end_the_text_before_the_first_one(tokens, stops, end) -> None:
+    scan = StopScan(stops)
+    for token in tokens:
+        if scan.feed(token):
+            break
+    assert scan.end_chars == end
+
+
+def test_text_that_could_still_start_a_stop_string_is_held_back() -> None:
+    scan = StopScan(["END", "\n\n"])
+    scan.feed("abcdE")
+    assert scan.final_chars == 3  # "E" and the "d" before it wait: "END" is 3 long
+    scan.feed("N")
+    assert scan.final_chars == 4 and scan.end_chars is None
+    assert scan.feed("D!") and scan.final_chars == scan.end_chars == 4
+    assert StopScan(None).feed("abc") is False
+
+
+@given(tokens=st.lists(st.text("ab\n", min_size=1, max_size=4), max_size=12),
+       stops=st.lists(st.text("ab\n", min_size=1, max_size=3), min_size=1, max_size=4))
+def test_stop_scan_matches_searching_the_whole_text_after_every_token(tokens, stops) -> None:
+    """Stops at the first token after which the text holds a stop string, ends before the
+    earliest one, and never marks final any text that the stop then cuts off."""
+    scan, expected_end, final_seen = StopScan(stops), None, 0
+    for k in range(1, len(tokens) + 1):
+        text = "".join(tokens[:k])
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        stopped = scan.feed(tokens[k - 1])
+        assert stopped == bool(hits)
+        final_seen = max(final_seen, scan.final_chars)
+        if hits:
+            expected_end = min(hits)
+            break
+    assert scan.end_chars == expected_end
+    if expected_end is not None:
+        assert final_seen <= expected_end

@@ -27,7 +27,7 @@ H100 = GPU_TYPES["H100-80GB"]
 
 
 def job(rid: str, max_tokens: int = 12, seed: int | None = None, prompt: str = "hello world",
-        gpu: int = 0, **sampling: float) -> Job:
+        gpu: int = 0, **sampling: object) -> Job:
     req = InferenceRequest(request_id=rid, tenant="t", model=SMALL.name, prompt=prompt,
                            max_tokens=max_tokens, seed=seed, created_at_ms=0, **sampling)
     return Job(req, max(1, len(prompt) // 4), SMALL, H100, gpu, f"{rid}#0")
@@ -121,7 +121,8 @@ async def test_torch_request_too_long_for_the_model_says_so(torch_executor) -> N
 
 # --- openai-compatible -----------------------------------------------------------------------
 class LocalServer:
-    """A minimal OpenAI-compatible completions server: streams `max_tokens` deltas."""
+    """A minimal OpenAI-compatible completions server: streams `max_tokens` deltas " w<i>",
+    ending early, as an engine does, before a delta that would hold one of `stop`."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
@@ -137,6 +138,8 @@ class LocalServer:
             async def events() -> AsyncIterator[bytes]:
                 try:
                     for i in range(body["max_tokens"]):
+                        if any(stop in f" w{i}" for stop in body.get("stop", ())):
+                            break
                         await asyncio.sleep(self.delay_s)
                         chunk = {"choices": [{"index": 0, "text": f" w{i}"}]}
                         yield f"data: {json.dumps(chunk)}\n\n".encode()
@@ -178,9 +181,11 @@ async def test_openai_executor_streams_from_a_local_server() -> None:
 async def test_openai_executor_forwards_the_requests_sampling_settings() -> None:
     async with LocalServer() as server:
         ex = OpenAIExecutor(server.url)
-        await collect(ex.generate(job("o2", max_tokens=2, temperature=0.2, top_p=0.9)))
+        await collect(ex.generate(job("o2", max_tokens=2, temperature=0.2, top_p=0.9,
+                                      stop=["\n\n"])))
         await ex.close()
     assert (server.bodies[0]["temperature"], server.bodies[0]["top_p"]) == (0.2, 0.9)
+    assert server.bodies[0]["stop"] == ["\n\n"]
 
 
 async def test_openai_executor_stops_the_server_stream_when_cancelled() -> None:
@@ -243,34 +248,55 @@ def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     assert out.stdout.strip() == "False"
 
 
-async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -> None:
+async def run_on(executor, request: InferenceRequest) -> tuple[list, object]:
+    """Run `request` through an agent runtime on `executor`: what it published, and the
+    runtime."""
     from gpusched_agent.adapters.ledger import MemoryLedger
-    from gpusched_agent.adapters.torch_executor import TorchExecutor
-    from gpusched_agent.adapters.torch_model import TinyConfig
     from gpusched_agent.domain.inventory import parse_simulated
     from gpusched_agent.domain.node import NodeModel
     from gpusched_agent.runtime import AgentRuntime
-    from gpusched_common.contracts import Placement, RequestResult, UsageRecord
+    from gpusched_common.contracts import Placement
 
     sent: list = []
 
     async def publish(message, topic, key, wait=True) -> None:
         sent.append(message)
 
-    executor = TorchExecutor("cpu", seed=0, config=TinyConfig(dim=32, layers=1), threads=1)
     runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")),
                            CATALOG, executor, publish, MemoryLedger(), lambda: 0,
                            chunk_tokens=4, heartbeat_s=1)
-    req = job("rt", max_tokens=10).request
-    await runtime.command(Placement(placement_id="rt#0", node_id="n", gpu_indices=(0,),
-                                    kv_cache_mib=1, scheduler_epoch=0, placed_at_ms=0,
-                                    request=req))
+    await runtime.command(Placement(placement_id=f"{request.request_id}#0", node_id="n",
+                                    gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0,
+                                    placed_at_ms=0, request=request))
     async with asyncio.timeout(30):
         while runtime.in_flight:
             await asyncio.sleep(0.01)
+    return sent, runtime
+
+
+async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -> None:
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = TorchExecutor("cpu", seed=0, config=TinyConfig(dim=32, layers=1), threads=1)
+    sent, runtime = await run_on(executor, job("rt", max_tokens=10).request)
     [result] = [m for m in sent if isinstance(m, RequestResult)]
     [usage] = [m for m in sent if isinstance(m, UsageRecord)]
     assert result.status == "completed" and result.completion_tokens == 10
     assert usage.completion_tokens == 10 and usage.gpu_seconds > 0
     assert runtime.node.gpus[0].loaded_mib  # the model stays warm
     await executor.close()
+
+
+async def test_an_engine_that_ends_the_text_early_finishes_with_stop_not_length() -> None:
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    async with LocalServer() as server:
+        executor = OpenAIExecutor(server.url)
+        sent, _ = await run_on(executor, job("early", max_tokens=10, stop=[" w3"]).request)
+        await executor.close()
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    [usage] = [m for m in sent if isinstance(m, UsageRecord)]
+    assert (result.finish_reason, result.text) == ("stop", " w0 w1 w2")
+    assert result.completion_tokens == usage.completion_tokens == 3

@@ -170,6 +170,38 @@ async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
     assert records[0].prompt_tokens == result.prompt_tokens  # the prompt is billed once
 
 
+async def test_a_stop_string_ends_the_text_before_it_and_streams_nothing_past_it() -> None:
+    def run_with(rid: str, stop: list[str] | None) -> Placement:
+        p = placement(rid, max_tokens=64)
+        return p.model_copy(update={"request": p.request.model_copy(
+            update={"seed": 3, "stop": stop})})
+
+    runtime, sink, _ = make()
+    await runtime.command(run_with("free", None))
+    await settle(runtime)
+    [free] = sink.of(RequestResult)
+    assert free.finish_reason == "length" and free.completion_tokens == 64
+    chunks = sink.of(TokenChunk)
+    tokens = [c.text for c in chunks]  # chunks of 4 tokens: cut a stop across two of them
+    stop = tokens[3][-3:] + tokens[4][:4]
+    end = free.text.find(stop)
+    assert 0 < end < len(free.text) - len(stop)
+
+    runtime, sink, _ = make()
+    await runtime.command(run_with("cut", ["never said", stop]))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert (result.status, result.finish_reason, result.text) == ("completed", "stop",
+                                                                  free.text[:end])
+    streamed = sink.of(TokenChunk)
+    assert "".join(c.text for c in streamed) == result.text  # nothing past the stop string
+    # billed: every token generated, up to the one that completed the stop string
+    words = [" " + w for w in free.text.split(" ")[1:]]  # the simulated tokens are " word"
+    upto = next(k for k in range(64) if stop in "".join(words[:k]))
+    _, completion, _ = usage_sum(sink, "cut")
+    assert sum(c.token_count for c in streamed) == completion == result.completion_tokens == upto
+
+
 async def test_requests_share_a_gpu_and_their_gpu_seconds_add_up_to_busy_time() -> None:
     runtime, sink, _ = make(time_scale=1.0)
     loop = asyncio.get_running_loop()

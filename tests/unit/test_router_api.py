@@ -32,6 +32,17 @@ def test_sampling_settings_travel_with_the_request() -> None:
     assert (unset.temperature, unset.top_p) == (None, None)  # the executor's own
 
 
+@pytest.mark.parametrize("stop,expected", [
+    ("\n\n", ["\n\n"]), (["END", "user:"], ["END", "user:"]), ([], None), (None, None),
+])
+def test_stop_strings_travel_with_the_request_as_a_list(stop: object, expected: object) -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stop": stop})
+    assert parsed.request.stop == expected
+    chat = parse_chat({"model": "qwen2.5-1.5b", "messages": [{"role": "user", "content": "hi"}],
+                       "stop": stop}, ACME, None, CATALOG, "req-2", 1000)
+    assert chat.request.stop == expected
+
+
 def test_priority_header_overrides_default_class() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}, priority="batch")
     assert parsed.request.priority_class == "batch"
@@ -47,6 +58,10 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "stop: Value should have at most 4 items"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": ""}, 400, "stop.0"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": 7}, 400, "a string or a list of up to 4"),
     ("a string", 400, "JSON object"),
     ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
      "context limit"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch")
@@ -22,6 +22,22 @@ Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperatu
                                      "OpenAI's API (0: always the likeliest token).")]
 TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: draw from the likeliest "
                               "tokens that together hold this much probability.")]
+
+
+def _stop_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError("stop must be a string or a list of up to 4 strings")
+    return value
+
+
+StopStrings = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=256)]],
+    BeforeValidator(_stop_list),
+    Field(max_length=4, description="Up to 4 strings, as in OpenAI's API (one string is a list "
+          "of one): the text ends before the first of them the model generates."),
+]
 
 MAX_PROMPT_CHARS = 200_000
 """Largest prompt accepted anywhere (router and Kafka); the model's context limit also applies."""
@@ -59,6 +75,7 @@ class InferenceRequest(Message):
     seed: int | None = None
     temperature: Temperature | None = None  # None: the executor's own setting
     top_p: TopP | None = None
+    stop: StopStrings | None = None
     num_gpus: int = Field(
         default=1, ge=1, le=8, description="GPUs of one node that run it together (a gang: "
         "tensor parallel; weights and KV cache are split evenly across them).")

@@ -25,6 +25,7 @@ from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
+from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog
 from gpusched_common.contracts import (
@@ -297,8 +298,9 @@ class AgentRuntime:
             self.node.gpus[index].meter.start(pid, self._mono())
         self._dirty.set()
         pieces: list[str] = []
-        chunk: list[str] = []
-        seq = 0
+        chunk: list[str] = []  # tokens not streamed yet, from character `streamed_chars` on
+        streamed_chars = seq = 0
+        stops = StopScan(request.stop)
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
         last_partial_s = self._mono()
@@ -311,24 +313,35 @@ class AgentRuntime:
             if admitted.needs_load:
                 await self.executor.load(model, slot.info.index)
             job = Job(request, run.prompt_tokens, model, gpu_type, slot.info.index, pid)
-            async for token in self.executor.generate(job):
-                if ttft_ms is None:
-                    ttft_ms = float(self._clock() - request.created_at_ms)
-                pieces.append(token)
-                chunk.append(token)
-                run.completion_tokens = len(pieces)
-                if len(chunk) >= self._chunk_tokens:
-                    await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                                   text="".join(chunk), token_count=len(chunk)),
-                                        topics.RESULTS.name, request.request_id, wait=False)
-                    seq, chunk = seq + 1, []
-                if self._mono() - last_partial_s >= self._usage_interval_s:
-                    last_partial_s = self._mono()
-                    await self._publish(*self._usage(run, final=False))
-                if run.stop_reason is not None:
-                    # The cancel may have landed inside a client that swallows it (a Kafka
-                    # send): never trust it alone, stop here at the latest.
-                    raise asyncio.CancelledError
+            async with contextlib.aclosing(self.executor.generate(job)) as tokens:
+                async for token in tokens:
+                    if ttft_ms is None:
+                        ttft_ms = float(self._clock() - request.created_at_ms)
+                    pieces.append(token)
+                    chunk.append(token)
+                    run.completion_tokens = len(pieces)
+                    if stops.feed(token):  # billed: the engine generated it
+                        finish_reason = "stop"
+                        break
+                    if len(chunk) >= self._chunk_tokens:
+                        ready = _streamable(chunk, streamed_chars, stops.final_chars)
+                        if ready:
+                            text = "".join(chunk[:ready])
+                            await self._publish(
+                                TokenChunk(request_id=request.request_id, seq=seq, text=text,
+                                           token_count=ready),
+                                topics.RESULTS.name, request.request_id, wait=False)
+                            seq, chunk = seq + 1, chunk[ready:]
+                            streamed_chars += len(text)
+                    if self._mono() - last_partial_s >= self._usage_interval_s:
+                        last_partial_s = self._mono()
+                        await self._publish(*self._usage(run, final=False))
+                    if run.stop_reason is not None:
+                        # The cancel may have landed inside a client that swallows it (a
+                        # Kafka send): never trust it alone, stop here at the latest.
+                        raise asyncio.CancelledError
+            if len(pieces) < request.max_tokens:
+                finish_reason = "stop"  # a stop string, or the model ended its text (EOS)
         except asyncio.CancelledError:
             if run.stop_reason is None:
                 raise  # not ours (the loop is shutting down): let it propagate
@@ -343,9 +356,10 @@ class AgentRuntime:
             self.node.finish(placement)
         # A stop that came after the last token changes nothing: the request completed.
         stopped = run.stop_reason if status == "cancelled" else None
+        text = "".join(pieces)[:stops.end_chars]  # without the stop string and what followed
         if chunk and stopped not in ("preempted", "drained"):
             await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                           text="".join(chunk), token_count=len(chunk)),
+                                           text=text[streamed_chars:], token_count=len(chunk)),
                                 topics.RESULTS.name, request.request_id)
         if stopped in ("preempted", "drained"):
             log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
@@ -356,7 +370,7 @@ class AgentRuntime:
         ended_ms = self._clock()
         await self._finish(run, [(RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,
-            status=status, finish_reason=finish_reason, text="".join(pieces),  # type: ignore[arg-type]
+            status=status, finish_reason=finish_reason, text=text,  # type: ignore[arg-type]
             prompt_tokens=run.prompt_tokens, completion_tokens=len(pieces),
             node_id=self.node_id, gpu_indices=placement.gpu_indices,
             queued_ms=max(0.0, run.started_ms - request.created_at_ms),
@@ -434,6 +448,18 @@ class AgentRuntime:
                 topics.RESULTS.name, request.request_id)])
             return
         await self._finish(run, [_retry(request, why)])
+
+
+def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
+    """How many of `chunk`'s tokens (its text starting at character `start_chars`) end by
+    `final_chars`: those can be streamed, the rest could still turn into a stop string."""
+    ready, end = 0, start_chars
+    for token in chunk:
+        end += len(token)
+        if end > final_chars:
+            break
+        ready += 1
+    return ready
 
 
 def _retry(request: InferenceRequest, why: str) -> outbox.Final:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ class ContinuousBatcher:
     def size(self) -> int:
         return len(self.active) + len(self._joining)
 
-    async def run(self, seq: Sequence) -> AsyncIterator[str]:
+    async def run(self, seq: Sequence) -> AsyncGenerator[str, None]:
         """The tokens of `seq` as the batch produces them."""
         self._joining.append(seq)
         self._wake.set()

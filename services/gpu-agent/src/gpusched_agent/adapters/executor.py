@@ -6,7 +6,7 @@ or CUDA) and `openai` (forwards to an inference server on the node).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,9 +38,11 @@ class Executor(Protocol):
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """Free the model's memory on the device (idempotent)."""
 
-    def generate(self, job: Job) -> AsyncIterator[str]:
-        """Yield the text of each generated token, one token per item, up to max_tokens.
-        Closing the iterator (or cancelling its consumer) stops the request promptly."""
+    def generate(self, job: Job) -> AsyncGenerator[str, None]:
+        """Yield the text of each generated token, one token per item, up to max_tokens
+        (fewer when the model ends its text). Closing the generator (the runtime does at a
+        stop string) or cancelling its consumer stops the request promptly. The runtime
+        applies `request.stop`; an executor may also pass it on to its engine."""
 
     async def close(self) -> None:
         """Release clients, threads and device memory."""

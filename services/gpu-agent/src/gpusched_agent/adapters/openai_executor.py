@@ -9,7 +9,7 @@ deltas the client received. Closing the stream closes the connection: engines ab
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import httpx
 
@@ -36,12 +36,13 @@ class OpenAIExecutor:
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """The engine owns its memory; nothing to do."""
 
-    async def generate(self, job: Job) -> AsyncIterator[str]:
+    async def generate(self, job: Job) -> AsyncGenerator[str, None]:
         request = job.request
         body = {"model": self._model_override or job.model.name, "prompt": request.prompt,
                 "max_tokens": request.max_tokens, "stream": True}
         body |= {k: v for k, v in (("seed", request.seed), ("temperature", request.temperature),
-                                   ("top_p", request.top_p)) if v is not None}
+                                   ("top_p", request.top_p), ("stop", request.stop))
+                 if v is not None}
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:

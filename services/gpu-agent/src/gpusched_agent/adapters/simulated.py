@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
 from gpusched_agent.adapters.executor import Job
@@ -60,7 +60,7 @@ class SimulatedExecutor:
             batch = self._batches[key] = ContinuousBatcher(prefill, step)
         return batch
 
-    def generate(self, job: Job) -> AsyncIterator[str]:
+    def generate(self, job: Job) -> AsyncGenerator[str, None]:
         request = job.request
         rng = random.Random(f"{self._seed}:{request.request_id}" if request.seed is None
                             else f"{self._seed}:{request.seed}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +132,7 @@ class TorchExecutor:
         batch = self._batches[key] = ContinuousBatcher(prefill, step)
         return batch
 
-    def generate(self, job: Job) -> AsyncIterator[str]:
+    def generate(self, job: Job) -> AsyncGenerator[str, None]:
         request = job.request
         limit = self._config.max_positions
         if job.prompt_tokens + request.max_tokens > limit:

@@ -16,6 +16,7 @@ from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
     PRIORITY_CLASSES,
     InferenceRequest,
+    StopStrings,
     Temperature,
     TopP,
     count_prompt_tokens,
@@ -48,6 +49,7 @@ class _Body(BaseModel):
     n: int = Field(default=1, ge=1)
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    stop: StopStrings | None = None
 
 
 class CompletionBody(_Body):
@@ -160,6 +162,7 @@ def _finish(
         seed=parsed.seed,
         temperature=parsed.temperature,
         top_p=parsed.top_p,
+        stop=parsed.stop or None,
         created_at_ms=now_ms,
     )
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
