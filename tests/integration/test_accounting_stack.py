@@ -286,6 +286,18 @@ async def test_a_tenant_reads_only_its_own_usage(stack) -> None:
                 "/v1/usage/export.csv"} <= set(schema["paths"])
 
 
+@pytest.mark.parametrize("params,status,reason", [
+    ({"start": "100", "end": "50"}, 400, "start (100) must be before end (50)"),
+    ({"start": "yesterday"}, 400, "ISO 8601"),
+    # every row is one tenant already: grouping by tenant would be an empty split
+    ({"group_by": "tenant"}, 422, "'model', 'node', 'gpu_type' or 'priority_class'"),
+])
+async def test_a_bad_usage_query_gets_4xx_with_the_reason(stack, params, status, reason) -> None:
+    async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+        r = await http.get("/v1/usage", params=params, headers=ADMIN)
+    assert r.status_code == status and reason in r.text, r.text
+
+
 async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stack) -> None:
     import argparse
 

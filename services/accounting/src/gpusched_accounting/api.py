@@ -18,8 +18,8 @@ from gpusched_accounting.adapters.store import UsageStore
 from gpusched_accounting.domain.usage import (
     DIMENSION_CODE,
     GRANULARITY_S,
-    Dimension,
     Granularity,
+    GroupBy,
     Totals,
     cover,
     finest_kept,
@@ -53,7 +53,7 @@ class UsageReport(BaseModel):
     start_ms: int = Field(description="Window start actually used (bucket-aligned).")
     end_ms: int = Field(description="Window end (exclusive), bucket-aligned.")
     granularity: Granularity = Field(description="Finest bucket used at the window's edges.")
-    group_by: Dimension | None
+    group_by: GroupBy | None
     tenants: list[TenantUsage]
 
 
@@ -133,7 +133,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
     async def usage(
         tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
                                    "an admin key without it reads every tenant."),
-        group_by: Dimension | None = Query(default=None, description="Adds a row per value."),
+        group_by: GroupBy | None = Query(default=None, description="Adds a row per value."),
         start: str | None = Start, end: str | None = End,
         authorization: str | None = Auth,
     ) -> UsageReport:

@@ -22,7 +22,9 @@ Granularity = Literal["minute", "hour", "day"]
 GRANULARITY_S: dict[Granularity, int] = {"minute": 60, "hour": 3600, "day": 86_400}
 GRANULARITY_CODE: dict[Granularity, str] = {"minute": "m", "hour": "h", "day": "d"}
 
-Dimension = Literal["model", "node", "gpu_type", "priority_class", "tenant"]
+GroupBy = Literal["model", "node", "gpu_type", "priority_class"]
+"""What a report can split one tenant's usage by (its rows are per tenant already)."""
+Dimension = GroupBy | Literal["tenant"]
 DIMENSION_CODE: dict[Dimension, str] = {"model": "m", "node": "n", "gpu_type": "g",
                                         "priority_class": "c", "tenant": "u"}
 """Prefix of a bucket hash field: `m:<model>`; `t` alone is the bucket's total. The `u:`
