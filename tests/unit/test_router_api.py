@@ -54,6 +54,7 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "qwen2.5-1.5b", "prompt": ["a", "b"]}, 400, "exactly one"),
     ({"model": "qwen2.5-1.5b", "prompt": 5}, 400, "prompt"),
+    ({"model": "qwen2.5-1.5b", "prompt": [1, 2, 3]}, 400, "token-id prompts are not supported"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "n": 3}, 400, "send 3 requests"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
@@ -91,3 +92,17 @@ def test_chat_messages_render_to_one_prompt() -> None:
 def test_chat_without_messages_is_rejected() -> None:
     parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": []}, ACME, None, CATALOG, "r", 1)
     assert isinstance(parsed, ApiError) and "messages" in parsed.message
+
+
+def test_chat_text_parts_are_joined_and_other_parts_refused_not_dropped() -> None:
+    def chat(content: list) -> object:
+        return parse_chat({"model": "qwen2.5-1.5b", "messages": [
+            {"role": "user", "content": content}]}, ACME, None, CATALOG, "r", 1)
+
+    parsed = chat([{"type": "text", "text": "look "}, {"type": "text", "text": "here"}])
+    assert parsed.request.prompt == "user: look here\nassistant:"
+    refused = chat([{"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    assert isinstance(refused, ApiError) and refused.status_code == 400
+    assert refused.param == "messages.0.content.1" and "'image_url' is not supported" in (
+        refused.message)

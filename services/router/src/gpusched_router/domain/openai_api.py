@@ -78,6 +78,10 @@ def parse_completion(
     body: Any, tenant: Tenant, priority_header: str | None, catalog: ModelCatalog,
     request_id: str, now_ms: int,
 ) -> ParsedRequest | ApiError:
+    if isinstance(body, dict) and isinstance(body.get("prompt"), list) and any(
+            not isinstance(p, str) for p in body["prompt"]):
+        return ApiError(400, "prompt: token-id prompts are not supported; send the prompt as "
+                        "a string", param="prompt")
     parsed = _validate(CompletionBody, body)
     if isinstance(parsed, ApiError):
         return parsed
@@ -99,6 +103,13 @@ def parse_chat(
     parsed = _validate(ChatBody, body)
     if isinstance(parsed, ApiError):
         return parsed
+    for i, message in enumerate(parsed.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                where = f"messages.{i}.content.{j}"
+                return ApiError(400, f"{where}: a content part of type '{part.get('type')}' "
+                                "is not supported; send text parts ({\"type\": \"text\", "
+                                "\"text\": ...}) only", param=where)
     prompt = render_chat(parsed.messages)
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
     return _finish(parsed, prompt, max_tokens, tenant, priority_header, catalog,
@@ -109,8 +120,8 @@ def render_chat(messages: list[ChatMessage]) -> str:
     """A plain chat template: one `role: text` line per message, then `assistant:`."""
     lines = []
     for m in messages:
-        if isinstance(m.content, list):
-            text = "".join(str(p.get("text", "")) for p in m.content if p.get("type") == "text")
+        if isinstance(m.content, list):  # text parts only (parse_chat refuses the others)
+            text = "".join(p["text"] for p in m.content)
         else:
             text = m.content or ""
         lines.append(f"{m.role}: {text}")
