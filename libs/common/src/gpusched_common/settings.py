@@ -18,6 +18,9 @@ class KafkaSettings(BaseSettings):
     bootstrap: str = Field(
         default="127.0.0.1:9092", description="Kafka bootstrap servers, host:port[,host:port]."
     )
+    replication_factor: int = Field(
+        default=1, ge=1, le=7, description="Copies of each partition of the topics a service "
+        "creates at start (3 on a production cluster; existing topics are left as they are).")
 
 
 class RedisSettings(BaseSettings):

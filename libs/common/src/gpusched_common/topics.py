@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import InvalidReplicationFactorError, TopicAlreadyExistsError
 from aiokafka.partitioner import murmur2
 
 from gpusched_common.contracts import PRIORITY_CLASSES, PriorityClass
@@ -59,8 +59,11 @@ def partition_for_key(key: str, partitions: int) -> int:
     return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
-async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
-    """Create any missing topic; existing topics are left as they are (idempotent)."""
+async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPICS,
+                        replication_factor: int = 1) -> None:
+    """Create any missing topic with `replication_factor` copies of each partition; existing
+    topics are left as they are (idempotent). Raises `TopicsNotCreated` with Kafka's reason
+    when the cluster refuses one (Kafka answers with errors; it does not raise them)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -69,7 +72,7 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
             NewTopic(
                 name=s.name,
                 num_partitions=s.partitions,
-                replication_factor=1,
+                replication_factor=replication_factor,
                 topic_configs={
                     "cleanup.policy": s.cleanup_policy,
                     "retention.ms": str(s.retention_ms),
@@ -79,10 +82,25 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
             if s.name not in existing
         ]
         if missing:
-            try:
-                await admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass  # another service created it first
+            response = await admin.create_topics(missing)
+            refused = [(error[0], error[1], error[2] if len(error) > 2 else None)
+                       for error in response.topic_errors
+                       if error[1] not in (0, TopicAlreadyExistsError.errno)]
+            if refused:
+                raise TopicsNotCreated(refused, replication_factor)
             log.info("created topics %s", [t.name for t in missing])
     finally:
         await admin.close()
+
+
+class TopicsNotCreated(RuntimeError):
+    """Kafka refused to create topics; the message has its reason for each."""
+
+    def __init__(self, refused: list[tuple[str, int, str | None]],
+                 replication_factor: int) -> None:
+        reasons = "; ".join(f"{topic}: {message or f'error code {code}'}"
+                            for topic, code, message in refused)
+        hint = (f" (GPUSCHED_KAFKA_REPLICATION_FACTOR is {replication_factor}: at most the "
+                "number of brokers)" if any(code == InvalidReplicationFactorError.errno
+                                            for _, code, _ in refused) else "")
+        super().__init__(f"Kafka did not create the topics: {reasons}{hint}")

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gpusched_common.settings import ServiceSettings
+from gpusched_common.settings import KafkaSettings, ServiceSettings
 from gpusched_common.topics import ensure_topics
 
 
@@ -64,7 +64,8 @@ class Server(uvicorn.Server):
 
 
 def broker_lifespan(
-    bootstrap: str, broker: Any, provider: Any, closing: Sequence[Callable[[], Awaitable[Any]]],
+    kafka: KafkaSettings, broker: Any, provider: Any,
+    closing: Sequence[Callable[[], Awaitable[Any]]],
 ) -> tuple[Callable[[FastAPI], Any], Callable[[], bool]]:
     """The lifespan of a service that only consumes and serves HTTP: create the topics,
     start the broker, and on shutdown stop it, then run `closing` (Redis, executors, ...)
@@ -73,7 +74,7 @@ def broker_lifespan(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await ensure_topics(bootstrap)
+        await ensure_topics(kafka.bootstrap, replication_factor=kafka.replication_factor)
         await broker.start()
         state["ready"] = True
         try:

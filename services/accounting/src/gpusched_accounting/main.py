@@ -34,7 +34,7 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,
                       settings.fetch_max_records, settings.apply_chunk_records,
                       provider.get_tracer(SERVICE), registry)
-    lifespan, ready = broker_lifespan(settings.kafka.bootstrap, broker, provider,
+    lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "

@@ -109,7 +109,8 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started
-        await topics.ensure_topics(settings.kafka.bootstrap)
+        await topics.ensure_topics(settings.kafka.bootstrap,
+                                   replication_factor=settings.kafka.replication_factor)
         await broker.start()
         await handlers.hold_command_position(placements)  # before the node is first seen
         await runtime.recover()

@@ -52,7 +52,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        **RAW_BATCH)
     async def on_results(msg: KafkaMessage) -> None:
         await hub.dispatch(msg.raw_message)
-    lifespan, ready = broker_lifespan(settings.kafka.bootstrap, broker, provider,
+    lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)

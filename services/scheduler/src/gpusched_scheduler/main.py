@@ -115,7 +115,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started
-        await topics.ensure_topics(settings.kafka.bootstrap)
+        await topics.ensure_topics(settings.kafka.bootstrap,
+                                   replication_factor=settings.kafka.replication_factor)
         warm_up(settings.placement_policy)
         await decisions.start()
         await broker.start()
