@@ -1,0 +1,204 @@
+"""Offline checks of the Kubernetes manifests in ops/kubernetes: each object is valid against
+the Kubernetes schema, the two kustomizations build to the gpusched stack (dev: the same
+parts, images and settings as docker-compose.yml), and every service is wired and probed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpusched_accounting.settings import AccountingSettings
+from gpusched_agent.settings import AgentSettings
+from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
+from gpusched_router.settings import RouterSettings
+from gpusched_scheduler.settings import SchedulerSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KUBE = REPO_ROOT / "ops" / "kubernetes"
+KUBERNETES_VERSION = "1.30.0"
+"""The oldest Kubernetes the manifests are checked against (policy/v1, startup probes and
+runtime classes are older)."""
+SETTINGS = {"gpusched_router": RouterSettings, "gpusched_scheduler": SchedulerSettings,
+            "gpusched_accounting": AccountingSettings, "gpusched_agent": AgentSettings}
+KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "configMapGenerator",
+                    "generatorOptions"}
+
+Obj = dict[str, Any]
+
+
+def build(directory: Path) -> list[Obj]:
+    """What `kubectl kustomize` makes of a kustomization that uses only KUSTOMIZE_FIELDS: its
+    resources (folders recursively), the generated ConfigMaps (merged where asked), the
+    namespace set on every object. Compared with kubectl itself below, where it is installed."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(spec) - KUSTOMIZE_FIELDS
+    assert not unknown, f"{directory}: build() does not apply {unknown}; extend it"
+    objects: list[Obj] = []
+    for entry in spec.get("resources", []):
+        path = directory / entry
+        objects += build(path) if path.is_dir() else [
+            doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for generator in spec.get("configMapGenerator", []):
+        assert spec["generatorOptions"]["disableNameSuffixHash"]  # names stay as written
+        data = dict(literal.split("=", 1) for literal in generator["literals"])
+        same = [o for o in objects if o["kind"] == "ConfigMap"
+                and o["metadata"]["name"] == generator["name"]]
+        if generator.get("behavior") == "merge":
+            [merged] = same
+            merged["data"] |= data
+        else:
+            assert not same
+            objects.append({"apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": generator["name"]}, "data": data})
+    for obj in objects:
+        if "namespace" in spec and obj["kind"] != "Namespace":
+            obj["metadata"]["namespace"] = spec["namespace"]
+    return objects
+
+
+BUILDS = {"production": KUBE, "dev": KUBE / "dev"}
+
+
+@functools.cache
+def _built(name: str) -> list[Obj]:
+    return build(BUILDS[name])
+
+
+def built(name: str) -> list[Obj]:
+    """The objects of a build, a fresh copy for each test to change as it likes."""
+    return copy.deepcopy(_built(name))
+
+
+def named(objects: list[Obj], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def workloads(objects: list[Obj]) -> list[Obj]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+
+
+def gpusched_containers(objects: list[Obj]) -> list[tuple[Obj, Obj]]:
+    """(workload, container) for every container that runs a gpusched service."""
+    return [(w, c) for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]
+            if c["image"].startswith("gpusched")]
+
+
+def env_names(settings: type) -> set[str]:
+    """The GPUSCHED_* variables a service's settings read."""
+    own = {f"GPUSCHED_{f.upper()}" for f in settings.model_fields
+           if f not in ("kafka", "redis", "telemetry")}
+    return (own | {f"GPUSCHED_KAFKA_{f.upper()}" for f in KafkaSettings.model_fields}
+            | {f"GPUSCHED_REDIS_{f.upper()}" for f in RedisSettings.model_fields}
+            | {f"GPUSCHED_{f.upper()}" for f in TelemetrySettings.model_fields})
+
+
+def _key(obj: Obj) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_build_matches_kubectl_kustomize(name: str) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the offline build stands alone")
+    out = subprocess.run([kubectl, "kustomize", str(BUILDS[name])], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    from_kubectl = sorted((d for d in yaml.safe_load_all(out) if d), key=_key)
+    assert from_kubectl == sorted(built(name), key=_key)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_every_object_is_valid_against_the_kubernetes_schema(name: str) -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (ops[dev] has it)")
+    for obj in built(name):
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    # the check is not vacuous: a misspelt field fails it
+    wrong = named(built(name), "Deployment")["router"]
+    wrong["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, KUBERNETES_VERSION, strict=True)
+
+
+def test_production_runs_the_services_and_an_agent_per_gpu_node() -> None:
+    objects = built("production")
+    assert set(named(objects, "Deployment")) == {"router", "scheduler", "accounting"}
+    assert set(named(objects, "DaemonSet")) == {"gpu-agent"}
+    assert not named(objects, "StatefulSet")  # Kafka and Redis are the cluster's own
+    assert named(objects, "Deployment")["scheduler"]["spec"]["replicas"] == 2  # + standby
+    assert named(objects, "PodDisruptionBudget")["scheduler"]["spec"]["minAvailable"] == 1
+    settings = named(objects, "ConfigMap")["gpusched-settings"]["data"]
+    assert settings["GPUSCHED_KAFKA_REPLICATION_FACTOR"] == "3"
+    assert "kafka:9092" not in settings["GPUSCHED_KAFKA_BOOTSTRAP"].split(",")
+
+
+def test_the_gpu_agent_owns_its_node_and_drains_before_it_is_killed() -> None:
+    agent = named(built("production"), "DaemonSet")["gpu-agent"]["spec"]["template"]["spec"]
+    [container] = agent["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GPUSCHED_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "GPUSCHED_SIMULATE" not in env  # NVML
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert agent["runtimeClassName"] == "nvidia"
+    assert agent["terminationGracePeriodSeconds"] > AgentSettings().drain_timeout_s + 10
+
+
+def test_dev_is_the_compose_stack() -> None:
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
+    objects = built("dev")
+    images = {c["name"]: c["image"] for w in workloads(objects)
+              for c in w["spec"]["template"]["spec"]["containers"]}
+    for infra in ("kafka", "redis", "jaeger"):
+        assert images[infra] == compose[infra]["image"]
+    assert {c["image"] for _, c in gpusched_containers(objects)} == {compose["router"]["image"]}
+    settings = named(objects, "ConfigMap")["gpusched-settings"]["data"]
+    for variable, value in compose["router"]["environment"].items():
+        if variable not in ("GPUSCHED_HTTP_PORT", "GPUSCHED_CONFIG_DIR"):  # per service; image
+            assert settings[variable] == value, variable
+    agents = {}
+    for w, c in gpusched_containers(objects):
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        if "GPUSCHED_NODE_ID" in env:
+            assert w["kind"] == "StatefulSet" and w["spec"]["replicas"] == 1  # one per node id
+            agents[env["GPUSCHED_NODE_ID"]] = env["GPUSCHED_SIMULATE"]
+    compose_agents = [compose[s]["environment"] for s in ("agent-1", "agent-2")]
+    assert agents == {e["GPUSCHED_NODE_ID"]: e["GPUSCHED_SIMULATE"] for e in compose_agents}
+    kafka = named(objects, "StatefulSet")["kafka"]["spec"]["template"]["spec"]["containers"][0]
+    advertised = {e["name"]: e["value"] for e in kafka["env"]}["KAFKA_ADVERTISED_LISTENERS"]
+    assert advertised == f"PLAINTEXT://{settings['GPUSCHED_KAFKA_BOOTSTRAP']}"
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_every_service_reads_its_settings_listens_on_its_port_and_is_probed(name: str) -> None:
+    objects = built(name)
+    services = named(objects, "Service")
+    shared = named(objects, "ConfigMap")["gpusched-settings"]["data"]
+    containers = gpusched_containers(objects)
+    assert len(containers) >= 4
+    for workload, container in containers:
+        settings = SETTINGS[container["command"][-1]]
+        known = env_names(settings)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {n for n in env if n.startswith("GPUSCHED_")} <= known
+        assert set(shared) <= known
+        assert container["envFrom"] == [{"configMapRef": {"name": "gpusched-settings"}}]
+        port = settings.model_fields["http_port"].default
+        assert env["GPUSCHED_HTTP_PORT"] == str(port)
+        assert container["ports"] == [{"name": "http", "containerPort": port}]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        selector = workload["spec"]["selector"]["matchLabels"]
+        service = services.get(selector["app.kubernetes.io/name"])
+        if service is not None and service["spec"].get("clusterIP") != "None":
+            assert service["spec"]["selector"].items() <= selector.items()
+            assert service["spec"]["ports"] == [{"name": "http", "port": port,
+                                                 "targetPort": "http"}]
