@@ -98,6 +98,14 @@ async def test_a_placement_runs_and_bills_once_even_when_delivered_twice() -> No
     assert usage.prompt_tokens == result.prompt_tokens and usage.gpu_seconds > 0
 
 
+async def test_the_first_token_streams_alone_then_chunks_of_chunk_tokens() -> None:
+    runtime, sink, _ = make()  # chunk_tokens=4
+    await runtime.command(placement("t1", max_tokens=10))
+    await settle(runtime)
+    # the first chunk is the client's time to first token: it does not wait for 3 more
+    assert [c.token_count for c in sink.of(TokenChunk)] == [1, 4, 4, 1]
+
+
 async def test_stale_scheduler_epochs_are_rejected() -> None:
     runtime, sink, ledger = make(epoch=5)
     out = await runtime.command(placement("old", epoch=4))

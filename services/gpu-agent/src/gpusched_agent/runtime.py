@@ -323,7 +323,9 @@ class AgentRuntime:
                     if stops.feed(token):  # billed: the engine generated it
                         finish_reason = "stop"
                         break
-                    if len(chunk) >= self._chunk_tokens:
+                    # The first token goes out alone: its arrival is the client's time to
+                    # first token. Then chunks of `chunk_tokens`, one Kafka record each.
+                    if seq == 0 or len(chunk) >= self._chunk_tokens:
                         ready = _streamable(chunk, streamed_chars, stops.final_chars)
                         if ready:
                             text = "".join(chunk[:ready])
