@@ -63,6 +63,10 @@ def test_priority_header_overrides_default_class() -> None:
      "stop: Value should have at most 4 items"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": ""}, 400, "stop.0"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": 7}, 400, "a string or a list of up to 4"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "logprobs": 5}, 400, "log-probabilities"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "echo": True}, 400, "echo the prompt"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "best_of": 3}, 400, "one sample per request"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "logit_bias": {"50256": -100}}, 400, "bias"),
     ("a string", 400, "JSON object"),
     ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
      "context limit"),
@@ -106,3 +110,22 @@ def test_chat_text_parts_are_joined_and_other_parts_refused_not_dropped() -> Non
     assert isinstance(refused, ApiError) and refused.status_code == 400
     assert refused.param == "messages.0.content.1" and "'image_url' is not supported" in (
         refused.message)
+
+
+def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() -> None:
+    def chat(**extra: object) -> object:
+        return parse_chat({"model": "qwen2.5-1.5b", "messages": [
+            {"role": "user", "content": "hi"}], **extra}, ACME, None, CATALOG, "r", 1)
+
+    for extra, needle in [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not call tools"),
+        ({"logprobs": True, "top_logprobs": 2}, "log-probabilities"),
+        ({"response_format": {"type": "json_object"}}, "'json_object'; only text"),
+    ]:
+        refused = chat(**extra)
+        assert isinstance(refused, ApiError) and refused.status_code == 400, extra
+        assert needle in refused.message and refused.param in extra
+    # what clients send by default is not a request for the feature
+    passed = chat(logprobs=False, top_logprobs=0, tools=[], logit_bias={}, best_of=1,
+                  echo=None, response_format={"type": "text"}, presence_penalty=0.5)
+    assert not isinstance(passed, ApiError)

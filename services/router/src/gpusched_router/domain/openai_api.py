@@ -38,8 +38,36 @@ class ApiError:
                           "code": self.status_code}}
 
 
+NOT_SUPPORTED: dict[str, str] = {
+    "logprobs": "gpusched does not return token log-probabilities",
+    "top_logprobs": "gpusched does not return token log-probabilities",
+    "echo": "gpusched does not echo the prompt in the reply",
+    "suffix": "gpusched does not insert text before a suffix",
+    "tools": "gpusched does not call tools",
+    "functions": "gpusched does not call functions",
+    "logit_bias": "gpusched does not bias token probabilities",
+}
+"""OpenAI fields whose request, ignored, would change what the reply means: when set to
+anything but off (null, false, 0, empty) they are refused with the reason."""
+
+
+def _not_supported(body: dict[str, Any]) -> ApiError | None:
+    for name, reason in NOT_SUPPORTED.items():
+        if body.get(name):
+            return ApiError(400, f"{name}: {reason}; leave it out", param=name)
+    best_of = body.get("best_of")
+    if isinstance(best_of, int) and best_of > 1:
+        return ApiError(400, f"best_of is {best_of}; gpusched draws one sample per request",
+                        param="best_of")
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return ApiError(400, f"response_format: gpusched does not constrain output to "
+                        f"'{response_format.get('type')}'; only text", param="response_format")
+    return None
+
+
 class _Body(BaseModel):
-    # Other OpenAI fields (user, logprobs, ...) are accepted and ignored.
+    # Other OpenAI fields (user, presence_penalty, ...) are accepted and ignored.
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
@@ -132,6 +160,8 @@ def render_chat(messages: list[ChatMessage]) -> str:
 def _validate(model: type[_Body], body: Any) -> Any:
     if not isinstance(body, dict):
         return ApiError(400, "request body must be a JSON object")
+    if refused := _not_supported(body):
+        return refused
     try:
         return model.model_validate(body)
     except ValidationError as exc:
