@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from pydantic import ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from gpusched_common.contracts import (
     REQUEST,
@@ -48,6 +48,20 @@ def test_messages_round_trip_unchanged() -> None:
     request = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p",
                                created_at_ms=5)
     assert REQUEST.validate_json(request.to_bytes()) == request
+
+
+def test_a_reader_one_release_behind_takes_records_that_use_no_newer_field() -> None:
+    class OlderRequest(InferenceRequest):  # a release before stop strings (extra="forbid")
+        model_config = ConfigDict(extra="forbid", json_schema_extra=None)
+
+    OlderRequest.model_fields.pop("stop")
+    OlderRequest.model_rebuild(force=True)
+    plain = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", created_at_ms=5)
+    assert OlderRequest.model_validate_json(plain.to_bytes()).request_id == "r"
+    assert "null" not in plain.to_bytes().decode()  # unset optional fields are left out
+    with_stop = plain.model_copy(update={"stop": ["\n"]})
+    with pytest.raises(ValidationError, match="stop"):  # the new feature needs the new reader
+        OlderRequest.model_validate_json(with_stop.to_bytes())
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe"])

@@ -52,7 +52,10 @@ class Message(BaseModel):
     version: Literal[1] = 1
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        """JSON without the optional fields that are unset (None): a reader one release
+        behind, which refuses fields it does not know, still takes every record that uses
+        no newer field (a rolling upgrade)."""
+        return self.model_dump_json(exclude_none=True).encode()
 
 
 class InferenceRequest(Message):
@@ -267,7 +270,7 @@ class DeadLetter(Message):
     source_topic: str
     partition: int
     offset: int
-    key: str | None
+    key: str | None = None
     payload: str = Field(description="The record's value as text (UTF-8, replaced), truncated.")
     reason: str
     service: str

@@ -80,7 +80,9 @@ class RunningStore:
     async def save(self, placements: list[RunningPlacement]) -> None:
         if placements:
             await self._redis.hset(SCHEDULER_RUNNING_KEY, mapping={
-                p.placement_id: p.model_dump_json() for p in placements})
+                # unset optional fields left out, as in Message.to_bytes: readable by a
+                # scheduler one release behind
+                p.placement_id: p.model_dump_json(exclude_none=True) for p in placements})
 
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:
