@@ -214,3 +214,22 @@ async def test_valid_json_with_bad_fields_is_dead_lettered_with_the_field(stack)
     rejection = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name,
                                  lambda k, v: request_id.encode() in v)
     assert rejection and b'"rejection"' in rejection[-1][1]
+
+
+async def test_without_redis_router_and_accounting_answer_503_with_the_reason(stack) -> None:
+    """Then, with Redis back, the next request completes: nothing stays broken."""
+    stack.processes.stop_component("redis")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(f"{stack.router_url}/v1/completions",
+                                headers={"Authorization": "Bearer sk-acme-demo"},
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "Redis is unavailable" in r.json()["error"]["message"]
+            r = await http.get(f"{stack.accounting_url}/v1/usage",
+                               headers={"Authorization": "Bearer sk-acme-demo"})
+            assert r.status_code == 503 and "Redis is unavailable" in r.json()["detail"]
+    finally:
+        stack.processes.start_component("redis")
+    reply = await client(stack).completions.create(model=MODEL, prompt="back", max_tokens=3)
+    assert reply.usage.completion_tokens == 3

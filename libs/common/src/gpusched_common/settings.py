@@ -26,6 +26,9 @@ class KafkaSettings(BaseSettings):
 class RedisSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUSCHED_REDIS_", extra="ignore")
     url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL.")
+    timeout_s: float = Field(
+        default=5.0, gt=0, le=60, description="Longest wait for Redis to connect or answer "
+        "one command (then it is retried, then the caller fails with a clear error).")
 
 
 class TelemetrySettings(BaseSettings):

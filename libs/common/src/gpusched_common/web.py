@@ -1,4 +1,5 @@
-"""The HTTP face every service shares: /healthz, /metrics, and uvicorn start-up."""
+"""The HTTP face every service shares: /healthz, /metrics, 503 while Redis is away, and
+uvicorn start-up."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis.exceptions import RedisError
 
 from gpusched_common.settings import KafkaSettings, ServiceSettings
 from gpusched_common.topics import ensure_topics
+
+log = logging.getLogger(__name__)
 
 
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
@@ -29,6 +34,19 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[]
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def unavailable_without_redis(app: FastAPI, body: Callable[[str], dict[str, Any]]) -> None:
+    """A request that needs Redis while it is down or stalled (after the client's retries)
+    gets 503 with the reason and `Retry-After`, shaped by `body(reason)`, instead of a bare
+    500: clients retry a 503, and the operator reads what is missing."""
+
+    @app.exception_handler(RedisError)
+    async def redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
+        reason = (f"Redis is unavailable ({type(exc).__name__}: {exc}); nothing was done, "
+                  "retry shortly")
+        log.warning("%s %s: %s", request.method, request.url.path, reason)
+        return JSONResponse(body(reason), status_code=503, headers={"Retry-After": "1"})
 
 
 def serve(app: FastAPI, settings: ServiceSettings) -> None:

@@ -18,7 +18,7 @@ from gpusched_common.catalog import load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes, broker_lifespan
+from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
 
 
 def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -40,6 +40,7 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")
     add_ops_routes(app, registry, ready)
+    unavailable_without_redis(app, lambda reason: {"detail": reason})
     app.include_router(build_router(store, tenants, clock))
     app.state.store = store
     return app

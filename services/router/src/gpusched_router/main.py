@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from redis.exceptions import RedisError
 
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
@@ -23,12 +25,13 @@ from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
-from gpusched_common.web import add_ops_routes, broker_lifespan
+from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
 from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
+log = logging.getLogger(__name__)
 PRIORITY_HEADER = "x-priority-class"
 
 
@@ -51,11 +54,13 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        auto_offset_reset="latest", batch_timeout_ms=10, max_records=500,
                        **RAW_BATCH)
     async def on_results(msg: KafkaMessage) -> None:
-        await hub.dispatch(msg.raw_message)
+        hub.dispatch(msg.raw_message)
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
+    unavailable_without_redis(app, lambda reason: ApiError(
+        503, reason, code="service_unavailable").body())
 
     def error(err: ApiError, priority_class: str = "unknown") -> JSONResponse:
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
@@ -113,7 +118,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             except Exception:
                 hub.close(request_id)
                 raise
-        await hub.accepted(req, trace_id)
+        try:
+            await hub.accepted(req, trace_id)
+        except RedisError as exc:  # published: the request runs; only its status record waits
+            log.warning("request %s accepted, its queued status not stored: %r", request_id,
+                        exc)
         accepted.labels(req.priority_class, "accepted").inc()
         headers = {"x-request-id": request_id, "x-trace-id": trace_id or ""}
         started_s = time.monotonic()

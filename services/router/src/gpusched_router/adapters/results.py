@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gpusched_common.contracts import (
     RESULT_EVENT,
@@ -19,6 +21,7 @@ from gpusched_common.contracts import (
 )
 
 STATUS_KEY = "gpusched:request:{}"
+log = logging.getLogger(__name__)
 
 
 class ResultsHub:
@@ -28,6 +31,7 @@ class ResultsHub:
         self._redis = redis
         self._ttl_s = status_ttl_s
         self._waiters: dict[str, asyncio.Queue[ResultEvent]] = {}
+        self._storing: set[asyncio.Task[None]] = set()
 
     def open(self, request_id: str) -> asyncio.Queue[ResultEvent]:
         """Register before publishing the request, so no event can be missed."""
@@ -44,16 +48,18 @@ class ResultsHub:
 
     async def accepted(self, request: InferenceRequest, trace_id: str | None) -> None:
         key = STATUS_KEY.format(request.request_id)
-        fields = {"status": "queued", "tenant": request.tenant, "model": request.model,
+        fields = {"tenant": request.tenant, "model": request.model,
                   "priority_class": request.priority_class,
                   "created_at_ms": request.created_at_ms, "trace_id": trace_id or ""}
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping=fields)
+            pipe.hsetnx(key, "status", "queued")  # a result stored first stays
             pipe.expire(key, self._ttl_s)
             await pipe.execute()
 
-    async def dispatch(self, records: list[ConsumerRecord]) -> None:
-        """Hand every event to its waiter; store terminal ones (one pipelined round trip)."""
+    def dispatch(self, records: list[ConsumerRecord]) -> None:
+        """Hand every event to its waiter, and store terminal ones (one pipelined round trip)
+        in the background: a slow or absent Redis must not hold up the streams."""
         finals: list[RequestResult | Rejection] = []
         for record in records:
             try:
@@ -65,14 +71,21 @@ class ResultsHub:
                 queue.put_nowait(event)
             if isinstance(event, RequestResult | Rejection):
                 finals.append(event)
-        if not finals:
-            return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for event in finals:
-                key = STATUS_KEY.format(event.request_id)
-                pipe.hset(key, mapping=_status_fields(event))
-                pipe.expire(key, self._ttl_s)
-            await pipe.execute()
+        if finals:
+            task = asyncio.create_task(self._store(finals))
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
+
+    async def _store(self, finals: list[RequestResult | Rejection]) -> None:
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for event in finals:
+                    key = STATUS_KEY.format(event.request_id)
+                    pipe.hset(key, mapping=_status_fields(event))
+                    pipe.expire(key, self._ttl_s)
+                await pipe.execute()
+        except RedisError as exc:
+            log.warning("status of %d finished requests not stored: %r", len(finals), exc)
 
     async def status(self, request_id: str) -> dict[str, Any] | None:
         raw = await self._redis.hgetall(STATUS_KEY.format(request_id))
