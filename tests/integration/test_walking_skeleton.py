@@ -233,3 +233,26 @@ async def test_without_redis_router_and_accounting_answer_503_with_the_reason(st
         stack.processes.start_component("redis")
     reply = await client(stack).completions.create(model=MODEL, prompt="back", max_tokens=3)
     assert reply.usage.completion_tokens == 3
+
+
+async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack) -> None:
+    """Kafka stops: a request gets 503 with the reason after the publish timeout, not a hang.
+    Kafka comes back: new requests complete (every service reconnects by itself)."""
+    headers = {"Authorization": "Bearer sk-acme-demo"}
+    stack.processes.stop_component("kafka")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(f"{stack.router_url}/v1/completions", headers=headers,
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "Kafka did not take request" in message and "GET /v1/requests/" in message
+    finally:
+        stack.processes.start_component("kafka")
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=30) as http:
+        async def completes():
+            r = await http.post("/v1/completions", headers=headers,
+                                json={"model": MODEL, "prompt": "back", "max_tokens": 3})
+            return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+        await eventually(completes, timeout_s=120, interval_s=1, what="a new request")

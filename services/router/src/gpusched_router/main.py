@@ -112,9 +112,20 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         ) as span:
             trace_id = trace_id_hex(span)
             try:
-                await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
-                                     key=request_id.encode(),
-                                     headers={"content-type": "application/json"})
+                async with asyncio.timeout(settings.publish_timeout_s):
+                    await broker.publish(req.to_bytes(),
+                                         topics.REQUESTS[req.priority_class].name,
+                                         key=request_id.encode(),
+                                         headers={"content-type": "application/json"})
+            except TimeoutError:
+                # Honest about the one thing it cannot know: the producer may still deliver
+                # the record once Kafka is back, and then the request runs.
+                hub.close(request_id)
+                return error(ApiError(
+                    503, f"Kafka did not take request {request_id} within "
+                    f"{settings.publish_timeout_s:g} s (is Kafka up?); it may still run once "
+                    f"Kafka is back: GET /v1/requests/{request_id} shows its result",
+                    code="service_unavailable"), req.priority_class)
             except Exception:
                 hub.close(request_id)
                 raise

@@ -14,3 +14,6 @@ class RouterSettings(ServiceSettings):
         default=86_400, ge=60, description="How long GET /v1/requests/{id} remembers a request."
     )
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body.")
+    publish_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="Longest the router waits for Kafka to take a "
+        "request before it answers 503 (Kafka down or stalled).")
