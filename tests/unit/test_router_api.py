@@ -1,11 +1,16 @@
-"""OpenAI-compatible parsing: what the router accepts, and the reasons it gives otherwise."""
+"""OpenAI-compatible parsing: what the router accepts, and the reasons it gives otherwise;
+and how a request that failed reaches its client."""
 
+import asyncio
+import json
 from pathlib import Path
 
 import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
+from gpusched_common.contracts import RequestResult, TokenChunk
 from gpusched_router.domain.openai_api import ApiError, parse_chat, parse_completion
+from gpusched_router.main import _failure, _sse
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
@@ -129,3 +134,31 @@ def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() ->
     passed = chat(logprobs=False, top_logprobs=0, tools=[], logit_bias={}, best_of=1,
                   echo=None, response_format={"type": "text"}, presence_penalty=0.5)
     assert not isinstance(passed, ApiError)
+
+
+def _result(status: str, finish_reason: str) -> RequestResult:
+    return RequestResult(request_id="req-1", tenant="acme", model="qwen2.5-1.5b", status=status,
+                         finish_reason=finish_reason, text=" partial", prompt_tokens=2,
+                         completion_tokens=1, node_id="node-1", queued_ms=0, total_ms=5)
+
+
+def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
+    failed = _failure(_result("failed", "executor error: inference server unreachable"))
+    assert failed.status_code == 502
+    assert failed.message == ("request req-1 failed on node node-1: executor error: inference "
+                              "server unreachable")
+    assert _failure(_result("cancelled", "cancelled: by the operator")).status_code == 409
+    assert _failure(_result("completed", "stop")) is None
+
+
+async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
+    queue.put_nowait(_result("failed", "executor error: boom"))
+    events = [e async for e in _sse(parsed, "completions", queue, 5, lambda: None)]
+    payloads = [e.decode().removeprefix("data: ").strip() for e in events]
+    assert json.loads(payloads[0])["choices"][0]["text"] == " partial"
+    error = json.loads(payloads[1])["error"]
+    assert error["code"] == 502 and "executor error: boom" in error["message"]
+    assert payloads[2:] == ["[DONE]"]

@@ -161,6 +161,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             final = await _wait_final(queue, settings.request_timeout_s)
         finally:
             observe()
+        if isinstance(final, RequestResult):
+            final = _failure(final) or final
         if isinstance(final, ApiError):
             return JSONResponse(final.body(), status_code=final.status_code, headers=headers)
         return JSONResponse(_full_response(parsed, kind, final), headers=headers)
@@ -230,8 +232,16 @@ async def _wait_final(queue: asyncio.Queue[ResultEvent], timeout_s: float
                         "queued: poll GET /v1/requests/{id}", code="timeout")
 
 
-def _finish_reason(result: RequestResult) -> str:
-    return result.finish_reason if result.status == "completed" else "error"
+def _failure(result: RequestResult) -> ApiError | None:
+    """A result that is not a completion, as the error a client acts on: 502 for a request
+    that failed on its node (the executor or its engine broke), 409 for a cancelled one."""
+    if result.status == "failed":
+        return ApiError(502, f"request {result.request_id} failed on node {result.node_id}: "
+                        f"{result.finish_reason}", code="server_error")
+    if result.status == "cancelled":
+        return ApiError(409, f"request {result.request_id} was cancelled: "
+                        f"{result.finish_reason}", code="request_cancelled")
+    return None
 
 
 def _usage(result: RequestResult) -> dict[str, int]:
@@ -246,10 +256,10 @@ def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> d
     if kind == "completions":
         return {**common, "object": "text_completion", "choices": [
             {"index": 0, "text": result.text, "logprobs": None,
-             "finish_reason": _finish_reason(result)}]}
+             "finish_reason": result.finish_reason}]}
     return {**common, "object": "chat.completion", "choices": [
         {"index": 0, "message": {"role": "assistant", "content": result.text},
-         "logprobs": None, "finish_reason": _finish_reason(result)}]}
+         "logprobs": None, "finish_reason": result.finish_reason}]}
 
 
 async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEvent],
@@ -282,17 +292,17 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                 ev = await queue.get()
                 if isinstance(ev, TokenChunk):
                     yield event(ev.text, None)
-                elif isinstance(ev, RequestResult):
-                    yield event(None if chat else "", _finish_reason(ev))
+                else:  # the terminal event
                     ended = True
+                    err = (ApiError(ev.status_code, ev.reason) if isinstance(ev, Rejection)
+                           else _failure(ev))
+                    if err is not None:
+                        yield f"data: {json.dumps(err.body())}\n\n".encode()
+                        break
+                    yield event(None if chat else "", ev.finish_reason)
                     if parsed.include_usage:
                         payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
                         yield f"data: {json.dumps(payload)}\n\n".encode()
-                    break
-                elif isinstance(ev, Rejection):
-                    ended = True
-                    err = ApiError(ev.status_code, ev.reason).body()
-                    yield f"data: {json.dumps(err)}\n\n".encode()
                     break
         yield b"data: [DONE]\n\n"
     except TimeoutError:
