@@ -5,6 +5,9 @@ traceback or a raw JSON body."""
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -59,6 +62,37 @@ def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
     assert result.exit_code == 2, result.output  # 1 means "totals differ"
     assert "Kafka not reachable at 127.0.0.1:1; is the stack up?" in result.output
 
+
+
+def test_submit_whose_stream_ends_in_an_error_prints_the_reason_and_exits_1() -> None:
+    class Router(BaseHTTPRequestHandler):  # streams one chunk, then the error event
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": " half", "finish_reason": None}]}
+            error = {"error": {"message": "request r failed on node n1: executor error: boom",
+                               "type": "server_error", "param": None, "code": 502}}
+            for event in (chunk, error):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = CliRunner().invoke(app, ["submit", "hi", "--router-url",
+                                          f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+
+    assert result.exit_code == 1, result.output
+    assert " half" in result.output and "executor error: boom" in result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("response,printed", [

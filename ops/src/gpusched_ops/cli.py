@@ -129,7 +129,7 @@ def submit(
     as_json: JsonOut = False,
 ) -> None:
     """Send one completion through the router and stream its tokens."""
-    from openai import APIConnectionError, APIStatusError, OpenAI
+    from openai import APIConnectionError, APIError, APIStatusError, OpenAI
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key)
     headers = {"X-Priority-Class": priority} if priority else {}
@@ -150,6 +150,9 @@ def submit(
         _fail(f"{exc.status_code}: {reason or exc.message}")
     except APIConnectionError as exc:
         _unreachable("router", router_url, exc.__cause__ or exc)
+    except APIError as exc:  # an error event in the stream: the request failed midway
+        print()
+        _fail(exc.message)
 
 
 @app.command()
