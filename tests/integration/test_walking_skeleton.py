@@ -4,6 +4,7 @@ traced; bad input gets a clear error and never a silent loss."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -237,7 +238,9 @@ async def test_without_redis_router_and_accounting_answer_503_with_the_reason(st
 
 async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack) -> None:
     """Kafka stops: a request gets 503 with the reason after the publish timeout, not a hang.
-    Kafka comes back: new requests complete (every service reconnects by itself)."""
+    Kafka comes back: new requests complete (every service reconnects by itself), and the
+    503'd one never runs, even where the producer delivers it late (its cancel goes first),
+    so a client that sends it again is not served twice."""
     headers = {"Authorization": "Bearer sk-acme-demo"}
     stack.processes.stop_component("kafka")
     try:
@@ -246,7 +249,8 @@ async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack
                                 json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503, r.text
         message = r.json()["error"]["message"]
-        assert "Kafka did not take request" in message and "GET /v1/requests/" in message
+        assert "Kafka did not take request" in message and "send it again" in message
+        refused_id = message.split("request ", 1)[1].split(" ", 1)[0]
     finally:
         stack.processes.start_component("kafka")
     async with httpx.AsyncClient(base_url=stack.router_url, timeout=30) as http:
@@ -256,3 +260,7 @@ async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack
             return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
         await eventually(completes, timeout_s=120, interval_s=1, what="a new request")
+        for _ in range(10):  # long enough for a late delivery to have run by now
+            r = await http.get(f"/v1/requests/{refused_id}", headers=headers)
+            assert r.status_code == 404 or r.json()["status"] == "cancelled", r.text
+            await asyncio.sleep(0.5)

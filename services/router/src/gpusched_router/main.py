@@ -87,6 +87,23 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return ApiError(400, f"request body is not valid JSON: {exc}")
 
+    def send_cancel(request_id: str, reason: str) -> None:
+        """Cancel a request on whichever agent runs it, or will (agents remember cancels that
+        come before the placement). Fire and forget: the caller is answering already."""
+        cancel = Cancel(request_id=request_id, reason=reason, at_ms=clock())
+
+        async def publish() -> None:
+            try:
+                await broker.publish(cancel.to_bytes(), topics.CONTROL.name,
+                                     key=request_id.encode(),
+                                     headers={"content-type": "application/json"})
+            except Exception:  # noqa: BLE001 - nobody awaits it: say so in the log
+                log.exception("cancel of request %s (%s) not sent", request_id, reason)
+
+        task = asyncio.create_task(publish())
+        cancels.add(task)
+        task.add_done_callback(cancels.discard)
+
     async def handle(request: Request, parse: Any, kind: str) -> Response:
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
@@ -118,14 +135,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                                          key=request_id.encode(),
                                          headers={"content-type": "application/json"})
             except TimeoutError:
-                # Honest about the one thing it cannot know: the producer may still deliver
-                # the record once Kafka is back, and then the request runs.
+                # The producer may still deliver the record once Kafka is back; its cancel,
+                # queued behind it, then reaches the agents first (the request needs two more
+                # hops), so the request ends unrun and a client's retry is not run twice.
                 hub.close(request_id)
+                send_cancel(request_id, "the router answered 503: Kafka did not take it in "
+                            "time")
                 return error(ApiError(
                     503, f"Kafka did not take request {request_id} within "
-                    f"{settings.publish_timeout_s:g} s (is Kafka up?); it may still run once "
-                    f"Kafka is back: GET /v1/requests/{request_id} shows its result",
-                    code="service_unavailable"), req.priority_class)
+                    f"{settings.publish_timeout_s:g} s (is Kafka up?); it is cancelled, send "
+                    "it again", code="service_unavailable"), req.priority_class)
             except Exception:
                 hub.close(request_id)
                 raise
@@ -145,14 +164,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if parsed.stream:
             def abandoned() -> None:
                 # The client hung up before the end: tell the agent running it to stop (it
-                # bills what was produced). Fire and forget: the stream is being torn down.
-                cancel = Cancel(request_id=request_id, reason="client disconnected",
-                                at_ms=clock())
-                task = asyncio.create_task(broker.publish(
-                    cancel.to_bytes(), topics.CONTROL.name, key=request_id.encode(),
-                    headers={"content-type": "application/json"}))
-                cancels.add(task)
-                task.add_done_callback(cancels.discard)
+                # bills what was produced).
+                send_cancel(request_id, "client disconnected")
 
             return StreamingResponse(
                 _sse(parsed, kind, queue, settings.request_timeout_s, observe, abandoned),
