@@ -35,7 +35,12 @@ from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.redis_state import Filed
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
-from gpusched_scheduler.domain.planner import NodeSpecCache, plan_cycle, snapshot
+from gpusched_scheduler.domain.planner import (
+    NodeSpecCache,
+    fleet_gpu_mib,
+    plan_cycle,
+    snapshot,
+)
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
@@ -62,7 +67,8 @@ def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
     items = [Pending(r, {}, 0) for r in requests]
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
-    return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {})
+    return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
+                      fleet=lambda: fleet_gpu_mib(view))
 
 
 def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
@@ -164,6 +170,26 @@ def test_a_model_bigger_than_every_gpu_is_rejected_with_the_numbers() -> None:
     decisions = plan(view, [req("big", model="llama-3.1-70b")])
     [reject] = decisions.rejected
     assert "MiB" in reject.reason and "num_gpus" in reject.reason
+
+
+def test_work_waits_while_the_fleet_is_silent_or_restarting_instead_of_failing() -> None:
+    """Kafka restarting silences every agent past the node time-out, and an agent restarting
+    drains its node: nothing fits now, but the GPUs still exist. Before, such requests were
+    rejected with "no healthy GPU ... add nodes"."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [81559]), 0)
+    silent = plan(view, [req("r")], now=20_000)  # "a" last heard 20 s ago (time-out 10 s)
+    assert not silent.rejected and [p.request.request_id for p in silent.waiting] == ["r"]
+    view.apply_node_state(node("a", [81559], seq=2).model_copy(update={"status": "draining"}),
+                          20_000)
+    draining = plan(view, [req("r")], now=20_000)
+    assert not draining.rejected and len(draining.waiting) == 1
+    # what no GPU of the fleet can hold is still rejected at once
+    [big] = plan(view, [req("big", model="llama-3.1-70b")], now=20_000).rejected
+    assert "MiB" in big.reason
+    view.apply_node_state(node("a", [81559], seq=3).model_copy(update={"status": "stopped"}),
+                          20_000)
+    assert plan(view, [req("r")], now=20_000).waiting  # no fleet at all: wait for agents
 
 
 def test_a_gang_gets_all_its_gpus_on_one_node() -> None:

@@ -4,7 +4,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +33,6 @@ NODE_CAPACITY = 10**12
 GPU_SHARE_MILLI = 1
 """Requests share a GPU by memory (continuous batching); compute share is not reserved."""
 CLASS_PRIORITY = {"interactive": 3, "standard": 2, "batch": 1}
-PERMANENT = (Reason.NO_ALLOWED_GPU_TYPE, Reason.GANG_TOO_LARGE, Reason.INVALID_REQUEST)
-
-
 def request_tokens(request: InferenceRequest) -> int:
     return request.prompt_token_count + request.max_tokens
 
@@ -166,13 +163,26 @@ class CycleDecisions:
     preemptions: list[Preemption]
 
 
+def fleet_gpu_mib(view: ClusterView) -> list[tuple[int, ...]]:
+    """The memory of each GPU of every node that has not stopped: live, silent past the
+    time-out or draining, healthy or not. What can run on it one day decides whether a
+    request that fits nowhere now waits or is rejected: a node that went quiet (Kafka
+    restarting, a network blip) or an agent restarting does not make work impossible."""
+    return [tuple(g.memory_total_mib for g in state.gpus) for state in view.nodes.values()
+            if state.status != "stopped"]
+
+
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
                running: Collection[RunningPlacement], now_ms: int,
-               may_preempt: dict[str, int], max_preemptions: int = 4) -> CycleDecisions:
+               may_preempt: dict[str, int], *,
+               fleet: Callable[[], Collection[tuple[int, ...]]],
+               max_preemptions: int = 4) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
     highest victim priority it may preempt (1: batch and borrowed work, 0: borrowed work
-    only).
+    only). Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
+    (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
+    with the reason.
 
     The solver places units online, in order, so the chunks go to it as one batch (one call
     per cycle: the call's fixed cost exceeds a few units' work). Only when a chunk before the
@@ -191,6 +201,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             else None
         result = solve(state, batch, policy, shapes=shapes)
         never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
+        known: Collection[tuple[int, ...]] = ()
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -209,8 +220,9 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     continue
                 size = (kv + weight, item.request.num_gpus)
                 if size not in never_fits:
-                    never_fits[size] = _never_fits(snap, *size)
-                if outcome.reason in PERMANENT or never_fits[size]:
+                    known = known or fleet()
+                    never_fits[size] = _never_fits(known, *size)
+                if outcome.reason == Reason.INVALID_REQUEST or never_fits[size]:
                     rejected.append(Reject(item, _never_reason(item.request, kv, weight,
                                                                outcome.message)))
                 else:
@@ -254,17 +266,11 @@ def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], model: str) 
     return all(code in state.gpu_models[start + g] for g in gpus)
 
 
-def _never_fits(snap: Snapshot, mib_per_gpu: int, num_gpus: int) -> bool:
-    """True when no node has `num_gpus` healthy GPUs each with that much memory in total."""
-    state = snap.state
-    if state.num_nodes == 0:
-        return False  # no fleet yet: wait for agents rather than reject
-    for n in range(state.num_nodes):
-        lo, hi = int(state.node_gpu_start[n]), int(state.node_gpu_start[n + 1])
-        big = state.gpu_healthy[lo:hi] & (state.gpu_mem_total_mib[lo:hi] >= mib_per_gpu)
-        if int(big.sum()) >= num_gpus:
-            return False
-    return True
+def _never_fits(fleet: Collection[tuple[int, ...]], mib_per_gpu: int, num_gpus: int) -> bool:
+    """True when no node of the fleet has `num_gpus` GPUs with that much memory in total.
+    An empty fleet (no agent reported yet) rejects nothing: work waits for agents."""
+    return bool(fleet) and not any(sum(mib >= mib_per_gpu for mib in gpus) >= num_gpus
+                                   for gpus in fleet)
 
 
 def _never_reason(request: InferenceRequest, kv: int, weight: int, solver_message: str) -> str:
