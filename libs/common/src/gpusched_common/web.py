@@ -43,9 +43,9 @@ def unavailable_without_redis(app: FastAPI, body: Callable[[str], dict[str, Any]
 
     @app.exception_handler(RedisError)
     async def redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
-        reason = (f"Redis is unavailable ({type(exc).__name__}: {exc}); nothing was done, "
-                  "retry shortly")
-        log.warning("%s %s: %s", request.method, request.url.path, reason)
+        # the client reads what failed; where Redis lives is for the operator's log
+        reason = f"Redis is unavailable ({type(exc).__name__}); nothing was done, retry shortly"
+        log.warning("%s %s: Redis is unavailable: %r", request.method, request.url.path, exc)
         return JSONResponse(body(reason), status_code=503, headers={"Retry-After": "1"})
 
 
