@@ -17,7 +17,8 @@ class StopScan:
         self._stops = tuple(stops or ())
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._tail = ""
-        """The last `_hold` characters before the newest token, plus the newest token."""
+        """The text's last `_hold` characters: where a stop string that ends in the next
+        token can start."""
         self.chars = 0
         """Characters generated so far (all of them, also past a stop)."""
         self.end_chars: int | None = None
