@@ -418,6 +418,52 @@ async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_re
     assert [r.placement_id for r in engine.running.values()] == ["r1#0"]
 
 
+class FlakyStore:
+    """The running store while Redis is away: `save` fails until `up`."""
+
+    def __init__(self) -> None:
+        self.up, self.saved = False, []
+
+    async def save(self, placements) -> None:
+        if not self.up:
+            raise ConnectionError("Redis is away")
+        self.saved += [p.placement_id for p in placements]
+
+
+async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_again() -> None:
+    """Redis goes away after a cycle's placements reached Kafka. While the instance still
+    leads, their save is retried and their offsets wait. Deposed meanwhile, it leaves them
+    uncommitted and forgotten: agents refuse the old token's placements as stale, and the
+    next leader (this instance again, here) reads the requests and places them under its
+    own. Before, their offsets were committed unsaved and the requests were lost."""
+    store, kafka = FlakyStore(), Commits()
+
+    async def send(batch):
+        return asyncio.gather()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0), store=store)
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0)
+    standard = topics.REQUESTS["standard"].name
+    record = request_record(standard, 7, json.dumps(
+        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.05)
+    assert kafka.offsets == {}  # not saved: not committed, still retrying
+    engine.step_down()  # the lease lapsed: Redis is away
+    await asyncio.sleep(0.6)  # the retry sees it no longer leads
+    assert kafka.offsets == {} and not engine.running
+    store.up = True
+    engine.lead(4, [])
+    await engine.admit([record], kafka.commit)  # read again from the uncommitted offset
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.01)
+    assert store.saved == ["r1#0"] and kafka.offsets == {TopicPartition(standard, 0): 8}
+
+
 class Fences:
     """The running store's fencing, as Redis would answer it: `taken` were claimed by an
     agent already; every other placement id can be fenced."""

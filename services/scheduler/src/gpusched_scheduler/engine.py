@@ -66,6 +66,8 @@ Send = Callable[[list[Outgoing]], Awaitable[asyncio.Future]]
 acknowledged all of them (and fails if any failed)."""
 MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
+SAVE_RETRY_S = 0.5
+"""Pause between tries to save a cycle's placements while Redis is away."""
 
 
 @dataclass(frozen=True)
@@ -473,30 +475,55 @@ class SchedulingEngine:
         decided and commit the offsets that frees. If publishing failed, the cycle is undone
         and its work waits again (a placement that did reach Kafka and is sent again runs
         once: agents claim each placement id)."""
+        epoch = self.epoch
         try:
             await acked
         except Exception:
             log.exception("publishing a cycle's decisions failed; planning its work again")
-            for r in new_running:
-                self.running.pop(r.placement_id, None)
-                self.view.release(r.placement_id)
-            for item in finished:
-                self._placed.pop((item.request.request_id, item.request.attempt), None)
-                if self.epoch is not None:
-                    self.queue.push(item)
-            self._wake.set()
+            self._undo(finished, new_running, requeue=self.epoch is not None)
             return
         # those that ended meanwhile (the agent was quicker than the ack) are not running
         new_running = [r for r in new_running if r.placement_id in self.running]
-        if self._store is not None and new_running:
-            try:
-                await self._store.save(new_running)
-            except Exception:  # published: a new leader just cannot preempt or recover them
-                log.exception("saving %d placements in flight to Redis failed",
-                              len(new_running))
+        if self._store is not None and new_running and not await self._save(new_running,
+                                                                            epoch):
+            # Deposed before they were saved, a next leader would not know these
+            # placements, and agents refuse them as stale: their requests stay uncommitted,
+            # so it reads and places them again under its own token.
+            log.warning("deposed before %d placements in flight were saved; the next "
+                        "leader places their requests again", len(new_running))
+            self._undo(finished, new_running, requeue=False)
+            return
         for item in finished:
             item.decided = True
         self._commit_decided()
+
+    async def _save(self, new_running: list[RunningPlacement], epoch: int | None) -> bool:
+        """Save placements in flight for a next leader, retrying (Redis away) while this
+        instance leads under `epoch`, the token they were sent with; False once it does
+        not (their offsets must then stay uncommitted)."""
+        while True:
+            try:
+                await self._store.save(new_running)  # type: ignore[union-attr]
+                return True
+            except Exception:
+                log.exception("saving %d placements in flight to Redis failed",
+                              len(new_running))
+            if epoch is None or self.epoch != epoch:
+                return False
+            await asyncio.sleep(SAVE_RETRY_S)
+
+    def _undo(self, finished: list[Pending], new_running: list[RunningPlacement],
+              requeue: bool) -> None:
+        """Forget a cycle's placements; with `requeue` its work waits again here, else the
+        next leader reads it again (its offsets are not committed)."""
+        for r in new_running:
+            self.running.pop(r.placement_id, None)
+            self.view.release(r.placement_id)
+        for item in finished:
+            self._placed.pop((item.request.request_id, item.request.attempt), None)
+            if requeue:
+                self.queue.push(item)
+        self._wake.set()
 
     # --- helpers ------------------------------------------------------------------------
     def _estimate(self, item: Pending) -> float:
