@@ -35,12 +35,14 @@ async def produce(stack, topic: str, value: bytes, key: bytes | None = None) -> 
         await producer.stop()
 
 
-async def result_of(stack, request_id: str) -> RequestResult:
+async def result_of(stack, request_id: str, timeout_s: float = 20) -> RequestResult:
     def mine(key: bytes | None, value: bytes) -> bool:
         return key == request_id.encode() and b'"request_result"' in value
 
-    records = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name, mine)
+    records = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name, mine,
+                               timeout_s)
     assert records, f"no result for {request_id} on {topics.RESULTS.name}"
+    assert len(records) == 1, f"{len(records)} results for {request_id}"
     return RESULT_EVENT.validate_json(records[-1][1])
 
 
@@ -234,6 +236,27 @@ async def test_without_redis_router_and_accounting_answer_503_with_the_reason(st
         stack.processes.start_component("redis")
     reply = await client(stack).completions.create(model=MODEL, prompt="back", max_tokens=3)
     assert reply.usage.completion_tokens == 3
+
+
+async def test_requests_sent_while_redis_is_away_complete_once_it_is_back(stack) -> None:
+    """Kafka takes requests while Redis is down: the scheduler may place them and then lose
+    its lease (it lives in Redis) before it saved them. Once Redis is back each completes,
+    once."""
+    ids = [f"redis-gap-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
+    stack.processes.stop_component("redis")
+    try:
+        await asyncio.sleep(1)
+        for request_id in ids:
+            payload = {"request_id": request_id, "tenant": "acme", "model": MODEL,
+                       "prompt": "while Redis is away", "max_tokens": 4}
+            await produce(stack, topics.REQUESTS["standard"].name,
+                          json.dumps(payload).encode(), request_id.encode())
+        await asyncio.sleep(6)  # past the 3 s lease
+    finally:
+        stack.processes.start_component("redis")
+    for request_id in ids:
+        result = await result_of(stack, request_id, timeout_s=60)
+        assert result.status == "completed" and result.completion_tokens == 4
 
 
 async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack) -> None:
