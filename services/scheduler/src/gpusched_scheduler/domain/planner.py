@@ -201,7 +201,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             else None
         result = solve(state, batch, policy, shapes=shapes)
         never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
-        known: Collection[tuple[int, ...]] = ()
+        known: Collection[tuple[int, ...]] | None = None  # fleet(), read at first need
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -220,7 +220,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     continue
                 size = (kv + weight, item.request.num_gpus)
                 if size not in never_fits:
-                    known = known or fleet()
+                    known = fleet() if known is None else known
                     never_fits[size] = _never_fits(known, *size)
                 if outcome.reason == Reason.INVALID_REQUEST or never_fits[size]:
                     rejected.append(Reject(item, _never_reason(item.request, kv, weight,
