@@ -330,6 +330,24 @@ async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     assert placement.request.priority_class == "standard"
 
 
+async def test_a_record_with_a_bad_request_id_among_other_errors_is_dead_lettered(wired) -> None:
+    """Before, an error listed ahead of the bad id's made the engine build a rejection for
+    that id, which raised: the batch was read again forever and the topic stood still."""
+    _, engine, sent = wired
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([
+        request_record(standard, 0, json.dumps(
+            {"version": 2, "request_id": "has space", "tenant": "acme", "model": SMALL.name,
+             "prompt": "x"}).encode()),
+        request_record(standard, 1, json.dumps(
+            {"request_id": "ok", "tenant": "acme", "model": SMALL.name, "prompt": "x"}
+        ).encode())])
+    [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "version" in dead.reason and "request_id" in dead.reason
+    assert topics.RESULTS.name not in sent  # no valid id to answer
+    assert engine.queue.depth()["standard"] == 1  # the valid request behind it is queued
+
+
 async def test_unknown_model_from_kafka_gets_a_rejection_with_names(wired) -> None:
     _, engine, sent = wired
     await engine.admit([request_record(topics.REQUESTS["batch"].name, 0, json.dumps(

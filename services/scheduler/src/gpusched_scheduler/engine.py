@@ -139,8 +139,11 @@ def parse_request_record(
     except ValidationError as exc:
         reasons = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+        # The client learns of it only if its request id itself is valid (the rejection
+        # carries it); any field may come first among the errors.
         rid = payload.get("request_id")
-        valid_id = isinstance(rid, str) and "request_id" not in reasons.split(":")[0]
+        bad_fields = {e["loc"][0] for e in exc.errors() if e["loc"]}
+        valid_id = isinstance(rid, str) and "request_id" not in bad_fields
         return refuse(f"invalid request: {reasons}", rid if valid_id else None)
     rid, tenant = request.request_id, request.tenant
     if request.priority_class != topic_class and topic_class in PRIORITY_CLASSES:
@@ -247,7 +250,13 @@ class SchedulingEngine:
             return
         now = self._clock()
         for record in records:
-            outcome = parse_request_record(record, self.catalog, self.tenants, now)
+            try:
+                outcome = parse_request_record(record, self.catalog, self.tenants, now)
+            except Exception as exc:  # noqa: BLE001 - one record must never block its topic
+                log.exception("request record %s-%d@%d unreadable", record.topic,
+                              record.partition, record.offset)
+                outcome = Refused(dead_letter(record, f"unreadable request record: {exc!r}",
+                                              SERVICE, now), None)
             if isinstance(outcome, Refused):
                 await self._refuse(outcome)
                 self.offsets.track(record, None, commit)
