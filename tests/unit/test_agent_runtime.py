@@ -178,6 +178,52 @@ async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
     assert records[0].prompt_tokens == result.prompt_tokens  # the prompt is billed once
 
 
+class KafkaAway(Sink):
+    """Refuses confirmed sends while `away`, as aiokafka does once its request time-out
+    passes with no broker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.away = False
+        self.refused = 0
+
+    async def __call__(self, message: Message, topic: str, key: str, wait: bool = True) -> None:
+        if self.away and wait:
+            self.refused += 1
+            raise TimeoutError("no broker")
+        await super().__call__(message, topic, key, wait)
+
+
+async def test_records_kafka_refuses_are_sent_once_it_is_back_and_the_reporter_lives_on(
+) -> None:
+    """Before, a refused final record ended the run's task with the claim held and nothing
+    sent again (no result, no bill), a refused partial usage record lost its deltas, and a
+    refused heartbeat ended the reporter for good (the node looked lost forever)."""
+    sink = KafkaAway()
+    runtime, _, ledger = make(time_scale=1.0, usage_interval_s=0.02, sink=sink)
+    runtime._heartbeat_s = 0.02
+    reporter = asyncio.create_task(runtime.report_forever())
+    await runtime.command(placement("r1", max_tokens=60))
+    await until_tokens(sink, 1)
+    sink.away = True
+    async with asyncio.timeout(10):
+        while runtime.node.gpus[0].active:  # generation ended; its finals are refused
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert sink.refused >= 3 and not sink.of(RequestResult) and ledger.held["n1"]
+    reports = len(sink.of(NodeState))
+    sink.away = False
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.completion_tokens == 60
+    prompt, completion, _ = usage_sum(sink, "r1")
+    assert (prompt, completion) == (result.prompt_tokens, 60)  # no delta lost
+    assert not ledger.held["n1"]  # released once sent
+    await asyncio.sleep(0.1)
+    assert len(sink.of(NodeState)) > reports and not reporter.done()
+    reporter.cancel()
+
+
 async def test_a_stop_string_ends_the_text_before_it_and_streams_nothing_past_it() -> None:
     def run_with(rid: str, stop: list[str] | None) -> Placement:
         p = placement(rid, max_tokens=64)
@@ -277,11 +323,16 @@ async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_i
 
 
 class DiesPublishingTheResult(Sink):
-    """The process dies after the final usage went out, before the result did."""
+    """Kafka refuses the result after the final usage went out (the process then dies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
 
     async def __call__(self, message: Message, topic: str, key: str, wait: bool = True) -> None:
         if isinstance(message, RequestResult):
-            raise ConnectionError("the process dies here")
+            self.refused += 1
+            raise ConnectionError("Kafka refuses the result")
         await super().__call__(message, topic, key, wait)
 
 
@@ -293,7 +344,11 @@ async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_n
     crashed, dying, ledger = make(sink=DiesPublishingTheResult())
     await crashed.command(placement("done", max_tokens=6))
     [task] = [t for t in asyncio.all_tasks() if t.get_name() == "done#0"]
-    with pytest.raises(ConnectionError):
+    async with asyncio.timeout(5):
+        while not dying.refused:
+            await asyncio.sleep(0.005)
+    task.cancel()  # the process dies while the result waits for Kafka
+    with pytest.raises(asyncio.CancelledError):
         await task
     [billed] = dying.of(UsageRecord)
     assert (billed.event_id, billed.completion_tokens) == ("done#0:final", 6)

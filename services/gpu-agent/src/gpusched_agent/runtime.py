@@ -32,6 +32,7 @@ from gpusched_common.contracts import (
     PLACEMENT,
     Cancel,
     InferenceRequest,
+    Message,
     Placement,
     Preempt,
     RequestResult,
@@ -48,6 +49,8 @@ Publish = Callable[..., Awaitable[None]]
 same key, same partition, so they stay in order before the final result)."""
 ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
+PUBLISH_RETRY_MAX_S = 5.0
+"""Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
 
 
@@ -93,6 +96,8 @@ class _Running:
     billed_prompt: int = 0
     billed_completion: int = 0
     partials: int = 0
+    unsent: list[outbox.Final] = field(default_factory=list)
+    """Partial usage records Kafka refused: sent (and filed) with the final ones."""
     last_billed_ms: int = 0
     started_ms: int = 0
     gpu_type: str = "none"
@@ -132,7 +137,11 @@ class AgentRuntime:
         """Publish node state at start, on every change (at most every 50 ms), and as a
         heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time."""
         while True:
-            await self.report()
+            try:
+                await self.report()
+            except Exception:  # Kafka away: the next heartbeat tries again
+                log.warning("node state not published; trying again in %g s",
+                            self._heartbeat_s, exc_info=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
             self._dirty.clear()
@@ -337,7 +346,13 @@ class AgentRuntime:
                             streamed_chars += len(text)
                     if self._mono() - last_partial_s >= self._usage_interval_s:
                         last_partial_s = self._mono()
-                        await self._publish(*self._usage(run, final=False))
+                        partial = self._usage(run, final=False)
+                        try:
+                            await self._publish(*partial)
+                        except Exception:  # its deltas are counted: bill them at the end
+                            log.warning("partial usage %s not published; it goes with the "
+                                        "final records", partial[0].event_id, exc_info=True)
+                            run.unsent.append(partial)
                     if run.stop_reason is not None:
                         # The cancel may have landed inside a client that swallows it (a
                         # Kafka send): never trust it alone, stop here at the latest.
@@ -360,9 +375,9 @@ class AgentRuntime:
         stopped = run.stop_reason if status == "cancelled" else None
         text = "".join(pieces)[:stops.end_chars]  # without the stop string and what followed
         if chunk and stopped not in ("preempted", "drained"):
-            await self._publish(TokenChunk(request_id=request.request_id, seq=seq,
-                                           text=text[streamed_chars:], token_count=len(chunk)),
-                                topics.RESULTS.name, request.request_id)
+            await self._publish_until_sent(
+                TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
+                           token_count=len(chunk)), topics.RESULTS.name, request.request_id)
         if stopped in ("preempted", "drained"):
             log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
                      run.detail)
@@ -383,7 +398,7 @@ class AgentRuntime:
         """End `run`: its final usage, then `then` (its result or its hand-back), filed in the
         ledger first and then published. If filing fails they are published all the same
         (a crash before the claim's release then hands the request back, as before)."""
-        finals = [self._usage(run, final=True), *then]
+        finals = [*run.unsent, self._usage(run, final=True), *then]
         try:
             await self._ledger.finishing(run.placement.placement_id, self.node_id,
                                          self._started_at_ms, outbox.encode(finals))
@@ -391,7 +406,23 @@ class AgentRuntime:
             log.exception("filing the final records of %s failed; publishing them anyway",
                           run.placement.placement_id)
         for message, topic, key in finals:
-            await self._publish(message, topic, key)
+            await self._publish_until_sent(message, topic, key)
+
+    async def _publish_until_sent(self, message: Message, topic: str, key: str) -> None:
+        """Publish a record the request's end needs, trying again while Kafka refuses it: the
+        claim is released only after, so a crash meanwhile still replays it from the ledger.
+        A try that Kafka took after all is a duplicate its consumers already expect (usage
+        is applied once per event id; a request's result ends it once)."""
+        pause_s = 0.5
+        while True:
+            try:
+                await self._publish(message, topic, key)
+                return
+            except Exception:
+                log.warning("%s for %s not published; trying again in %g s",
+                            type(message).__name__, key, pause_s, exc_info=True)
+                await asyncio.sleep(pause_s)
+                pause_s = min(2 * pause_s, PUBLISH_RETRY_MAX_S)
 
     def _usage(self, run: _Running, final: bool) -> outbox.Final:
         """Bill what `run` consumed since its previous record (deltas): the prompt once, new
