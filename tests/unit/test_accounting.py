@@ -4,6 +4,7 @@ buckets, the recomputation used by `gpusched reconcile`, and budgets."""
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
@@ -26,7 +27,8 @@ from gpusched_accounting.domain.usage import (
     row_for,
     unpack,
 )
-from gpusched_common.contracts import UsageRecord
+from gpusched_accounting.handlers import enforce_budgets
+from gpusched_common.contracts import USAGE, UsageRecord
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -161,6 +163,59 @@ def test_budget_exhaustion_and_reason() -> None:
     assert b.is_exhausted(usd, Totals(cost_nusd=1_500_000_000))
     text = b.reason(budget, b.period_of(0, "day"), Totals(prompt_tokens=100))
     assert "100 of 100 tokens" in text and "1970-01-02T00:00:00Z" in text
+
+
+class FlagStore:
+    """The store calls `enforce_budgets` makes, over fixed spending."""
+
+    def __init__(self, spending: Totals) -> None:
+        self.spending_now, self.flag, self.calls = spending, None, []
+
+    async def spending(self, tenant: str, day_starts_s) -> Totals:
+        return self.spending_now
+
+    async def clear_exhausted(self, tenant: str) -> None:
+        self.calls.append("clear")
+        self.flag = None
+
+    async def set_exhausted(self, tenant: str, flag: dict, until_ms: int) -> bool:
+        self.calls.append("set")
+        new, self.flag = self.flag is None, flag
+        return new
+
+
+async def test_a_spent_second_budget_flags_the_tenant_once_and_never_clears_it() -> None:
+    """Before, the unspent first budget cleared the flag on every batch and the spent second
+    set it again: a `budget_exhausted` event per batch, and requests let through between."""
+    table = b.BudgetTable(budgets=(
+        b.Budget(tenant="acme", period="month", limit=10**9, unit="tokens"),
+        b.Budget(tenant="acme", period="day", limit=100, unit="tokens")))
+    store, events = FlagStore(Totals(prompt_tokens=150)), []
+
+    async def publish(message, topic, key) -> None:
+        events.append(message)
+
+    for _ in range(3):
+        await enforce_budgets(store, table, {"acme"}, D, publish)
+    assert len(events) == 1 and "clear" not in store.calls
+    assert store.flag["limit"] == 100
+    store.spending_now = Totals()  # a new day
+    await enforce_budgets(store, table, {"acme"}, 2 * D, publish)
+    assert store.flag is None and len(events) == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gpu_seconds", "Infinity"), ("gpu_seconds", "1e308"), ("prompt_tokens", "1" + "0" * 400),
+    ("completion_tokens", str(2**70)), ("ended_at_ms", str(10**19)),
+])
+def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value) -> None:
+    """Before, they validated and then overflowed (`row_for` raised, so the batch was read
+    again forever) or would have wrapped Redis's 64-bit counters."""
+    raw = usage().model_dump_json()
+    raw = raw.replace(f'"{field}":{getattr(usage(), field)}', f'"{field}":{value}')
+    assert value in raw
+    with pytest.raises(ValidationError):
+        USAGE.validate_json(raw)
 
 
 def test_shipped_budgets_load() -> None:

@@ -215,6 +215,14 @@ class Rejection(Message):
     reason: str
 
 
+MAX_USAGE_TOKENS = 10**9
+MAX_USAGE_GPU_SECONDS = 10**9
+"""Far beyond any one record (a request's prompt and output, or 8 GPUs for years), and far
+inside the 64-bit counters accounting adds them to."""
+MAX_EPOCH_MS = 10**13
+"""Year 2286: a larger timestamp is in micro- or nanoseconds, not milliseconds."""
+
+
 class UsageRecord(Message):
     """Metered consumption of one request on one node; billed exactly once by `event_id`.
 
@@ -231,12 +239,13 @@ class UsageRecord(Message):
     priority_class: PriorityClass
     node_id: str
     gpu_type: str
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
-    gpu_seconds: float = Field(ge=0, description="Share of one GPU integrated over the run.")
+    prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
+    completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
+    gpu_seconds: float = Field(ge=0, le=MAX_USAGE_GPU_SECONDS, allow_inf_nan=False,
+                               description="Share of one GPU integrated over the run.")
     final: bool = True
-    started_at_ms: int
-    ended_at_ms: int
+    started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
+    ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
 
 
 class BudgetExhausted(Message):

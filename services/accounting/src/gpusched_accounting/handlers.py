@@ -40,22 +40,24 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
     flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
     totals, so running it again after a redelivery changes nothing."""
     for tenant in tenants:
-        for budget in table.of(tenant):
+        if not table.of(tenant):
+            continue
+        for budget in table.of(tenant):  # the first exhausted budget names the reason
             window = budget_rules.period_of(now_ms, budget.period)
             spending = await store.spending(tenant, window.day_starts_s)
-            if not budget_rules.is_exhausted(budget, spending):
-                await store.clear_exhausted(tenant)
-                continue
-            spent = budget_rules.spent(spending, budget.unit)
-            flag = {"period": window.label, "limit": budget.limit, "spent": spent,
-                    "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}
-            if await store.set_exhausted(tenant, flag, window.end_ms):
-                log.warning("budget exhausted: %s", flag["reason"])
-                await publish(BudgetExhausted(tenant=tenant, period=window.label,
-                                              limit=budget.limit, spent=spent,
-                                              unit=budget.unit, at_ms=now_ms),
-                              topics.EVENTS.name, tenant)
-            break  # one flag per tenant: the first exhausted budget names the reason
+            if budget_rules.is_exhausted(budget, spending):
+                break
+        else:
+            await store.clear_exhausted(tenant)
+            continue
+        spent = budget_rules.spent(spending, budget.unit)
+        flag = {"period": window.label, "limit": budget.limit, "spent": spent,
+                "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}
+        if await store.set_exhausted(tenant, flag, window.end_ms):
+            log.warning("budget exhausted: %s", flag["reason"])
+            await publish(BudgetExhausted(tenant=tenant, period=window.label,
+                                          limit=budget.limit, spent=spent, unit=budget.unit,
+                                          at_ms=now_ms), topics.EVENTS.name, tenant)
 
 
 def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
@@ -75,14 +77,16 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         rows, sources = [], []
         for record in records:
             try:
-                usage = USAGE.validate_json(record.value)
-            except ValidationError as exc:
+                row = row_for(USAGE.validate_json(record.value), prices)
+            except Exception as exc:  # noqa: BLE001 - one record must never stop its partition
+                reason = (f"invalid usage record: {exc.errors()[0]}"
+                          if isinstance(exc, ValidationError)
+                          else f"unreadable usage record: {exc!r}")
                 outcomes.labels("invalid").inc()
-                await publish(dead_letter(record, f"invalid usage record: {exc.errors()[0]}",
-                                          SERVICE, now_ms),
+                await publish(dead_letter(record, reason, SERVICE, now_ms),
                               topics.DEAD_LETTERS.name, record.topic)
                 continue
-            rows.append(row_for(usage, prices))
+            rows.append(row)
             sources.append(record)
         return rows, sources
 
