@@ -291,6 +291,8 @@ async def test_a_tenant_reads_only_its_own_usage(stack) -> None:
     ({"start": "yesterday"}, 400, "ISO 8601"),
     # every row is one tenant already: grouping by tenant would be an empty split
     ({"group_by": "tenant"}, 422, "'model', 'node', 'gpu_type' or 'priority_class'"),
+    ({"start": "1764500000"}, 400, "looks like epoch seconds; send epoch milliseconds"),
+    ({"start": "\u00b2"}, 400, "ISO 8601"),  # a digit to str.isdigit, not to int()
 ])
 async def test_a_bad_usage_query_gets_4xx_with_the_reason(stack, params, status, reason) -> None:
     async with httpx.AsyncClient(base_url=stack.accounting_url) as http:

@@ -29,6 +29,11 @@ from gpusched_common.kafka_records import WallClockMs
 
 DEFAULT_WINDOW_MS = 86_400_000
 MAX_CSV_BUCKETS = 100_000
+MAX_END_AHEAD_MS = 86_400_000
+"""A window's end is cut to a day after now: nothing is billed later (agents' clocks aside),
+and an unbounded end would make a window of millions of buckets."""
+SECONDS_LOOK = (10**9, 10**11)
+"""Epoch values in this range are seconds (2001-5138), not milliseconds (1970-1973)."""
 
 
 class UsageTotals(BaseModel):
@@ -79,8 +84,12 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
     """Epoch milliseconds or an ISO 8601 time (UTC unless it says otherwise)."""
     if value is None:
         return default_ms
-    if value.isdigit():
-        return int(value)
+    if value.isascii() and value.isdigit():
+        at_ms = int(value)
+        if SECONDS_LOOK[0] <= at_ms < SECONDS_LOOK[1]:
+            raise HTTPException(400, f"{name}={value} looks like epoch seconds; send epoch "
+                                f"milliseconds ({at_ms * 1000}) or an ISO 8601 time")
+        return at_ms
     try:
         moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -116,7 +125,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
 
     def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
         now = clock()
-        end_ms = _parse_time(end, now, "end")
+        end_ms = min(_parse_time(end, now, "end"), now + MAX_END_AHEAD_MS)
         start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
         if start_ms >= end_ms:
             raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms})")
@@ -208,14 +217,23 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         who = caller(authorization)
         wanted = readable(who, tenant)
         start_ms, end_ms, _ = window(start, end)
+        # rows start where buckets of this granularity are still kept (each row names its
+        # bucket); a window wholly older than that would only ever be empty
+        kept_s = store.retention.as_dict()[granularity]
+        oldest_ms = clock() - kept_s * 1000
+        if end_ms <= oldest_ms:
+            raise HTTPException(400, f"{granularity} buckets are kept for {kept_s} s and this "
+                                f"window ends before that: use a coarser granularity")
+        start_ms = max(start_ms, oldest_ms)
         span = GRANULARITY_S[granularity]
         plan = cover(start_ms, end_ms, granularity)
-        starts = list(range(plan.start_s, plan.end_s, span))
         names = [wanted] if wanted else await store.tenants()
-        if len(starts) * len(names) > MAX_CSV_BUCKETS:
-            raise HTTPException(400, f"{len(starts) * len(names)} buckets requested; the limit "
-                                f"is {MAX_CSV_BUCKETS}: narrow the window or use a coarser "
+        requested = (plan.end_s - plan.start_s) // span * len(names)
+        if requested > MAX_CSV_BUCKETS:
+            raise HTTPException(400, f"{requested} buckets requested; the limit is "
+                                f"{MAX_CSV_BUCKETS}: narrow the window or use a coarser "
                                 "granularity")
+        starts = range(plan.start_s, plan.end_s, span)
         codes = {f"{c}:": d for d, c in DIMENSION_CODE.items()}
         out = io.StringIO()
         writer = csv.writer(out)
