@@ -195,14 +195,18 @@ async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) ->
 
 async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
     async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
-        async def one(tokens: int) -> httpx.Response:
+        async def one(tokens: int, stream: bool = False) -> httpx.Response:
             return await http.post("/v1/completions", headers={
                 "Authorization": "Bearer sk-hooli-demo"},
-                json={"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": tokens})
+                json={"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": tokens,
+                      "stream": stream})
         replies = [await one(900) for _ in range(4)]  # 4 x 901 tokens > 3,000 per minute
-    assert [r.status_code for r in replies[:3]] == [200, 200, 200]
-    assert replies[3].status_code == 429
-    assert "tokens per minute" in replies[3].json()["error"]["message"]
+        # streamed, the refusal is still the status (before: a 200 stream with an error event)
+        replies.append(await one(900, stream=True))
+    assert [r.status_code for r in replies] == [200, 200, 200, 429, 429]
+    for refused in replies[3:]:
+        assert "tokens per minute" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
 
 
 async def test_borrowed_capacity_is_reclaimed_for_a_tenant_within_its_guarantee(

@@ -173,13 +173,47 @@ async def test_bad_requests_get_4xx_and_nothing_reaches_kafka(stack, key, body, 
 
 
 async def test_openai_client_raises_typed_errors(stack) -> None:
-    with pytest.raises(NotFoundError, match="available models"):
+    with pytest.raises(NotFoundError, match="available models") as unknown:
         await client(stack).completions.create(model="gpt-17", prompt="x")
+    assert unknown.value.code == "model_not_found"  # the SDK reads error.code as a string
     with pytest.raises(AuthenticationError):
         await client(stack, "sk-wrong").completions.create(model=MODEL, prompt="x")
-    with pytest.raises(BadRequestError, match="context limit"):
+    with pytest.raises(BadRequestError, match="maximum context length") as refused:
         await client(stack).completions.create(model="llama-3.1-8b", prompt="x",
                                                 max_tokens=8_192)
+    assert refused.value.code == "context_length_exceeded"
+
+
+async def test_a_client_that_hangs_up_before_its_reply_cancels_the_request(stack) -> None:
+    """Before, the request ran on to the end, so a client retrying after its own time-out (the
+    openai SDK does, twice by default) ran and paid for it up to three times."""
+    marker = f"hang-up-{uuid.uuid4().hex}"
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", headers={"Authorization": "Bearer sk-acme-demo"},
+                            json={"model": "llama-3.1-8b", "prompt": marker, "max_tokens": 4000})
+    [(key, _)] = await read_topic(stack.endpoints.kafka_bootstrap,
+                                  topics.REQUESTS["interactive"].name,
+                                  lambda _k, value: marker.encode() in value)
+    result = await result_of(stack, key.decode(), timeout_s=30)
+    assert result.status == "cancelled" and result.completion_tokens < 4000, result
+
+
+async def test_a_body_declared_over_the_limit_is_refused_unread(stack) -> None:
+    """A client announcing a 1 GB body gets its 413 before sending it (before, the router
+    read the whole body first)."""
+    url = httpx.URL(stack.router_url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer "
+                 b"sk-acme-demo\r\nContent-Type: application/json\r\nContent-Length: "
+                 b"1000000000\r\n\r\n{")
+    await writer.drain()
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.read(4096)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert b"over the limit" in body
 
 
 async def test_malformed_record_is_dead_lettered_and_the_next_request_completes(stack) -> None:

@@ -9,7 +9,12 @@ import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import RequestResult, TokenChunk
-from gpusched_router.domain.openai_api import ApiError, parse_chat, parse_completion
+from gpusched_router.domain.openai_api import (
+    ApiError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from gpusched_router.main import _failure, _sse
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -48,6 +53,20 @@ def test_stop_strings_travel_with_the_request_as_a_list(stop: object, expected: 
     assert chat.request.stop == expected
 
 
+def test_null_n_and_stream_mean_their_defaults() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x", "n": None, "stream": None})
+    assert isinstance(parsed, ParsedRequest) and parsed.stream is False
+
+
+def test_errors_have_openais_shape_with_a_string_code() -> None:
+    parsed = completion({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500})
+    assert parsed.body()["error"] == {
+        "message": parsed.message, "type": "invalid_request_error", "param": "max_tokens",
+        "code": "context_length_exceeded"}
+    assert ApiError(429, "over quota").body()["error"]["code"] == "rate_limit_exceeded"
+    assert ApiError(503, "Kafka away").body()["error"]["type"] == "server_error"
+
+
 def test_priority_header_overrides_default_class() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}, priority="batch")
     assert parsed.request.priority_class == "batch"
@@ -74,7 +93,8 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "logit_bias": {"50256": -100}}, 400, "bias"),
     ("a string", 400, "JSON object"),
     ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
-     "context limit"),
+     "maximum context length is 8192 tokens"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "seed": 2**64}, 400, "seed"),
 ])
 def test_bad_completions_get_a_status_and_reason(body: object, status: int, needle: str) -> None:
     parsed = completion(body)
@@ -156,9 +176,11 @@ async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason(
     queue: asyncio.Queue = asyncio.Queue()
     queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
     queue.put_nowait(_result("failed", "executor error: boom"))
-    events = [e async for e in _sse(parsed, "completions", queue, 5, lambda: None)]
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert json.loads(payloads[0])["choices"][0]["text"] == " partial"
     error = json.loads(payloads[1])["error"]
-    assert error["code"] == 502 and "executor error: boom" in error["message"]
+    assert (error["type"], error["code"]) == ("server_error", "server_error")
+    assert "executor error: boom" in error["message"]
     assert payloads[2:] == ["[DONE]"]

@@ -20,6 +20,8 @@ Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9.
 
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
+Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="Sampling seed: a 64-bit "
+                           "integer, as engines (PyTorch, vLLM) take it.")]
 TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: draw from the likeliest "
                               "tokens that together hold this much probability.")]
 
@@ -75,7 +77,7 @@ class InferenceRequest(Message):
     prompt_tokens: int | None = Field(
         default=None, ge=1, description="Override the counted prompt length (trace replays)."
     )
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: Temperature | None = None  # None: the executor's own setting
     top_p: TopP | None = None
     stop: StopStrings | None = None

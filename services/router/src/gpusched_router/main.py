@@ -16,6 +16,7 @@ from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
@@ -62,6 +63,18 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     unavailable_without_redis(app, lambda reason: ApiError(
         503, reason, code="service_unavailable").body())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers (unknown path, wrong method) in OpenAI's error shape
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); the "
+                                     "router's log has the details").body(), status_code=500)
+
     def error(err: ApiError, priority_class: str = "unknown") -> JSONResponse:
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
         return JSONResponse(err.body(), status_code=err.status_code)
@@ -78,10 +91,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         return tenant
 
     async def read_json(request: Request) -> Any:
-        body = await request.body()
-        if len(body) > settings.max_body_bytes:
-            return ApiError(413, f"request body is {len(body)} bytes; the limit is "
-                            f"{settings.max_body_bytes}")
+        too_big = ApiError(413, f"request body is over the limit of {settings.max_body_bytes} "
+                           "bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > settings.max_body_bytes:
+            return too_big  # refused before reading it
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > settings.max_body_bytes:
+                return too_big
         try:
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -157,28 +176,49 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         headers = {"x-request-id": request_id, "x-trace-id": trace_id or ""}
         started_s = time.monotonic()
 
+        deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
+
         def observe() -> None:
             hub.close(request_id)
             latency.labels(req.priority_class).observe(time.monotonic() - started_s)
 
-        if parsed.stream:
-            def abandoned() -> None:
-                # The client hung up before the end: tell the agent running it to stop (it
-                # bills what was produced).
-                send_cancel(request_id, "client disconnected")
+        def abandoned() -> None:
+            # The client hung up before the end: tell the agent running it to stop (it bills
+            # what was produced), so a client's retry does not run it twice.
+            send_cancel(request_id, "client disconnected")
 
-            return StreamingResponse(
-                _sse(parsed, kind, queue, settings.request_timeout_s, observe, abandoned),
-                media_type="text/event-stream", headers=headers)
+        # Wait for the first event before answering, streamed or not: a rejection (429 over
+        # quota, 422 fits nowhere) or a failure is then an HTTP status the client acts on.
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            final = await _wait_final(queue, settings.request_timeout_s)
-        finally:
+            first = await _next_terminal(queue, deadline_s, gone, stop_at_chunk=parsed.stream)
+        except TimeoutError:
+            first = _timed_out(request_id)
+        except BaseException:
             observe()
-        if isinstance(final, RequestResult):
-            final = _failure(final) or final
-        if isinstance(final, ApiError):
-            return JSONResponse(final.body(), status_code=final.status_code, headers=headers)
-        return JSONResponse(_full_response(parsed, kind, final), headers=headers)
+            raise
+        finally:
+            gone.cancel()
+        if first is None:
+            observe()
+            abandoned()
+            return Response(status_code=499)  # nobody reads it
+        if isinstance(first, TokenChunk):
+            return StreamingResponse(
+                _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
+                media_type="text/event-stream", headers=headers)
+        observe()
+        if isinstance(first, RequestResult):
+            first = _failure(first) or first
+        if isinstance(first, ApiError):
+            if first.status_code in (409, 504):  # a retry would run it again: say so
+                headers["x-should-retry"] = "false"
+            return JSONResponse(first.body(), status_code=first.status_code, headers=headers)
+        if parsed.stream:
+            return StreamingResponse(
+                _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
+                media_type="text/event-stream", headers=headers)
+        return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -197,7 +237,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
              "context_limit_tokens": m.context_limit_tokens}
             for m in catalog.models]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> Response:
         m = catalog.get(name)
         if m is None:
@@ -230,19 +270,40 @@ def _budget_error(flag: bytes) -> ApiError:
     return ApiError(429, reason, code="insufficient_quota")
 
 
-async def _wait_final(queue: asyncio.Queue[ResultEvent], timeout_s: float
-                      ) -> RequestResult | ApiError:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                event = await queue.get()
-                if isinstance(event, RequestResult):
-                    return event
-                if isinstance(event, Rejection):
-                    return ApiError(event.status_code, event.reason)
-    except TimeoutError:
-        return ApiError(504, f"no result within {timeout_s:.0f} s; the request is still "
-                        "queued: poll GET /v1/requests/{id}", code="timeout")
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has hung up (the request body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
+                         gone: asyncio.Future[None], stop_at_chunk: bool
+                         ) -> TokenChunk | RequestResult | ApiError | None:
+    """The request's terminal event (a rejection as its ApiError), or with `stop_at_chunk`
+    its first token chunk if that comes first; None once `gone` is done (the client left).
+    Raises TimeoutError at `deadline_s` (event loop time)."""
+    async with asyncio.timeout_at(deadline_s):
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            try:
+                await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                taken = getter.done()
+                if not taken:  # the client left, or the deadline passed
+                    getter.cancel()
+            if not taken:
+                return None
+            event = getter.result()
+            if isinstance(event, Rejection):
+                return ApiError(event.status_code, event.reason)
+            if isinstance(event, RequestResult) or stop_at_chunk:
+                return event
+
+
+def _timed_out(request_id: str) -> ApiError:
+    return ApiError(504, f"no result within the router's wait (GPUSCHED_REQUEST_TIMEOUT_S); "
+                    f"request {request_id} still runs or waits: poll GET /v1/requests/"
+                    f"{request_id}", code="timeout")
 
 
 def _failure(result: RequestResult) -> ApiError | None:
@@ -276,9 +337,12 @@ def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> d
 
 
 async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEvent],
-               timeout_s: float, done: Any, abandoned: Any = None) -> AsyncIterator[bytes]:
-    """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`.
-    `abandoned()` runs when the client leaves before the request's terminal event."""
+               deadline_s: float, done: Any, abandoned: Any = None,
+               first: TokenChunk | RequestResult | None = None) -> AsyncIterator[bytes]:
+    """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`. `first`
+    is the request's first event if the caller took it already; `deadline_s` (event loop
+    time) ends the wait with a 504 error event. `abandoned()` runs when the client leaves
+    before the request's terminal event."""
     ended = False
     req = parsed.request
     base = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
@@ -297,29 +361,34 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n".encode()
 
+    async def events() -> AsyncIterator[ResultEvent]:
+        if first is not None:
+            yield first
+        while True:
+            yield await queue.get()
+
     try:
         if chat:
             yield event("", None, first=True)
-        async with asyncio.timeout(timeout_s):
-            while True:
-                ev = await queue.get()
+        async with asyncio.timeout_at(deadline_s):
+            async for ev in events():
                 if isinstance(ev, TokenChunk):
                     yield event(ev.text, None)
-                else:  # the terminal event
-                    ended = True
-                    err = (ApiError(ev.status_code, ev.reason) if isinstance(ev, Rejection)
-                           else _failure(ev))
-                    if err is not None:
-                        yield f"data: {json.dumps(err.body())}\n\n".encode()
-                        break
-                    yield event(None if chat else "", ev.finish_reason)
-                    if parsed.include_usage:
-                        payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
-                        yield f"data: {json.dumps(payload)}\n\n".encode()
+                    continue
+                ended = True  # the terminal event
+                err = (ApiError(ev.status_code, ev.reason) if isinstance(ev, Rejection)
+                       else _failure(ev))
+                if err is not None:
+                    yield f"data: {json.dumps(err.body())}\n\n".encode()
                     break
+                yield event(None if chat else "", ev.finish_reason)
+                if parsed.include_usage:
+                    payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
+                    yield f"data: {json.dumps(payload)}\n\n".encode()
+                break
         yield b"data: [DONE]\n\n"
     except TimeoutError:
-        err = ApiError(504, f"no result within {timeout_s:.0f} s", code="timeout").body()
+        err = _timed_out(req.request_id).body()
         yield f"data: {json.dumps(err)}\n\n".encode()
     finally:
         done()

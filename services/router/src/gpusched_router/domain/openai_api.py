@@ -16,6 +16,7 @@ from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
     PRIORITY_CLASSES,
     InferenceRequest,
+    Seed,
     StopStrings,
     Temperature,
     TopP,
@@ -26,16 +27,26 @@ DEFAULT_MAX_TOKENS = 16
 """What OpenAI's completions API uses when `max_tokens` is absent."""
 
 
+_CODE_OF_STATUS = {401: "invalid_api_key", 404: "not_found", 409: "conflict",
+                   413: "request_too_large", 429: "rate_limit_exceeded", 502: "server_error",
+                   503: "service_unavailable", 504: "timeout"}
+
+
 @dataclass(frozen=True)
 class ApiError:
+    """An error as OpenAI's API shapes it: `type` is the class (`invalid_request_error` for
+    4xx, `server_error` for 5xx), `code` the string a client matches on (SDKs read it as
+    `e.code`), `param` the request field at fault."""
+
     status_code: int
     message: str
-    code: str = "invalid_request_error"
+    code: str | None = None
     param: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.code, "param": self.param,
-                          "code": self.status_code}}
+        kind = "server_error" if self.status_code >= 500 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code or _CODE_OF_STATUS.get(self.status_code)}}
 
 
 NOT_SUPPORTED: dict[str, str] = {
@@ -71,10 +82,10 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
-    stream: bool = False
-    seed: int | None = None
+    stream: bool | None = False
+    seed: Seed | None = None
     stream_options: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1)
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stop: StopStrings | None = None
@@ -174,7 +185,8 @@ def _finish(
     parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
     priority_header: str | None, catalog: ModelCatalog, request_id: str, now_ms: int,
 ) -> ParsedRequest | ApiError:
-    if parsed.n != 1:  # one result per request: answering n > 1 with one choice loses n - 1
+    # one result per request: answering n > 1 with one choice loses n - 1
+    if parsed.n not in (None, 1):
         return ApiError(400, f"n is {parsed.n}; one choice per request is supported, send "
                         f"{parsed.n} requests instead", param="n")
     spec = catalog.get(parsed.model)
@@ -190,9 +202,12 @@ def _finish(
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS
     prompt_tokens = count_prompt_tokens(prompt)
     if prompt_tokens + max_tokens > spec.context_limit_tokens:
-        return ApiError(400, f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
-                        f"exceeds {spec.name}'s context limit of {spec.context_limit_tokens} "
-                        "tokens; shorten the prompt or lower max_tokens", param="max_tokens")
+        # the wording clients match to trim a conversation: "maximum context length"
+        return ApiError(400, f"{spec.name}'s maximum context length is "
+                        f"{spec.context_limit_tokens} tokens; the prompt ({prompt_tokens} "
+                        f"tokens) plus max_tokens ({max_tokens}) exceed it: shorten the prompt "
+                        "or lower max_tokens", code="context_length_exceeded",
+                        param="max_tokens")
     request = InferenceRequest(
         request_id=request_id,
         tenant=tenant.name,
@@ -207,4 +222,5 @@ def _finish(
         created_at_ms=now_ms,
     )
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
-    return ParsedRequest(request=request, stream=parsed.stream, include_usage=include_usage)
+    return ParsedRequest(request=request, stream=bool(parsed.stream),
+                         include_usage=include_usage)
