@@ -37,6 +37,7 @@ from gpusched_common.contracts import (
 from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.stack import ServiceSpec
 from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
+from gpusched_scheduler.domain.running import RunningPlacement
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -288,6 +289,13 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
                                [(result, topics.RESULTS.name, result.request_id)])]
         await store.release_claims(filed)
         assert [pid for pid, _ in await ledger.left_over(node, 8)] == [running.placement_id]
+        # a placement sent again to another node (the first send had failed after all) is
+        # judged by the node that claimed it: still held there, not ended
+        elsewhere = RunningPlacement(
+            placement_id=running.placement_id, node_id="another-node", gpu_indices=(0,),
+            memory_mib_per_gpu=1, kv_cache_mib=1, borrowed=False, estimate_gpu_s=1.0,
+            placed_at_ms=0, request=running.request)
+        assert await store.claims([elsewhere]) == {running.placement_id: "held"}
     finally:
         await redis.delete(NODE_CLAIMS_KEY.format(node))
         await redis.aclose()

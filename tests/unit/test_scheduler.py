@@ -544,6 +544,32 @@ class OnOneNode:
         return [o.message for o in self.sent if isinstance(o.message, InferenceRequest)]
 
 
+async def test_retries_kafka_refuses_when_a_node_is_lost_are_sent_next_cycle() -> None:
+    """A node is reported lost once. Before, a refused retry was dropped with its placement,
+    and the placements after it stayed 'running' on the dead node: their requests waited
+    until a fail-over. Now every retry goes out once Kafka takes it, and only then do the
+    placements leave Redis."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    send = one.engine._send
+
+    async def refuse(batch):
+        if any(isinstance(o.message, InferenceRequest) for o in batch):
+            raise KafkaConnectionError("broker briefly unavailable")
+        return await send(batch)
+
+    one.engine._send = refuse
+    one.now = 12_000  # n1 silent 11 s: lost
+    await one.engine.cycle()
+    assert not one.retries() and not one.fences.removed and not one.engine.running
+    one.engine._send = send  # Kafka is back
+    one.now = 13_000
+    await one.engine.cycle()
+    assert sorted((r.request_id, r.attempt) for r in one.retries()) == [
+        ("taken", 1), ("untaken", 1)]
+    assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
+
+
 async def test_a_placement_its_node_never_takes_is_fenced_and_retried() -> None:
     """The node keeps reporting but never lists the placement and no final usage comes:
     after the time-out it is retried, unless fencing shows an agent has taken it."""

@@ -211,6 +211,9 @@ class SchedulingEngine:
         self._unpublished: list[Filed] = []
         """Final records of lost nodes' agents that Kafka refused; published again each cycle
         (their work is never retried: it has finished)."""
+        self._retries: list[tuple[str, Outgoing]] = []
+        """(placement id, its request's next attempt) Kafka has not taken yet; published
+        again each cycle, and the placements leave Redis only once it has."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -227,6 +230,7 @@ class SchedulingEngine:
         self.running = RunningSet(running)
         self._inherited = dict(claims or {})
         self._unpublished = []  # a leader finds them filed when their node is lost to it
+        self._retries = []  # still running in Redis: a leader finds them fenced, retries them
         self._wake.set()
 
     def step_down(self) -> None:
@@ -618,6 +622,7 @@ class SchedulingEngine:
         them, they are published again next cycle)."""
         if self._unpublished and await self._publish_filed(self._unpublished):
             self._unpublished = []
+        await self._publish_retries()
         lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
         if not lost:
             return
@@ -727,10 +732,29 @@ class SchedulingEngine:
             log.warning("node %s %s: retrying %s as attempt %d", r.node_id, why,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
-            await self._publish([Outgoing(retry, topics.REQUESTS[retry.priority_class].name,
-                                       retry.request_id, {})])
-        if self._store is not None and gone:
-            await self._store.remove([r.placement_id for r in gone])
+            self._retries.append((r.placement_id, Outgoing(
+                retry, topics.REQUESTS[retry.priority_class].name, retry.request_id, {})))
+        await self._publish_retries()
+
+    async def _publish_retries(self) -> None:
+        """Publish the retries Kafka has not taken yet, then take their placements out of
+        Redis. A refusal keeps them for the next cycle: a node is reported lost once, so
+        a retry dropped here would leave its request waiting forever."""
+        if not self._retries:
+            return
+        retries, self._retries = self._retries, []
+        try:
+            await self._publish([out for _, out in retries])
+        except Exception:
+            log.exception("publishing %d retries failed; trying again next cycle",
+                          len(retries))
+            self._retries = retries + self._retries
+            return
+        if self._store is not None:
+            try:
+                await self._store.remove([pid for pid, _ in retries])
+            except Exception:  # a leader finds them fenced and retries them: same attempt
+                log.exception("removing retried placements from Redis failed")
 
     async def _maybe_signal_scaling(self) -> None:
         now_s = self._clock() / 1000

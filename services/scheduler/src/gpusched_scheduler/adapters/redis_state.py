@@ -98,14 +98,19 @@ class RunningStore:
             return [bool(ok) for ok in await pipe.execute()]
 
     async def claims(self, placements: list[RunningPlacement]) -> dict[str, ClaimState]:
-        """Where each placement stands in the agents' ledger (placement id -> state)."""
+        """Where each placement stands in the agents' ledger (placement id -> state). A claim
+        is looked up under the node that made it, which need not be the one this scheduler
+        last placed it on (a placement sent twice: the first send failed after all)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for p in placements:
                 pipe.get(PLACEMENT_CLAIM_KEY.format(p.placement_id))
-                pipe.hexists(NODE_CLAIMS_KEY.format(p.node_id), p.placement_id)
-            answers = await pipe.execute()
-        return {p.placement_id: claim_state(owner, bool(held)) for p, owner, held
-                in zip(placements, answers[::2], answers[1::2], strict=True)}
+            owners = await pipe.execute()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p, owner in zip(placements, owners, strict=True):
+                pipe.hexists(NODE_CLAIMS_KEY.format((owner or b"").decode()), p.placement_id)
+            held = await pipe.execute()
+        return {p.placement_id: claim_state(owner, bool(h)) for p, owner, h
+                in zip(placements, owners, held, strict=True)}
 
     async def filed_finals(self, node_ids: list[str]) -> list[Filed]:
         """The final records the agents of these nodes filed and never released (the run
