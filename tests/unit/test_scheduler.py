@@ -348,6 +348,19 @@ async def test_a_record_with_a_bad_request_id_among_other_errors_is_dead_lettere
     assert engine.queue.depth()["standard"] == 1  # the valid request behind it is queued
 
 
+async def test_a_node_state_the_scheduler_cannot_read_is_dead_lettered_by_the_leader(
+        wired) -> None:
+    """Before, only a log line said why that node then looked silent and was declared lost."""
+    broker, engine, sent = wired
+    newer = json.loads(node("n2", [80000]).to_bytes()) | {"rack": "r7"}  # a newer agent
+    async with TestKafkaBroker(broker) as br:
+        await br.publish(json.dumps(newer).encode(), topics.NODE_STATE.name, key=b"n2")
+        await br.publish(node("n1", [80000]).to_bytes(), topics.NODE_STATE.name, key=b"n1")
+    [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "invalid node state" in dead.reason and "rack" in dead.reason
+    assert set(engine.view.nodes) == {"n1"}
+
+
 async def test_unknown_model_from_kafka_gets_a_rejection_with_names(wired) -> None:
     _, engine, sent = wired
     await engine.admit([request_record(topics.REQUESTS["batch"].name, 0, json.dumps(

@@ -313,19 +313,33 @@ class SchedulingEngine:
             await asyncio.sleep(self.config.commit_interval_ms / 1000)
             self.offsets.advance()
 
-    def node_states(self, records: list[ConsumerRecord]) -> None:
+    async def node_states(self, records: list[ConsumerRecord]) -> None:
+        """Apply node states to the view. An invalid one is skipped; the leader dead-letters
+        it with the reason (the standbys read the same records), so the operator of an
+        agent whose reports this scheduler cannot read (its node then looks silent, then
+        lost) learns why."""
         now = self._clock()
+        dead: list[Outgoing] = []
         for record in records:
             if record.value is None:
                 continue  # tombstone of a decommissioned node
             try:
                 state = NODE_STATE.validate_json(record.value)
-            except ValidationError:
-                log.warning("ignoring invalid node state at %s:%s", record.partition,
-                            record.offset)
+            except ValidationError as exc:
+                log.warning("ignoring invalid node state at %s:%s: %s", record.partition,
+                            record.offset, exc.errors()[0])
+                if self.epoch is not None:
+                    letter = dead_letter(record, f"invalid node state: {exc.errors()[0]}",
+                                         SERVICE, now)
+                    dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
             self.view.apply_node_state(state, now)
         self._wake.set()
+        if dead:
+            try:
+                await self._publish(dead)
+            except Exception:  # the view is up to date; only the notice is missing
+                log.exception("dead-lettering %d invalid node states failed", len(dead))
 
     async def usage(self, records: list[ConsumerRecord]) -> None:
         """Measured usage: charge fair share; a final record ends its placement (its copies

@@ -20,7 +20,7 @@ def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
     @broker.subscriber(topics.NODE_STATE.name, batch=True, group_id=None,
                        auto_offset_reset="earliest", batch_timeout_ms=5, **RAW_BATCH)
     async def on_node_state(msg: KafkaMessage) -> None:
-        engine.node_states(list(msg.raw_message))
+        await engine.node_states(list(msg.raw_message))
 
     # Usage: measured consumption for fair share; final records end placements. Batched
     # by the broker (up to 20 ms or 64 KiB per fetch): each batch costs a handler call and

@@ -772,7 +772,7 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
         lambda: int(time.time() * 1000), TracerProvider().get_tracer("bench"),
         EngineConfig(cycle_window_ms=0))
     now = int(time.time() * 1000)
-    engine.node_states([_record(topics.NODE_STATE.name, i, s.to_bytes())
+    await engine.node_states([_record(topics.NODE_STATE.name, i, s.to_bytes())
                         for i, s in enumerate(node_states(nodes, gpus, 1, now, now, None))])
     engine.lead(1, [])
     profiler = None
