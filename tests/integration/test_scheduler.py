@@ -34,6 +34,7 @@ from gpusched_common.contracts import (
     NodeState,
     Rejection,
     RequestResult,
+    TokenChunk,
     UsageRecord,
 )
 from gpusched_common.redis_keys import NODE_CLAIMS_KEY
@@ -229,6 +230,16 @@ async def test_borrowed_capacity_is_reclaimed_for_a_tenant_within_its_guarantee(
     assert owner_done.status == "completed"
     assert owner_done.queued_ms < 5_000  # did not wait ~8 s for the borrowers to finish
     assert all(len(done[i]) == 1 and done[i][0].status == "completed" for i in ids)
+    # a preempted borrower went on where it stopped: one stream, each token once
+    chunks: dict[str, list[TokenChunk]] = {}
+    for _key, value, _ts in results.records:
+        event = RESULT_EVENT.validate_json(value)
+        if isinstance(event, TokenChunk):
+            chunks.setdefault(event.request_id, []).append(event)
+    for i in ids:
+        assert [c.seq for c in chunks[i]] == list(range(len(chunks[i]))), i
+        assert "".join(c.text for c in chunks[i]) == done[i][0].text
+        assert sum(c.token_count for c in chunks[i]) == done[i][0].completion_tokens
 
 
 async def test_a_gang_runs_on_two_gpus_of_one_node(stack) -> None:

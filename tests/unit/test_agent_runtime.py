@@ -165,6 +165,36 @@ async def test_preempt_bills_usage_so_far_and_hands_the_request_back_in_front() 
     assert runtime.node.gpus[0].active == {}
 
 
+async def test_a_preempted_request_resumes_where_it_stopped_streaming_and_billing_once(
+) -> None:
+    """Before, the next attempt started over at seq 0: a streaming client got the first
+    attempt's text and then the whole text again, and both attempts were billed."""
+    first, sink, _ = make(time_scale=1.0)
+    await first.command(placement("p2", max_tokens=40))
+    await until_tokens(sink, 6)
+    await first.command(Preempt(placement_id="p2#0", request_id="p2", node_id="n1",
+                                scheduler_epoch=1, reason="interactive work"))
+    await settle(first, timeout_s=1)
+    [again] = sink.of(InferenceRequest)
+    assert again.resume is not None and 6 <= len(again.resume.tokens) < 40
+    streamed = sink.of(TokenChunk)
+    assert again.resume.next_seq == len(streamed)
+    assert again.resume.streamed_tokens == sum(c.token_count for c in streamed)
+
+    second = make(sink=sink, now_ms=2_000)[0]  # another node runs the next attempt
+    p = placement("p2", max_tokens=40, attempt=1)
+    await second.command(p.model_copy(update={"request": again}))
+    await settle(second)
+    [result] = sink.of(RequestResult)
+    chunks = sink.of(TokenChunk)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))  # one stream, no repeat
+    assert "".join(c.text for c in chunks) == result.text
+    assert result.text.startswith("".join(again.resume.tokens))
+    assert result.completion_tokens == sum(c.token_count for c in chunks) == 40
+    prompt, completion, _ = usage_sum(sink, "p2")
+    assert (prompt, completion) == (result.prompt_tokens, 40)  # each token billed once
+
+
 async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
     runtime, sink, _ = make(time_scale=1.0, usage_interval_s=0.02)
     await runtime.command(placement("long", max_tokens=150))

@@ -184,3 +184,20 @@ async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason(
     assert (error["type"], error["code"]) == ("server_error", "server_error")
     assert "executor error: boom" in error["message"]
     assert payloads[2:] == ["[DONE]"]
+
+
+async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> None:
+    """After its node was lost, a request runs again from the start (seq 0): before, the
+    client got that text appended to what it already had."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for seq, text in ((0, " The"), (1, " cat"), (0, " A")):
+        queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=text, token_count=1))
+    cancelled = []
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+                                    lambda: cancelled.append(True))]
+    payloads = [e.decode().removeprefix("data: ").strip() for e in events]
+    assert [json.loads(p)["choices"][0]["text"] for p in payloads[:2]] == [" The", " cat"]
+    assert "started over" in json.loads(payloads[2])["error"]["message"]
+    assert payloads[3:] == ["[DONE]"] and cancelled == [True]

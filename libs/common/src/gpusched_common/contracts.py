@@ -60,6 +60,18 @@ class Message(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
+class Resume(BaseModel):
+    """What the earlier attempts of a preempted or drained request generated: the next
+    attempt goes on after it instead of starting over, so a streaming client sees no text
+    twice and the tokens are billed once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tokens: tuple[str, ...] = Field(max_length=32_768, description="Generated so far, one "
+                                    "item per token, in order.")
+    streamed_tokens: int = Field(ge=0, description="How many of `tokens` were streamed.")
+    next_seq: int = Field(ge=0, description="`seq` of the next token chunk.")
+
+
 class InferenceRequest(Message):
     """A request to generate text; produced by the router or by any Kafka client.
 
@@ -88,6 +100,7 @@ class InferenceRequest(Message):
     requeued: Literal["handback", "preempted", "node_lost"] | None = Field(
         default=None, description="Why this attempt was queued again; preempted and node_lost "
         "attempts go to the front of their class.")
+    resume: Resume | None = None
     created_at_ms: int = Field(ge=0)
 
     @property

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpusched_agent.adapters.executor import Executor, Job
@@ -36,6 +36,7 @@ from gpusched_common.contracts import (
     Placement,
     Preempt,
     RequestResult,
+    Resume,
     TokenChunk,
     UsageRecord,
 )
@@ -302,14 +303,23 @@ class AgentRuntime:
         gpu_type = GPU_TYPES[slot.info.gpu_type]
         run.gpu_type, run.gpu_slots = gpu_type.name, placement.gpu_indices
         run.prompt_tokens = request.prompt_token_count
+        # A resumed attempt goes on after what the earlier ones generated and billed (the
+        # prompt and those tokens), streaming from where they stopped.
+        resume = request.resume or Resume(tokens=(), streamed_tokens=0, next_seq=0)
+        pieces: list[str] = list(resume.tokens)
+        if pieces:
+            run.billed_prompt = run.prompt_tokens
+            run.billed_completion = run.completion_tokens = len(pieces)
         run.started_ms = run.last_billed_ms = self._clock()
         for index in placement.gpu_indices:
             self.node.gpus[index].meter.start(pid, self._mono())
         self._dirty.set()
-        pieces: list[str] = []
-        chunk: list[str] = []  # tokens not streamed yet, from character `streamed_chars` on
-        streamed_chars = seq = 0
+        chunk = pieces[resume.streamed_tokens:]  # not streamed yet: the end of `pieces`
+        streamed_chars = sum(len(t) for t in pieces[:resume.streamed_tokens])
+        seq = resume.next_seq
         stops = StopScan(request.stop)
+        for token in pieces:
+            stops.feed(token)
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
         last_partial_s = self._mono()
@@ -322,9 +332,16 @@ class AgentRuntime:
             if admitted.needs_load:
                 await self.executor.load(model, slot.info.index)
             job = Job(request, run.prompt_tokens, model, gpu_type, slot.info.index, pid)
-            async with contextlib.aclosing(self.executor.generate(job)) as tokens:
+            if pieces:  # the engine continues the text: the prompt is all that came before
+                job = Job(request.model_copy(update={
+                    "prompt": request.prompt + "".join(pieces), "resume": None,
+                    "max_tokens": request.max_tokens - len(pieces)}),
+                    run.prompt_tokens + len(pieces), model, gpu_type, slot.info.index, pid)
+            left = request.max_tokens - len(pieces)
+            generated = self.executor.generate(job) if left > 0 else _no_tokens()
+            async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
-                    if ttft_ms is None:
+                    if ttft_ms is None and not resume.tokens:
                         ttft_ms = float(self._clock() - request.created_at_ms)
                     pieces.append(token)
                     chunk.append(token)
@@ -382,7 +399,8 @@ class AgentRuntime:
             log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
                      run.detail)
             await self._finish(run, [_retry(request, "preempted" if stopped == "preempted"
-                                            else "node_lost")])
+                                            else "node_lost", Resume(
+                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))])
             return
         ended_ms = self._clock()
         await self._finish(run, [(RequestResult(
@@ -495,10 +513,20 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
     return ready
 
 
-def _retry(request: InferenceRequest, why: str) -> outbox.Final:
-    """The request back on its class topic as the next attempt."""
-    retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why})
+def _retry(request: InferenceRequest, why: str, resume: Resume | None = None) -> outbox.Final:
+    """The request back on its class topic as the next attempt (going on after `resume`
+    when given)."""
+    update: dict[str, object] = {"attempt": request.attempt + 1, "requeued": why}
+    if resume is not None:
+        update["resume"] = resume
+    retry = request.model_copy(update=update)
     return retry, topics.REQUESTS[request.priority_class].name, request.request_id
+
+
+async def _no_tokens() -> AsyncGenerator[str, None]:
+    """What is left to generate for a resumed request that had all its tokens: nothing."""
+    for token in ():
+        yield token
 
 
 def _uncancel() -> None:

@@ -367,12 +367,22 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
         while True:
             yield await queue.get()
 
+    next_seq = 0
     try:
         if chat:
             yield event("", None, first=True)
         async with asyncio.timeout_at(deadline_s):
             async for ev in events():
+                if isinstance(ev, TokenChunk) and ev.seq < next_seq:
+                    # Started over: its node was lost mid-run, and what was streamed is not
+                    # what the new attempt generates (a preempted one goes on instead).
+                    err = ApiError(502, f"request {req.request_id} started over after its "
+                                   "node was lost; the text streamed so far is void: send "
+                                   "the request again", code="server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n".encode()
+                    break  # not ended: abandoned() cancels the new attempt
                 if isinstance(ev, TokenChunk):
+                    next_seq = ev.seq + 1
                     yield event(ev.text, None)
                     continue
                 ended = True  # the terminal event
