@@ -232,6 +232,17 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
 
         flag = await eventually(flagged, timeout_s=30, what="the budget flag")
         assert 0 < await redis.pttl(f"gpusched:budget:exhausted:{tenant}") <= 86_400_000
+        # the budget is raised and the service restarted, as the 429 says to: the tenant is
+        # unblocked at once (before, the flag stayed until the period's end)
+        stack.processes.stop_service("acct-budget")
+        (tmp_path / "budgets.yaml").write_text(
+            f"budgets:\n  - {{tenant: {tenant}, period: day, limit: 1000000, unit: tokens}}\n")
+        stack.processes.start_service(spec)
+
+        async def cleared():
+            return await redis.get(f"gpusched:budget:exhausted:{tenant}") is None
+
+        await eventually(cleared, timeout_s=30, what="the flag cleared")
     finally:
         stack.processes.stop_service("acct-budget")
         await redis.aclose()

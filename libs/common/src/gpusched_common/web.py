@@ -84,16 +84,20 @@ class Server(uvicorn.Server):
 def broker_lifespan(
     kafka: KafkaSettings, broker: Any, provider: Any,
     closing: Sequence[Callable[[], Awaitable[Any]]],
+    starting: Sequence[Callable[[], Awaitable[Any]]] = (),
 ) -> tuple[Callable[[FastAPI], Any], Callable[[], bool]]:
     """The lifespan of a service that only consumes and serves HTTP: create the topics,
-    start the broker, and on shutdown stop it, then run `closing` (Redis, executors, ...)
-    and flush spans. Returns (lifespan, ready) where ready() is True between the two."""
+    start the broker, run `starting`, and on shutdown stop the broker, then run `closing`
+    (Redis, executors, ...) and flush spans. Returns (lifespan, ready) where ready() is True
+    between the two."""
     state = {"ready": False}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await ensure_topics(kafka.bootstrap, replication_factor=kafka.replication_factor)
         await broker.start()
+        for start in starting:
+            await start()
         state["ready"] = True
         try:
             yield

@@ -60,9 +60,24 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
                                           at_ms=now_ms), topics.EVENTS.name, tenant)
 
 
+async def recheck_budgets(store: UsageStore, table: BudgetTable, now_ms: int,
+                          publish: Publish) -> None:
+    """At start, against `budgets.yaml` as it is now (it may have changed since the flags
+    were set): a flagged tenant without a budget is cleared, and every tenant with one is
+    flagged or cleared. Otherwise a budget raised or removed would keep its tenant at 429
+    until the period's end (a blocked tenant sends no usage that would check it again)."""
+    budgeted = {b.tenant for b in table.budgets}
+    for tenant in await store.exhausted_tenants() - budgeted:
+        await store.clear_exhausted(tenant)
+    await enforce_budgets(store, table, budgeted, now_ms, publish)
+
+
 def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
              clock: WallClockMs, consumer_group: str, max_records: int, chunk_records: int,
-             tracer: trace.Tracer, registry: CollectorRegistry | None = None) -> None:
+             tracer: trace.Tracer, registry: CollectorRegistry | None = None
+             ) -> Callable[[], Awaitable[None]]:
+    """Subscribe the usage consumer; returns `recheck_budgets` bound to this service, to run
+    once the broker has started."""
     outcomes = Counter("gpusched_accounting_usage_records_total",
                        "Usage records by outcome (applied, duplicate, stale, invalid).",
                        ["outcome"], registry=registry)
@@ -144,3 +159,11 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                 await sent[0].abandon()
         if budgets.budgets:
             await enforce_budgets(store, budgets, tenants, now_ms, publish)
+
+    async def recheck() -> None:
+        try:
+            await recheck_budgets(store, budgets, clock(), publish)
+        except Exception:  # Redis or Kafka away: start all the same, serving 503s meanwhile
+            log.exception("re-checking the budget flags at start failed")
+
+    return recheck

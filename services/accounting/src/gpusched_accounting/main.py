@@ -31,11 +31,12 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     redis = make_redis(settings.redis)
     store = UsageStore(redis, settings.dedup_ttl_s, Retention(
         settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
-    handlers.register(broker, store, prices, budgets, clock, settings.consumer_group,
-                      settings.fetch_max_records, settings.apply_chunk_records,
-                      provider.get_tracer(SERVICE), registry)
+    recheck_budgets = handlers.register(
+        broker, store, prices, budgets, clock, settings.consumer_group,
+        settings.fetch_max_records, settings.apply_chunk_records, provider.get_tracer(SERVICE),
+        registry)
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [redis.aclose])
+                                      [redis.aclose], starting=[recheck_budgets])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")

@@ -393,3 +393,9 @@ class UsageStore:
 
     async def clear_exhausted(self, tenant: str) -> None:
         await self.redis.delete(BUDGET_EXHAUSTED_KEY.format(tenant))
+
+    async def exhausted_tenants(self) -> set[str]:
+        """The tenants flagged now."""
+        prefix = BUDGET_EXHAUSTED_KEY.format("")
+        return {key.decode()[len(prefix):] async for key in
+                self.redis.scan_iter(match=prefix + "*", count=1000)}

@@ -86,4 +86,4 @@ def reason(budget: Budget, window: PeriodWindow, spending: Totals) -> str:
     ends = datetime.fromtimestamp(window.end_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return (f"tenant '{budget.tenant}' has spent its {budget.period} budget ({amount} in "
             f"{window.label}); new requests are accepted again from {ends}, or raise the "
-            "budget in budgets.yaml")
+            "budget in budgets.yaml and restart accounting")
