@@ -77,7 +77,8 @@ class RequestUsage(UsageTotals):
     request_id: str
     tenant: str
     model: str
-    final: bool = Field(description="False while only partial records have arrived.")
+    final: bool = Field(description="True once a placement of it has ended (its final "
+                        "record arrived); a preempted request may still run again.")
 
 
 def _parse_time(value: str | None, default_ms: int, name: str) -> int:
@@ -197,10 +198,11 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         dedup window after its last record."""
         who = caller(authorization)
         found = await store.request_usage(request_id)
-        if found is None:
+        # another tenant's request is answered as unknown: whose it is is not for this key
+        if found is None or who not in (None, found["tenant"]):
             raise HTTPException(404, f"no usage recorded for request '{request_id}' (unknown, "
-                                "not billed yet, or older than the dedup window)")
-        readable(who, found["tenant"])
+                                "not billed yet, older than the dedup window, or another "
+                                "tenant's)")
         return RequestUsage(**found)
 
     @api.get("/export.csv", response_class=StreamingResponse,
