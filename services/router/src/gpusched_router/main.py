@@ -350,9 +350,9 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
     chat = kind != "completions"
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(text: str | None, finish: str | None, first: bool = False) -> bytes:
+    def event(text: str | None, finish: str | None, opening: bool = False) -> bytes:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if opening else {}
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
@@ -370,7 +370,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
     next_seq = 0
     try:
         if chat:
-            yield event("", None, first=True)
+            yield event("", None, opening=True)
         async with asyncio.timeout_at(deadline_s):
             async for ev in events():
                 if isinstance(ev, TokenChunk) and ev.seq < next_seq:
