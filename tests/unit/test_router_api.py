@@ -201,3 +201,16 @@ async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> 
     assert [json.loads(p)["choices"][0]["text"] for p in payloads[:2]] == [" The", " cat"]
     assert "started over" in json.loads(payloads[2])["error"]["message"]
     assert payloads[3:] == ["[DONE]"] and cancelled == [True]
+
+
+async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True,
+                         "stream_options": {"include_usage": True}})
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" hi", token_count=1))
+    queue.put_nowait(_result("completed", "length"))
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
+    assert [p["usage"] for p in payloads[:-1]] == [None, None]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 1

@@ -359,7 +359,10 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                                       "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n".encode()
+        payload = {**base, "object": obj, "choices": [choice]}
+        if parsed.include_usage:  # as OpenAI: null on every chunk but the last
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n".encode()
 
     async def events() -> AsyncIterator[ResultEvent]:
         if first is not None:
