@@ -19,7 +19,7 @@ from gpusched_agent.adapters.executor import ExecutorError, Job
 from gpusched_agent.adapters.openai_executor import OpenAIExecutor
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_common.catalog import GPU_TYPES, load_models
-from gpusched_common.contracts import InferenceRequest
+from gpusched_common.contracts import ChatTurn, InferenceRequest
 
 CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
 SMALL = CATALOG.get("qwen2.5-1.5b")
@@ -150,6 +150,19 @@ class LocalServer:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> StreamingResponse:
+            body = await request.json()
+            self.bodies.append(body)
+
+            async def events() -> AsyncIterator[bytes]:
+                for i in range(body["max_tokens"]):
+                    chunk = {"choices": [{"index": 0, "delta": {"content": f" c{i}"}}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -176,6 +189,25 @@ async def test_openai_executor_streams_from_a_local_server() -> None:
     assert server.bodies[0]["model"] == "served-model" and server.bodies[0]["stream"] is True
     assert server.bodies[0]["seed"] == 4
     assert "temperature" not in server.bodies[0]  # unset: the server's own default
+
+
+async def test_a_chat_request_goes_to_the_chat_api_and_a_resumed_one_continues_its_reply(
+) -> None:
+    """The engine applies the model's chat template (before, it got the plain rendering
+    on /v1/completions); a resumed reply is continued, not begun again."""
+    turns = (ChatTurn(role="system", content="be brief"), ChatTurn(role="user", content="hi"))
+    async with LocalServer() as server:
+        ex = OpenAIExecutor(server.url)
+        chat = job("o3", max_tokens=3, messages=turns)
+        assert await collect(ex.generate(chat)) == [" c0", " c1", " c2"]
+        resumed = Job(chat.request.model_copy(update={"max_tokens": 2}), 9, SMALL, H100, 0,
+                      "o3#1", prefix=" c0 c1")
+        assert await collect(ex.generate(resumed)) == [" c0", " c1"]
+        await ex.close()
+    first, again = server.bodies
+    assert first["messages"] == [t.model_dump() for t in turns] and "prompt" not in first
+    assert again["messages"][-1] == {"role": "assistant", "content": " c0 c1"}
+    assert again["continue_final_message"] is True and again["add_generation_prompt"] is False
 
 
 async def test_openai_executor_forwards_the_requests_sampling_settings() -> None:

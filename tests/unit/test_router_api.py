@@ -108,6 +108,15 @@ def test_unknown_priority_class_is_rejected() -> None:
     assert isinstance(parsed, ApiError) and parsed.status_code == 400
 
 
+def test_a_chat_request_carries_its_conversation_for_the_engines_template() -> None:
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]}, ACME, None, CATALOG, "req-c", 0)
+    assert [(t.role, t.content) for t in parsed.request.messages] == [
+        ("system", "be brief"), ("user", "ab")]
+
+
 def test_chat_messages_render_to_one_prompt() -> None:
     parsed = parse_chat({"model": "qwen2.5-1.5b", "max_completion_tokens": 3, "stream": True,
                          "messages": [{"role": "system", "content": "be brief"},

@@ -60,6 +60,14 @@ class Message(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
+class ChatTurn(BaseModel):
+    """One message of a chat request's conversation (text only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
 class Resume(BaseModel):
     """What the earlier attempts of a preempted or drained request generated: the next
     attempt goes on after it instead of starting over, so a streaming client sees no text
@@ -100,6 +108,10 @@ class InferenceRequest(Message):
     requeued: Literal["handback", "preempted", "node_lost"] | None = Field(
         default=None, description="Why this attempt was queued again; preempted and node_lost "
         "attempts go to the front of their class.")
+    messages: tuple[ChatTurn, ...] | None = Field(
+        default=None, max_length=1024, description="A chat request's conversation, for "
+        "engines that apply the model's own chat template (the openai executor); `prompt` "
+        "is its plain rendering, which sizes and bills the request.")
     resume: Resume | None = None
     created_at_ms: int = Field(ge=0)
 

@@ -333,10 +333,12 @@ class AgentRuntime:
                 await self.executor.load(model, slot.info.index)
             job = Job(request, run.prompt_tokens, model, gpu_type, slot.info.index, pid)
             if pieces:  # the engine continues the text: the prompt is all that came before
+                prefix = "".join(pieces)
                 job = Job(request.model_copy(update={
-                    "prompt": request.prompt + "".join(pieces), "resume": None,
+                    "prompt": request.prompt + prefix, "resume": None,
                     "max_tokens": request.max_tokens - len(pieces)}),
-                    run.prompt_tokens + len(pieces), model, gpu_type, slot.info.index, pid)
+                    run.prompt_tokens + len(pieces), model, gpu_type, slot.info.index, pid,
+                    prefix)
             left = request.max_tokens - len(pieces)
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
             async with contextlib.aclosing(generated) as tokens:

@@ -25,6 +25,9 @@ class Job:
     gpu_index: int
     key: str
     """The placement id: unique per attempt."""
+    prefix: str = ""
+    """Text earlier attempts generated (a resumed request): the engine continues after it.
+    `request` then already has it appended to its prompt and max_tokens reduced by it."""
 
 
 class Executor(Protocol):

@@ -1,5 +1,6 @@
 """The openai-compatible executor: forwards each request to an inference server on the node
-(vLLM, SGLang, TGI, llama.cpp server) over its streaming /v1/completions API.
+(vLLM, SGLang, TGI, llama.cpp server) over its streaming /v1/completions API, or for a chat
+request /v1/chat/completions, so the engine applies the model's own chat template.
 
 The engine does the batching and owns the memory; every streamed text delta counts as one
 token (vLLM and llama.cpp stream one token per event), so billed completion tokens are the
@@ -38,13 +39,22 @@ class OpenAIExecutor:
 
     async def generate(self, job: Job) -> AsyncGenerator[str, None]:
         request = job.request
-        body = {"model": self._model_override or job.model.name, "prompt": request.prompt,
-                "max_tokens": request.max_tokens, "stream": True}
+        body: dict[str, object] = {"model": self._model_override or job.model.name,
+                                   "max_tokens": request.max_tokens, "stream": True}
         body |= {k: v for k, v in (("seed", request.seed), ("temperature", request.temperature),
                                    ("top_p", request.top_p), ("stop", request.stop))
                  if v is not None}
+        if request.messages is not None:  # the engine applies the model's chat template
+            path = "/v1/chat/completions"
+            messages = [m.model_dump() for m in request.messages]
+            if job.prefix:  # vLLM's way to go on with the reply it had begun
+                messages.append({"role": "assistant", "content": job.prefix})
+                body |= {"continue_final_message": True, "add_generation_prompt": False}
+            body["messages"] = messages
+        else:
+            path, body["prompt"] = "/v1/completions", request.prompt
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+            async with self._client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:500]
                     raise ExecutorError(f"inference server answered {resp.status_code}: {detail}")
@@ -58,8 +68,9 @@ class OpenAIExecutor:
                     if "error" in event:
                         raise ExecutorError(f"inference server error: {event['error']}")
                     for choice in event.get("choices") or ():
-                        if choice.get("text"):
-                            yield choice["text"]
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield text
         except httpx.HTTPError as exc:
             raise ExecutorError(f"inference server at {self._client.base_url} unreachable or "
                                 f"broke the stream: {exc!r}") from exc

@@ -15,6 +15,7 @@ from gpusched_common.catalog import ModelCatalog, Tenant
 from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
     PRIORITY_CLASSES,
+    ChatTurn,
     InferenceRequest,
     Seed,
     StopStrings,
@@ -151,21 +152,22 @@ def parse_chat(
                                 "\"text\": ...}) only", param=where)
     prompt = render_chat(parsed.messages)
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    turns = tuple(ChatTurn(role=m.role, content=_text_of(m)) for m in parsed.messages)
     return _finish(parsed, prompt, max_tokens, tenant, priority_header, catalog,
-                   request_id, now_ms)
+                   request_id, now_ms, turns)
 
 
 def render_chat(messages: list[ChatMessage]) -> str:
     """A plain chat template: one `role: text` line per message, then `assistant:`."""
-    lines = []
-    for m in messages:
-        if isinstance(m.content, list):  # text parts only (parse_chat refuses the others)
-            text = "".join(p["text"] for p in m.content)
-        else:
-            text = m.content or ""
-        lines.append(f"{m.role}: {text}")
+    lines = [f"{m.role}: {_text_of(m)}" for m in messages]
     lines.append("assistant:")
     return "\n".join(lines)
+
+
+def _text_of(message: ChatMessage) -> str:
+    if isinstance(message.content, list):  # text parts only (parse_chat refuses the others)
+        return "".join(p["text"] for p in message.content)
+    return message.content or ""
 
 
 def _validate(model: type[_Body], body: Any) -> Any:
@@ -184,6 +186,7 @@ def _validate(model: type[_Body], body: Any) -> Any:
 def _finish(
     parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
     priority_header: str | None, catalog: ModelCatalog, request_id: str, now_ms: int,
+    messages: tuple[ChatTurn, ...] | None = None,
 ) -> ParsedRequest | ApiError:
     # one result per request: answering n > 1 with one choice loses n - 1
     if parsed.n not in (None, 1):
@@ -219,6 +222,7 @@ def _finish(
         temperature=parsed.temperature,
         top_p=parsed.top_p,
         stop=parsed.stop or None,
+        messages=messages,
         created_at_ms=now_ms,
     )
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
