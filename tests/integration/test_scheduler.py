@@ -491,9 +491,10 @@ async def test_preempted_batch_work_is_requeued_billed_once_per_run_and_complete
     preempted = {u.request_id for u in finals if u.placement_id.endswith("#0")} & \
         {u.request_id for u in finals if u.placement_id.endswith("#1")}
     assert preempted, "no batch request was preempted and run again"
-    for rid in preempted:  # billed for both runs' tokens (partials are deltas)
-        billed = sum(u.completion_tokens for u in records if u.request_id == rid)
-        assert billed > done[rid][0].completion_tokens
+    for rid in preempted:  # it went on where it stopped: the prompt and each token billed once
+        mine = [u for u in records if u.request_id == rid]
+        assert sum(u.completion_tokens for u in mine) == done[rid][0].completion_tokens == 800
+        assert sum(u.prompt_tokens for u in mine) == done[rid][0].prompt_tokens
 
 
 async def test_standby_takes_over_within_5_s_and_every_request_completes_once(stack) -> None:
