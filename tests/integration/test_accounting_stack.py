@@ -156,6 +156,29 @@ async def test_replaying_every_event_twice_in_another_order_changes_no_total(sta
         assert r.json()["completion_tokens"] == sum(u.completion_tokens for u in mine)
 
 
+async def test_a_record_from_an_agent_clock_ahead_keeps_its_id_as_long_as_it_is_redeliverable(
+        stack) -> None:
+    """A record is applied until its end + the dedup window; its id used to expire one
+    window after the apply, so a record ending 2 days ahead, redelivered on day 8, was
+    billed twice."""
+    [tenant] = tenants_named("ahead", 1)
+    [record] = [r for r in make_usage([tenant], 1) if r.final][:1]
+    ahead_ms = 2 * 86_400_000
+    record = record.model_copy(update={"ended_at_ms": record.ended_at_ms + ahead_ms})
+    await produce(stack, [record])
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    try:
+        async def kept_s():
+            return await redis.ttl(f"gpusched:usage:req:{record.request_id}") if await \
+                redis.exists(f"gpusched:usage:req:{record.request_id}") else None
+
+        ttl_s = await eventually(kept_s, timeout_s=30, what="the record applied")
+    finally:
+        await redis.aclose()
+    window_s = 7 * 86_400  # GPUSCHED_DEDUP_TTL_S's default
+    assert ttl_s >= window_s + ahead_ms // 1000 - 600
+
+
 async def test_killed_instance_and_redis_restart_leave_totals_exact(stack) -> None:
     tenants = tenants_named("crash", 6)
     records = make_usage(tenants, 120, seed=2)

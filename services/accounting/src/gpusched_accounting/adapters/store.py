@@ -99,6 +99,9 @@ for i, e in ipairs(rows) do
       q[4] = q[4] + e[6]; q[5] = q[5] + e[7]
       if e[8] == 1 then q[6] = 1 end
       q[10] = true
+      -- a record ending after now (its agent's clock is ahead) stays redeliverable until
+      -- its end + the window: its ids must be kept as long
+      if e[10] > now_ms then q[11] = math.max(q[11] or 0, e[10]) end
     end
   end
   outcome[i] = s
@@ -110,7 +113,8 @@ if not same then return {0, outcome} end
 for rkey, q in pairs(req) do
   if q[10] then
     redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])
-               .. q[8] .. q[9], 'EX', dedup_ttl)
+               .. q[8] .. q[9], 'EX',
+               dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000))
   end
 end
 
