@@ -16,7 +16,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from stack_helpers import end_offsets, eventually, read_topic
 
 from gpusched_common import topics
-from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, RequestResult
+from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, USAGE, RequestResult
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -321,3 +321,30 @@ async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack
             r = await http.get(f"/v1/requests/{refused_id}", headers=headers)
             assert r.status_code == 404 or r.json()["status"] == "cancelled", r.text
             await asyncio.sleep(0.5)
+
+
+async def test_work_running_through_a_kafka_outage_runs_once(stack) -> None:
+    """Kafka stops for twice the node time-out (4 s here) while a request runs: it runs once
+    and has one result. Agents say in Redis that they are alive, so a scheduler that cannot
+    hear them keeps their work with them instead of retrying it. (An outage past aiokafka's
+    40 s send time-out leaves idempotent producers stuck: see docs/ARCHITECTURE.md.)"""
+    marker = f"outage-{uuid.uuid4().hex}"
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=120) as http:
+        call = asyncio.create_task(http.post(
+            "/v1/completions", headers={"Authorization": "Bearer sk-acme-demo"},
+            json={"model": "llama-3.1-8b", "prompt": marker, "max_tokens": 4000}))
+        await asyncio.sleep(1.0)  # placed and running (about 5 s of work)
+        stack.processes.stop_component("kafka")
+        try:
+            await asyncio.sleep(8)
+        finally:
+            stack.processes.start_component("kafka")
+        reply = await call
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4000
+    request_id = reply.headers["x-request-id"]
+    await result_of(stack, request_id)  # exactly one result
+    usage = await read_topic(stack.endpoints.kafka_bootstrap, topics.USAGE.name,
+                             lambda _k, value: request_id.encode() in value)
+    runs = {USAGE.validate_json(value).placement_id for _, value in usage}
+    assert runs == {f"{request_id}#0"}  # one run, no retry

@@ -251,6 +251,7 @@ async def test_records_kafka_refuses_are_sent_once_it_is_back_and_the_reporter_l
     assert not ledger.held["n1"]  # released once sent
     await asyncio.sleep(0.1)
     assert len(sink.of(NodeState)) > reports and not reporter.done()
+    assert ledger.alive_nodes == {"n1"}  # said in Redis all along: its work is not retried
     reporter.cancel()
 
 

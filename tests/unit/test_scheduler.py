@@ -160,8 +160,9 @@ def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:
     view.apply_node_state(node("a", [10000], seq=5), 0)
     assert not view.apply_node_state(node("a", [1], seq=4), 0)
     assert view.live_nodes(now_ms=20_000, node_timeout_ms=10_000) == set()
-    assert view.newly_lost(20_000, 10_000) == ["a"]
-    assert view.newly_lost(21_000, 10_000) == []
+    assert view.silent(20_000, 10_000) == ["a"]
+    view.mark_lost(["a"])
+    assert view.silent(21_000, 10_000) == []
 
 
 def test_a_model_bigger_than_every_gpu_is_rejected_with_the_numbers() -> None:
@@ -505,8 +506,13 @@ class Fences:
         """Of `taken`, those their agent has ended (released from its node's claims)."""
         self.fenced: list[str] = []
         self.removed: list[str] = []
+        self.alive_nodes: set[str] = set()
+        """Nodes whose agents say in Redis that they are alive."""
         self.filed: dict[str, list] = {}
         """Final records the agent of n1 filed and never released, by placement id."""
+
+    async def alive(self, node_ids: list[str]) -> list[bool]:
+        return [n in self.alive_nodes for n in node_ids]
 
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         self.fenced += placement_ids
@@ -555,6 +561,22 @@ class OnOneNode:
 
     def retries(self) -> list[InferenceRequest]:
         return [o.message for o in self.sent if isinstance(o.message, InferenceRequest)]
+
+
+async def test_a_node_silent_on_kafka_but_alive_in_redis_keeps_its_work() -> None:
+    """Before, a Kafka outage past the node time-out had every running placement retried
+    while its agent ran it on: each request ran twice, and was billed twice."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    one.fences.alive_nodes.add("n1")
+    for t in (12_000, 20_000, 40_000):  # n1 silent 11 s, 19 s, 39 s
+        one.now = t
+        await one.engine.cycle()
+    assert not one.retries() and sorted(one.engine.running) == ["taken#0", "untaken#0"]
+    one.fences.alive_nodes.clear()  # the agent is gone now
+    one.now = 41_000
+    await one.engine.cycle()
+    assert sorted(r.request_id for r in one.retries()) == ["taken", "untaken"]
 
 
 async def test_retries_kafka_refuses_when_a_node_is_lost_are_sent_next_cycle() -> None:

@@ -15,6 +15,12 @@ CLAIM_TTL_S = 7 * 86_400
 NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
 """Hash: placement id -> '<agent run started_at_ms> <placement JSON>' while the agent run
 that claimed the placement holds it; removed once that run ended it (final usage sent)."""
+NODE_ALIVE_KEY = "gpusched:agent:node:{}:alive"
+"""Refreshed by a node's agent on every heartbeat, whether or not Kafka takes its report;
+expires after NODE_ALIVE_TTL_S. While it exists the scheduler does not declare the node
+lost: a node it cannot hear (Kafka away) but that is alive keeps its work, and no retry runs
+that work a second time."""
+NODE_ALIVE_TTL_S = 10
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
 reads it per request and answers 429. Value: JSON with period, limit, spent, unit and a

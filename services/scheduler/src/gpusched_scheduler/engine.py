@@ -211,6 +211,8 @@ class SchedulingEngine:
         self._unpublished: list[Filed] = []
         """Final records of lost nodes' agents that Kafka refused; published again each cycle
         (their work is never retried: it has finished)."""
+        self._silent_alive: set[str] = set()
+        """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
@@ -637,9 +639,24 @@ class SchedulingEngine:
         if self._unpublished and await self._publish_filed(self._unpublished):
             self._unpublished = []
         await self._publish_retries()
-        lost = self.view.newly_lost(now_ms, self.config.node_timeout_ms)
+        lost = self.view.silent(now_ms, self.config.node_timeout_ms)
+        if lost and self._store is not None:
+            # Silent on Kafka is not dead: an agent alive in Redis keeps its work (Kafka is
+            # away, or its reports do not reach this instance), so nothing runs twice.
+            try:
+                alive = await self._store.alive(lost)
+            except Exception:
+                log.exception("reading whether silent node(s) %s are alive failed", lost)
+                return  # judged again next cycle
+            heard = {n for n, a in zip(lost, alive, strict=True) if a}
+            for node_id in heard - self._silent_alive:
+                log.warning("node %s is silent past the time-out but alive (Redis): its "
+                            "work stays on it", node_id)
+            self._silent_alive = heard
+            lost = [n for n in lost if n not in heard]
         if not lost:
             return
+        self.view.mark_lost(lost)
         gone = [r for r in self.running.values() if r.node_id in lost]
         if self._store is not None:
             try:

@@ -15,6 +15,8 @@ from redis.asyncio import Redis
 
 from gpusched_common.redis_keys import (
     CLAIM_TTL_S,
+    NODE_ALIVE_KEY,
+    NODE_ALIVE_TTL_S,
     NODE_CLAIMS_KEY,
     PLACEMENT_CLAIM_KEY,
     SCHEDULER_EPOCH_KEY,
@@ -59,6 +61,9 @@ class PlacementLedger(Protocol):
     async def leader_epoch(self) -> int | None:
         """The current scheduler leader's fencing token, None when none is recorded."""
 
+    async def alive(self, node_id: str) -> None:
+        """Say the node's agent is alive, for NODE_ALIVE_TTL_S."""
+
 
 class RedisLedger:
     def __init__(self, redis: Redis) -> None:
@@ -93,6 +98,9 @@ class RedisLedger:
         raw = await self._redis.get(SCHEDULER_EPOCH_KEY)
         return None if raw is None else int(raw)
 
+    async def alive(self, node_id: str) -> None:
+        await self._redis.set(NODE_ALIVE_KEY.format(node_id), b"1", ex=NODE_ALIVE_TTL_S)
+
 
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
@@ -101,6 +109,7 @@ class MemoryLedger:
         self.epoch = leader_epoch
         self.retried: set[str] = set()
         """Placements the scheduler has retried elsewhere (no longer running for it)."""
+        self.alive_nodes: set[str] = set()
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
                     ) -> bool:
@@ -125,6 +134,9 @@ class MemoryLedger:
 
     async def leader_epoch(self) -> int | None:
         return self.epoch
+
+    async def alive(self, node_id: str) -> None:
+        self.alive_nodes.add(node_id)
 
 
 def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:

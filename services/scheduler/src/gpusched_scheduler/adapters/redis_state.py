@@ -12,6 +12,7 @@ from gpusched_common import outbox
 from gpusched_common.redis_keys import (
     CLAIM_TTL_S,
     FENCED_CLAIM,
+    NODE_ALIVE_KEY,
     NODE_CLAIMS_KEY,
     PLACEMENT_CLAIM_KEY,
     SCHEDULER_EPOCH_KEY,
@@ -96,6 +97,13 @@ class RunningStore:
                 pipe.set(PLACEMENT_CLAIM_KEY.format(pid), FENCED_CLAIM, nx=True,
                          ex=CLAIM_TTL_S)
             return [bool(ok) for ok in await pipe.execute()]
+
+    async def alive(self, node_ids: list[str]) -> list[bool]:
+        """For each node, whether its agent said lately (in Redis) that it is alive."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for node_id in node_ids:
+                pipe.exists(NODE_ALIVE_KEY.format(node_id))
+            return [bool(n) for n in await pipe.execute()]
 
     async def claims(self, placements: list[RunningPlacement]) -> dict[str, ClaimState]:
         """Where each placement stands in the agents' ledger (placement id -> state). A claim

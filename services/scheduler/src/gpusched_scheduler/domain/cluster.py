@@ -81,15 +81,17 @@ class ClusterView:
         return {n for n, seen in self.last_seen_ms.items() if now_ms - seen <= node_timeout_ms
                 and (state := self.nodes.get(n)) is not None and state.status != "stopped"}
 
-    def newly_lost(self, now_ms: int, node_timeout_ms: int) -> list[str]:
-        """Nodes that just went silent past the time-out (each reported once)."""
-        gone = [n for n, seen in self.last_seen_ms.items()
+    def silent(self, now_ms: int, node_timeout_ms: int) -> list[str]:
+        """Nodes silent past the time-out and not declared lost yet."""
+        return [n for n, seen in self.last_seen_ms.items()
                 if now_ms - seen > node_timeout_ms and n not in self.lost]
-        self.lost.update(gone)
-        for node_id in gone:
+
+    def mark_lost(self, node_ids: list[str]) -> None:
+        """Declare these silent nodes lost (until they report again): their reservations go."""
+        self.lost.update(node_ids)
+        for node_id in node_ids:
             for pid in list(self._by_node.get(node_id, ())):
                 self.release(pid)
-        return gone
 
     def node_reservations(self, node_id: str) -> tuple[dict[int, int], dict[int, set[str]]]:
         """One node's reserved MiB per GPU index, and the models its placements already sent
