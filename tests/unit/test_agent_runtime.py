@@ -5,6 +5,7 @@ and a restart that hands back what a crashed run left."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,26 @@ async def test_records_kafka_refuses_are_sent_once_it_is_back_and_the_reporter_l
     assert len(sink.of(NodeState)) > reports and not reporter.done()
     assert ledger.alive_nodes == {"n1"}  # said in Redis all along: its work is not retried
     reporter.cancel()
+
+
+async def test_the_agent_says_it_is_alive_while_a_node_state_send_hangs() -> None:
+    """Before, the alive mark was refreshed between reports, so a send blocked on a Kafka
+    that was away (aiokafka waits 40 s) let it lapse and the node's work was retried."""
+    class Hangs(Sink):
+        async def __call__(self, message, topic, key, wait=True) -> None:
+            if isinstance(message, NodeState):
+                await asyncio.Event().wait()  # never answers
+
+    runtime, _, ledger = make(sink=Hangs())
+    reporter = asyncio.create_task(runtime.report_forever())
+    await asyncio.sleep(0.1)
+    assert ledger.alive_nodes == {"n1"}
+    ledger.alive_nodes.clear()
+    await asyncio.sleep(1.2)
+    assert ledger.alive_nodes == {"n1"}  # said again while the report still hangs
+    reporter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reporter
 
 
 async def test_a_stop_string_ends_the_text_before_it_and_streams_nothing_past_it() -> None:

@@ -136,22 +136,31 @@ class AgentRuntime:
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:
         """Publish node state at start, on every change (at most every 50 ms), and as a
-        heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and at
-        most once a second, in Redis, that the agent is alive."""
-        said_alive_s = float("-inf")
+        heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and,
+        in a task of its own, every second in Redis that the agent is alive (a report to a
+        Kafka that is away can block for the producer's 40 s time-out)."""
+        alive = asyncio.create_task(self._say_alive_forever(), name="alive")
+        try:
+            await self._report_forever()
+        finally:
+            alive.cancel()
+
+    async def _say_alive_forever(self) -> None:
+        """The scheduler does not retry the work of a node it cannot hear while this holds."""
+        while True:
+            try:
+                await self._ledger.alive(self.node_id)
+            except Exception:
+                log.warning("could not say in Redis that this node is alive", exc_info=True)
+            await asyncio.sleep(1.0)
+
+    async def _report_forever(self) -> None:
         while True:
             try:
                 await self.report()
             except Exception:  # Kafka away: the next heartbeat tries again
                 log.warning("node state not published; trying again in %g s",
                             self._heartbeat_s, exc_info=True)
-            if self._mono() - said_alive_s >= 1.0:
-                said_alive_s = self._mono()
-                try:  # heard by the scheduler even while Kafka is away: no retry of its work
-                    await self._ledger.alive(self.node_id)
-                except Exception:
-                    log.warning("could not say in Redis that this node is alive",
-                                exc_info=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
             self._dirty.clear()
