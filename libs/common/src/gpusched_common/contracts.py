@@ -74,10 +74,11 @@ class Resume(BaseModel):
     twice and the tokens are billed once."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    tokens: tuple[str, ...] = Field(max_length=32_768, description="Generated so far, one "
-                                    "item per token, in order.")
-    streamed_tokens: int = Field(ge=0, description="How many of `tokens` were streamed.")
-    next_seq: int = Field(ge=0, description="`seq` of the next token chunk.")
+    tokens: tuple[str, ...] = Field(default=(), max_length=32_768, description="Generated "
+                                    "so far, one item per token, in order.")
+    streamed_tokens: int = Field(default=0, ge=0, description="How many of `tokens` were "
+                                 "streamed.")
+    next_seq: int = Field(default=0, ge=0, description="`seq` of the next token chunk.")
 
 
 class InferenceRequest(Message):

@@ -16,7 +16,7 @@ NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
 """Hash: placement id -> '<agent run started_at_ms> <placement JSON>' while the agent run
 that claimed the placement holds it; removed once that run ended it (final usage sent)."""
 NODE_ALIVE_KEY = "gpusched:agent:node:{}:alive"
-"""Refreshed by a node's agent on every heartbeat, whether or not Kafka takes its report;
+"""Refreshed by a node's agent every second, whether or not Kafka takes its reports;
 expires after NODE_ALIVE_TTL_S. While it exists the scheduler does not declare the node
 lost: a node it cannot hear (Kafka away) but that is alive keeps its work, and no retry runs
 that work a second time."""

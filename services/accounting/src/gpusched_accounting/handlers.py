@@ -40,9 +40,10 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
     flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
     totals, so running it again after a redelivery changes nothing."""
     for tenant in tenants:
-        if not table.of(tenant):
+        budgets = table.of(tenant)
+        if not budgets:
             continue
-        for budget in table.of(tenant):  # the first exhausted budget names the reason
+        for budget in budgets:  # the first exhausted budget names the reason
             window = budget_rules.period_of(now_ms, budget.period)
             spending = await store.spending(tenant, window.day_starts_s)
             if budget_rules.is_exhausted(budget, spending):

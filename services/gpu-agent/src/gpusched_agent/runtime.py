@@ -323,7 +323,7 @@ class AgentRuntime:
         run.prompt_tokens = request.prompt_token_count
         # A resumed attempt goes on after what the earlier ones generated and billed (the
         # prompt and those tokens), streaming from where they stopped.
-        resume = request.resume or Resume(tokens=(), streamed_tokens=0, next_seq=0)
+        resume = request.resume or Resume()
         pieces: list[str] = list(resume.tokens)
         if pieces:
             run.billed_prompt = run.prompt_tokens
@@ -349,15 +349,13 @@ class AgentRuntime:
                 await self.executor.unload(name, gpu)
             if admitted.needs_load:
                 await self.executor.load(model, slot.info.index)
-            job = Job(request, run.prompt_tokens, model, gpu_type, slot.info.index, pid)
-            if pieces:  # the engine continues the text: the prompt is all that came before
-                prefix = "".join(pieces)
-                job = Job(request.model_copy(update={
-                    "prompt": request.prompt + prefix, "resume": None,
-                    "max_tokens": request.max_tokens - len(pieces)}),
-                    run.prompt_tokens + len(pieces), model, gpu_type, slot.info.index, pid,
-                    prefix)
-            left = request.max_tokens - len(pieces)
+            # a resumed engine continues the text: the prompt is all that came before
+            prefix, left = "".join(pieces), request.max_tokens - len(pieces)
+            asked = request.model_copy(update={
+                "prompt": request.prompt + prefix, "resume": None, "max_tokens": left,
+            }) if pieces else request
+            job = Job(asked, run.prompt_tokens + len(pieces), model, gpu_type,
+                      slot.info.index, pid, prefix)
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
@@ -536,10 +534,8 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
 def _retry(request: InferenceRequest, why: str, resume: Resume | None = None) -> outbox.Final:
     """The request back on its class topic as the next attempt (going on after `resume`
     when given)."""
-    update: dict[str, object] = {"attempt": request.attempt + 1, "requeued": why}
-    if resume is not None:
-        update["resume"] = resume
-    retry = request.model_copy(update=update)
+    retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why,
+                                       "resume": resume or request.resume})
     return retry, topics.REQUESTS[request.priority_class].name, request.request_id
 
 

@@ -61,7 +61,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
     unavailable_without_redis(app, lambda reason: ApiError(
-        503, reason, code="service_unavailable").body())
+        503, reason).body())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -83,11 +83,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
-            return ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                            code="invalid_api_key")
+            return ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
         tenant = tenants.by_api_key(key.strip())
         if tenant is None:
-            return ApiError(401, "unknown API key", code="invalid_api_key")
+            return ApiError(401, "unknown API key")
         return tenant
 
     async def read_json(request: Request) -> Any:
@@ -163,7 +162,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 return error(ApiError(
                     503, f"Kafka did not take request {request_id} within "
                     f"{settings.publish_timeout_s:g} s (is Kafka up?); it is cancelled, send "
-                    "it again", code="service_unavailable"), req.priority_class)
+                    "it again"), req.priority_class)
             except Exception:
                 hub.close(request_id)
                 raise
@@ -203,21 +202,17 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             observe()
             abandoned()
             return Response(status_code=499)  # nobody reads it
-        if isinstance(first, TokenChunk):
+        failed = first if isinstance(first, ApiError) else _error_of(first)
+        if failed is not None:
+            observe()
+            if failed.status_code in (409, 504):  # a retry would run it again: say so
+                headers["x-should-retry"] = "false"
+            return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
+        if parsed.stream:  # its first token, or its whole (empty) completion
             return StreamingResponse(
                 _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
                 media_type="text/event-stream", headers=headers)
         observe()
-        if isinstance(first, RequestResult):
-            first = _failure(first) or first
-        if isinstance(first, ApiError):
-            if first.status_code in (409, 504):  # a retry would run it again: say so
-                headers["x-should-retry"] = "false"
-            return JSONResponse(first.body(), status_code=first.status_code, headers=headers)
-        if parsed.stream:
-            return StreamingResponse(
-                _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
-                media_type="text/event-stream", headers=headers)
         return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
     @app.post("/v1/completions")
@@ -278,10 +273,10 @@ async def _disconnected(request: Request) -> None:
 
 async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
                          gone: asyncio.Future[None], stop_at_chunk: bool
-                         ) -> TokenChunk | RequestResult | ApiError | None:
-    """The request's terminal event (a rejection as its ApiError), or with `stop_at_chunk`
-    its first token chunk if that comes first; None once `gone` is done (the client left).
-    Raises TimeoutError at `deadline_s` (event loop time)."""
+                         ) -> ResultEvent | None:
+    """The request's terminal event, or with `stop_at_chunk` its first token chunk if that
+    comes first; None once `gone` is done (the client left). Raises TimeoutError at
+    `deadline_s` (event loop time)."""
     async with asyncio.timeout_at(deadline_s):
         while True:
             getter = asyncio.ensure_future(queue.get())
@@ -294,24 +289,31 @@ async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
             if not taken:
                 return None
             event = getter.result()
-            if isinstance(event, Rejection):
-                return ApiError(event.status_code, event.reason)
-            if isinstance(event, RequestResult) or stop_at_chunk:
+            if not isinstance(event, TokenChunk) or stop_at_chunk:
                 return event
 
 
 def _timed_out(request_id: str) -> ApiError:
     return ApiError(504, f"no result within the router's wait (GPUSCHED_REQUEST_TIMEOUT_S); "
                     f"request {request_id} still runs or waits: poll GET /v1/requests/"
-                    f"{request_id}", code="timeout")
+                    f"{request_id}")
+
+
+def _error_of(event: ResultEvent) -> ApiError | None:
+    """A terminal event that is not a completion, as the error a client acts on: the
+    rejection's own status, 502 for a request that failed on its node (the executor or its
+    engine broke), 409 for a cancelled one; None for a completion or a token chunk."""
+    if isinstance(event, Rejection):
+        return ApiError(event.status_code, event.reason)
+    if isinstance(event, RequestResult):
+        return _failure(event)
+    return None
 
 
 def _failure(result: RequestResult) -> ApiError | None:
-    """A result that is not a completion, as the error a client acts on: 502 for a request
-    that failed on its node (the executor or its engine broke), 409 for a cancelled one."""
     if result.status == "failed":
         return ApiError(502, f"request {result.request_id} failed on node {result.node_id}: "
-                        f"{result.finish_reason}", code="server_error")
+                        f"{result.finish_reason}")
     if result.status == "cancelled":
         return ApiError(409, f"request {result.request_id} was cancelled: "
                         f"{result.finish_reason}", code="request_cancelled")
@@ -362,7 +364,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
         payload = {**base, "object": obj, "choices": [choice]}
         if parsed.include_usage:  # as OpenAI: null on every chunk but the last
             payload["usage"] = None
-        return f"data: {json.dumps(payload)}\n\n".encode()
+        return _data(payload)
 
     async def events() -> AsyncIterator[ResultEvent]:
         if first is not None:
@@ -379,31 +381,32 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                 if isinstance(ev, TokenChunk) and ev.seq < next_seq:
                     # Started over: its node was lost mid-run, and what was streamed is not
                     # what the new attempt generates (a preempted one goes on instead).
-                    err = ApiError(502, f"request {req.request_id} started over after its "
-                                   "node was lost; the text streamed so far is void: send "
-                                   "the request again", code="server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n".encode()
+                    yield _data(ApiError(502, f"request {req.request_id} started over after "
+                                         "its node was lost; the text streamed so far is "
+                                         "void: send the request again").body())
                     break  # not ended: abandoned() cancels the new attempt
                 if isinstance(ev, TokenChunk):
                     next_seq = ev.seq + 1
                     yield event(ev.text, None)
                     continue
                 ended = True  # the terminal event
-                err = (ApiError(ev.status_code, ev.reason) if isinstance(ev, Rejection)
-                       else _failure(ev))
+                err = _error_of(ev)
                 if err is not None:
-                    yield f"data: {json.dumps(err.body())}\n\n".encode()
+                    yield _data(err.body())
                     break
                 yield event(None if chat else "", ev.finish_reason)
                 if parsed.include_usage:
-                    payload = {**base, "object": obj, "choices": [], "usage": _usage(ev)}
-                    yield f"data: {json.dumps(payload)}\n\n".encode()
+                    yield _data({**base, "object": obj, "choices": [], "usage": _usage(ev)})
                 break
         yield b"data: [DONE]\n\n"
     except TimeoutError:
-        err = _timed_out(req.request_id).body()
-        yield f"data: {json.dumps(err)}\n\n".encode()
+        yield _data(_timed_out(req.request_id).body())
     finally:
         done()
         if not ended and abandoned is not None:
             abandoned()
+
+
+def _data(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload)}\n\n".encode()

@@ -150,18 +150,15 @@ def parse_chat(
                 return ApiError(400, f"{where}: a content part of type '{part.get('type')}' "
                                 "is not supported; send text parts ({\"type\": \"text\", "
                                 "\"text\": ...}) only", param=where)
-    prompt = render_chat(parsed.messages)
-    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
     turns = tuple(ChatTurn(role=m.role, content=_text_of(m)) for m in parsed.messages)
-    return _finish(parsed, prompt, max_tokens, tenant, priority_header, catalog,
+    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    return _finish(parsed, render_chat(turns), max_tokens, tenant, priority_header, catalog,
                    request_id, now_ms, turns)
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
+def render_chat(turns: tuple[ChatTurn, ...]) -> str:
     """A plain chat template: one `role: text` line per message, then `assistant:`."""
-    lines = [f"{m.role}: {_text_of(m)}" for m in messages]
-    lines.append("assistant:")
-    return "\n".join(lines)
+    return "\n".join([*(f"{t.role}: {t.content}" for t in turns), "assistant:"])
 
 
 def _text_of(message: ChatMessage) -> str:
