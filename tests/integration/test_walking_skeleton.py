@@ -326,8 +326,8 @@ async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack
 async def test_work_running_through_a_kafka_outage_runs_once(stack) -> None:
     """Kafka stops for twice the node time-out (4 s here) while a request runs: it runs once
     and has one result. Agents say in Redis that they are alive, so a scheduler that cannot
-    hear them keeps their work with them instead of retrying it. (An outage past aiokafka's
-    40 s send time-out leaves idempotent producers stuck: see docs/ARCHITECTURE.md.)"""
+    hear them keeps their work with them instead of retrying it. (Producers an outage past
+    aiokafka's 40 s send time-out leaves refused are replaced: test_producers.py.)"""
     marker = f"outage-{uuid.uuid4().hex}"
     async with httpx.AsyncClient(base_url=stack.router_url, timeout=120) as http:
         call = asyncio.create_task(http.post(

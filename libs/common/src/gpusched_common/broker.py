@@ -1,9 +1,14 @@
-"""The FastStream Kafka broker every service uses, with tracing and metrics middlewares."""
+"""The FastStream Kafka broker every service uses, with tracing and metrics middlewares, and
+a producer that is replaced once Kafka refuses it for good."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import OutOfOrderSequenceNumber
 from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
@@ -12,6 +17,65 @@ from prometheus_client import CollectorRegistry
 
 from gpusched_common.settings import KafkaSettings
 
+log = logging.getLogger(__name__)
+
+RETIRE_TIMEOUT_S = 5.0
+"""How long a replaced producer may take to deliver what it still holds for the partitions
+that work, before it is closed anyway."""
+
+
+class Broker(KafkaBroker):
+    """A KafkaBroker whose idempotent producer is replaced when Kafka refuses it as out of order.
+
+    aiokafka numbers each partition's batches as it takes them from its queue. A batch taken
+    and then dropped unwritten (one that waited past the 40 s request time-out while Kafka was
+    away, and met a partition whose leader Kafka, just back, had not named yet) leaves a gap
+    in the numbers, and from then on Kafka refuses every record of that partition as out of
+    order (aio-libs/aiokafka#1017): the service could not publish there until restarted.
+    A refused record was not written, so `publish` starts a fresh producer (a new producer
+    id, numbering from zero), sends the record once more through it, and closes the old one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._renewing = asyncio.Lock()
+
+    async def publish(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        used = self._current_producer()
+        try:
+            return await super().publish(*args, **kwargs)
+        except OutOfOrderSequenceNumber:
+            await self._renew_producer(used)
+        return await super().publish(*args, **kwargs)
+
+    def _current_producer(self) -> AIOKafkaProducer | None:
+        # FastStream keeps the aiokafka producer in its producer wrapper's state; there is
+        # none before start, and TestKafkaBroker's fake wrapper has no state
+        state = getattr(self.config.producer, "_producer", None)
+        return getattr(state, "producer", None)
+
+    async def _renew_producer(self, used: AIOKafkaProducer | None) -> None:
+        """Replace `used` with a fresh producer, unless a concurrent publish already did."""
+        async with self._renewing:
+            if used is None or self._current_producer() is not used:
+                return
+            log.warning("Kafka refused this service's producer as out of order (a batch was "
+                        "lost in an outage); replacing the producer and sending again")
+            wrapper = self.config.producer
+            # the same options FastStream built the first producer with
+            await wrapper.connect(AIOKafkaProducer(**self._connection_kwargs),
+                                  wrapper.serializer, wrapper.codec)
+        await retire_producer(used)
+
+
+async def retire_producer(producer: AIOKafkaProducer) -> None:
+    """Close a replaced producer, letting it first deliver what it holds for the partitions
+    Kafka still takes from it (at most RETIRE_TIMEOUT_S)."""
+    try:
+        async with asyncio.timeout(RETIRE_TIMEOUT_S):
+            await producer.stop()
+    except Exception:  # it was replaced because it failed: nothing more to do with it
+        log.warning("closing a replaced Kafka producer failed", exc_info=True)
+
 
 def make_broker(
     settings: KafkaSettings,
@@ -19,10 +83,10 @@ def make_broker(
     tracer_provider: TracerProvider | None,
     registry: CollectorRegistry | None,
     **kwargs: object,
-) -> KafkaBroker:
+) -> Broker:
     """A broker whose every publish and consume is a span (W3C context in Kafka headers)
     and is counted in `registry`. Producer waits for the leader's ack (`acks=all` on one node)
-    and is idempotent, so a retried send is not duplicated by the broker.
+    and is idempotent, so a retried send is not duplicated by the broker (see `Broker`).
 
     Handlers take one argument, the message itself (`msg: KafkaMessage`): no dependency
     injection per call (it resolved the message in a worker thread, about as costly as
@@ -32,7 +96,7 @@ def make_broker(
         middlewares.append(KafkaTelemetryMiddleware(tracer_provider=tracer_provider))
     if registry is not None:
         middlewares.append(KafkaPrometheusMiddleware(registry=registry, app_name=service_name))
-    return KafkaBroker(
+    return Broker(
         settings.bootstrap,
         client_id=f"gpusched-{service_name}",
         acks="all",

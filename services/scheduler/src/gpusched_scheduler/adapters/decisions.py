@@ -4,22 +4,29 @@ cycle need not wait for it).
 
 This is the scheduler's hot path, so it talks to aiokafka directly (the broker's per-message
 middlewares cost more than the decision itself); each record still carries the W3C
-context of a `schedule` span opened in the request's own trace.
+context of a `schedule` span opened in the request's own trace. Like the broker's, its
+producer is replaced once Kafka refuses it as out of order (`gpusched_common.broker.Broker`);
+the cycle whose records were refused is planned and published again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import OutOfOrderSequenceNumber
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
+from gpusched_common.broker import retire_producer
 from gpusched_common.contracts import Message
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_BYTES = 1 << 20
 """Per partition and request; Kafka's default `max.message.bytes` is about 1 MiB."""
@@ -47,6 +54,7 @@ class DecisionProducer:
                          "enable_idempotence": True, "linger_ms": 0,
                          "max_batch_size": MAX_BATCH_BYTES}
         self._producer: AIOKafkaProducer | None = None
+        self._renewing = asyncio.Lock()
         self._tracer = tracer
         self._published = MetricCounter("gpusched_scheduler_records_published_total",
                                   "Decision records published, by topic.", ["topic"],
@@ -65,6 +73,7 @@ class DecisionProducer:
         """Hand all of `batch` to the producer, in order; the future returned completes once
         Kafka acknowledged every record, and fails if any failed."""
         assert self._producer is not None, "start() first"
+        producer = self._producer
         pending = []
         for out in batch:
             span = self._tracer.start_span(
@@ -77,8 +86,23 @@ class DecisionProducer:
             span.end()
             headers = [("content-type", b"application/json")] + [
                 (k, v.encode()) for k, v in carrier.items()]
-            pending.append(await self._producer.send(
+            pending.append(await producer.send(
                 out.topic, out.message.to_bytes(), key=out.key.encode(), headers=headers))
         for topic, count in Counter(out.topic for out in batch).items():
             self._published.labels(topic).inc(count)
-        return asyncio.gather(*pending)
+        return asyncio.ensure_future(self._acknowledged(producer, pending))
+
+    async def _acknowledged(self, producer: AIOKafkaProducer, pending: list) -> list:
+        try:
+            return await asyncio.gather(*pending)
+        except OutOfOrderSequenceNumber:
+            async with self._renewing:
+                if self._producer is not producer:  # an earlier cycle's failure replaced it
+                    raise
+                log.warning("Kafka refused the decision producer as out of order (a batch "
+                            "was lost in an outage); replacing it")
+                fresh = AIOKafkaProducer(**self._options)
+                await fresh.start()
+                self._producer = fresh
+            await retire_producer(producer)
+            raise
