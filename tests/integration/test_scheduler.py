@@ -161,6 +161,31 @@ async def test_interactive_goes_before_earlier_batch_and_batch_still_completes(
     assert max(started[r["request_id"]] for r in urgent) < min(still_queued)
 
 
+async def test_a_model_that_fits_only_without_an_idle_one_unloads_it_and_runs(
+        stack, small_fleet) -> None:
+    """On one L4 (23 GB) the 8B's 15 GB of weights stay loaded after its request ends. A
+    Mistral 7B (14 GB) fits there only once they are unloaded: it runs, and the agent
+    unloaded the 8B. Before, it waited for room no agent would ever free."""
+    results = await watch(stack, topics.RESULTS.name)
+    first = request("acme", "standard", 8, "idle-8b", prompt_tokens=100)
+    other = {**request("acme", "standard", 8, "mistral", prompt_tokens=100),
+             "model": "mistral-7b"}
+    try:
+        for r in (first, other):
+            await produce(stack, [r])
+            await results.until(lambda recs, r=r: r["request_id"] in results_by_id(recs), 60,
+                                f"{r['model']}'s result")
+    finally:
+        await results.stop()
+    done = results_by_id(results.records)
+    assert [done[r["request_id"]][0].status for r in (first, other)] == ["completed"] * 2
+
+    async def only_mistral_loaded():
+        [node] = [n for n in (await cluster(stack))["nodes"] if n["node_id"] == "node-small"]
+        return node["gpus"][0]["loaded_models"] == ["mistral-7b"]
+    await eventually(only_mistral_loaded, timeout_s=10, what="the 8B unloaded")
+
+
 async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) -> None:
     usage = await watch(stack, topics.USAGE.name)
     results = await watch(stack, topics.RESULTS.name)

@@ -37,6 +37,7 @@ from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
+    evictable_memory,
     fleet_gpu_mib,
     plan_cycle,
     snapshot,
@@ -54,12 +55,16 @@ TARGETS = {"interactive": 1000, "standard": 10_000, "batch": 60_000}
 
 
 def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int = 1,
-         active: tuple[str, ...] = ()) -> NodeState:
+         active: tuple[str, ...] = (), idle: tuple[str, ...] = ()) -> NodeState:
+    """H100s with `models` loaded on each, of which `idle` run nothing (single-GPU weights)."""
+    idle_mib = sum(CATALOG.get(m).weight_memory_mib for m in idle)
     return NodeState(node_id=node_id, seq=seq, started_at_ms=0, reported_at_ms=0,
                      active_placement_ids=active,
                      gpus=tuple(GpuState(index=i, uuid=f"{node_id}-{i}", gpu_type="H100-80GB",
                                          memory_total_mib=81559, memory_free_mib=f,
-                                         loaded_models=models) for i, f in enumerate(free)))
+                                         loaded_models=models, idle_models=idle,
+                                         kv_cache_free_mib=f + idle_mib)
+                                for i, f in enumerate(free)))
 
 
 def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
@@ -68,7 +73,8 @@ def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view))
+                      fleet=lambda: fleet_gpu_mib(view),
+                      evictable=lambda: evictable_memory(view))
 
 
 def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
@@ -85,6 +91,53 @@ def test_prefers_a_gpu_where_the_model_is_loaded() -> None:
     [placed] = plan(view, [req("r")]).placed
     assert placed.node_id == "b"
     assert placed.memory_mib_per_gpu == placed.kv_cache_mib  # no weights to load there
+
+
+EIGHT_B = CATALOG.get("llama-3.1-8b")
+SEVENTY_B = CATALOG.get("llama-3.1-70b")
+
+
+def test_work_that_fits_only_without_idle_models_is_placed_and_they_are_unloaded() -> None:
+    """An idle 8B on each GPU leaves 66 GB free, less than a 70B gang needs on each of two
+    H100s. Before, the 70B waited for memory no agent ever freed (idle models stay loaded),
+    and every lower class waited behind it; now it goes where the agent will unload them."""
+    view = ClusterView()
+    free = 81559 - EIGHT_B.weight_memory_mib
+    view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,),
+                               idle=(EIGHT_B.name,)), 0)
+    decisions = plan(view, [req("tp2", "interactive", model=SEVENTY_B.name, num_gpus=2),
+                            req("b", "batch", model=SMALL.name)])
+    [gang] = [p for p in decisions.placed if p.item.request.request_id == "tp2"]
+    assert gang.node_id == "a" and sorted(gang.gpu_indices) == [0, 1]
+    assert gang.memory_mib_per_gpu == gang.kv_cache_mib + SEVENTY_B.weight_memory_mib // 2
+    # the same GPUs while the 8B runs there: nothing to unload, so it waits
+    view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,), seq=2), 0)
+    assert [p.request.request_id for p in plan(view, [req("tp2", model=SEVENTY_B.name,
+                                                          num_gpus=2)]).waiting] == ["tp2"]
+
+
+def test_an_idle_model_stays_loaded_while_its_work_fits_without_unloading() -> None:
+    """Unloading is the last resort: work of an idle model goes where it is loaded, and work
+    that fits beside idle models does not unload them."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [60000], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)), 0)
+    decisions = plan(view, [req("8b", model=EIGHT_B.name), req("small", model=SMALL.name)])
+    assert {p.item.request.request_id: p.memory_mib_per_gpu - p.kv_cache_mib
+            for p in decisions.placed} == {"8b": 0, "small": SMALL.weight_memory_mib}
+
+
+def test_memory_a_sent_placement_relies_on_is_not_offered_twice() -> None:
+    view = ClusterView()
+    free = 81559 - EIGHT_B.weight_memory_mib
+    view.apply_node_state(node("a", [free], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)), 0)
+    assert evictable_memory(view) == {("a", 0): (EIGHT_B.weight_memory_mib,
+                                                 frozenset({EIGHT_B.name}))}
+    # sent, not yet reported: 70,000 MiB, 3,757 of them from unloading the 8B
+    view.reserve(Reservation("p1", "a", (0,), 70000, "some-model"))
+    assert evictable_memory(view)[("a", 0)][0] == 81559 - 70000
+    # a placement that uses the idle 8B keeps it loaded: nothing to unload there
+    view.reserve(Reservation("p2", "a", (0,), 100, EIGHT_B.name))
+    assert evictable_memory(view) == {}
 
 
 def test_reservations_count_until_the_agent_reports_the_placement() -> None:

@@ -4,7 +4,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,10 +172,35 @@ def fleet_gpu_mib(view: ClusterView) -> list[tuple[int, ...]]:
             if state.status != "stopped"]
 
 
+Evictable = Mapping[tuple[str, int], tuple[int, frozenset[str]]]
+"""(node id, GPU index) -> (MiB its agent would free by unloading idle models, those models)."""
+
+
+def evictable_memory(view: ClusterView) -> Evictable:
+    """What each GPU's agent could free by unloading the models nothing runs there (it does,
+    least recently used first, to admit work that needs the room). Counted net of the
+    reservations of placements sent but not yet reported, which may already rely on it; a
+    GPU where such a placement uses one of its idle models is left out (that model is busy)."""
+    out: dict[tuple[str, int], tuple[int, frozenset[str]]] = {}
+    for node_id, state in view.nodes.items():
+        reserved, loading = view.node_reservations(node_id)
+        for g in state.gpus:
+            idle = frozenset(g.idle_models)
+            if not idle or g.kv_cache_free_mib is None or idle & loading.get(g.index, set()):
+                continue
+            free = g.memory_free_mib - reserved.get(g.index, 0)
+            # the snapshot's free memory is max(0, free); after eviction it is free + idle
+            gain = free + (g.kv_cache_free_mib - g.memory_free_mib) - max(0, free)
+            if gain > 0:
+                out[(node_id, g.index)] = (gain, idle)
+    return out
+
+
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
                running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
+               evictable: Callable[[], Evictable] = dict,
                max_preemptions: int = 4) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
@@ -183,6 +208,11 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     only). Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
     (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
     with the reason.
+
+    Work that fits nowhere while idle models hold GPU memory is solved once more on the
+    state with that memory free (`evictable()`, `evictable_memory`, read only then): the
+    agent unloads them to admit it. Only then, so that work of a loaded model still goes
+    where it is loaded, and idle models stay for their next request until the room is needed.
 
     The solver places units online, in order, so the chunks go to it as one batch (one call
     per cycle: the call's fixed cost exceeds a few units' work). Only when a chunk before the
@@ -195,6 +225,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     preemptions: list[Preemption] = []
     state = snap.state
     items = [item for chunk in chunks for item in chunk.items]
+    blocked: list[int] = []  # units of the first chunk with work that waits, that fit nowhere
     if items:
         batch = _batch([i.request for i in items], catalog)
         shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
@@ -227,9 +258,25 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                                                                outcome.message)))
                 else:
                     waiting.append(item)
+                    blocked.append(u)
             if waiting and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
         state = result.state
+        room = _evicting(state, snap, evictable(), placed) if blocked else None
+        if room is not None:
+            units = np.array(blocked, np.int64)
+            evicting = solve(room, batch.take(units), policy, shapes=shapes)
+            for j, u in enumerate(blocked):
+                outcome = evicting.outcome(j)
+                if hasattr(outcome, "gpu_indices"):
+                    item = items[u]
+                    kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
+                    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
+                                        item.request.model)
+                    placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
+                                        kv + (0 if loaded else weight)))
+                    waiting.remove(item)
+            state = evicting.state
     if running and may_preempt:
         taken: set[str] = set()
         for item in waiting:
@@ -243,6 +290,29 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 preemptions.append(plan)
                 taken |= {v.placement_id for v in plan.victims}
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _evicting(state: ClusterState, snap: Snapshot, evictable: Evictable,
+              placed: list[Place]) -> ClusterState | None:
+    """`state` with the memory of idle models free and those models no longer loaded (a
+    unit of one of them is charged its weights again, against memory that holds them), or
+    None when no GPU has any. GPUs where this cycle placed work of one of their idle models
+    are left as they are."""
+    busy: dict[tuple[str, int], set[str]] = {}
+    for p in placed:
+        for g in p.gpu_indices:
+            busy.setdefault((p.node_id, g), set()).add(p.item.request.model)
+    room: ClusterState | None = None
+    for (node_id, index), (gain, idle) in evictable.items():
+        n = snap.node_index.get(node_id)
+        if n is None or idle & busy.get((node_id, index), set()):
+            continue
+        room = room if room is not None else state.copy()
+        row = int(state.node_gpu_start[n]) + index
+        room.gpu_mem_free_mib[row] += gain
+        codes = [state.model_names.index(m) for m in idle if m in state.model_names]
+        room.gpu_models[row, np.isin(room.gpu_models[row], codes)] = -1
+    return room
 
 
 def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
