@@ -66,8 +66,13 @@ def test_admission_loads_once_then_evicts_idle_models_when_memory_is_needed() ->
     assert isinstance(second, Admitted) and not second.needs_load
     # BIG does not fit next to SMALL while SMALL is in use...
     assert isinstance(node.admit(placement("p3", 0, 6000, BIG.name), BIG), Refused)
+    assert node.state("n", 2, 0, 5).gpus[0].idle_models is None
+    assert b"idle_models" not in node.state("n", 2, 0, 5).to_bytes()  # read one release back
     node.finish(placement("p1", 0, 100, SMALL.name))
     node.finish(placement("p2", 0, 100, SMALL.name))
+    [gpu] = node.state("n", 3, 0, 5).gpus  # the scheduler counts on the memory it holds
+    assert gpu.idle_models == (SMALL.name,)
+    assert gpu.kv_cache_free_mib - gpu.memory_free_mib == SMALL.weight_memory_mib
     # ...and does once SMALL is idle and can be evicted.
     third = node.admit(placement("p3", 0, 6000, BIG.name), BIG)
     assert isinstance(third, Admitted) and third.evicted == ((0, SMALL.name),)

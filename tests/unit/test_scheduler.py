@@ -62,7 +62,7 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
                      active_placement_ids=active,
                      gpus=tuple(GpuState(index=i, uuid=f"{node_id}-{i}", gpu_type="H100-80GB",
                                          memory_total_mib=81559, memory_free_mib=f,
-                                         loaded_models=models, idle_models=idle,
+                                         loaded_models=models, idle_models=idle or None,
                                          kv_cache_free_mib=f + idle_mib)
                                 for i, f in enumerate(free)))
 

@@ -141,10 +141,10 @@ class GpuState(BaseModel):
     kv_cache_free_mib: int | None = Field(
         default=None, description="Memory a new request of a loaded model can use for its KV "
         "cache: free memory plus the weights of idle (evictable) models.")
-    idle_models: tuple[str, ...] = Field(
-        default=(), description="Loaded models nothing runs now, least recently used first: "
-        "the agent unloads them to make room for other work (their weights are "
-        "kv_cache_free_mib less memory_free_mib).")
+    idle_models: tuple[str, ...] | None = Field(
+        default=None, description="Loaded models nothing runs now, least recently used "
+        "first: the agent unloads them to make room for other work (their weights are "
+        "kv_cache_free_mib less memory_free_mib). Unset when there are none.")
     utilization_pct: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None

@@ -142,7 +142,7 @@ class NodeModel:
                          running_requests=len(s.active), name=s.info.name,
                          mig_parent_uuid=s.info.mig_parent_uuid,
                          kv_cache_free_mib=s.kv_cache_free_mib(),
-                         idle_models=tuple(s.idle_models()),
+                         idle_models=tuple(s.idle_models()) or None,
                          utilization_pct=s.info.utilization_pct,
                          temperature_c=s.info.temperature_c, power_w=s.info.power_w,
                          ecc_uncorrected_errors=s.info.ecc_uncorrected_errors,

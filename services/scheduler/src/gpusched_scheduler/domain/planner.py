@@ -185,7 +185,7 @@ def evictable_memory(view: ClusterView) -> Evictable:
     for node_id, state in view.nodes.items():
         reserved, loading = view.node_reservations(node_id)
         for g in state.gpus:
-            idle = frozenset(g.idle_models)
+            idle = frozenset(g.idle_models or ())
             if not idle or g.kv_cache_free_mib is None or idle & loading.get(g.index, set()):
                 continue
             free = g.memory_free_mib - reserved.get(g.index, 0)
