@@ -26,6 +26,7 @@ from gpusched_scheduler.domain.solver import (
     get_policy,
     plan_preemption,
     solve,
+    unload_model,
 )
 
 NODE_CAPACITY = 10**12
@@ -308,10 +309,10 @@ def _evicting(state: ClusterState, snap: Snapshot, evictable: Evictable,
         if n is None or idle & busy.get((node_id, index), set()):
             continue
         room = room if room is not None else state.copy()
-        row = int(state.node_gpu_start[n]) + index
-        room.gpu_mem_free_mib[row] += gain
-        codes = [state.model_names.index(m) for m in idle if m in state.model_names]
-        room.gpu_models[row, np.isin(room.gpu_models[row], codes)] = -1
+        gpu = int(state.node_gpu_start[n]) + index
+        for model in idle:  # their weights are in `gain`, net of reservations
+            unload_model(room, gpu, model, 0, inplace=True)
+        room.gpu_mem_free_mib[gpu] += gain
     return room
 
 
