@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -268,6 +270,24 @@ async def test_without_redis_router_and_accounting_answer_503_with_the_reason(st
             assert r.status_code == 503 and "Redis is unavailable" in r.json()["detail"]
     finally:
         stack.processes.start_component("redis")
+    reply = await client(stack).completions.create(model=MODEL, prompt="back", max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+
+
+async def test_a_stalled_redis_gets_a_503_after_one_time_out_not_a_hang(stack) -> None:
+    """Redis paused (SIGSTOP: it keeps its socket but answers nothing, as when it swaps or
+    the network partitions): the router answers 503 once one command timed out (5 s).
+    Before, each command was tried six times, and the client waited 32 s for the 503."""
+    [redis] = [p for p in stack.processes.status() if p.name == "redis"]
+    os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        async with httpx.AsyncClient(timeout=12) as http:  # past it: the router hung
+            r = await http.post(f"{stack.router_url}/v1/completions",
+                                headers={"Authorization": "Bearer sk-acme-demo"},
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "Redis is unavailable" in r.json()["error"]["message"]
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
     reply = await client(stack).completions.create(model=MODEL, prompt="back", max_tokens=3)
     assert reply.usage.completion_tokens == 3
 

@@ -28,7 +28,8 @@ class RedisSettings(BaseSettings):
     url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL.")
     timeout_s: float = Field(
         default=5.0, gt=0, le=60, description="Longest wait for Redis to connect or answer "
-        "one command (then it is retried, then the caller fails with a clear error).")
+        "one command; then the caller fails with a clear error (a refused or dropped "
+        "connection is retried for about 3 s first).")
 
 
 class TelemetrySettings(BaseSettings):
