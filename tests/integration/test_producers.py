@@ -4,6 +4,7 @@ service publishes again without a restart, and no record is lost or written twic
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -38,15 +39,21 @@ async def test_the_broker_replaces_a_refused_producer_and_sends_the_record_once(
     topic = await _one_partition_topic(bootstrap)
     broker = make_broker(KafkaSettings(bootstrap=bootstrap), "test", None, None)
     await broker.start()
+    concurrent = [f"concurrent {i}".encode() for i in range(50)]
     try:
         await broker.publish(b"before", topic, partition=0)
         _lose_a_batch(broker._current_producer(), topic)
         await broker.publish(b"refused, then sent again", topic, partition=0)
+        _lose_a_batch(broker._current_producer(), topic)
+        # refused together, or meeting the old producer closed: each is sent once
+        await asyncio.gather(*(broker.publish(value, topic, partition=0)
+                               for value in concurrent))
         await broker.publish(b"after", topic, partition=0)
     finally:
         await broker.stop()
-    records = await read_topic(bootstrap, topic, lambda _k, _v: True)
-    assert [value for _, value in records] == [b"before", b"refused, then sent again", b"after"]
+    values = [value for _, value in await read_topic(bootstrap, topic, lambda _k, _v: True)]
+    assert values[:2] == [b"before", b"refused, then sent again"] and values[-1] == b"after"
+    assert sorted(values[2:-1]) == sorted(concurrent)
 
 
 async def test_the_decision_producer_is_replaced_and_its_refused_cycle_fails(stack) -> None:

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import OutOfOrderSequenceNumber
+from aiokafka.errors import OutOfOrderSequenceNumber, ProducerClosed
 from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
@@ -33,7 +33,9 @@ class Broker(KafkaBroker):
     in the numbers, and from then on Kafka refuses every record of that partition as out of
     order (aio-libs/aiokafka#1017): the service could not publish there until restarted.
     A refused record was not written, so `publish` starts a fresh producer (a new producer
-    id, numbering from zero), sends the record once more through it, and closes the old one."""
+    id, numbering from zero), sends the record once more through it, and closes the old one.
+    A concurrent publish that meets the old producer closed sends its record again too
+    (a closed producer takes nothing)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -45,6 +47,9 @@ class Broker(KafkaBroker):
             return await super().publish(*args, **kwargs)
         except OutOfOrderSequenceNumber:
             await self._renew_producer(used)
+        except ProducerClosed:
+            if used is None or self._current_producer() is used:
+                raise  # closed, not replaced: the service is stopping
         return await super().publish(*args, **kwargs)
 
     def _current_producer(self) -> AIOKafkaProducer | None:
@@ -64,17 +69,27 @@ class Broker(KafkaBroker):
             # the same options FastStream built the first producer with
             await wrapper.connect(AIOKafkaProducer(**self._connection_kwargs),
                                   wrapper.serializer, wrapper.codec)
-        await retire_producer(used)
+        retire_producer(used)
 
 
-async def retire_producer(producer: AIOKafkaProducer) -> None:
-    """Close a replaced producer, letting it first deliver what it holds for the partitions
-    Kafka still takes from it (at most RETIRE_TIMEOUT_S)."""
-    try:
-        async with asyncio.timeout(RETIRE_TIMEOUT_S):
-            await producer.stop()
-    except Exception:  # it was replaced because it failed: nothing more to do with it
-        log.warning("closing a replaced Kafka producer failed", exc_info=True)
+_retiring: set[asyncio.Task[None]] = set()
+"""Replaced producers being closed (a reference, so that the tasks run to their end)."""
+
+
+def retire_producer(producer: AIOKafkaProducer) -> None:
+    """Close a replaced producer in the background, letting it first deliver what it holds
+    for the partitions Kafka still takes from it (at most RETIRE_TIMEOUT_S); the publish
+    that replaced it does not wait for that."""
+    async def close() -> None:
+        try:
+            async with asyncio.timeout(RETIRE_TIMEOUT_S):
+                await producer.stop()
+        except Exception:  # it was replaced because it failed: nothing more to do with it
+            log.warning("closing a replaced Kafka producer failed", exc_info=True)
+
+    task = asyncio.create_task(close(), name="retire-kafka-producer")
+    _retiring.add(task)
+    task.add_done_callback(_retiring.discard)
 
 
 def make_broker(

@@ -104,5 +104,5 @@ class DecisionProducer:
                 fresh = AIOKafkaProducer(**self._options)
                 await fresh.start()
                 self._producer = fresh
-            await retire_producer(producer)
+            retire_producer(producer)
             raise
