@@ -16,7 +16,7 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gpusched_ops.cli import app, usage_table
+from gpusched_ops.cli import app, console, usage_table
 
 MODELS = Path(__file__).resolve().parents[2] / "config" / "models.yaml"
 
@@ -111,3 +111,19 @@ def test_usage_refused_by_accounting_prints_the_reason_and_exits_1(
 
     assert result.exit_code == 1, result.output
     assert printed in result.output
+
+
+def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = {"index": 0, "gpu_type": "L4-24GB", "memory_free_mib": 4774,
+           "memory_total_mib": 23034, "running_requests": 1,
+           "loaded_models": ["qwen2.5-1.5b", "llama-3.1-8b"], "idle_models": ["qwen2.5-1.5b"]}
+    cluster = {"nodes": [{"node_id": "n1", "status": "ready", "gpus": [gpu]}],
+               "pending": {}, "reservations": 0}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=cluster))
+    monkeypatch.setattr(console, "width", 160)  # one line per GPU
+
+    result = CliRunner().invoke(app, ["nodes"])
+
+    assert result.exit_code == 0, result.output
+    assert "qwen2.5-1.5b (idle)" in result.output and "llama-3.1-8b (idle)" not in result.output

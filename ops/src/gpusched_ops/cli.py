@@ -100,7 +100,8 @@ def status(run_dir: RunDir = DEFAULT_RUN_DIR, as_json: JsonOut = False) -> None:
 def nodes(as_json: JsonOut = False,
           scheduler_url: str = typer.Option(urls()["scheduler"], envvar="GPUSCHED_SCHEDULER_URL"),
           ) -> None:
-    """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models."""
+    """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models (idle: none
+    of its work runs there; unloaded when another model needs the room)."""
     try:
         data = httpx.get(f"{scheduler_url}/v1/cluster", timeout=5).json()
     except httpx.HTTPError as exc:
@@ -113,7 +114,9 @@ def nodes(as_json: JsonOut = False,
         for gpu in node["gpus"]:
             table.add_row(node["node_id"], node["status"], str(gpu["index"]), gpu["gpu_type"],
                           f"{gpu['memory_free_mib']} / {gpu['memory_total_mib']}",
-                          str(gpu["running_requests"]), ", ".join(gpu["loaded_models"]))
+                          str(gpu["running_requests"]), ", ".join(
+                              f"{m} (idle)" if m in (gpu.get("idle_models") or ()) else m
+                              for m in gpu["loaded_models"]))
     console.print(table)
     console.print(f"pending: {data['pending']}, reservations: {data['reservations']}")
 
