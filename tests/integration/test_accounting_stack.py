@@ -327,6 +327,10 @@ async def test_a_tenant_reads_only_its_own_usage(stack) -> None:
     ({"group_by": "tenant"}, 422, "'model', 'node', 'gpu_type' or 'priority_class'"),
     ({"start": "1764500000"}, 400, "looks like epoch seconds; send epoch milliseconds"),
     ({"start": "\u00b2"}, 400, "ISO 8601"),  # a digit to str.isdigit, not to int()
+    # a misspelt tenant is not read as one that used nothing
+    ({"tenant": "acmee"}, 404, "no tenant 'acmee': it is not configured and has no usage"),
+    # expired, not empty: no window of zeros for usage that is no longer kept
+    ({"end": "1"}, 400, "days and this window ends (1) before that"),
 ])
 async def test_a_bad_usage_query_gets_4xx_with_the_reason(stack, params, status, reason) -> None:
     async with httpx.AsyncClient(base_url=stack.accounting_url) as http:

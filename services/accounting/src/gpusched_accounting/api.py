@@ -117,11 +117,18 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
             raise HTTPException(401, "unknown API key")
         return tenant.name
 
-    def readable(who: str | None, tenant: str | None) -> str | None:
-        """The tenant to read (None: all, admin only); 403 for another tenant's data."""
+    async def readable(who: str | None, tenant: str | None) -> str | None:
+        """The tenant to read (None: all, admin only); 403 for another tenant's data; 404 for
+        a tenant neither configured nor ever billed (a misspelt name would read as zeros)."""
         if who is not None and tenant not in (None, who):
             raise HTTPException(403, f"this API key belongs to tenant '{who}' and cannot read "
                                 f"'{tenant}'; use that tenant's key or an admin key")
+        if who is None and tenant is not None and tenants.get(tenant) is None:
+            billed = await store.tenants()
+            if tenant not in billed:
+                known = sorted({t.name for t in tenants.tenants} | set(billed))
+                raise HTTPException(404, f"no tenant '{tenant}': it is not configured and "
+                                    f"has no usage; tenants: {', '.join(known)}")
         return tenant or who
 
     def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
@@ -130,7 +137,11 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
         if start_ms >= end_ms:
             raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms})")
-        start_ms = max(start_ms, now - store.retention.day_s * 1000)  # nothing older is kept
+        oldest_ms = now - store.retention.day_s * 1000  # nothing older is kept
+        if end_ms <= oldest_ms:  # it would read as zeros, as if nothing had been used
+            raise HTTPException(400, f"usage is kept for {store.retention.day_s // 86400} "
+                                f"days and this window ends ({end_ms}) before that")
+        start_ms = max(start_ms, oldest_ms)
         return start_ms, end_ms, finest_kept(start_ms, now, store.retention.as_dict())
 
     Start = Query(default=None, description="Window start: epoch ms or ISO 8601; default "
@@ -149,7 +160,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
     ) -> UsageReport:
         """Token, request, GPU-second and cost totals of tenants over a window."""
         who = caller(authorization)
-        wanted = readable(who, tenant)
+        wanted = await readable(who, tenant)
         start_ms, end_ms, finest = window(start, end)
         plan = cover(start_ms, end_ms, finest)
         names = [wanted] if wanted else await store.tenants()
@@ -217,7 +228,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         """One CSV row per bucket, tenant and field (the total and every model, node, GPU type
         and priority class), in bucket order."""
         who = caller(authorization)
-        wanted = readable(who, tenant)
+        wanted = await readable(who, tenant)
         start_ms, end_ms, _ = window(start, end)
         # rows start where buckets of this granularity are still kept (each row names its
         # bucket); a window wholly older than that would only ever be empty
