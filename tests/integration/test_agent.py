@@ -1,7 +1,7 @@
 """The GPU agent against the real Kafka and Redis: duplicate and stale placements, commands
 sent from a new node's first report on (none skipped, across a restart too), work a
 killed agent left ended by its next run (and final records it had filed published), a
-placement the scheduler fenced, a client
+placement the scheduler fenced, an unreadable control record (one dead letter), a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
 and SIGTERM drain with work in flight."""
 
@@ -108,6 +108,26 @@ async def test_duplicate_placement_runs_once_and_a_stale_one_is_rejected(stack) 
     async with httpx.AsyncClient() as http:
         metrics = (await http.get(f"http://127.0.0.1:{FIRST_AGENT_PORT}/metrics")).text
     assert 'gpusched_agent_commands_total{command="placement",outcome="stale"}' in metrics
+
+
+async def test_an_unreadable_control_record_is_dead_lettered_once_not_once_per_agent(
+        stack) -> None:
+    """Every agent reads every control record; one of them reports one it cannot read."""
+    marker = f"not-a-cancel-{uuid.uuid4().hex[:8]}"
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topics.CONTROL.name, json.dumps(
+            {"type": "cancel", "reason": marker}).encode(), key=marker.encode())
+    finally:
+        await producer.stop()
+    await asyncio.sleep(2.0)  # every agent (two here) has read it by now
+    letters = await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
+                               lambda k, v: marker.encode() in v)
+    assert len(letters) == 1, letters
+    dead = DEAD_LETTER.validate_json(letters[0][1])
+    assert dead.source_topic == topics.CONTROL.name and dead.service == "gpu-agent"
+    assert "not a cancel" in dead.reason and "request_id" in dead.reason
 
 
 async def usage_totals(stack, tenant: str) -> dict:

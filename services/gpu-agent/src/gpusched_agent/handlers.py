@@ -62,10 +62,18 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
                                    for p in range(topics.CONTROL.partitions)],
                        group_id=None, auto_offset_reset="latest")
     async def on_control(msg: KafkaMessage) -> None:
+        record = msg.raw_message
         try:
-            cancel = CANCEL.validate_json(msg.raw_message.value)
-        except ValidationError:
-            return  # control records of other kinds are not the agent's
+            cancel = CANCEL.validate_json(record.value or b"")
+        except ValidationError as exc:
+            commands.labels("unknown", "invalid").inc()
+            # every agent reads it: the first to claim it dead-letters it, once
+            if await runtime.first_to_report(f"{record.topic}:{record.partition}:"
+                                             f"{record.offset}"):
+                log.error("invalid control record at %s:%s dead-lettered: %s",
+                          record.partition, record.offset, exc)
+                await reject(record, f"not a cancel: {exc}")
+            return
         outcome = runtime.cancel(cancel)
         commands.labels("cancel", type(outcome).__name__.lower()).inc()
 

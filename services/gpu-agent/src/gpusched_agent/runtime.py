@@ -207,6 +207,11 @@ class AgentRuntime:
         run.task = asyncio.create_task(self._run(run), name=cmd.placement_id)
         return Started(cmd.placement_id)
 
+    async def first_to_report(self, record_ref: str) -> bool:
+        """Whether this agent, of all that read `record_ref` (a control record none can
+        read), is the one to dead-letter it."""
+        return await self._ledger.first_to_report(record_ref, self.node_id)
+
     def cancel(self, cancel: Cancel) -> Outcome:
         """Stop the request if it runs here (usage so far is billed; it ends 'cancelled');
         remembered for a while in case its placement arrives later."""

@@ -36,6 +36,10 @@ return 0
 """Claim and file in one step. The second branch answers a retried call (the client retries
 on a lost connection) whose first attempt was applied: still this run's own claim."""
 
+REPORT_CLAIM_KEY = "gpusched:agent:report:{}"
+"""Which agent dead-letters a record that every agent reads and none can (SET NX, first wins),
+so that it is reported once, not once per node."""
+
 
 class PlacementLedger(Protocol):
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
@@ -63,6 +67,10 @@ class PlacementLedger(Protocol):
 
     async def alive(self, node_id: str) -> None:
         """Say the node's agent is alive, for NODE_ALIVE_TTL_S."""
+
+    async def first_to_report(self, record_ref: str, node_id: str) -> bool:
+        """True for the first agent to ask about `record_ref` (a record every agent reads):
+        that one reports it, the others do not."""
 
 
 class RedisLedger:
@@ -101,6 +109,12 @@ class RedisLedger:
     async def alive(self, node_id: str) -> None:
         await self._redis.set(NODE_ALIVE_KEY.format(node_id), b"1", ex=NODE_ALIVE_TTL_S)
 
+    async def first_to_report(self, record_ref: str, node_id: str) -> bool:
+        key = REPORT_CLAIM_KEY.format(record_ref)
+        # a retried SET whose first try was applied still finds this node's own claim
+        return bool(await self._redis.set(key, node_id, nx=True, ex=CLAIM_TTL_S)) or \
+            await self._redis.get(key) == node_id.encode()
+
 
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
@@ -110,6 +124,7 @@ class MemoryLedger:
         self.retried: set[str] = set()
         """Placements the scheduler has retried elsewhere (no longer running for it)."""
         self.alive_nodes: set[str] = set()
+        self.reporters: dict[str, str] = {}
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
                     ) -> bool:
@@ -137,6 +152,9 @@ class MemoryLedger:
 
     async def alive(self, node_id: str) -> None:
         self.alive_nodes.add(node_id)
+
+    async def first_to_report(self, record_ref: str, node_id: str) -> bool:
+        return self.reporters.setdefault(record_ref, node_id) == node_id
 
 
 def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:
