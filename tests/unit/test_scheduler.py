@@ -37,7 +37,6 @@ from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
-    evictable_memory,
     fleet_gpu_mib,
     plan_cycle,
     snapshot,
@@ -73,8 +72,7 @@ def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view),
-                      evictable=lambda: evictable_memory(view))
+                      fleet=lambda: fleet_gpu_mib(view))
 
 
 def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
@@ -127,17 +125,22 @@ def test_an_idle_model_stays_loaded_while_its_work_fits_without_unloading() -> N
 
 
 def test_memory_a_sent_placement_relies_on_is_not_offered_twice() -> None:
-    view = ClusterView()
+    view, cache = ClusterView(), NodeSpecCache()
     free = 81559 - EIGHT_B.weight_memory_mib
     view.apply_node_state(node("a", [free], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)), 0)
-    assert evictable_memory(view) == {("a", 0): (EIGHT_B.weight_memory_mib,
-                                                 frozenset({EIGHT_B.name}))}
+
+    def evictable() -> dict:
+        cached = snapshot(view, {"a"}, cache).evictable
+        assert cached == snapshot(view, {"a"}).evictable
+        return cached
+
+    assert evictable() == {"a": ((0, EIGHT_B.weight_memory_mib, frozenset({EIGHT_B.name})),)}
     # sent, not yet reported: 70,000 MiB, 3,757 of them from unloading the 8B
     view.reserve(Reservation("p1", "a", (0,), 70000, "some-model"))
-    assert evictable_memory(view)[("a", 0)][0] == 81559 - 70000
+    assert evictable()["a"][0][1] == 81559 - 70000
     # a placement that uses the idle 8B keeps it loaded: nothing to unload there
     view.reserve(Reservation("p2", "a", (0,), 100, EIGHT_B.name))
-    assert evictable_memory(view) == {}
+    assert evictable() == {}
 
 
 def test_reservations_count_until_the_agent_reports_the_placement() -> None:

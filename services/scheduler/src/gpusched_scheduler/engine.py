@@ -45,7 +45,6 @@ from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     estimate_gpu_s,
-    evictable_memory,
     fleet_gpu_mib,
     plan_cycle,
     request_tokens,
@@ -424,8 +423,7 @@ class SchedulingEngine:
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy, self.running.values(),
-            now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view),
-            evictable=lambda: evictable_memory(self.view))
+            now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = []

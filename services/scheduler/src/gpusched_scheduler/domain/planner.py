@@ -4,7 +4,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,21 +51,29 @@ def estimate_gpu_s(request: InferenceRequest, model: ModelSpec) -> float:
     return request.max_tokens * model.parameters_b * 1e-3 / 8 * request.num_gpus
 
 
+Evictable = tuple[tuple[int, int, frozenset[str]], ...]
+"""A node's GPUs with idle models: (GPU index, MiB its agent would free by unloading them,
+those models)."""
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """The schedulable fleet as solver arrays, with the mapping back to node ids."""
+    """The schedulable fleet as solver arrays, with the mapping back to node ids, and what
+    unloading idle models would free on each node that has any (`evictable`)."""
 
     state: ClusterState
     node_index: dict[str, int]
+    evictable: dict[str, Evictable]
 
 
 class NodeSpecCache:
-    """The last snapshot and each node's spec with the view's version of that node it was
-    built from. Between two cycles most nodes keep their GPUs and reservations: their specs
-    are reused, and only the GPUs whose spec changed are rewritten in the solver arrays."""
+    """The last snapshot and each node's spec (and idle memory) with the view's version of
+    that node it was built from. Between two cycles most nodes keep their GPUs and
+    reservations: their specs are reused, and only the GPUs whose spec changed are rewritten
+    in the solver arrays."""
 
     def __init__(self) -> None:
-        self.specs: dict[str, tuple[int, NodeSpec]] = {}
+        self.specs: dict[str, tuple[int, NodeSpec, Evictable]] = {}
         self.last: Snapshot | None = None
 
 
@@ -77,22 +85,25 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     spec, and the last snapshot's arrays are copied with only the changed GPUs rewritten."""
     nodes = view.nodes
     specs: list[NodeSpec] = []
-    kept: dict[str, tuple[int, NodeSpec]] = {}
+    kept: dict[str, tuple[int, NodeSpec, Evictable]] = {}
+    evictable: dict[str, Evictable] = {}
     # node index -> (its new spec, the spec the last snapshot was built from)
     changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
         version = view.version.get(node_id, 0)
         hit = cache.specs.get(node_id) if cache is not None else None
         if hit is not None and hit[0] == version:
-            spec = hit[1]
+            _, spec, idle = hit
         else:
-            spec = _node_spec(view, node_id)
+            spec, idle = _node_spec(view, node_id)
             changed[len(specs)] = (spec, hit[1] if hit is not None else None)
-        kept[node_id] = (version, spec)
+        kept[node_id] = (version, spec, idle)
         specs.append(spec)
+        if idle:
+            evictable[node_id] = idle
     node_index = {s.node_id: i for i, s in enumerate(specs)}
     if cache is None:
-        return Snapshot(ClusterState.from_nodes(specs), node_index)
+        return Snapshot(ClusterState.from_nodes(specs), node_index, evictable)
     cache.specs = kept
     last = cache.last
     cluster = None
@@ -100,19 +111,36 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
         gpus = _changed_gpus(last.state, changed)
         if gpus is not None:
             cluster = last.state.with_gpus(gpus) if gpus else last.state
-    cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index)
+    cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index, evictable)
     return cache.last
 
 
-def _node_spec(view: ClusterView, node_id: str) -> NodeSpec:
+def _node_spec(view: ClusterView, node_id: str) -> tuple[NodeSpec, Evictable]:
+    """The node's solver spec (free memory net of reservations the agent has not reported;
+    models those placements load count as loaded), and what unloading its idle models would
+    free per GPU, net of the same reservations (they may rely on it). A GPU where such a
+    placement uses one of its idle models has none (that model is busy)."""
     reserved, loading = view.node_reservations(node_id)
-    gpus = tuple(
+    gpus = sorted(view.nodes[node_id].gpus, key=lambda g: g.index)
+    spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, tuple(
         GpuSpec(g.gpu_type, 1000 - min(999, g.running_requests),
                 max(0, g.memory_free_mib - reserved.get(g.index, 0)), g.memory_total_mib,
                 g.healthy, g.loaded_models if g.index not in loading
                 else tuple(set(g.loaded_models) | loading[g.index]))
-        for g in sorted(view.nodes[node_id].gpus, key=lambda g: g.index))
-    return NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, gpus)
+        for g in gpus))
+    idle: list[tuple[int, int, frozenset[str]]] = []
+    for g in gpus:
+        if not g.idle_models or g.kv_cache_free_mib is None:
+            continue
+        models = frozenset(g.idle_models)
+        if models & loading.get(g.index, set()):
+            continue
+        free = g.memory_free_mib - reserved.get(g.index, 0)
+        # the spec's free memory is max(0, free); with the idle models unloaded, free + theirs
+        gain = free + (g.kv_cache_free_mib - g.memory_free_mib) - max(0, free)
+        if gain > 0:
+            idle.append((g.index, gain, models))
+    return spec, tuple(idle)
 
 
 def _changed_gpus(state: ClusterState, changed: dict[int, tuple[NodeSpec, NodeSpec | None]]
@@ -173,35 +201,10 @@ def fleet_gpu_mib(view: ClusterView) -> list[tuple[int, ...]]:
             if state.status != "stopped"]
 
 
-Evictable = Mapping[tuple[str, int], tuple[int, frozenset[str]]]
-"""(node id, GPU index) -> (MiB its agent would free by unloading idle models, those models)."""
-
-
-def evictable_memory(view: ClusterView) -> Evictable:
-    """What each GPU's agent could free by unloading the models nothing runs there (it does,
-    least recently used first, to admit work that needs the room). Counted net of the
-    reservations of placements sent but not yet reported, which may already rely on it; a
-    GPU where such a placement uses one of its idle models is left out (that model is busy)."""
-    out: dict[tuple[str, int], tuple[int, frozenset[str]]] = {}
-    for node_id, state in view.nodes.items():
-        reserved, loading = view.node_reservations(node_id)
-        for g in state.gpus:
-            idle = frozenset(g.idle_models or ())
-            if not idle or g.kv_cache_free_mib is None or idle & loading.get(g.index, set()):
-                continue
-            free = g.memory_free_mib - reserved.get(g.index, 0)
-            # the snapshot's free memory is max(0, free); after eviction it is free + idle
-            gain = free + (g.kv_cache_free_mib - g.memory_free_mib) - max(0, free)
-            if gain > 0:
-                out[(node_id, g.index)] = (gain, idle)
-    return out
-
-
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
                running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
-               evictable: Callable[[], Evictable] = dict,
                max_preemptions: int = 4) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
@@ -211,9 +214,9 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     with the reason.
 
     Work that fits nowhere while idle models hold GPU memory is solved once more on the
-    state with that memory free (`evictable()`, `evictable_memory`, read only then): the
-    agent unloads them to admit it. Only then, so that work of a loaded model still goes
-    where it is loaded, and idle models stay for their next request until the room is needed.
+    state with that memory free (`Snapshot.evictable`): the agent unloads them to admit it.
+    Only then, so that work of a loaded model still goes where it is loaded, and idle models
+    stay for their next request until the room is needed.
 
     The solver places units online, in order, so the chunks go to it as one batch (one call
     per cycle: the call's fixed cost exceeds a few units' work). Only when a chunk before the
@@ -263,7 +266,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             if waiting and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
         state = result.state
-        room = _evicting(state, snap, evictable(), placed) if blocked else None
+        room = _evicting(state, snap, placed) if blocked and snap.evictable else None
         if room is not None:
             units = np.array(blocked, np.int64)
             evicting = solve(room, batch.take(units), policy, shapes=shapes)
@@ -293,8 +296,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     return CycleDecisions(placed, rejected, waiting, preemptions)
 
 
-def _evicting(state: ClusterState, snap: Snapshot, evictable: Evictable,
-              placed: list[Place]) -> ClusterState | None:
+def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place]
+              ) -> ClusterState | None:
     """`state` with the memory of idle models free and those models no longer loaded (a
     unit of one of them is charged its weights again, against memory that holds them), or
     None when no GPU has any. GPUs where this cycle placed work of one of their idle models
@@ -304,15 +307,15 @@ def _evicting(state: ClusterState, snap: Snapshot, evictable: Evictable,
         for g in p.gpu_indices:
             busy.setdefault((p.node_id, g), set()).add(p.item.request.model)
     room: ClusterState | None = None
-    for (node_id, index), (gain, idle) in evictable.items():
-        n = snap.node_index.get(node_id)
-        if n is None or idle & busy.get((node_id, index), set()):
-            continue
-        room = room if room is not None else state.copy()
-        gpu = int(state.node_gpu_start[n]) + index
-        for model in idle:  # their weights are in `gain`, net of reservations
-            unload_model(room, gpu, model, 0, inplace=True)
-        room.gpu_mem_free_mib[gpu] += gain
+    for node_id, gpus in snap.evictable.items():
+        start = int(state.node_gpu_start[snap.node_index[node_id]])
+        for index, gain, idle in gpus:
+            if idle & busy.get((node_id, index), set()):
+                continue
+            room = room if room is not None else state.copy()
+            for model in idle:  # their weights are in `gain`, net of reservations
+                unload_model(room, start + index, model, 0, inplace=True)
+            room.gpu_mem_free_mib[start + index] += gain
     return room
 
 
