@@ -223,3 +223,23 @@ async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> 
     payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
     assert [p["usage"] for p in payloads[:-1]] == [None, None]
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("chunks", [
+    ((0, " The"), (2, " sat")),  # chunk 1 (" cat") lost in a Kafka outage
+    ((0, " The"),),              # the last chunks lost: the result comes next
+])
+async def test_a_stream_missing_a_chunk_still_gives_the_whole_text_once(chunks) -> None:
+    """Chunks go to Kafka without waiting for its answer; one that Kafka dropped left a hole
+    in the streamed text (before: " The sat"). The rest now comes from the result's text."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for seq, text in chunks:
+        queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=text, token_count=1))
+    queue.put_nowait(_result("completed", "length").model_copy(update={"text": " The cat sat"}))
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    choices = [json.loads(e.decode().removeprefix("data: "))["choices"][0]
+               for e in events[:-1]]
+    assert "".join(c["text"] for c in choices) == " The cat sat"
+    assert [c["finish_reason"] for c in choices][-1] == "length"

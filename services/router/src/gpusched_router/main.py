@@ -373,6 +373,8 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
             yield await queue.get()
 
     next_seq = 0
+    streamed: list[str] = []
+    gap = False  # a chunk never came: the rest is streamed from the result's text
     try:
         if chat:
             yield event("", None, opening=True)
@@ -386,14 +388,23 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                                          "void: send the request again").body())
                     break  # not ended: abandoned() cancels the new attempt
                 if isinstance(ev, TokenChunk):
+                    # Chunks are sent without waiting for Kafka's answer (the request's end
+                    # is not): one Kafka dropped in an outage leaves a hole in the sequence.
+                    gap = gap or ev.seq > next_seq
                     next_seq = ev.seq + 1
-                    yield event(ev.text, None)
+                    if not gap:
+                        streamed.append(ev.text)
+                        yield event(ev.text, None)
                     continue
                 ended = True  # the terminal event
                 err = _error_of(ev)
                 if err is not None:
                     yield _data(err.body())
                     break
+                sent = "".join(streamed)
+                if isinstance(ev, RequestResult) and len(ev.text) > len(sent) \
+                        and ev.text.startswith(sent):
+                    yield event(ev.text[len(sent):], None)  # what lost chunks held
                 yield event(None if chat else "", ev.finish_reason)
                 if parsed.include_usage:
                     yield _data({**base, "object": obj, "choices": [], "usage": _usage(ev)})
