@@ -366,6 +366,9 @@ async def test_work_running_through_a_kafka_outage_runs_once(stack, outage_s: in
             "/v1/completions", headers=headers,
             json={"model": "llama-3.1-8b", "prompt": f"outage-{uuid.uuid4().hex}",
                   "max_tokens": 4000})) for _ in range(3)]
+        # streamed: chunks Kafka drops in the outage come from the result's text instead
+        streamed = asyncio.create_task(client(stack).completions.create(
+            model="llama-3.1-8b", prompt="outage, streamed", max_tokens=4000, stream=True))
         await asyncio.sleep(1.0)  # placed and running (about 5 s of work)
         stack.processes.stop_component("kafka")
         try:
@@ -373,6 +376,8 @@ async def test_work_running_through_a_kafka_outage_runs_once(stack, outage_s: in
         finally:
             stack.processes.start_component("kafka")
         replies = await asyncio.gather(*calls)
+        text = "".join([c.choices[0].text async for c in await streamed if c.choices])
+        assert len(text.split()) == 4000
         after = await http.post("/v1/completions", headers=headers,
                                 json={"model": MODEL, "prompt": "after", "max_tokens": 3})
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3

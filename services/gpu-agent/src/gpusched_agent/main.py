@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +32,7 @@ from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
 
+log = logging.getLogger(__name__)
 SERVICE = "gpu-agent"
 
 
@@ -79,6 +82,15 @@ def make_executor(settings: AgentSettings) -> Executor:
     return SimulatedExecutor(settings.time_scale, settings.seed)
 
 
+def _unconfirmed_sent(message: Message, key: str, sent: asyncio.Future) -> None:
+    """A record published without waiting (a token chunk) that Kafka did not take: a
+    warning, where asyncio would log its never-retrieved exception as an error. The router
+    streams what it held from the request's result."""
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("%s for %s dropped by Kafka (%r); the router streams its text from the "
+                    "result", type(message).__name__, key, sent.exception())
+
+
 def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
     inventory, read_inventory = discover_inventory(settings)
     executor = make_executor(settings)
@@ -88,8 +100,11 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     redis = make_redis(settings.redis)
 
     async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
-        await broker.publish(message.to_bytes(), topic, key=key.encode(),
-                             headers={"content-type": "application/json"}, no_confirm=not wait)
+        sent = await broker.publish(message.to_bytes(), topic, key=key.encode(),
+                                    headers={"content-type": "application/json"},
+                                    no_confirm=not wait)
+        if not wait:  # nobody awaits Kafka's answer: say here if it dropped the record
+            sent.add_done_callback(functools.partial(_unconfirmed_sent, message, key))
 
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
