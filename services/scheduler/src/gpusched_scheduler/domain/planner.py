@@ -19,6 +19,7 @@ from gpusched_scheduler.domain.solver import (
     ClusterState,
     GpuSpec,
     NodeSpec,
+    Placed,
     Reason,
     RunningWork,
     ShapeDistribution,
@@ -246,13 +247,10 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             for u in range(end - len(chunk.items), end):
                 item = items[u]
                 outcome = result.outcome(u)
-                kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
                 if hasattr(outcome, "gpu_indices"):
-                    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
-                                        item.request.model)
-                    placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
-                                        kv + (0 if loaded else weight)))
+                    placed.append(_place(snap, batch, u, item, outcome))
                     continue
+                kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
                 size = (kv + weight, item.request.num_gpus)
                 if size not in never_fits:
                     known = fleet() if known is None else known
@@ -273,13 +271,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             for j, u in enumerate(blocked):
                 outcome = evicting.outcome(j)
                 if hasattr(outcome, "gpu_indices"):
-                    item = items[u]
-                    kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
-                    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
-                                        item.request.model)
-                    placed.append(Place(item, outcome.node_id, outcome.gpu_indices, kv,
-                                        kv + (0 if loaded else weight)))
-                    waiting.remove(item)
+                    placed.append(_place(snap, batch, u, items[u], outcome))
+                    waiting.remove(items[u])
             state = evicting.state
     if running and may_preempt:
         taken: set[str] = set()
@@ -294,6 +287,13 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 preemptions.append(plan)
                 taken |= {v.placement_id for v in plan.victims}
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Placed) -> Place:
+    """Unit `u` placed: it reserves its KV cache, and its weights where they are not loaded."""
+    kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
+    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices, item.request.model)
+    return Place(item, outcome.node_id, outcome.gpu_indices, kv, kv + (0 if loaded else weight))
 
 
 def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place]
