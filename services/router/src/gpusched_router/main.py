@@ -401,9 +401,8 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                 if err is not None:
                     yield _data(err.body())
                     break
-                sent = "".join(streamed)
-                if isinstance(ev, RequestResult) and len(ev.text) > len(sent) \
-                        and ev.text.startswith(sent):
+                sent = "".join(streamed)  # ev is a completed RequestResult from here
+                if len(ev.text) > len(sent) and ev.text.startswith(sent):
                     yield event(ev.text[len(sent):], None)  # what lost chunks held
                 yield event(None if chat else "", ev.finish_reason)
                 if parsed.include_usage:

@@ -68,6 +68,9 @@ MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 SAVE_RETRY_S = 0.5
 """Pause between tries to save a cycle's placements while Redis is away."""
+ALIVE_READ_INTERVAL_MS = 1000
+"""How often Redis is asked whether silent nodes are alive: as often as agents say so, not
+every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,8 @@ class SchedulingEngine:
         (their work is never retried: it has finished)."""
         self._silent_alive: set[str] = set()
         """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
+        self._alive_read_ms = -ALIVE_READ_INTERVAL_MS
+        """When Redis was last asked whether silent nodes are alive."""
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
@@ -643,6 +648,9 @@ class SchedulingEngine:
         if lost and self._store is not None:
             # Silent on Kafka is not dead: an agent alive in Redis keeps its work (Kafka is
             # away, or its reports do not reach this instance), so nothing runs twice.
+            if now_ms - self._alive_read_ms < ALIVE_READ_INTERVAL_MS:
+                return  # judged at the next read, not once per cycle
+            self._alive_read_ms = now_ms
             try:
                 alive = await self._store.alive(lost)
             except Exception:
