@@ -444,3 +444,36 @@ async def test_stop_in_the_same_tick_as_the_placement_still_ends_it_cleanly(stop
     else:
         [result] = sink.of(RequestResult)
         assert result.status == "cancelled"
+
+
+async def test_dropped_chunks_warn_once_per_request_and_are_all_counted(caplog) -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    from gpusched_agent.main import DroppedRecords
+
+    registry = CollectorRegistry()
+    dropped = DroppedRecords(Counter("dropped_total", "d", ["message"], registry=registry),
+                             remember=2)
+    loop = asyncio.get_running_loop()
+
+    def answer(exc: Exception | None) -> asyncio.Future:
+        sent = loop.create_future()
+        if exc is None:
+            sent.set_result(None)
+        else:
+            sent.set_exception(exc)
+        return sent
+
+    def chunk(rid: str, seq: int) -> TokenChunk:
+        return TokenChunk(request_id=rid, seq=seq, text="x", token_count=1)
+
+    with caplog.at_level("WARNING", logger="gpusched_agent.main"):
+        for seq in range(5):
+            dropped(chunk("a", seq), "a", answer(TimeoutError("no leader")))
+        dropped(chunk("a", 5), "a", answer(None))  # taken: neither counted nor logged
+        for rid in ("b", "c", "a"):  # "a" was forgotten when "c" came: warned again
+            dropped(chunk(rid, 0), rid, answer(TimeoutError("no leader")))
+    warned = [r.getMessage() for r in caplog.records]
+    assert [w.split()[2] for w in warned] == ["a", "b", "c", "a"]
+    assert "TokenChunk for a dropped by Kafka" in warned[0] and "no leader" in warned[0]
+    assert registry.get_sample_value("dropped_total", {"message": "TokenChunk"}) == 8

@@ -82,13 +82,29 @@ def make_executor(settings: AgentSettings) -> Executor:
     return SimulatedExecutor(settings.time_scale, settings.seed)
 
 
-def _unconfirmed_sent(message: Message, key: str, sent: asyncio.Future) -> None:
-    """A record published without waiting (a token chunk) that Kafka did not take: a
-    warning, where asyncio would log its never-retrieved exception as an error. The router
-    streams what it held from the request's result."""
-    if not sent.cancelled() and sent.exception() is not None:
+class DroppedRecords:
+    """Records published without waiting (token chunks) that Kafka did not take. The first
+    of a request is a warning naming it (asyncio would log each as a never-retrieved error);
+    every one counts in `gpusched_agent_records_dropped_total`. The router streams what a
+    request's chunks missed from its result."""
+
+    def __init__(self, dropped: Counter, remember: int = 1024) -> None:
+        self._dropped = dropped
+        self._warned: dict[str, None] = {}  # keys warned about, oldest first
+        self._remember = remember
+
+    def __call__(self, message: Message, key: str, sent: asyncio.Future) -> None:
+        if sent.cancelled() or sent.exception() is None:
+            return
+        self._dropped.labels(type(message).__name__).inc()
+        if key in self._warned:
+            return
+        if len(self._warned) >= self._remember:
+            del self._warned[next(iter(self._warned))]
+        self._warned[key] = None
         log.warning("%s for %s dropped by Kafka (%r); the router streams its text from the "
-                    "result", type(message).__name__, key, sent.exception())
+                    "result. Later drops for %s are counted, not logged", type(message).__name__,
+                    key, sent.exception(), key)
 
 
 def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -98,13 +114,16 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = make_redis(settings.redis)
+    dropped = DroppedRecords(Counter(
+        "gpusched_agent_records_dropped_total", "Records published without waiting (token "
+        "chunks) that Kafka did not take, by message type.", ["message"], registry=registry))
 
     async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
         sent = await broker.publish(message.to_bytes(), topic, key=key.encode(),
                                     headers={"content-type": "application/json"},
                                     no_confirm=not wait)
         if not wait:  # nobody awaits Kafka's answer: say here if it dropped the record
-            sent.add_done_callback(functools.partial(_unconfirmed_sent, message, key))
+            sent.add_done_callback(functools.partial(dropped, message, key))
 
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
