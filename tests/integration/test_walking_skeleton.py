@@ -16,9 +16,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError
 from stack_helpers import end_offsets, eventually, read_topic
+from typer.testing import CliRunner
 
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, USAGE, RequestResult
+from gpusched_ops.cli import app
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -238,6 +240,10 @@ async def test_malformed_record_is_dead_lettered_and_the_next_request_completes(
     dead = DEAD_LETTER.validate_json(raw)
     assert dead.source_topic == topics.REQUESTS["standard"].name
     assert "not valid JSON" in dead.reason and dead.service == "scheduler"
+    shown = await asyncio.to_thread(CliRunner().invoke, app, [
+        "dead-letters", "--json", "--last", "20", "--kafka", stack.endpoints.kafka_bootstrap])
+    assert shown.exit_code == 0, shown.output
+    assert dead.model_dump() in json.loads(shown.output)  # what an operator sees: the same
 
     request_id = f"after-{marker[:8]}"
     await produce(stack, topics.REQUESTS["standard"].name,

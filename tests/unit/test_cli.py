@@ -16,7 +16,8 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gpusched_ops.cli import app, console, usage_table
+from gpusched_common.contracts import DeadLetter
+from gpusched_ops.cli import app, console, dead_letter_table, usage_table
 
 MODELS = Path(__file__).resolve().parents[2] / "config" / "models.yaml"
 
@@ -54,6 +55,29 @@ def test_a_service_that_is_down_gives_a_clear_error_and_exit_1(args: list[str]) 
     assert "not reachable at http://127.0.0.1:1" in result.output
     assert "is the stack up?" in result.output
     assert "Traceback" not in result.output
+
+
+def test_dead_letters_without_kafka_says_so_and_exits_1() -> None:
+    result = CliRunner().invoke(app, ["dead-letters", "--kafka", "127.0.0.1:1"])
+
+    assert result.exit_code == 1, result.output
+    assert "Kafka not reachable at 127.0.0.1:1" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_dead_letters_print_every_field_uncut_in_80_columns() -> None:
+    letter = DeadLetter(source_topic="gpusched.requests.standard", partition=2, offset=1234567,
+                        key="kafka-gpusched.requests.standard-2-1234567", payload="{oops",
+                        reason="not valid JSON: EOF while parsing an object at line 1 column 5",
+                        service="scheduler", at_ms=1_764_000_000_000)
+    console = Console(width=80, record=True)
+    console.print(dead_letter_table([letter]))
+    text = console.export_text()
+
+    assert "…" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    for word in ("2025-11-24", "scheduler", "1234567", "EOF", "column"):
+        assert word in text, word
 
 
 def test_reconcile_without_kafka_says_so_and_exits_2() -> None:

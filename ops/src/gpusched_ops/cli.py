@@ -1,4 +1,5 @@
-"""`gpusched`: the operator's command line (local stack, submit, usage, nodes, demo, bench)."""
+"""`gpusched`: the operator's command line (local stack, submit, usage, nodes, dead letters,
+demo, bench)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,20 @@ import asyncio
 import json
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import httpx
 import typer
+from aiokafka.errors import KafkaConnectionError
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Column, Table
 
+from gpusched_common import topics
+from gpusched_common.contracts import DEAD_LETTER, DeadLetter
+from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_ops.services import service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir
 
@@ -119,6 +126,49 @@ def nodes(as_json: JsonOut = False,
                               for m in gpu["loaded_models"]))
     console.print(table)
     console.print(f"pending: {data['pending']}, reservations: {data['reservations']}")
+
+
+@app.command("dead-letters")
+def dead_letters(
+    last: int = typer.Option(20, min=1, help="How many of the newest to show."),
+    kafka: str = typer.Option("127.0.0.1:9092", envvar="GPUSCHED_KAFKA_BOOTSTRAP",
+                              help="Kafka bootstrap."),
+    as_json: JsonOut = False,
+) -> None:
+    """The newest records a service refused, from gpusched.dead-letters: when, which service,
+    where the record came from (topic, partition, offset, key) and why."""
+    try:
+        letters = asyncio.run(read_dead_letters(kafka, last))
+    except KafkaConnectionError as exc:
+        _unreachable("Kafka", kafka, exc)
+    if as_json:
+        print(json.dumps([letter.model_dump() for letter in letters]))
+        return
+    console.print(dead_letter_table(letters))
+
+
+def dead_letter_table(letters: list[DeadLetter]) -> Table:
+    table = _table("at (UTC)", "service", "from", "key", "reason",
+                   title=f"{topics.DEAD_LETTERS.name}: the newest {len(letters)}")
+    for letter in letters:
+        at = datetime.fromtimestamp(letter.at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(at, letter.service,
+                      f"{letter.source_topic}[{letter.partition}]@{letter.offset}",
+                      letter.key or "", letter.reason)
+    return table
+
+
+async def read_dead_letters(bootstrap: str, last: int) -> list[DeadLetter]:
+    """The newest `last` dead letters, oldest first (a record that is not one is shown as a
+    letter whose reason says so)."""
+    letters = []
+    async for record in retained(bootstrap, topics.DEAD_LETTERS.name, last):
+        try:
+            letters.append(DEAD_LETTER.validate_json(record.value or b""))
+        except ValidationError as exc:
+            letters.append(dead_letter(record, f"not a dead letter: {exc.errors()[0]['msg']}",
+                                       "?", record.timestamp))
+    return sorted(letters, key=lambda letter: letter.at_ms)[-last:]
 
 
 @app.command()

@@ -1,11 +1,13 @@
-"""Helpers for raw Kafka records: dead letters with a reason, and wall-clock stamps."""
+"""Helpers for raw Kafka records: dead letters with a reason, wall-clock stamps, and reading
+what a topic retains (for `gpusched reconcile` and `gpusched dead-letters`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
-from aiokafka.structs import ConsumerRecord
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gpusched_common.contracts import DEAD_LETTER_PAYLOAD_CHARS, DeadLetter
 
@@ -31,3 +33,32 @@ def dead_letter(record: ConsumerRecord, reason: str, service: str, now_ms: int) 
         service=service,
         at_ms=now_ms,
     )
+
+
+async def retained(bootstrap: str, topic: str, last: int | None = None
+                   ) -> AsyncIterator[ConsumerRecord]:
+    """The records `topic` holds when called, partition by partition interleaved as Kafka
+    returns them: all it retains, or the `last` of each partition. Reads without a consumer
+    group, so it commits nothing. Raises aiokafka's `KafkaConnectionError` when Kafka cannot
+    be reached; a topic that does not exist yields nothing."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+    try:
+        await consumer.start()
+        if not consumer.partitions_for_topic(topic):  # metadata not fetched for it yet
+            await consumer._client.force_metadata_update()  # noqa: SLF001
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        if not parts:
+            return
+        consumer.assign(parts)
+        starts = await consumer.beginning_offsets(parts)
+        ends = await consumer.end_offsets(parts)
+        for tp in parts:
+            consumer.seek(tp, starts[tp] if last is None else max(starts[tp], ends[tp] - last))
+        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
+            for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
+                for record in records:
+                    if record.offset < ends[TopicPartition(record.topic, record.partition)]:
+                        yield record
+    finally:
+        await consumer.stop()

@@ -12,7 +12,6 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -30,40 +29,19 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_common import topics
 from gpusched_common.contracts import USAGE
+from gpusched_common.kafka_records import retained
 from gpusched_common.settings import REPO_CONFIG_DIR
 
 
 async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
-    """Every parseable usage record of `topic`, from the beginning to the current end."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
-                                enable_auto_commit=False, auto_offset_reset="earliest")
-    try:
-        await consumer.start()
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        if not parts:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
-            parts = [TopicPartition(topic, p)
-                     for p in consumer.partitions_for_topic(topic) or ()]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out = []
-
-        async def behind() -> bool:
-            return any([await consumer.position(tp) < end for tp, end in ends.items()])
-
-        while await behind():
-            for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
-                for record in records:
-                    if record.offset >= ends[TopicPartition(record.topic, record.partition)]:
-                        continue
-                    try:
-                        out.append(USAGE.validate_json(record.value))
-                    except ValidationError:
-                        continue  # the live consumer dead-letters these too
-        return out
-    finally:
-        await consumer.stop()
+    """Every parseable usage record `topic` retains, up to its end when called."""
+    out = []
+    async for record in retained(bootstrap, topic):
+        try:
+            out.append(USAGE.validate_json(record.value))
+        except ValidationError:
+            continue  # the live consumer dead-letters these too
+    return out
 
 
 async def differences(redis: Redis, rows: list[UsageRow], tenant: str | None
