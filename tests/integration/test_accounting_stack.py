@@ -5,6 +5,7 @@ usage. Totals are compared with `recompute`, the reference the reconciliation us
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -28,7 +29,7 @@ from gpusched_accounting.domain.usage import (
     row_for,
 )
 from gpusched_common import topics
-from gpusched_common.contracts import EVENT, UsageRecord
+from gpusched_common.contracts import DEAD_LETTER, EVENT, UsageRecord
 from gpusched_ops.stack import ServiceSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -154,6 +155,42 @@ async def test_replaying_every_event_twice_in_another_order_changes_no_total(sta
         mine = [u for u in records if u.request_id == f"req-{tenants[0]}-0"]
         assert r.json()["requests"] == 1 and r.json()["final"]
         assert r.json()["completion_tokens"] == sum(u.completion_tokens for u in mine)
+
+
+async def test_a_bad_usage_record_is_dead_lettered_with_the_field_and_bills_nothing(
+        stack) -> None:
+    [tenant] = tenants_named("bad-usage", 1)
+    good = [r for r in make_usage([tenant], 1) if r.final][-1]
+    bad = good.model_copy(update={"event_id": f"{good.placement_id}:bad"}).model_dump(
+        mode="json") | {"completion_tokens": -5}
+    producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+    await producer.start()
+    try:
+        for raw in (json.dumps(bad).encode(), f"{tenant} {{not json".encode()):
+            await producer.send_and_wait(topics.USAGE.name, raw, key=tenant.encode())
+    finally:
+        await producer.stop()
+    await produce(stack, [good])
+
+    async def both_letters():
+        found = await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
+                                 lambda k, v: tenant.encode() in v, timeout_s=2)
+        return found if len(found) >= 2 else None
+
+    letters = [DEAD_LETTER.validate_json(v) for _, v in await eventually(
+        both_letters, timeout_s=30, what="both bad records dead-lettered")]
+    assert [letter.service for letter in letters] == ["accounting"] * 2
+    reasons = sorted(letter.reason for letter in letters)
+    assert reasons[0] == ("invalid usage record: completion_tokens: Input should be greater "
+                          "than or equal to 0")
+    assert reasons[1].startswith("invalid usage record: value: Invalid JSON")
+
+    async def billed():
+        return await drained(stack, "gpusched-accounting") and \
+            await totals_of(stack.accounting_url, [tenant])
+
+    assert await eventually(billed, timeout_s=30, what="the good record applied") == \
+        public(expected([good]))
 
 
 async def test_a_record_from_an_agent_clock_ahead_keeps_its_id_as_long_as_it_is_redeliverable(

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ConfigDict, ValidationError
 
 from gpusched_common.contracts import (
+    CANCEL,
     REQUEST,
     RESULT_EVENT,
     InferenceRequest,
@@ -13,6 +14,7 @@ from gpusched_common.contracts import (
     TokenChunk,
     count_prompt_tokens,
     decode_json_object,
+    invalid_fields,
 )
 from gpusched_common.topics import ALL_TOPICS, NODE_STATE, REQUESTS, partition_for_key
 
@@ -68,6 +70,22 @@ def test_a_reader_one_release_behind_takes_records_that_use_no_newer_field() -> 
 def test_decode_json_object_says_what_is_wrong(raw: bytes) -> None:
     with pytest.raises(ValueError, match="JSON"):
         decode_json_object(raw)
+
+
+@pytest.mark.parametrize("adapter,raw,reason", [
+    (CANCEL, b'{"type": "cancel"}', "request_id: Field required; reason: Field required; "
+     "at_ms: Field required"),
+    (REQUEST, b'{"request_id": "r", "tenant": "t", "model": "m", "prompt": "x", '
+     b'"created_at_ms": 1, "max_tokens": "many", "rack": 7}',
+     "max_tokens: Input should be a valid integer, unable to parse string as an integer; "
+     "rack: Extra inputs are not permitted"),
+    (CANCEL, b"{oops", "value: Invalid JSON: key must be a string at line 1 column 2"),
+])
+def test_a_refused_record_names_every_bad_field_on_one_line(adapter, raw: bytes,
+                                                            reason: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        adapter.validate_json(raw)
+    assert invalid_fields(refused.value) == reason
 
 
 def test_prompt_tokens_are_four_bytes_each_rounded_up() -> None:

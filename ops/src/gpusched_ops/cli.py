@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from gpusched_common import topics
-from gpusched_common.contracts import DEAD_LETTER, DeadLetter
+from gpusched_common.contracts import DEAD_LETTER, DeadLetter, invalid_fields
 from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_ops.services import service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir
@@ -166,7 +166,7 @@ async def read_dead_letters(bootstrap: str, last: int) -> list[DeadLetter]:
         try:
             letters.append(DEAD_LETTER.validate_json(record.value or b""))
         except ValidationError as exc:
-            letters.append(dead_letter(record, f"not a dead letter: {exc.errors()[0]['msg']}",
+            letters.append(dead_letter(record, f"not a dead letter: {invalid_fields(exc)}",
                                        "?", record.timestamp))
     return sorted(letters, key=lambda letter: letter.at_ms)[-last:]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch")
@@ -332,6 +332,13 @@ USAGE = TypeAdapter(UsageRecord)
 DEAD_LETTER = TypeAdapter(DeadLetter)
 
 DEAD_LETTER_PAYLOAD_CHARS = 65_536
+
+
+def invalid_fields(exc: ValidationError) -> str:
+    """Every error of a refused record on one line, `field.path: what is wrong; ...`: the
+    reason a dead letter gives (pydantic's own text runs over lines with links)."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}"
+                     for e in exc.errors())
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from gpusched_accounting.domain.budgets import BudgetTable
 from gpusched_accounting.domain.usage import DUPLICATE, STALE, PriceTable, UsageRow, row_for
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
-from gpusched_common.contracts import USAGE, BudgetExhausted, Message
+from gpusched_common.contracts import USAGE, BudgetExhausted, Message, invalid_fields
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import context_from, record_carrier
 
@@ -95,7 +95,7 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
             try:
                 row = row_for(USAGE.validate_json(record.value), prices)
             except Exception as exc:  # noqa: BLE001 - one record must never stop its partition
-                reason = (f"invalid usage record: {exc.errors()[0]}"
+                reason = (f"invalid usage record: {invalid_fields(exc)}"
                           if isinstance(exc, ValidationError)
                           else f"unreadable usage record: {exc!r}")
                 outcomes.labels("invalid").inc()

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from gpusched_agent.runtime import AgentRuntime, Stale
 from gpusched_common import topics
-from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND
+from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND, invalid_fields
 from gpusched_common.kafka_records import dead_letter
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,9 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
             command = PLACEMENT_COMMAND.validate_json(record.value)
         except ValidationError as exc:
             commands.labels("unknown", "invalid").inc()
-            log.error("invalid command at offset %s dead-lettered: %s", record.offset, exc)
-            await reject(record, f"not a placement or preempt: {exc}")
+            reason = f"not a placement or preempt: {invalid_fields(exc)}"
+            log.error("command at offset %s dead-lettered: %s", record.offset, reason)
+            await reject(record, reason)
             return
         outcome = await runtime.command(command)
         commands.labels(command.type, type(outcome).__name__.lower()).inc()
@@ -70,9 +71,10 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
             # every agent reads it: the first to claim it dead-letters it, once
             if await runtime.first_to_report(f"{record.topic}:{record.partition}:"
                                              f"{record.offset}"):
-                log.error("invalid control record at %s:%s dead-lettered: %s",
-                          record.partition, record.offset, exc)
-                await reject(record, f"not a cancel: {exc}")
+                reason = f"not a cancel: {invalid_fields(exc)}"
+                log.error("control record at %s:%s dead-lettered: %s", record.partition,
+                          record.offset, reason)
+                await reject(record, reason)
             return
         outcome = runtime.cancel(cancel)
         commands.labels("cancel", type(outcome).__name__.lower()).inc()

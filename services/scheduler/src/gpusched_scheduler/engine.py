@@ -33,6 +33,7 @@ from gpusched_common.contracts import (
     Rejection,
     ScalingSignal,
     decode_json_object,
+    invalid_fields,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.recent import Recent
@@ -140,14 +141,12 @@ def parse_request_record(
     try:
         request = REQUEST.validate_python(payload)
     except ValidationError as exc:
-        reasons = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
         # The client learns of it only if its request id itself is valid (the rejection
         # carries it); any field may come first among the errors.
         rid = payload.get("request_id")
         bad_fields = {e["loc"][0] for e in exc.errors() if e["loc"]}
         valid_id = isinstance(rid, str) and "request_id" not in bad_fields
-        return refuse(f"invalid request: {reasons}", rid if valid_id else None)
+        return refuse(f"invalid request: {invalid_fields(exc)}", rid if valid_id else None)
     rid, tenant = request.request_id, request.tenant
     if request.priority_class != topic_class and topic_class in PRIORITY_CLASSES:
         return refuse(f"priority_class '{request.priority_class}' does not match topic "
@@ -333,11 +332,11 @@ class SchedulingEngine:
             try:
                 state = NODE_STATE.validate_json(record.value)
             except ValidationError as exc:
-                log.warning("ignoring invalid node state at %s:%s: %s", record.partition,
-                            record.offset, exc.errors()[0])
+                reason = f"invalid node state: {invalid_fields(exc)}"
+                log.warning("ignoring node state at %s:%s: %s", record.partition,
+                            record.offset, reason)
                 if self.epoch is not None:
-                    letter = dead_letter(record, f"invalid node state: {exc.errors()[0]}",
-                                         SERVICE, now)
+                    letter = dead_letter(record, reason, SERVICE, now)
                     dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
             self.view.apply_node_state(state, now)
