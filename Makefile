@@ -11,11 +11,14 @@ demo: setup
 	$(BIN)/gpusched demo
 
 # The whole suite: unit tests, then integration tests against the real local stack.
-# pytest exits 5 when no test ran, which fails this target (and CI) too.
+# pytest exits 5 when no test ran, which fails this target (and CI) too. The tests also
+# need promtool (for the alerting rules), which the stack does not.
 test: setup
+	@bash ops/scripts/install-promtool.sh
 	$(BIN)/python -m pytest
 
 test-unit: setup
+	@bash ops/scripts/install-promtool.sh
 	$(BIN)/python -m pytest tests/unit
 
 lint: setup

@@ -177,7 +177,8 @@ def test_dev_is_the_compose_stack() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_every_service_reads_its_settings_listens_on_its_port_and_is_probed(name: str) -> None:
+def test_every_service_reads_its_settings_listens_on_its_port_is_probed_and_scraped(
+        name: str) -> None:
     objects = built(name)
     services = named(objects, "Service")
     shared = named(objects, "ConfigMap")["gpusched-settings"]["data"]
@@ -195,6 +196,9 @@ def test_every_service_reads_its_settings_listens_on_its_port_and_is_probed(name
         assert container["ports"] == [{"name": "http", "containerPort": port}]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert workload["spec"]["template"]["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         selector = workload["spec"]["selector"]["matchLabels"]
         service = services.get(selector["app.kubernetes.io/name"])
