@@ -15,12 +15,19 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError
-from stack_helpers import end_offsets, eventually, read_topic
+from stack_helpers import (
+    SERVICE_TEST_ENV,
+    TEST_SERVICE_PORTS,
+    end_offsets,
+    eventually,
+    read_topic,
+)
 from typer.testing import CliRunner
 
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, USAGE, RequestResult
 from gpusched_ops.cli import app
+from gpusched_ops.services import service_specs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -115,6 +122,40 @@ async def test_request_produced_straight_to_kafka_completes(stack) -> None:
             return r.json() if r.status_code == 200 else None
         body = await eventually(status, what="request status")
     assert body["status"] == "completed"
+
+
+async def test_a_stream_cut_by_a_killed_router_ends_in_a_status_its_client_can_read(
+        stack) -> None:
+    """The router dies mid-stream and the request finishes before it is back: the client
+    reads the request's id from the stream's headers, and once a router is up again GET
+    /v1/requests/{id} gives the whole result (before, it said `queued` for ever: routers
+    stored statuses only while they ran). The request ran once and was billed once."""
+    [spec] = [s for s in service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV)
+              if s.name == "router"]
+    headers = {"Authorization": "Bearer sk-acme-demo"}
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
+        try:
+            async with http.stream("POST", "/v1/completions", headers=headers, json={
+                    "model": "llama-3.1-8b", "prompt": "router dies", "max_tokens": 4000,
+                    "stream": True}) as reply:
+                request_id = reply.headers["x-request-id"]
+                stack.processes.kill_service("router")
+                with pytest.raises(httpx.HTTPError):  # the stream is cut
+                    async for _ in reply.aiter_bytes():
+                        pass
+            result = await result_of(stack, request_id, timeout_s=60)  # ran on, unheard
+        finally:
+            await asyncio.to_thread(stack.processes.start_service, spec)
+        assert result.status == "completed" and result.completion_tokens == 4000
+
+        async def finished():
+            r = await http.get(f"/v1/requests/{request_id}", headers=headers)
+            return r.json() if r.json().get("status") != "queued" else None
+        status = await eventually(finished, timeout_s=30, what="the status of the request")
+    assert status["status"] == "completed"
+    assert status["result"]["text"] == result.text and status["tenant"] == "acme"
+    billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
+    assert (billed["requests"], billed["completion_tokens"]) == (1, 4000)
 
 
 async def test_accounting_returns_exactly_the_tokens_used(stack) -> None:

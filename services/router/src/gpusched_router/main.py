@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from faststream import AckPolicy
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -32,6 +33,7 @@ from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_cha
 from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
+STATUS_GROUP = "gpusched-router-status"
 log = logging.getLogger(__name__)
 PRIORITY_HEADER = "x-priority-class"
 
@@ -51,11 +53,21 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         ["priority_class"], registry=registry)
     cancels: set[asyncio.Task[None]] = set()
 
+    # Every router reads every result as it comes, for the clients waiting on it...
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
                        auto_offset_reset="latest", batch_timeout_ms=10, max_records=500,
                        **RAW_BATCH)
     async def on_results(msg: KafkaMessage) -> None:
         hub.dispatch(msg.raw_message)
+
+    # ...and the routers share, as one consumer group, storing each request's outcome:
+    # offsets commit once it is in Redis, so an outcome that comes while every router is
+    # down, or while Redis is, is stored once one is back.
+    @broker.subscriber(topics.RESULTS.name, batch=True, group_id=STATUS_GROUP,
+                       auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
+                       batch_timeout_ms=50, max_records=2000, **RAW_BATCH)
+    async def on_finished(msg: KafkaMessage) -> None:
+        await hub.store_finished(msg.raw_message)
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)

@@ -1,16 +1,14 @@
-"""Fan-in of the results topic: hands each event to the HTTP request waiting for it and
-remembers every terminal outcome in Redis for GET /v1/requests/{id}."""
+"""Fan-in of the results topic: hands each event to the HTTP request waiting for it, and
+stores every terminal outcome in Redis for GET /v1/requests/{id}."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from gpusched_common.contracts import (
     RESULT_EVENT,
@@ -21,7 +19,6 @@ from gpusched_common.contracts import (
 )
 
 STATUS_KEY = "gpusched:request:{}"
-log = logging.getLogger(__name__)
 
 
 class ResultsHub:
@@ -31,7 +28,6 @@ class ResultsHub:
         self._redis = redis
         self._ttl_s = status_ttl_s
         self._waiters: dict[str, asyncio.Queue[ResultEvent]] = {}
-        self._storing: set[asyncio.Task[None]] = set()
 
     def open(self, request_id: str) -> asyncio.Queue[ResultEvent]:
         """Register before publishing the request, so no event can be missed."""
@@ -58,9 +54,7 @@ class ResultsHub:
             await pipe.execute()
 
     def dispatch(self, records: list[ConsumerRecord]) -> None:
-        """Hand every event to its waiter, and store terminal ones (one pipelined round trip)
-        in the background: a slow or absent Redis must not hold up the streams."""
-        finals: list[RequestResult | Rejection] = []
+        """Hand every event to the client waiting for it on this router, if any."""
         for record in records:
             try:
                 event = RESULT_EVENT.validate_json(record.value)
@@ -69,23 +63,29 @@ class ResultsHub:
             queue = self._waiters.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+
+    async def store_finished(self, records: list[ConsumerRecord]) -> None:
+        """Store the terminal outcomes among `records` (one pipelined round trip).
+        Idempotent; raises RedisError, so that the caller's batch is delivered again."""
+        finals = []
+        for record in records:
+            value = record.value or b""
+            if b'"request_result"' not in value and b'"rejection"' not in value:
+                continue  # a token chunk: most records, not worth parsing here
+            try:
+                event = RESULT_EVENT.validate_json(value)
+            except ValueError:
+                continue
             if isinstance(event, RequestResult | Rejection):
                 finals.append(event)
-        if finals:
-            task = asyncio.create_task(self._store(finals))
-            self._storing.add(task)
-            task.add_done_callback(self._storing.discard)
-
-    async def _store(self, finals: list[RequestResult | Rejection]) -> None:
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for event in finals:
-                    key = STATUS_KEY.format(event.request_id)
-                    pipe.hset(key, mapping=_status_fields(event))
-                    pipe.expire(key, self._ttl_s)
-                await pipe.execute()
-        except RedisError as exc:
-            log.warning("status of %d finished requests not stored: %r", len(finals), exc)
+        if not finals:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for event in finals:
+                key = STATUS_KEY.format(event.request_id)
+                pipe.hset(key, mapping=_status_fields(event))
+                pipe.expire(key, self._ttl_s)
+            await pipe.execute()
 
     async def status(self, request_id: str) -> dict[str, Any] | None:
         raw = await self._redis.hgetall(STATUS_KEY.format(request_id))
