@@ -158,6 +158,95 @@ async def test_a_stream_cut_by_a_killed_router_ends_in_a_status_its_client_can_r
     assert (billed["requests"], billed["completion_tokens"]) == (1, 4000)
 
 
+async def requests_for(stack, marker: str) -> int:
+    """How many requests with `marker` in their prompt reached the request topics."""
+    found = 0
+    for topic in topics.REQUESTS.values():
+        found += len(await read_topic(stack.endpoints.kafka_bootstrap, topic.name,
+                                      lambda _k, v: marker.encode() in v, timeout_s=2))
+    return found
+
+
+async def test_retries_with_one_idempotency_key_run_once_and_get_the_same_reply(stack) -> None:
+    """Three at once with one key (the openai SDK's way of sending it), then one after the
+    end: one request runs and is billed, all four get its reply. The key with another body,
+    or a malformed key, is a 400 that says so."""
+    marker, key = uuid.uuid4().hex, str(uuid.uuid4())
+    sdk = client(stack)
+
+    async def send():
+        return await sdk.completions.with_raw_response.create(
+            model="llama-3.1-8b", prompt=f"idempotent {marker}", max_tokens=2000,
+            extra_headers={"Idempotency-Key": key})
+
+    replies = await asyncio.gather(*(send() for _ in range(3)))
+    replies.append(await send())
+    bodies = [r.parse() for r in replies]
+    request_id = replies[0].headers["x-request-id"]
+    assert {r.headers["x-request-id"] for r in replies} == {request_id}
+    assert {b.choices[0].text for b in bodies} == {bodies[0].choices[0].text}
+    assert bodies[0].usage.completion_tokens == 2000
+    assert await requests_for(stack, marker) == 1
+    await result_of(stack, request_id)  # exactly one result
+    billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
+    assert (billed["requests"], billed["completion_tokens"]) == (1, 2000)
+
+    with pytest.raises(BadRequestError) as reused:
+        await sdk.completions.create(model="llama-3.1-8b", prompt=f"other {marker}",
+                                     max_tokens=2000, extra_headers={"Idempotency-Key": key})
+    assert reused.value.code == "idempotency_key_reused"
+    with pytest.raises(BadRequestError) as malformed:
+        await sdk.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                     extra_headers={"Idempotency-Key": "k" * 256})
+    assert "Idempotency-Key must be 1 to 255" in malformed.value.message
+
+
+async def test_a_retry_with_its_key_gets_the_reply_after_its_router_died_or_its_client_left(
+        stack) -> None:
+    """The router dies mid-request (a client that did not stream never learns the request's
+    id); another request's client hangs up, which with a key does not cancel it. Each
+    retry, streamed, gets the whole reply of its request's one run, billed once."""
+    [spec] = [s for s in service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV)
+              if s.name == "router"]
+
+    async def retried(http: httpx.AsyncClient, headers: dict, body: dict, marker: str) -> None:
+        async with http.stream("POST", "/v1/completions", headers=headers, json=body) as retry:
+            assert retry.status_code == 200
+            events = [json.loads(line[6:]) async for line in retry.aiter_lines()
+                      if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        assert len(text.split()) == 4000 and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert await requests_for(stack, marker) == 1
+        request_id = retry.headers["x-request-id"]
+        assert (await result_of(stack, request_id)).text == text
+        billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
+        assert (billed["requests"], billed["completion_tokens"]) == (1, 4000)
+
+    def request(marker: str) -> tuple[dict, dict]:
+        return ({"Authorization": "Bearer sk-acme-demo", "Idempotency-Key": uuid.uuid4().hex},
+                {"model": "llama-3.1-8b", "prompt": f"retried {marker}", "max_tokens": 4000,
+                 "stream": True})
+
+    async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
+        died, left = uuid.uuid4().hex, uuid.uuid4().hex
+        headers, body = request(died)
+        try:
+            with pytest.raises(httpx.HTTPError):
+                async with http.stream("POST", "/v1/completions", headers=headers,
+                                       json=body) as cut:
+                    async for _ in cut.aiter_bytes():
+                        stack.processes.kill_service("router")
+        finally:
+            await asyncio.to_thread(stack.processes.start_service, spec)
+        await retried(http, headers, body, died)
+
+        headers, body = request(left)
+        async with http.stream("POST", "/v1/completions", headers=headers, json=body) as first:
+            async for _ in first.aiter_bytes():
+                break  # about 5 s of work left: the client hangs up
+        await retried(http, headers, body, left)
+
+
 async def test_accounting_returns_exactly_the_tokens_used(stack) -> None:
     headers = {"Authorization": "Bearer sk-initech-demo"}
     async with httpx.AsyncClient(base_url=stack.accounting_url) as http:

@@ -9,6 +9,7 @@ import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import RequestResult, TokenChunk
+from gpusched_router.domain.idempotency import check_key, request_digest
 from gpusched_router.domain.openai_api import (
     ApiError,
     ParsedRequest,
@@ -243,3 +244,23 @@ async def test_a_stream_missing_a_chunk_still_gives_the_whole_text_once(chunks) 
                for e in events[:-1]]
     assert "".join(c["text"] for c in choices) == " The cat sat"
     assert [c["finish_reason"] for c in choices][-1] == "length"
+
+
+@pytest.mark.parametrize("key,ok", [
+    ("3f2b9c1e-7d4a-4f1e-9a55-0c8e2f6b1d20", True), ("k", True), ("k" * 255, True),
+    ("", False), ("k" * 256, False), ("kéy", False), ("line\nbreak", False),
+])
+def test_idempotency_keys_are_short_printable_ascii(key: str, ok: bool) -> None:
+    refused = check_key(key)
+    assert (refused is None) == ok
+    if refused is not None:
+        assert refused.status_code == 400 and refused.param == "Idempotency-Key"
+
+
+def test_a_key_stands_for_its_endpoint_and_body_not_their_spelling() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5}
+    same = request_digest("/v1/completions", json.loads(
+        '{ "max_tokens": 5, "prompt": "hi", "model": "m" }'))
+    assert request_digest("/v1/completions", body) == same
+    assert request_digest("/v1/chat/completions", body) != same
+    assert request_digest("/v1/completions", {**body, "max_tokens": 6}) != same

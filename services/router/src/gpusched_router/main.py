@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,18 +24,35 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import Cancel, Rejection, RequestResult, ResultEvent, TokenChunk
+from gpusched_common.contracts import (
+    RESULT_EVENT,
+    Cancel,
+    Rejection,
+    RequestResult,
+    ResultEvent,
+    TokenChunk,
+)
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
+from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub
+from gpusched_router.domain.idempotency import (
+    IDEMPOTENCY_HEADER,
+    check_key,
+    request_digest,
+    reused,
+)
 from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
 from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
 STATUS_GROUP = "gpusched-router-status"
+STATUS_POLL_S = 0.5
+"""How often a retry with a used Idempotency-Key re-reads its first use's status."""
+WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | None]]
 log = logging.getLogger(__name__)
 PRIORITY_HEADER = "x-priority-class"
 
@@ -47,6 +66,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = make_redis(settings.redis)
     hub = ResultsHub(redis, settings.status_ttl_s)
+    idempotency = IdempotencyKeys(redis, settings.status_ttl_s)
     accepted = Counter("gpusched_router_requests_total", "Requests by outcome.",
                        ["priority_class", "outcome"], registry=registry)
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
@@ -150,6 +170,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(parsed, ApiError):
             return error(parsed)
         req = parsed.request
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is not None:
+            if (bad := check_key(key)) is not None:
+                return error(bad, req.priority_class)
+            digest = request_digest(request.url.path, body)
+            first_use = await idempotency.claim(tenant.name, key, request_id, digest)
+            if first_use is not None:
+                if first_use.digest != digest:
+                    return error(reused(key), req.priority_class)
+                return await replay(request, parsed, kind, first_use.request_id)
         queue = hub.open(request_id)
         with tracer.start_as_current_span(
             f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
@@ -168,15 +198,20 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 # The producer may still deliver the record once Kafka is back; its cancel,
                 # queued behind it, then reaches the agents first (the request needs two more
                 # hops), so the request ends unrun and a client's retry is not run twice.
-                hub.close(request_id)
+                hub.close(request_id, queue)
                 send_cancel(request_id, "the router answered 503: Kafka did not take it in "
                             "time")
+                if key is not None:  # not taken in: a retry with the key runs
+                    await idempotency.release(tenant.name, key, request_id)
                 return error(ApiError(
                     503, f"Kafka did not take request {request_id} within "
                     f"{settings.publish_timeout_s:g} s (is Kafka up?); it is cancelled, send "
                     "it again"), req.priority_class)
             except Exception:
-                hub.close(request_id)
+                hub.close(request_id, queue)
+                if key is not None:
+                    with contextlib.suppress(RedisError):
+                        await idempotency.release(tenant.name, key, request_id)
                 raise
         try:
             await hub.accepted(req, trace_id)
@@ -184,27 +219,75 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             log.warning("request %s accepted, its queued status not stored: %r", request_id,
                         exc)
         accepted.labels(req.priority_class, "accepted").inc()
-        headers = {"x-request-id": request_id, "x-trace-id": trace_id or ""}
-        started_s = time.monotonic()
-
-        deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
-
-        def observe() -> None:
-            hub.close(request_id)
-            latency.labels(req.priority_class).observe(time.monotonic() - started_s)
 
         def abandoned() -> None:
             # The client hung up before the end: tell the agent running it to stop (it bills
-            # what was produced), so a client's retry does not run it twice.
-            send_cancel(request_id, "client disconnected")
+            # what was produced), so a client's retry does not run it twice. With a key, the
+            # retry gets this request's outcome instead: it runs on.
+            if key is None:
+                send_cancel(request_id, "client disconnected")
+
+        return await answer(request, parsed, kind, queue, trace_id, abandoned)
+
+    async def replay(request: Request, parsed: ParsedRequest, kind: str,
+                     request_id: str) -> Response:
+        """Answer a retry with an Idempotency-Key already used for the same request: the
+        first use's outcome, once it has one; nothing runs again."""
+        queue = hub.open(request_id)  # before reading the status: no outcome falls between
+        try:
+            status = await hub.status(request_id) or {}
+        except BaseException:
+            hub.close(request_id, queue)
+            raise
+        original = parsed.request.model_copy(update={
+            "request_id": request_id,
+            "created_at_ms": int(status.get("created_at_ms", parsed.request.created_at_ms))})
+
+        async def outcome(deadline_s: float, gone: asyncio.Future[None]) -> ResultEvent | None:
+            # Its outcome may have passed this router before the queue opened, and be
+            # stored a moment later: read the status again every STATUS_POLL_S.
+            loop = asyncio.get_running_loop()
+            while True:
+                stored = await hub.status(request_id) or {}
+                if "result" in stored:
+                    return RESULT_EVENT.validate_python(stored["result"])
+                try:
+                    return await _next_terminal(queue, min(deadline_s, loop.time() + STATUS_POLL_S),
+                                                gone, stop_at_chunk=False)
+                except TimeoutError:
+                    if loop.time() >= deadline_s:
+                        raise
+
+        accepted.labels(original.priority_class, "replayed").inc()
+        return await answer(request, replace(parsed, request=original), kind, queue,
+                            status.get("trace_id") or None, abandoned=None, wait=outcome)
+
+    async def answer(request: Request, parsed: ParsedRequest, kind: str,
+                     queue: asyncio.Queue[ResultEvent], trace_id: str | None,
+                     abandoned: Callable[[], None] | None,
+                     wait: WaitOutcome | None = None) -> Response:
+        """The reply to a request taken in: wait for its first event (`wait(deadline_s,
+        gone)` instead, where given), then answer with it or stream from it. `abandoned()`
+        runs when the client leaves before the end."""
+        req = parsed.request
+        headers = {"x-request-id": req.request_id, "x-trace-id": trace_id or ""}
+        started_s = time.monotonic()
+        deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
+
+        def observe() -> None:
+            hub.close(req.request_id, queue)
+            latency.labels(req.priority_class).observe(time.monotonic() - started_s)
 
         # Wait for the first event before answering, streamed or not: a rejection (429 over
         # quota, 422 fits nowhere) or a failure is then an HTTP status the client acts on.
+        # A replay waits for the outcome: the chunks before it went to the first client.
         gone = asyncio.ensure_future(_disconnected(request))
+        first: ResultEvent | ApiError | None
         try:
-            first = await _next_terminal(queue, deadline_s, gone, stop_at_chunk=parsed.stream)
+            first = await (wait(deadline_s, gone) if wait is not None else _next_terminal(
+                queue, deadline_s, gone, stop_at_chunk=parsed.stream))
         except TimeoutError:
-            first = _timed_out(request_id)
+            first = _timed_out(req.request_id)
         except BaseException:
             observe()
             raise
@@ -212,7 +295,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             gone.cancel()
         if first is None:
             observe()
-            abandoned()
+            if abandoned is not None:
+                abandoned()
             return Response(status_code=499)  # nobody reads it
         failed = first if isinstance(first, ApiError) else _error_of(first)
         if failed is not None:

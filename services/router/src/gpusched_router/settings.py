@@ -11,7 +11,8 @@ class RouterSettings(ServiceSettings):
         default=300.0, gt=0, le=3600, description="Longest a client waits for a terminal result."
     )
     status_ttl_s: int = Field(
-        default=86_400, ge=60, description="How long GET /v1/requests/{id} remembers a request."
+        default=86_400, ge=60, description="How long GET /v1/requests/{id} remembers a "
+        "request, and a tenant's Idempotency-Key its first use."
     )
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body.")
     publish_timeout_s: float = Field(

@@ -27,20 +27,22 @@ class ResultsHub:
     def __init__(self, redis: Redis, status_ttl_s: int) -> None:
         self._redis = redis
         self._ttl_s = status_ttl_s
-        self._waiters: dict[str, asyncio.Queue[ResultEvent]] = {}
+        # request id -> the queue of each client waiting on it here (a retry with the same
+        # Idempotency-Key waits beside the first)
+        self._waiters: dict[str, list[asyncio.Queue[ResultEvent]]] = {}
 
     def open(self, request_id: str) -> asyncio.Queue[ResultEvent]:
         """Register before publishing the request, so no event can be missed."""
         queue: asyncio.Queue[ResultEvent] = asyncio.Queue()
-        self._waiters[request_id] = queue
+        self._waiters.setdefault(request_id, []).append(queue)
         return queue
 
-    def close(self, request_id: str) -> None:
-        self._waiters.pop(request_id, None)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
+    def close(self, request_id: str, queue: asyncio.Queue[ResultEvent]) -> None:
+        queues = self._waiters.get(request_id, [])
+        if queue in queues:
+            queues.remove(queue)
+        if not queues:
+            self._waiters.pop(request_id, None)
 
     async def accepted(self, request: InferenceRequest, trace_id: str | None) -> None:
         key = STATUS_KEY.format(request.request_id)
@@ -60,8 +62,7 @@ class ResultsHub:
                 event = RESULT_EVENT.validate_json(record.value)
             except ValueError:
                 continue  # results are written by our agents and scheduler only
-            queue = self._waiters.get(event.request_id)
-            if queue is not None:
+            for queue in self._waiters.get(event.request_id, ()):
                 queue.put_nowait(event)
 
     async def store_finished(self, records: list[ConsumerRecord]) -> None:
