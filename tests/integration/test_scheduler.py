@@ -23,6 +23,7 @@ from stack_helpers import (
     TEST_SERVICE_PORTS,
     TopicWatch,
     eventually,
+    read_topic,
 )
 
 from gpusched_common import outbox, topics
@@ -42,6 +43,7 @@ from gpusched_ops.services import AGENT_NODES, service_specs
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "llama-3.1-8b"  # 15 GB of weights: one L4 holds ~7 requests of 1,000 tokens
+SMALL_PORT_SHIFT = 5
 
 
 async def cluster(stack) -> dict:
@@ -65,11 +67,15 @@ async def use_fleet(stack, nodes, port_shift: int = 0) -> None:
     for spec in agent_specs(stack, AGENT_NODES):
         stack.processes.stop_service(spec.name)
     for spec in agent_specs(stack, nodes):
-        port = int(spec.env["GPUSCHED_HTTP_PORT"]) + port_shift
-        spec = replace(spec, env={**spec.env, "GPUSCHED_HTTP_PORT": str(port)},
-                       health_url=f"http://127.0.0.1:{port}/healthz")
-        stack.processes.start_service(spec)
+        stack.processes.start_service(shifted(spec, port_shift))
     await until_fleet(stack, nodes, f"fleet {sorted(n for n, _ in nodes)}")
+
+
+def shifted(spec, port_shift: int):
+    """`spec` on its port + `port_shift` (a stopped agent's port can linger a while)."""
+    port = int(spec.env["GPUSCHED_HTTP_PORT"]) + port_shift
+    return replace(spec, env={**spec.env, "GPUSCHED_HTTP_PORT": str(port)},
+                   health_url=f"http://127.0.0.1:{port}/healthz")
 
 
 async def until_fleet(stack, nodes, what: str) -> None:
@@ -84,7 +90,7 @@ async def until_fleet(stack, nodes, what: str) -> None:
 @pytest_asyncio.fixture(loop_scope="session")
 async def small_fleet(stack):
     small = (("node-small", "1xL4-24GB"),)
-    await use_fleet(stack, small, port_shift=5)
+    await use_fleet(stack, small, port_shift=SMALL_PORT_SHIFT)
     yield small
     for spec in agent_specs(stack, small):
         stack.processes.stop_service(spec.name)
@@ -184,6 +190,45 @@ async def test_a_model_that_fits_only_without_an_idle_one_unloads_it_and_runs(
         [node] = [n for n in (await cluster(stack))["nodes"] if n["node_id"] == "node-small"]
         return node["gpus"][0]["loaded_models"] == ["mistral-7b"]
     await eventually(only_mistral_loaded, timeout_s=10, what="the 8B unloaded")
+
+
+async def test_a_request_cancelled_while_its_only_node_was_down_ends_there_unrun(
+        stack, small_fleet) -> None:
+    """The client hangs up while the fleet's one agent is down, so no agent reads the
+    router's cancel on Kafka. The agent comes back and is sent the request: it ends it
+    cancelled, unrun and unbilled. Before, it ran it, and the tenant paid for a reply
+    nobody read."""
+    [spec] = [shifted(s, SMALL_PORT_SHIFT) for s in agent_specs(stack, small_fleet)]
+    results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
+    marker = uuid.uuid4().hex
+    stack.processes.kill_service(spec.name)
+    try:
+        async with httpx.AsyncClient(base_url=stack.router_url) as http:
+            with pytest.raises(httpx.ReadTimeout):  # the client leaves: the router cancels
+                await http.post("/v1/completions", headers={
+                    "Authorization": "Bearer sk-acme-demo"}, timeout=2.0, json={
+                    "model": MODEL, "prompt": f"cancelled {marker}", "max_tokens": 50})
+        await asyncio.sleep(1.0)  # the cancel is out, unread
+    finally:
+        await asyncio.to_thread(stack.processes.start_service, spec)
+    try:
+        [request_id] = [json.loads(raw)["request_id"] for topic in topics.REQUESTS.values()
+                        for _, raw in await read_topic(stack.endpoints.kafka_bootstrap,
+                                                       topic.name, lambda _k, v: marker.encode()
+                                                       in v, timeout_s=2)]
+        await results.until(lambda recs: request_id in results_by_id(recs), 60, "its result")
+        await usage.until(lambda recs: any(request_id.encode() in v and b'"final":true' in v
+                                           for _k, v, _t in recs), 30, "its final usage")
+    finally:
+        await results.stop()
+        await usage.stop()
+    [result] = results_by_id(results.records)[request_id]
+    assert result.status == "cancelled" and result.completion_tokens == 0, result
+    billed = [USAGE.validate_json(v) for _k, v, _t in usage.records
+              if request_id.encode() in v]
+    assert sum(u.completion_tokens for u in billed) == 0 and all(
+        u.gpu_seconds == 0 for u in billed)
 
 
 async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) -> None:

@@ -148,6 +148,18 @@ async def test_cancel_that_arrives_before_its_placement_ends_it_unbilled() -> No
     assert usage_sum(sink, "early") == (0, 0, 0.0)
 
 
+async def test_a_cancel_the_agent_never_read_ends_its_placement_unbilled() -> None:
+    """The agent was down when the cancel went out on Kafka; the router kept it in Redis."""
+    runtime, sink, ledger = make()
+    ledger.cancels["missed"] = "client disconnected"
+    await runtime.command(placement("missed"))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled" and result.completion_tokens == 0
+    assert result.finish_reason == "cancelled: client disconnected"
+    assert usage_sum(sink, "missed") == (0, 0, 0.0)
+
+
 async def test_preempt_bills_usage_so_far_and_hands_the_request_back_in_front() -> None:
     runtime, sink, _ = make(time_scale=1.0)
     await runtime.command(placement("p1", max_tokens=2000))

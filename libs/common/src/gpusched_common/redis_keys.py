@@ -21,6 +21,11 @@ expires after NODE_ALIVE_TTL_S. While it exists the scheduler does not declare t
 lost: a node it cannot hear (Kafka away) but that is alive keeps its work, and no retry runs
 that work a second time."""
 NODE_ALIVE_TTL_S = 10
+CANCELLED_KEY = "gpusched:request:{}:cancelled"
+"""Set by the router (value: the reason) when it cancels a request, before the cancel goes
+out on the control topic: an agent that was down when the cancel went out, and so never
+read it, still ends the request unrun when it is placed there later."""
+CANCELLED_TTL_S = 86_400
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
 reads it per request and answers 429. Value: JSON with period, limit, spent, unit and a

@@ -263,8 +263,10 @@ class AgentRuntime:
         if run.stop_reason is not None:
             await self._end_unstarted(run, run.stop_reason, run.detail)
             return
-        if request.request_id in self._cancelled:
-            await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
+        cancelled = self._cancelled[request.request_id] if request.request_id in \
+            self._cancelled else await self._cancel_kept(request.request_id)
+        if cancelled is not None:
+            await self._end_unstarted(run, "cancelled", cancelled)
             return
         model = self.catalog.get(request.model)
         admitted: Admitted | Refused
@@ -278,6 +280,15 @@ class AgentRuntime:
             await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
             return
         await self._execute(run, admitted, model)
+
+    async def _cancel_kept(self, request_id: str) -> str | None:
+        """A cancel this agent did not read (it was down when it went out), from Redis."""
+        try:
+            return await self._ledger.cancelled(request_id)
+        except Exception:  # noqa: BLE001 - Redis away: the claim just made it; run it
+            log.warning("could not read whether request %s was cancelled", request_id,
+                        exc_info=True)
+            return None
 
     async def _release(self, placement_id: str) -> None:
         try:

@@ -34,7 +34,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
-from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY, CANCELLED_KEY, CANCELLED_TTL_S
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
 from gpusched_router.adapters.idempotency import IdempotencyKeys
@@ -138,11 +138,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return ApiError(400, f"request body is not valid JSON: {exc}")
 
     def send_cancel(request_id: str, reason: str) -> None:
-        """Cancel a request on whichever agent runs it, or will (agents remember cancels that
-        come before the placement). Fire and forget: the caller is answering already."""
+        """Cancel a request on whichever agent runs it, or will: agents remember cancels that
+        come before the placement, and one that was down when this went out finds it in
+        Redis. Fire and forget: the caller is answering already."""
         cancel = Cancel(request_id=request_id, reason=reason, at_ms=clock())
 
         async def publish() -> None:
+            try:
+                await redis.set(CANCELLED_KEY.format(request_id), reason, ex=CANCELLED_TTL_S)
+            except RedisError as exc:  # the agents running now still read it from Kafka
+                log.warning("cancel of request %s not kept in Redis: %r", request_id, exc)
             try:
                 await broker.publish(cancel.to_bytes(), topics.CONTROL.name,
                                      key=request_id.encode(),

@@ -14,6 +14,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from gpusched_common.redis_keys import (
+    CANCELLED_KEY,
     CLAIM_TTL_S,
     NODE_ALIVE_KEY,
     NODE_ALIVE_TTL_S,
@@ -72,6 +73,9 @@ class PlacementLedger(Protocol):
         """True for the first agent to ask about `record_ref` (a record every agent reads):
         that one reports it, the others do not."""
 
+    async def cancelled(self, request_id: str) -> str | None:
+        """The reason the router cancelled `request_id` with, None if it did not."""
+
 
 class RedisLedger:
     def __init__(self, redis: Redis) -> None:
@@ -115,6 +119,10 @@ class RedisLedger:
         return bool(await self._redis.set(key, node_id, nx=True, ex=CLAIM_TTL_S)) or \
             await self._redis.get(key) == node_id.encode()
 
+    async def cancelled(self, request_id: str) -> str | None:
+        reason = await self._redis.get(CANCELLED_KEY.format(request_id))
+        return None if reason is None else reason.decode(errors="replace")
+
 
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
@@ -125,6 +133,8 @@ class MemoryLedger:
         """Placements the scheduler has retried elsewhere (no longer running for it)."""
         self.alive_nodes: set[str] = set()
         self.reporters: dict[str, str] = {}
+        self.cancels: dict[str, str] = {}
+        """Request id -> reason, as the router keeps cancels in Redis."""
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
                     ) -> bool:
@@ -155,6 +165,9 @@ class MemoryLedger:
 
     async def first_to_report(self, record_ref: str, node_id: str) -> bool:
         return self.reporters.setdefault(record_ref, node_id) == node_id
+
+    async def cancelled(self, request_id: str) -> str | None:
+        return self.cancels.get(request_id)
 
 
 def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:
