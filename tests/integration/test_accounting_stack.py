@@ -311,11 +311,17 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
                               lambda k, v: k == tenant.encode())
     assert [EVENT.validate_json(v).type for _, v in events] == ["budget_exhausted"]
 
-    # the router reads the same flag (set here by hand for a tenant it knows) and says why
+    # the router reads the same flag (set here by hand for a tenant it knows) and says why;
+    # a retry of a request that ran before, with its Idempotency-Key, still gets its reply
     shared = Redis.from_url(stack.endpoints.redis_url)
+    keyed = {"Authorization": "Bearer sk-acme-demo", "Idempotency-Key": uuid.uuid4().hex}
     try:
-        await shared.set("gpusched:budget:exhausted:acme", flag, px=60_000)
-        async with httpx.AsyncClient(base_url=stack.router_url) as http:
+        async with httpx.AsyncClient(base_url=stack.router_url, timeout=30) as http:
+            before = await http.post("/v1/completions", headers=keyed, json={
+                "model": MODELS[0], "prompt": "before", "max_tokens": 3})
+            await shared.set("gpusched:budget:exhausted:acme", flag, px=60_000)
+            again = await http.post("/v1/completions", headers=keyed, json={
+                "model": MODELS[0], "prompt": "before", "max_tokens": 3})
             r = await http.post("/v1/completions", json={"model": MODELS[0], "prompt": "hi"},
                                 headers={"Authorization": "Bearer sk-acme-demo"})
     finally:
@@ -323,6 +329,8 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
         await shared.aclose()
     assert r.status_code == 429
     assert "day budget" in r.json()["error"]["message"]
+    assert before.status_code == again.status_code == 200
+    assert again.json() == before.json()  # the same request's reply: nothing ran again
 
 
 async def test_a_tenant_reads_only_its_own_usage(stack) -> None:

@@ -163,9 +163,6 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
             return error(tenant)
-        spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
-        if spent is not None:
-            return error(_budget_error(spent))
         body = await read_json(request)
         if isinstance(body, ApiError):
             return error(body)
@@ -185,6 +182,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 if first_use.digest != digest:
                     return error(reused(key), req.priority_class)
                 return await replay(request, parsed, kind, first_use.request_id)
+        spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
+        if spent is not None:  # after a replay: a spent budget runs nothing new, replays nothing
+            if key is not None:
+                await idempotency.release(tenant.name, key, request_id)
+            return error(_budget_error(spent), req.priority_class)
         queue = hub.open(request_id)
         with tracer.start_as_current_span(
             f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
