@@ -301,7 +301,7 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
     ledger, store = RedisLedger(redis), RunningStore(redis)
     try:
         for p in (done, running):
-            assert await ledger.claim(p.placement_id, node, 7, p.to_bytes())
+            assert await ledger.claim(p.placement_id, node, 7, p.to_bytes(), p.request.request_id)
         await ledger.finishing(done.placement_id, node, 7, outbox.encode(
             [(result, topics.RESULTS.name, result.request_id)]))
         filed = await store.filed_finals([node, "no-such-node"])

@@ -199,11 +199,15 @@ class AgentRuntime:
         self.highest_epoch = max(self.highest_epoch, cmd.scheduler_epoch)
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
-        if cmd.placement_id in self._running or not await self._ledger.claim(
-                cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes()):
+        claim = None if cmd.placement_id in self._running else await self._ledger.claim(
+            cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
+            cmd.request.request_id)
+        if claim is None:
             log.info("placement %s already taken; ignoring the duplicate", cmd.placement_id)
             return Ignored("duplicate")
         run = self._running[cmd.placement_id] = _Running(cmd)
+        if claim.cancelled is not None:  # a cancel this agent never read: it ends unrun
+            run.stop_reason, run.detail = "cancelled", claim.cancelled
         run.task = asyncio.create_task(self._run(run), name=cmd.placement_id)
         return Started(cmd.placement_id)
 
@@ -263,10 +267,8 @@ class AgentRuntime:
         if run.stop_reason is not None:
             await self._end_unstarted(run, run.stop_reason, run.detail)
             return
-        cancelled = self._cancelled[request.request_id] if request.request_id in \
-            self._cancelled else await self._cancel_kept(request.request_id)
-        if cancelled is not None:
-            await self._end_unstarted(run, "cancelled", cancelled)
+        if request.request_id in self._cancelled:
+            await self._end_unstarted(run, "cancelled", self._cancelled[request.request_id])
             return
         model = self.catalog.get(request.model)
         admitted: Admitted | Refused
@@ -280,15 +282,6 @@ class AgentRuntime:
             await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
             return
         await self._execute(run, admitted, model)
-
-    async def _cancel_kept(self, request_id: str) -> str | None:
-        """A cancel this agent did not read (it was down when it went out), from Redis."""
-        try:
-            return await self._ledger.cancelled(request_id)
-        except Exception:  # noqa: BLE001 - Redis away: the claim just made it; run it
-            log.warning("could not read whether request %s was cancelled", request_id,
-                        exc_info=True)
-            return None
 
     async def _release(self, placement_id: str) -> None:
         try:

@@ -9,6 +9,7 @@ again rather than running the request a second time."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from redis.asyncio import Redis
@@ -27,15 +28,24 @@ from gpusched_common.redis_keys import (
 _CLAIM = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-  return 1
+elseif redis.call('HGET', KEYS[2], ARGV[3]) ~= ARGV[4] then
+  return false
 end
-if redis.call('HGET', KEYS[2], ARGV[3]) == ARGV[4] then
-  return 1
-end
-return 0
+return redis.call('GET', KEYS[3]) or ''
 """
-"""Claim and file in one step. The second branch answers a retried call (the client retries
-on a lost connection) whose first attempt was applied: still this run's own claim."""
+"""Claim and file in one step, and read the router's cancel of the request (KEYS[3]) in the
+same round trip: nil when another holds the claim, else the cancel's reason ('' for none).
+The `elseif` answers a retried call (the client retries on a lost connection) whose first
+attempt was applied: still this run's own claim."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A placement this agent run holds."""
+
+    cancelled: str | None
+    """The reason the router cancelled its request with, kept in Redis (None: not
+    cancelled); the agent may have been down when that cancel went out on Kafka."""
 
 REPORT_CLAIM_KEY = "gpusched:agent:report:{}"
 """Which agent dead-letters a record that every agent reads and none can (SET NX, first wins),
@@ -43,10 +53,10 @@ so that it is reported once, not once per node."""
 
 
 class PlacementLedger(Protocol):
-    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
-                    ) -> bool:
-        """True for the first claim of `placement_id` ever (across redeliveries and agent
-        restarts); False for every later one. The first also files it under the node."""
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
+                    request_id: str) -> Claim | None:
+        """A `Claim` for the first claim of `placement_id` ever (across redeliveries and
+        agent restarts); None for every later one. The first also files it under the node."""
 
     async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
                         ) -> None:
@@ -73,20 +83,21 @@ class PlacementLedger(Protocol):
         """True for the first agent to ask about `record_ref` (a record every agent reads):
         that one reports it, the others do not."""
 
-    async def cancelled(self, request_id: str) -> str | None:
-        """The reason the router cancelled `request_id` with, None if it did not."""
-
 
 class RedisLedger:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self._claim = redis.register_script(_CLAIM)
 
-    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
-                    ) -> bool:
-        return bool(await self._claim(
-            keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id)],
-            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)]))
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
+                    request_id: str) -> Claim | None:
+        cancelled = await self._claim(
+            keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id),
+                  CANCELLED_KEY.format(request_id)],
+            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)])
+        if cancelled is None:
+            return None
+        return Claim(cancelled.decode(errors="replace") or None)
 
     async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
                         ) -> None:
@@ -119,10 +130,6 @@ class RedisLedger:
         return bool(await self._redis.set(key, node_id, nx=True, ex=CLAIM_TTL_S)) or \
             await self._redis.get(key) == node_id.encode()
 
-    async def cancelled(self, request_id: str) -> str | None:
-        reason = await self._redis.get(CANCELLED_KEY.format(request_id))
-        return None if reason is None else reason.decode(errors="replace")
-
 
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
@@ -136,13 +143,13 @@ class MemoryLedger:
         self.cancels: dict[str, str] = {}
         """Request id -> reason, as the router keeps cancels in Redis."""
 
-    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes
-                    ) -> bool:
+    async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
+                    request_id: str) -> Claim | None:
         if placement_id in self.claims:
-            return False
+            return None
         self.claims[placement_id] = node_id
         self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, placement)
-        return True
+        return Claim(self.cancels.get(request_id))
 
     async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
                         ) -> None:
@@ -165,9 +172,6 @@ class MemoryLedger:
 
     async def first_to_report(self, record_ref: str, node_id: str) -> bool:
         return self.reporters.setdefault(record_ref, node_id) == node_id
-
-    async def cancelled(self, request_id: str) -> str | None:
-        return self.cancels.get(request_id)
 
 
 def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:
