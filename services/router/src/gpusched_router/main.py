@@ -173,6 +173,13 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return error(parsed)
         req = parsed.request
         key = request.headers.get(IDEMPOTENCY_HEADER)
+
+        async def free_key() -> None:
+            """The request was not taken in: a retry with its key must run."""
+            if key is not None:
+                with contextlib.suppress(RedisError):  # it expires with the status TTL
+                    await idempotency.release(tenant.name, key, request_id)
+
         if key is not None:
             if (bad := check_key(key)) is not None:
                 return error(bad, req.priority_class)
@@ -183,9 +190,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                     return error(reused(key), req.priority_class)
                 return await replay(request, parsed, kind, first_use.request_id)
         spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
-        if spent is not None:  # after a replay: a spent budget runs nothing new, replays nothing
-            if key is not None:
-                await idempotency.release(tenant.name, key, request_id)
+        if spent is not None:  # checked after the replay: a spent budget stops new work only
+            await free_key()
             return error(_budget_error(spent), req.priority_class)
         queue = hub.open(request_id)
         with tracer.start_as_current_span(
@@ -208,17 +214,14 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 hub.close(request_id, queue)
                 send_cancel(request_id, "the router answered 503: Kafka did not take it in "
                             "time")
-                if key is not None:  # not taken in: a retry with the key runs
-                    await idempotency.release(tenant.name, key, request_id)
+                await free_key()
                 return error(ApiError(
                     503, f"Kafka did not take request {request_id} within "
                     f"{settings.publish_timeout_s:g} s (is Kafka up?); it is cancelled, send "
                     "it again"), req.priority_class)
             except Exception:
                 hub.close(request_id, queue)
-                if key is not None:
-                    with contextlib.suppress(RedisError):
-                        await idempotency.release(tenant.name, key, request_id)
+                await free_key()
                 raise
         try:
             await hub.accepted(req, trace_id)
@@ -254,16 +257,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             # Its outcome may have passed this router before the queue opened, and be
             # stored a moment later: read the status again every STATUS_POLL_S.
             loop = asyncio.get_running_loop()
-            while True:
-                stored = await hub.status(request_id) or {}
-                if "result" in stored:
-                    return RESULT_EVENT.validate_python(stored["result"])
+            stored = status
+            while "result" not in stored:
                 try:
                     return await _next_terminal(queue, min(deadline_s, loop.time() + STATUS_POLL_S),
                                                 gone, stop_at_chunk=False)
                 except TimeoutError:
                     if loop.time() >= deadline_s:
                         raise
+                stored = await hub.status(request_id) or {}
+            return RESULT_EVENT.validate_python(stored["result"])
 
         accepted.labels(original.priority_class, "replayed").inc()
         return await answer(request, replace(parsed, request=original), kind, queue,
