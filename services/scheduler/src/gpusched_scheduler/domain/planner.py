@@ -268,11 +268,13 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         if room is not None:
             units = np.array(blocked, np.int64)
             evicting = solve(room, batch.take(units), policy, shapes=shapes)
+            now_placed: set[int] = set()  # ids of their items
             for j, u in enumerate(blocked):
                 outcome = evicting.outcome(j)
                 if hasattr(outcome, "gpu_indices"):
                     placed.append(_place(snap, batch, u, items[u], outcome))
-                    waiting.remove(items[u])
+                    now_placed.add(id(items[u]))
+            waiting = [item for item in waiting if id(item) not in now_placed]
             state = evicting.state
     if running and may_preempt:
         taken: set[str] = set()
