@@ -5,6 +5,7 @@ traced; bad input gets a clear error and never a silent loss."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError
+from redis.asyncio import Redis
 from stack_helpers import (
     SERVICE_TEST_ENV,
     TEST_SERVICE_PORTS,
@@ -28,6 +30,7 @@ from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, RESULT_EVENT, USAGE, RequestResult
 from gpusched_ops.cli import app
 from gpusched_ops.services import service_specs
+from gpusched_router.adapters.idempotency import KEY as IDEMPOTENCY_KEY
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "qwen2.5-1.5b"
@@ -158,12 +161,13 @@ async def test_a_stream_cut_by_a_killed_router_ends_in_a_status_its_client_can_r
     assert (billed["requests"], billed["completion_tokens"]) == (1, 4000)
 
 
-async def requests_for(stack, marker: str) -> int:
-    """How many requests with `marker` in their prompt reached the request topics."""
-    found = 0
+async def requests_for(stack, marker: str) -> list[str]:
+    """The request id of each record with `marker` in its prompt on the request topics."""
+    found = []
     for topic in topics.REQUESTS.values():
-        found += len(await read_topic(stack.endpoints.kafka_bootstrap, topic.name,
-                                      lambda _k, v: marker.encode() in v, timeout_s=2))
+        found += [json.loads(value)["request_id"] for _, value in await read_topic(
+            stack.endpoints.kafka_bootstrap, topic.name, lambda _k, v: marker.encode() in v,
+            timeout_s=2)]
     return found
 
 
@@ -186,7 +190,7 @@ async def test_retries_with_one_idempotency_key_run_once_and_get_the_same_reply(
     assert {r.headers["x-request-id"] for r in replies} == {request_id}
     assert {b.choices[0].text for b in bodies} == {bodies[0].choices[0].text}
     assert bodies[0].usage.completion_tokens == 2000
-    assert await requests_for(stack, marker) == 1
+    assert len(await requests_for(stack, marker)) == 1
     await result_of(stack, request_id)  # exactly one result
     billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
     assert (billed["requests"], billed["completion_tokens"]) == (1, 2000)
@@ -216,7 +220,7 @@ async def test_a_retry_with_its_key_gets_the_reply_after_its_router_died_or_its_
                       if line.startswith("data: {")]
         text = "".join(e["choices"][0]["text"] for e in events)
         assert len(text.split()) == 4000 and events[-1]["choices"][0]["finish_reason"] == "length"
-        assert await requests_for(stack, marker) == 1
+        assert len(await requests_for(stack, marker)) == 1
         request_id = retry.headers["x-request-id"]
         assert (await result_of(stack, request_id)).text == text
         billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
@@ -245,6 +249,61 @@ async def test_a_retry_with_its_key_gets_the_reply_after_its_router_died_or_its_
             async for _ in first.aiter_bytes():
                 break  # about 5 s of work left: the client hangs up
         await retried(http, headers, body, left)
+
+
+async def test_a_keys_retry_runs_the_request_its_first_use_never_got_into_kafka(stack) -> None:
+    """Kafka is down. Two sends with one key: the first gets the router's 503 and frees the
+    key, the second, waiting on the first, a 503 as well (it waited for the router's time-out
+    before, 5 minutes, and got a 504 that said not to retry). A third send's router dies
+    before Kafka takes it in, leaving the key claimed for a request that never ran (its
+    retries waited on it and got 504s, for a day). Once all is back, each key's retry runs
+    its request once, billed once: the third under its first use's id."""
+    [spec] = [s for s in service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV)
+              if s.name == "router"]
+    refused, stranded = uuid.uuid4().hex, uuid.uuid4().hex
+    prompts = {refused: f"refused {uuid.uuid4().hex}", stranded: f"stranded {uuid.uuid4().hex}"}
+
+    async def send(http: httpx.AsyncClient, key: str) -> httpx.Response:
+        return await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": prompts[key], "max_tokens": 20},
+            headers={"Authorization": "Bearer sk-acme-demo", "Idempotency-Key": key})
+
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    claim = IDEMPOTENCY_KEY.format("acme", hashlib.sha256(stranded.encode()).hexdigest())
+    killed = False
+    stack.processes.stop_component("kafka")
+    try:
+        async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
+            first = asyncio.create_task(send(http, refused))
+            await asyncio.sleep(1.0)  # holds the key, waiting for Kafka
+            second = await send(http, refused)
+            for reply in (await first, second):
+                assert reply.status_code == 503, reply.text
+                assert "send it again" in reply.json()["error"]["message"]
+            cut = asyncio.create_task(send(http, stranded))
+            await eventually(lambda: redis.exists(claim), what="the key claimed")
+            stack.processes.kill_service("router")
+            killed = True
+            with pytest.raises(httpx.HTTPError):
+                await cut
+    finally:
+        stack.processes.start_component("kafka")
+        if killed:
+            await asyncio.to_thread(stack.processes.start_service, spec)
+        await redis.aclose()
+    sdk = client(stack).with_options(timeout=60)
+    for key in (refused, stranded):
+        reply = await sdk.completions.with_raw_response.create(
+            model=MODEL, prompt=prompts[key], max_tokens=20,
+            extra_headers={"Idempotency-Key": key})
+        assert reply.parse().usage.completion_tokens == 20
+        request_id = reply.headers["x-request-id"]
+        await result_of(stack, request_id)  # exactly one result
+        billed = await eventually(lambda rid=request_id: billed_usage(stack, rid),
+                                  what="billed")
+        assert (billed["requests"], billed["completion_tokens"]) == (1, 20)
+    # the stranded request ran under its first use's id: nothing else with its prompt did
+    assert set(await requests_for(stack, prompts[stranded])) == {request_id}
 
 
 async def test_accounting_returns_exactly_the_tokens_used(stack) -> None:

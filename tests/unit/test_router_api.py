@@ -9,14 +9,14 @@ import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import RequestResult, TokenChunk
-from gpusched_router.domain.idempotency import check_key, request_digest
+from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
     ApiError,
     ParsedRequest,
     parse_chat,
     parse_completion,
 )
-from gpusched_router.main import _failure, _sse
+from gpusched_router.main import _failure, _sse, _worth_retrying
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
@@ -264,3 +264,23 @@ def test_a_key_stands_for_its_endpoint_and_body_not_their_spelling() -> None:
     assert request_digest("/v1/completions", body) == same
     assert request_digest("/v1/chat/completions", body) != same
     assert request_digest("/v1/completions", {**body, "max_tokens": 6}) != same
+
+
+def test_a_keys_first_use_reads_back_and_is_taken_over_only_after_its_routers_time() -> None:
+    use = FirstUse("req-1", "ab12", 1_000_000)
+    assert FirstUse.parse(str(use)) == use
+    assert FirstUse.parse("req-1 ab12") == FirstUse("req-1", "ab12", 0)  # older routers
+    # a live router takes the request in, or frees the key, within its publish time-out
+    # (10 s here) plus a Redis time-out; after that the first use is abandoned
+    assert not use.abandoned(1_000_000 + 19_000, publish_timeout_s=10)
+    assert use.abandoned(1_000_000 + 21_000, publish_timeout_s=10)
+
+
+@pytest.mark.parametrize("status,keyed,worth", [
+    (409, False, False), (409, True, False),   # cancelled: a retry runs it, or replays 409
+    (504, False, False), (504, True, True),    # still running: with a key a retry waits on it
+    (503, False, True), (502, False, True),
+])
+def test_clients_are_told_not_to_retry_where_it_would_run_the_request_again(
+        status: int, keyed: bool, worth: bool) -> None:
+    assert _worth_retrying(ApiError(status, "x"), keyed=keyed) == worth

@@ -27,6 +27,7 @@ from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import (
     RESULT_EVENT,
     Cancel,
+    InferenceRequest,
     Rejection,
     RequestResult,
     ResultEvent,
@@ -41,6 +42,7 @@ from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.idempotency import (
     IDEMPOTENCY_HEADER,
+    FirstUse,
     check_key,
     request_digest,
     reused,
@@ -52,7 +54,7 @@ SERVICE = "router"
 STATUS_GROUP = "gpusched-router-status"
 STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
-WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | None]]
+WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
 PRIORITY_HEADER = "x-priority-class"
 
@@ -173,61 +175,43 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return error(parsed)
         req = parsed.request
         key = request.headers.get(IDEMPOTENCY_HEADER)
-
-        async def free_key() -> None:
-            """The request was not taken in: a retry with its key must run."""
-            if key is not None:
-                with contextlib.suppress(RedisError):  # it expires with the status TTL
-                    await idempotency.release(tenant.name, key, request_id)
-
+        use: FirstUse | None = None
         if key is not None:
             if (bad := check_key(key)) is not None:
                 return error(bad, req.priority_class)
-            digest = request_digest(request.url.path, body)
-            first_use = await idempotency.claim(tenant.name, key, request_id, digest)
-            if first_use is not None:
-                if first_use.digest != digest:
+            use = FirstUse(request_id, request_digest(request.url.path, body), clock())
+            holder = await idempotency.claim(tenant.name, key, use)
+            if holder is not None:
+                if holder.digest != use.digest:
                     return error(reused(key), req.priority_class)
-                return await replay(request, parsed, kind, first_use.request_id)
+                return await replay(request, parsed, kind, tenant.name, key, holder)
+
+        async def free_key() -> None:
+            """The request was not taken in: a retry with its key must run."""
+            if key is not None and use is not None:
+                with contextlib.suppress(RedisError):  # it expires with the status TTL
+                    await idempotency.release(tenant.name, key, use)
+
         spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
         if spent is not None:  # checked after the replay: a spent budget stops new work only
             await free_key()
             return error(_budget_error(spent), req.priority_class)
         queue = hub.open(request_id)
-        with tracer.start_as_current_span(
-            f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
-            attributes={"gpusched.request_id": request_id, "gpusched.tenant": req.tenant,
-                        "gpusched.priority_class": req.priority_class,
-                        "gpusched.model": req.model},
-        ) as span:
-            trace_id = trace_id_hex(span)
-            try:
-                async with asyncio.timeout(settings.publish_timeout_s):
-                    await broker.publish(req.to_bytes(),
-                                         topics.REQUESTS[req.priority_class].name,
-                                         key=request_id.encode(),
-                                         headers={"content-type": "application/json"})
-            except TimeoutError:
-                # The producer may still deliver the record once Kafka is back; its cancel,
-                # queued behind it, then reaches the agents first (the request needs two more
-                # hops), so the request ends unrun and a client's retry is not run twice.
-                hub.close(request_id, queue)
-                send_cancel(request_id, "the router answered 503: Kafka did not take it in "
-                            "time")
-                await free_key()
-                return error(ApiError(
-                    503, f"Kafka did not take request {request_id} within "
-                    f"{settings.publish_timeout_s:g} s (is Kafka up?); it is cancelled, send "
-                    "it again"), req.priority_class)
-            except Exception:
-                hub.close(request_id, queue)
-                await free_key()
-                raise
         try:
-            await hub.accepted(req, trace_id)
-        except RedisError as exc:  # published: the request runs; only its status record waits
-            log.warning("request %s accepted, its queued status not stored: %r", request_id,
-                        exc)
+            trace_id = await take_in(req, kind)
+        except TimeoutError:
+            # The producer may still deliver the record once Kafka is back; its cancel,
+            # queued behind it, then reaches the agents first (the request needs two more
+            # hops), so the request ends unrun and a client's retry is not run twice.
+            hub.close(request_id, queue)
+            send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
+            await free_key()
+            return error(_not_taken_in(request_id, settings.publish_timeout_s,
+                                       "it is cancelled, send it again"), req.priority_class)
+        except Exception:
+            hub.close(request_id, queue)
+            await free_key()
+            raise
         accepted.labels(req.priority_class, "accepted").inc()
 
         def abandoned() -> None:
@@ -239,10 +223,34 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
         return await answer(request, parsed, kind, queue, trace_id, abandoned)
 
-    async def replay(request: Request, parsed: ParsedRequest, kind: str,
-                     request_id: str) -> Response:
+    async def take_in(req: InferenceRequest, kind: str) -> str:
+        """Publish `req` to its priority class's topic and store its queued status; its
+        trace id. Raises TimeoutError when Kafka did not take it within the publish
+        time-out."""
+        with tracer.start_as_current_span(
+            f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
+            attributes={"gpusched.request_id": req.request_id, "gpusched.tenant": req.tenant,
+                        "gpusched.priority_class": req.priority_class,
+                        "gpusched.model": req.model},
+        ) as span:
+            trace_id = trace_id_hex(span)
+            async with asyncio.timeout(settings.publish_timeout_s):
+                await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
+                                     key=req.request_id.encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            await hub.accepted(req, trace_id)
+        except RedisError as exc:  # published: the request runs; only its status record waits
+            log.warning("request %s accepted, its queued status not stored: %r",
+                        req.request_id, exc)
+        return trace_id
+
+    async def replay(request: Request, parsed: ParsedRequest, kind: str, tenant: str,
+                     key: str, holder: FirstUse) -> Response:
         """Answer a retry with an Idempotency-Key already used for the same request: the
-        first use's outcome, once it has one; nothing runs again."""
+        first use's outcome, once it has one; nothing runs again. If the first use's request
+        was never taken in (its router died first), the retry sends it, under its id."""
+        request_id = holder.request_id
         queue = hub.open(request_id)  # before reading the status: no outcome falls between
         try:
             status = await hub.status(request_id) or {}
@@ -253,12 +261,37 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             "request_id": request_id,
             "created_at_ms": int(status.get("created_at_ms", parsed.request.created_at_ms))})
 
-        async def outcome(deadline_s: float, gone: asyncio.Future[None]) -> ResultEvent | None:
+        async def taken_in() -> ApiError | None:
+            """With no status stored yet: None while the first use may still be on its way
+            in (or once this retry has sent it, its router having died before it was taken
+            in); a 503 if it was refused (its key freed or held by another request)."""
+            now_ms = clock()
+            current = await idempotency.holder(tenant, key)
+            if current is None or current.request_id != request_id:
+                return ApiError(503, f"request {request_id}, the first use of this "
+                                "Idempotency-Key, was refused before it ran; send it again")
+            if not current.abandoned(now_ms, settings.publish_timeout_s) or \
+                    not await idempotency.take_over(tenant, key, current, now_ms):
+                return None
+            log.warning("request %s (Idempotency-Key) has no status %.0f s after its first "
+                        "use: its router died before Kafka took it in; a retry sends it "
+                        "again (a copy Kafka did take is skipped as a redelivery)", request_id,
+                        (now_ms - current.claimed_at_ms) / 1000)
+            try:
+                await take_in(original, kind)
+            except TimeoutError:
+                return _not_taken_in(request_id, settings.publish_timeout_s, "send it again")
+            return None
+
+        async def outcome(deadline_s: float, gone: asyncio.Future[None]
+                          ) -> ResultEvent | ApiError | None:
             # Its outcome may have passed this router before the queue opened, and be
             # stored a moment later: read the status again every STATUS_POLL_S.
             loop = asyncio.get_running_loop()
             stored = status
             while "result" not in stored:
+                if not stored and (refused := await taken_in()) is not None:
+                    return refused
                 try:
                     return await _next_terminal(queue, min(deadline_s, loop.time() + STATUS_POLL_S),
                                                 gone, stop_at_chunk=False)
@@ -311,8 +344,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         failed = first if isinstance(first, ApiError) else _error_of(first)
         if failed is not None:
             observe()
-            if failed.status_code in (409, 504):  # a retry would run it again: say so
-                headers["x-should-retry"] = "false"
+            if not _worth_retrying(failed, keyed=IDEMPOTENCY_HEADER in request.headers):
+                headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
         if parsed.stream:  # its first token, or its whole (empty) completion
             return StreamingResponse(
@@ -397,6 +430,18 @@ async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
             event = getter.result()
             if not isinstance(event, TokenChunk) or stop_at_chunk:
                 return event
+
+
+def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
+    """False where a retry would run the request again for nothing: a cancelled one (409),
+    and one that timed out (504) and is still running, unless it has an Idempotency-Key
+    (its retry then waits for the same request)."""
+    return not (failed.status_code == 409 or (failed.status_code == 504 and not keyed))
+
+
+def _not_taken_in(request_id: str, publish_timeout_s: float, what_now: str) -> ApiError:
+    return ApiError(503, f"Kafka did not take request {request_id} within "
+                    f"{publish_timeout_s:g} s (is Kafka up?); {what_now}")
 
 
 def _timed_out(request_id: str) -> ApiError:

@@ -1,45 +1,57 @@
 """Idempotency keys in Redis: `gpusched:router:idempotency:<tenant>:<sha256 of key>` holds
-the request id and request digest of the key's first use, for as long as statuses are kept."""
+the key's first use (`FirstUse`), for as long as statuses are kept."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from gpusched_router.domain.idempotency import FirstUse
+
 KEY = "gpusched:router:idempotency:{}:{}"
-
-
-@dataclass(frozen=True)
-class FirstUse:
-    request_id: str
-    digest: str
+_REPLACE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class IdempotencyKeys:
     def __init__(self, redis: Redis, ttl_s: int) -> None:
         self._redis = redis
         self._ttl_s = ttl_s
+        self._replace = redis.register_script(_REPLACE)
+        self._release = redis.register_script(_RELEASE)
 
-    async def claim(self, tenant: str, key: str, request_id: str, digest: str
-                    ) -> FirstUse | None:
-        """None when this request is the key's first use (it now holds the key); else the
-        first use. Atomic (SET NX GET), so of two concurrent uses exactly one runs."""
-        earlier = await self._redis.set(self._name(tenant, key), f"{request_id} {digest}",
-                                        nx=True, ex=self._ttl_s, get=True)
-        if earlier is None:
-            return None
-        request_id, _, digest = earlier.decode().partition(" ")
-        return FirstUse(request_id, digest)
+    async def claim(self, tenant: str, key: str, use: FirstUse) -> FirstUse | None:
+        """None when `use` is the key's first use (it now holds the key); else the holder.
+        Atomic (SET NX GET), so of two concurrent uses exactly one runs."""
+        held = await self._redis.set(self._name(tenant, key), str(use), nx=True,
+                                     ex=self._ttl_s, get=True)
+        return None if held is None else FirstUse.parse(held.decode())
 
-    async def release(self, tenant: str, key: str, request_id: str) -> None:
-        """Give the key up, if `request_id` still holds it: its request was never taken in,
-        so a retry with the key must run."""
-        name = self._name(tenant, key)
-        held = await self._redis.get(name)
-        if held is not None and held.decode().partition(" ")[0] == request_id:
-            await self._redis.delete(name)
+    async def holder(self, tenant: str, key: str) -> FirstUse | None:
+        held = await self._redis.get(self._name(tenant, key))
+        return None if held is None else FirstUse.parse(held.decode())
+
+    async def take_over(self, tenant: str, key: str, holder: FirstUse, now_ms: int) -> bool:
+        """Claim the key afresh for `holder`'s request, if it is still the holder; of several
+        retries taking over at once, exactly one gets True."""
+        renewed = FirstUse(holder.request_id, holder.digest, now_ms)
+        return bool(await self._replace(keys=[self._name(tenant, key)],
+                                        args=[str(holder), str(renewed)]))
+
+    async def release(self, tenant: str, key: str, use: FirstUse) -> None:
+        """Give the key up, if `use` still holds it: its request was never taken in, so a
+        retry with the key must run."""
+        await self._release(keys=[self._name(tenant, key)], args=[str(use)])
 
     @staticmethod
     def _name(tenant: str, key: str) -> str:

@@ -6,12 +6,39 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from gpusched_router.domain.openai_api import ApiError
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_KEY_CHARS = 255
+TAKE_OVER_GRACE_S = 10.0
+"""Beyond the publish time-out: a first use still running answers (its request taken in, or
+refused and its key freed) within the time-out plus one Redis time-out (5 s) and this."""
+
+
+@dataclass(frozen=True)
+class FirstUse:
+    """Who holds a key: the request id its first use took, the digest of its request, and
+    when the holder claimed it (ms since the epoch). Stored as one string."""
+
+    request_id: str
+    digest: str
+    claimed_at_ms: int
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.digest} {self.claimed_at_ms}"
+
+    @classmethod
+    def parse(cls, stored: str) -> FirstUse:
+        request_id, digest, claimed_at = (stored.split(" ") + ["0"])[:3]  # 0: an older router
+        return cls(request_id, digest, int(claimed_at))
+
+    def abandoned(self, now_ms: int, publish_timeout_s: float) -> bool:
+        """True once the holder has had the time to take its request in: if its status is
+        still missing, its router died (or lost Redis) on the way, and a retry takes over."""
+        return now_ms - self.claimed_at_ms > (publish_timeout_s + TAKE_OVER_GRACE_S) * 1000
 
 
 def check_key(key: str) -> ApiError | None:
