@@ -467,6 +467,40 @@ async def test_queue_depth_per_class_and_tenant_is_exported_as_of_the_scrape() -
     assert depth() == {}  # placed: nothing waits, and no stale series is left behind
 
 
+async def test_the_fleets_gpus_are_exported_by_type_and_state_as_of_the_scrape() -> None:
+    """Serving (a request runs, or a placement was sent), loaded (a model, nothing serving),
+    empty, unhealthy, and unreachable once a node is silent past the time-out."""
+    registry, now = CollectorRegistry(), [1000]
+
+    async def publish(batch):
+        return asyncio.gather()
+
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
+                              NoOpTracer(), EngineConfig(cycle_window_ms=0, node_timeout_ms=5000),
+                              registry=registry)
+    engine.lead(3, [])
+
+    def gpus() -> dict[tuple[str, str], float]:
+        return {(s.labels["gpu_type"], s.labels["state"]): s.value
+                for m in registry.collect() if m.name == "gpusched_scheduler_gpus"
+                for s in m.samples}
+
+    busy = node("a", [40000, 40000, 40000, 40000], models=(SMALL.name,))
+    busy = busy.model_copy(update={"gpus": (
+        busy.gpus[0].model_copy(update={"running_requests": 2}), busy.gpus[1],
+        busy.gpus[2].model_copy(update={"healthy": False}),
+        busy.gpus[3].model_copy(update={"loaded_models": ()}))})
+    engine.view.apply_node_state(busy, 1000)
+    engine.view.apply_node_state(node("b", [80000, 80000]), 1000)
+    engine.view.reserve(Reservation("p#0", "b", (1,), 1000, SMALL.name))
+    assert gpus() == {("H100-80GB", "serving"): 2, ("H100-80GB", "loaded"): 1,
+                      ("H100-80GB", "unhealthy"): 1, ("H100-80GB", "empty"): 2}
+    now[0] = 7000  # b goes on reporting, a is silent past the time-out
+    engine.view.apply_node_state(node("b", [80000, 80000], seq=2), 7000)
+    assert gpus() == {("H100-80GB", "unreachable"): 4, ("H100-80GB", "serving"): 1,
+                      ("H100-80GB", "empty"): 1}
+
+
 class Commits:
     def __init__(self) -> None:
         self.offsets: dict = {}

@@ -224,7 +224,9 @@ class SchedulingEngine:
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
         self._last_scaling_s = 0.0
-        self._metrics = _Metrics(registry or CollectorRegistry(), self.queue)
+        registry = registry or CollectorRegistry()
+        self._metrics = _Metrics(registry, self.queue)
+        registry.register(_FleetGpus(self.view, clock, config.node_timeout_ms))
 
     # --- leadership ---------------------------------------------------------------------
     def lead(self, epoch: int, running: list[RunningPlacement],
@@ -880,6 +882,26 @@ class _QueueDepth(Collector):
                                    labels=["priority_class", "tenant"])
         for (cls, tenant), n in sorted(self._queue.depth_by_tenant().items()):
             family.add_metric([cls, tenant], n)
+        yield family
+
+
+class _FleetGpus(Collector):
+    """`gpusched_scheduler_gpus`: the fleet's GPUs by type and state (serving, loaded,
+    empty, unhealthy, unreachable), counted from the view when scraped, as the queue depth
+    is. Every instance reads node states; only the leader counts the placements it sent."""
+
+    def __init__(self, view: ClusterView, clock: Callable[[], int], node_timeout_ms: int
+                 ) -> None:
+        self._view = view
+        self._clock = clock
+        self._node_timeout_ms = node_timeout_ms
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("gpusched_scheduler_gpus", "GPUs of the fleet by state.",
+                                   labels=["gpu_type", "state"])
+        live = self._view.live_nodes(self._clock(), self._node_timeout_ms)
+        for (gpu_type, state), n in sorted(self._view.gpu_states(live).items()):
+            family.add_metric([gpu_type, state], n)
         yield family
 
 

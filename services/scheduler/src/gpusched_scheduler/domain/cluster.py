@@ -104,5 +104,24 @@ class ClusterView:
                 models.setdefault(g, set()).add(r.model)
         return mib, models
 
+    def gpu_states(self, live: set[str]) -> dict[tuple[str, str], int]:
+        """How many GPUs per (GPU type, state), for operators: `unreachable` on a node not in
+        `live`, else `unhealthy`; `serving` with requests running on it or placements sent
+        to it; `loaded` with models in memory and nothing serving; else `empty`."""
+        counts: dict[tuple[str, str], int] = {}
+        for node_id, state in self.nodes.items():
+            _, sent = self.node_reservations(node_id)
+            for gpu in state.gpus:
+                if node_id not in live:
+                    what = "unreachable"
+                elif not gpu.healthy:
+                    what = "unhealthy"
+                elif gpu.running_requests or gpu.index in sent:
+                    what = "serving"
+                else:
+                    what = "loaded" if gpu.loaded_models else "empty"
+                counts[gpu.gpu_type, what] = counts.get((gpu.gpu_type, what), 0) + 1
+        return counts
+
     def _bump(self, node_id: str) -> None:
         self.version[node_id] = self.version.get(node_id, 0) + 1
