@@ -1,8 +1,10 @@
-"""The alerting rules in ops/prometheus read only metrics the running services serve (the
-rules' own behaviour is tested with promtool in tests/unit/test_prometheus_rules.py)."""
+"""The alerting rules in ops/prometheus and the Grafana dashboard in ops/grafana read only
+metrics the running services serve (the rules' behaviour is tested with promtool, and the
+dashboard's queries checked by it, in tests/unit/test_monitoring.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,20 +14,31 @@ import yaml
 from stack_helpers import TEST_SERVICE_PORTS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-RULES = Path(__file__).resolve().parents[2] / "ops" / "prometheus" / "gpusched-rules.yaml"
+OPS = Path(__file__).resolve().parents[2] / "ops"
 
 
-async def test_every_metric_the_alert_rules_read_is_served(stack) -> None:
+def rule_queries() -> list[str]:
+    [group] = yaml.safe_load((OPS / "prometheus" / "gpusched-rules.yaml").read_text())["groups"]
+    return [rule["expr"] for rule in group["rules"]]
+
+
+def dashboard_queries() -> list[str]:
+    panels = json.loads((OPS / "grafana" / "gpusched.json").read_text())["panels"]
+    return [target["expr"] for panel in panels for target in panel.get("targets", ())]
+
+
+@pytest.mark.parametrize("what,queries,least", [
+    ("the alert rules", rule_queries, 8), ("the dashboard", dashboard_queries, 14)])
+async def test_every_metric_read_is_served(stack, what: str, queries, least: int) -> None:
     served: set[str] = set()
     async with httpx.AsyncClient(timeout=10) as http:
         for url in (stack.router_url, stack.scheduler_url, stack.accounting_url,
                     f"http://127.0.0.1:{TEST_SERVICE_PORTS.agent(0)}"):
             text = (await http.get(f"{url}/metrics")).text
             served |= set(re.findall(r"^# HELP (\S+)", text, re.MULTILINE))
-    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
-    read = {name for rule in rules for name in re.findall(r"\bgpusched_\w+", rule["expr"])}
+    read = {name for expr in queries() for name in re.findall(r"\bgpusched_\w+", expr)}
 
-    assert len(read) >= 8
+    assert len(read) >= least
     missing = {name for name in read
                if name not in served and re.sub(r"_(bucket|count|sum)$", "", name) not in served}
-    assert not missing, f"the rules read metrics no service serves: {sorted(missing)}"
+    assert not missing, f"{what} read metrics no service serves: {sorted(missing)}"

@@ -1,11 +1,13 @@
 """The alerting rules in ops/prometheus: each is well formed and says what to do, and
 `promtool test rules` shows each fires on the series that should raise it and stays quiet
 otherwise (promtool comes from ops/scripts/install-promtool.sh, which `make test` runs).
-That the rules read metrics the services serve is checked against the running stack in
+The Grafana dashboard in ops/grafana: each panel's queries are valid PromQL. That both read
+metrics the services serve is checked against the running stack in
 tests/integration/test_metrics.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,6 +20,21 @@ from gpusched_ops.stack import default_cache_dir
 RULES_DIR = Path(__file__).resolve().parents[2] / "ops" / "prometheus"
 RULES = RULES_DIR / "gpusched-rules.yaml"
 RULE_TESTS = RULES_DIR / "gpusched-rules.test.yaml"
+DASHBOARD = RULES_DIR.parent / "grafana" / "gpusched.json"
+GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
+"""What Grafana puts in a query before Prometheus sees it."""
+
+
+def dashboard_queries() -> dict[str, str]:
+    """Each query of the dashboard, by `<panel title> <refId>`, as Prometheus gets it."""
+    queries = {}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", ()):
+            expr = target["expr"]
+            for name, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(name, value)
+            queries[f"{panel['title']} {target['refId']}"] = expr
+    return queries
 
 
 def rules() -> list[dict]:
@@ -59,3 +76,29 @@ def test_promtool_accepts_the_rules_and_their_tests_pass(promtool: str, command:
                           text=True, timeout=120, cwd=RULES_DIR)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
+
+
+def test_every_dashboard_panel_is_placed_described_and_reads_the_chosen_prometheus() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    [variable] = dashboard["templating"]["list"]
+    assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 10
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        assert panel["description"] and panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+
+
+def test_promtool_accepts_every_dashboard_query(promtool: str, tmp_path: Path) -> None:
+    """As recording rules, since promtool checks expressions in rule files only."""
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{n}", "expr": expr}
+        for n, expr in enumerate(dashboard_queries().values())]}]}
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
