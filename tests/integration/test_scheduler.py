@@ -195,9 +195,10 @@ async def test_a_model_that_fits_only_without_an_idle_one_unloads_it_and_runs(
 async def test_a_request_cancelled_while_its_only_node_was_down_ends_there_unrun(
         stack, small_fleet) -> None:
     """The client hangs up while the fleet's one agent is down, so no agent reads the
-    router's cancel on Kafka. The agent comes back and is sent the request: it ends it
-    cancelled, unrun and unbilled. Before, it ran it, and the tenant paid for a reply
-    nobody read."""
+    router's cancel on Kafka. The agent comes back: the request ends cancelled, unrun and
+    unbilled, whether the scheduler still held it (it read the cancel) or had sent it to the
+    node (the agent finds the router's cancel in Redis). Before, the agent ran it, and the
+    tenant paid for a reply nobody read."""
     [spec] = [shifted(s, SMALL_PORT_SHIFT) for s in agent_specs(stack, small_fleet)]
     results = await watch(stack, topics.RESULTS.name)
     usage = await watch(stack, topics.USAGE.name)
@@ -218,8 +219,7 @@ async def test_a_request_cancelled_while_its_only_node_was_down_ends_there_unrun
                                                        topic.name, lambda _k, v: marker.encode()
                                                        in v, timeout_s=2)]
         await results.until(lambda recs: request_id in results_by_id(recs), 60, "its result")
-        await usage.until(lambda recs: any(request_id.encode() in v and b'"final":true' in v
-                                           for _k, v, _t in recs), 30, "its final usage")
+        await asyncio.sleep(2.0)  # an agent that ended it bills zero; nothing else bills it
     finally:
         await results.stop()
         await usage.stop()

@@ -23,6 +23,7 @@ from gpusched_common.contracts import (
     DEAD_LETTER,
     PLACEMENT,
     RESULT_EVENT,
+    Cancel,
     GpuState,
     InferenceRequest,
     NodeState,
@@ -385,6 +386,40 @@ async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     assert placement.node_id == "n1" and placement.scheduler_epoch == 3
     assert placement.request.request_id == "kafka-gpusched.requests.standard-0-1"
     assert placement.request.priority_class == "standard"
+
+
+async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
+        wired) -> None:
+    """A request waiting for room is cancelled: the next cycle ends it with a cancelled
+    result and nothing is placed, then or once room appears. A request whose cancel came
+    before it (the router's 503 when Kafka was slow) ends the same way. Before, both waited
+    for room and were then placed, for their agents to end them."""
+    broker, engine, sent = wired
+    standard = topics.REQUESTS["standard"].name
+
+    def body(request_id: str) -> bytes:
+        return json.dumps({"request_id": request_id, "tenant": "acme", "model": SMALL.name,
+                           "prompt": "hi", "max_tokens": 4}).encode()
+
+    await engine.admit([request_record(standard, 0, body("waits"))])
+    assert await engine.cycle() == 0  # no node: it waits
+    async with TestKafkaBroker(broker) as br:
+        for request_id in ("waits", "early"):
+            await br.publish(Cancel(request_id=request_id, reason="client disconnected",
+                                    at_ms=1000).to_bytes(), topics.CONTROL.name,
+                             key=request_id.encode())
+        await br.publish(b"not a cancel", topics.CONTROL.name, key=b"x")  # agents refuse it
+    await engine.admit([request_record(standard, 1, body("early")),
+                        request_record(standard, 2, body("placed"))])
+    engine.view.apply_node_state(node("n1", [80000]), 1000)
+    assert await engine.cycle() == 3
+    results = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert {(r.request_id, r.status, r.completion_tokens) for r in results} == {
+        ("waits", "cancelled", 0), ("early", "cancelled", 0)}
+    assert all(r.finish_reason == "cancelled before it was placed: client disconnected"
+               for r in results)
+    [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
+    assert placement.request.request_id == "placed" and not len(engine.queue)
 
 
 async def test_a_record_with_a_bad_request_id_among_other_errors_is_dead_lettered(wired) -> None:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from gpusched_common import topics
 from gpusched_common.catalog import ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
+    CANCEL,
     NODE_STATE,
     PRIORITY_CLASSES,
     REQUEST,
@@ -31,6 +32,7 @@ from gpusched_common.contracts import (
     Placement,
     Preempt,
     Rejection,
+    RequestResult,
     ScalingSignal,
     decode_json_object,
     invalid_fields,
@@ -201,6 +203,11 @@ class SchedulingEngine:
         self._placed = Recent(RECENT_DECISIONS)
         """Recently decided (request id, attempt), to skip redeliveries; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
+        self._cancelled = Recent(RECENT_DECISIONS)
+        """Request id -> reason of the cancels read lately (their requests, queued here or
+        admitted later, end cancelled unplaced)."""
+        self._to_cancel: set[str] = set()
+        """Cancelled request ids the next cycle takes out of the queue."""
         self._ended = Recent(RECENT_DECISIONS)
         """Placements whose final usage came, so that a copy of it (published again from an
         outbox after a crash) is not charged twice; bounded by RECENT_DECISIONS."""
@@ -295,9 +302,25 @@ class SchedulingEngine:
             item = Pending(request, outcome.carrier, now)
             if not self.queue.push(item):
                 item = self.queue.get(key) or item  # a redelivery of work still pending
+            if request.request_id in self._cancelled:  # its cancel came first
+                self._to_cancel.add(request.request_id)
             self.offsets.track(record, item, commit)
         self._wake.set()
         self._commit_decided()
+
+    def cancels(self, records: list[ConsumerRecord]) -> None:
+        """Note the cancels among control records: the next cycle ends their requests that
+        wait here, unplaced, and so does a cycle after one is admitted later. (Agents stop
+        those that run, and dead-letter records that are not cancels.)"""
+        for record in records:
+            try:
+                cancel = CANCEL.validate_json(record.value or b"")
+            except ValidationError:
+                continue
+            self._cancelled[cancel.request_id] = cancel.reason
+            if self.epoch is not None:  # a new leader reads its queue again: `admit` checks
+                self._to_cancel.add(cancel.request_id)
+        self._wake.set()
 
     async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
         """True once the records' class has room for them; False when not leading."""
@@ -416,7 +439,8 @@ class SchedulingEngine:
         await self._take_over()
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
-        if not len(self.queue):
+        cancelled = self._take_cancelled(now)
+        if not len(self.queue) and not cancelled:
             return 0
         started = time.perf_counter()
         chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
@@ -432,7 +456,7 @@ class SchedulingEngine:
             now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
-        messages: list[tuple[Pending, Outgoing]] = []
+        messages: list[tuple[Pending, Outgoing]] = list(cancelled)
         new_running: list[RunningPlacement] = []
         for place in decisions.placed:
             request = place.item.request
@@ -487,7 +511,8 @@ class SchedulingEngine:
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
             acked = await self._send([out for _, out in messages])
-        finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected]
+        finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected] \
+            + [item for item, _ in cancelled]
         for item in finished:
             self.queue.remove(item)
             self._placed[(item.request.request_id, item.request.attempt)] = None
@@ -558,9 +583,29 @@ class SchedulingEngine:
             self._placed.pop((item.request.request_id, item.request.attempt), None)
             if requeue:
                 self.queue.push(item)
+                if item.request.request_id in self._cancelled:
+                    self._to_cancel.add(item.request.request_id)
         self._wake.set()
 
     # --- helpers ------------------------------------------------------------------------
+    def _take_cancelled(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
+        """The cancelled requests waiting here, out of the queue, each with its terminal
+        result (nothing ran, nothing is billed) to publish with this cycle's decisions."""
+        out = []
+        for request_id in self._to_cancel:
+            for item in self.queue.of_request(request_id):
+                self.queue.remove(item)
+                request = item.request
+                waited_ms = max(0, now_ms - request.created_at_ms)
+                out.append((item, Outgoing(RequestResult(
+                    request_id=request_id, tenant=request.tenant, model=request.model,
+                    status="cancelled", finish_reason="cancelled before it was placed: "
+                    f"{self._cancelled.get(request_id, 'no reason given')}", prompt_tokens=0,
+                    completion_tokens=0, queued_ms=waited_ms, total_ms=waited_ms),
+                    topics.RESULTS.name, request_id, item.trace_carrier)))
+        self._to_cancel.clear()
+        return out
+
     def _estimate(self, item: Pending) -> float:
         return self._estimate_request(item.request)
 

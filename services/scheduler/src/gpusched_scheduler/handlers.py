@@ -14,7 +14,8 @@ USAGE_FETCH_MIN_BYTES = 64 * 1024
 
 
 def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
-    """Node state and usage: every instance, leader or standby, keeps its view warm."""
+    """Node state, usage and cancels: every instance, leader or standby, keeps its view
+    warm."""
 
     # The compacted topic is read from the start by every scheduler (no group).
     @broker.subscriber(topics.NODE_STATE.name, batch=True, group_id=None,
@@ -30,3 +31,10 @@ def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
                        fetch_min_bytes=USAGE_FETCH_MIN_BYTES, fetch_max_wait_ms=20, **RAW_BATCH)
     async def on_usage(msg: KafkaMessage) -> None:
         await engine.usage(list(msg.raw_message))
+
+    # Cancels: a request still waiting ends unplaced. From the end, as the agents read them:
+    # a leader that missed one places the request, and its agent ends it.
+    @broker.subscriber(topics.CONTROL.name, batch=True, group_id=None,
+                       auto_offset_reset="latest", batch_timeout_ms=5, **RAW_BATCH)
+    async def on_control(msg: KafkaMessage) -> None:
+        engine.cancels(list(msg.raw_message))

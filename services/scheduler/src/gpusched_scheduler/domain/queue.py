@@ -34,6 +34,9 @@ class PendingQueue:
         default_factory=lambda: {c: {} for c in PRIORITY_CLASSES})
     by_tenant: Counter[str] = field(default_factory=Counter)
     """How many items each tenant has waiting (quotas read it on every admission)."""
+    by_request: dict[str, list[Key]] = field(default_factory=dict)
+    """The keys waiting per request id (one, but for a retry queued beside an attempt
+    redelivered late), so a cancel finds its request without a scan."""
 
     def push(self, item: Pending) -> bool:
         """Queue at the back of its class, or at the front when it was preempted or lost
@@ -43,6 +46,7 @@ class PendingQueue:
             return False
         queue[item.key] = item
         self.by_tenant[item.request.tenant] += 1
+        self.by_request.setdefault(item.request.request_id, []).append(item.key)
         if item.request.requeued in ("preempted", "node_lost"):
             # it waited its turn once already
             self.by_class[item.request.priority_class] = {item.key: item, **{
@@ -59,6 +63,11 @@ class PendingQueue:
                 return item
         return None
 
+    def of_request(self, request_id: str) -> list[Pending]:
+        """Every attempt of `request_id` waiting here."""
+        return [self.by_class[c][key] for key in self.by_request.get(request_id, ())
+                for c in PRIORITY_CLASSES if key in self.by_class[c]]
+
     def in_order(self) -> Iterator[Pending]:
         for cls in PRIORITY_CLASSES:
             yield from list(self.by_class[cls].values())
@@ -72,6 +81,10 @@ class PendingQueue:
             self.by_tenant[item.request.tenant] -= 1
             if not self.by_tenant[item.request.tenant]:
                 del self.by_tenant[item.request.tenant]
+            keys = self.by_request[item.request.request_id]
+            keys.remove(item.key)
+            if not keys:
+                del self.by_request[item.request.request_id]
 
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}
