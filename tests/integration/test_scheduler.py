@@ -231,6 +231,63 @@ async def test_a_request_cancelled_while_its_only_node_was_down_ends_there_unrun
         u.gpu_seconds == 0 for u in billed)
 
 
+async def test_a_client_cancels_its_request_running_or_waiting(stack, small_fleet) -> None:
+    """POST /v1/requests/{id}/cancel (the id a 504 names, or `x-request-id`): a running
+    request stops, billed for the tokens it produced; one waiting behind a full fleet ends
+    at once, unplaced and unbilled (before, a cancel took effect only once the request was
+    placed). Each waiting client gets a 409. Another tenant's key gets 404, and a cancel of
+    an ended request 409."""
+    usage = await watch(stack, topics.USAGE.name)
+    acme = {"Authorization": "Bearer sk-acme-demo", "x-priority-class": "batch"}
+    http = httpx.AsyncClient(base_url=stack.router_url, timeout=60)
+
+    async def send(marker: str, prompt_words: int, max_tokens: int
+                   ) -> tuple[asyncio.Task, str]:
+        call = asyncio.create_task(http.post("/v1/completions", headers=acme, json={
+            "model": MODEL, "prompt": f"{marker} " + "tok " * prompt_words,
+            "max_tokens": max_tokens}))
+        found = await eventually(lambda: read_topic(
+            stack.endpoints.kafka_bootstrap, topics.REQUESTS["batch"].name,
+            lambda _k, v: marker.encode() in v, timeout_s=1), what=f"{marker} on Kafka")
+        return call, json.loads(found[0][1])["request_id"]
+
+    async def cancel(request_id: str, key: str = "sk-acme-demo") -> httpx.Response:
+        return await http.post(f"/v1/requests/{request_id}/cancel",
+                               headers={"Authorization": f"Bearer {key}"})
+
+    try:
+        running, running_id = await send(f"runs-{uuid.uuid4().hex}", 10, 3000)
+        await asyncio.sleep(1.5)  # it runs (about 4 s of work)
+        assert (await cancel(running_id, "sk-initech-demo")).status_code == 404
+        assert (await cancel(running_id)).status_code == 202
+        stopped = await running
+        assert stopped.status_code == 409 and "cancelled by its client" in stopped.text
+
+        await produce(stack, [request("initech", "batch", 300, "fill") for _ in range(8)])
+        await asyncio.sleep(1.0)  # 7 fill the L4; the 8th and the next request wait
+        waiting, waiting_id = await send(f"waits-{uuid.uuid4().hex}", BIG_PROMPT, 1000)
+        await asyncio.sleep(1.0)
+        asked_s = time.monotonic()
+        assert (await cancel(waiting_id)).status_code == 202
+        ended = await waiting
+        assert ended.status_code == 409, ended.text
+        assert "cancelled before it was placed" in ended.text
+        assert time.monotonic() - asked_s < 5  # the fleet stays full for far longer
+        again = await cancel(waiting_id)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "request_ended"
+        await usage.until(lambda recs: any(running_id.encode() in v and b'"final":true' in v
+                                           for _k, v, _t in recs), 30, "the run's usage")
+    finally:
+        await usage.stop()
+        await http.aclose()
+    billed = {}
+    for _k, value, _t in usage.records:
+        record = USAGE.validate_json(value)
+        billed[record.request_id] = billed.get(record.request_id, 0) + record.completion_tokens
+    assert 0 < billed[running_id] < 3000
+    assert waiting_id not in billed
+
+
 async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) -> None:
     usage = await watch(stack, topics.USAGE.name)
     results = await watch(stack, topics.RESULTS.name)

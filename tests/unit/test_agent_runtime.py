@@ -131,6 +131,7 @@ async def test_cancel_mid_stream_stops_promptly_and_bills_what_was_produced() ->
     await settle(runtime, timeout_s=1)
     [result] = sink.of(RequestResult)
     assert result.status == "cancelled" and 8 <= result.completion_tokens < 2000
+    assert result.finish_reason == "cancelled: client went away"
     streamed = sum(c.token_count for c in sink.of(TokenChunk))
     prompt, completion, gpu_s = usage_sum(sink, "c1")
     assert completion == result.completion_tokens == streamed

@@ -177,7 +177,12 @@ def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
     assert failed.status_code == 502
     assert failed.message == ("request req-1 failed on node node-1: executor error: inference "
                               "server unreachable")
-    assert _failure(_result("cancelled", "cancelled: by the operator")).status_code == 409
+    cancelled = _failure(_result("cancelled", "cancelled: by the operator"))
+    assert cancelled.status_code == 409
+    assert cancelled.message == "request req-1 was cancelled: by the operator"
+    assert _failure(_result("cancelled", "cancelled before it was placed: x")).message == \
+        "request req-1 was cancelled before it was placed: x"
+    assert _failure(_result("cancelled", "cancelled")).message == "request req-1 was cancelled"
     assert _failure(_result("completed", "stop")) is None
 
 

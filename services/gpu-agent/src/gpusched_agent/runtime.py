@@ -408,7 +408,7 @@ class AgentRuntime:
                 raise  # not ours (the loop is shutting down): let it propagate
             _uncancel()  # we asked for it: later awaits (publishes) must not see it again
             status = "cancelled"
-            finish_reason = run.stop_reason
+            finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as its client sent it
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"

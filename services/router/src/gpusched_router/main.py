@@ -139,13 +139,14 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return ApiError(400, f"request body is not valid JSON: {exc}")
 
-    def send_cancel(request_id: str, reason: str) -> None:
-        """Cancel a request on whichever agent runs it, or will: agents remember cancels that
-        come before the placement, and one that was down when this went out finds it in
-        Redis. Fire and forget: the caller is answering already."""
+    def send_cancel(request_id: str, reason: str) -> asyncio.Task[bool]:
+        """Cancel a request wherever it waits or runs: the scheduler ends it if it waits,
+        the agent running it stops it; agents remember cancels that come before the
+        placement, and one that was down when this went out finds it in Redis. Runs on its
+        own (the caller may be answering already); the task says whether Kafka took it."""
         cancel = Cancel(request_id=request_id, reason=reason, at_ms=clock())
 
-        async def publish() -> None:
+        async def publish() -> bool:
             try:
                 await redis.set(CANCELLED_KEY.format(request_id), reason, ex=CANCELLED_TTL_S)
             except RedisError as exc:  # the agents running now still read it from Kafka
@@ -154,12 +155,15 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 await broker.publish(cancel.to_bytes(), topics.CONTROL.name,
                                      key=request_id.encode(),
                                      headers={"content-type": "application/json"})
-            except Exception:  # noqa: BLE001 - nobody awaits it: say so in the log
+            except Exception:  # noqa: BLE001 - nobody may await it: say so in the log
                 log.exception("cancel of request %s (%s) not sent", request_id, reason)
+                return False
+            return True
 
         task = asyncio.create_task(publish())
         cancels.add(task)
         task.add_done_callback(cancels.discard)
+        return task
 
     async def handle(request: Request, parse: Any, kind: str) -> Response:
         tenant = await authenticate(request)
@@ -390,6 +394,30 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return error(ApiError(404, f"request '{request_id}' is unknown (or expired)"))
         return JSONResponse(status)
 
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel_request(request_id: str, request: Request) -> Response:
+        """Cancel one of the tenant's requests that has not ended: 202 once Kafka has the
+        cancel. A waiting request ends unplaced; a running one stops, billed for what it
+        produced; either ends 'cancelled' (its waiting client gets 409)."""
+        tenant = await authenticate(request)
+        if isinstance(tenant, ApiError):
+            return error(tenant)
+        status = await hub.status(request_id)
+        if status is None or status.get("tenant") != tenant.name:
+            return error(ApiError(404, f"request '{request_id}' is unknown (or expired)"))
+        if "result" in status:
+            return error(ApiError(409, f"request '{request_id}' has ended already: "
+                                  f"{status['status']}", code="request_ended"))
+        sent = send_cancel(request_id, "cancelled by its client")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(settings.publish_timeout_s):
+                await asyncio.shield(sent)
+        if not sent.done() or not sent.result():
+            return error(ApiError(503, f"Kafka did not take the cancel of request "
+                                  f"'{request_id}' within {settings.publish_timeout_s:g} s "
+                                  "(is Kafka up?); send it again"))
+        return JSONResponse({**status, "status": "cancelling"}, status_code=202)
+
     app.state.broker = broker
     app.state.hub = hub
     return app
@@ -465,9 +493,12 @@ def _failure(result: RequestResult) -> ApiError | None:
     if result.status == "failed":
         return ApiError(502, f"request {result.request_id} failed on node {result.node_id}: "
                         f"{result.finish_reason}")
-    if result.status == "cancelled":
-        return ApiError(409, f"request {result.request_id} was cancelled: "
-                        f"{result.finish_reason}", code="request_cancelled")
+    if result.status == "cancelled":  # "cancelled: <why>", or "cancelled before it ..."
+        why = result.finish_reason
+        if not why.startswith("cancelled"):
+            why = f"cancelled: {why}"
+        return ApiError(409, f"request {result.request_id} was {why}",
+                        code="request_cancelled")
     return None
 
 
