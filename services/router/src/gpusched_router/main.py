@@ -205,8 +205,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             trace_id = await take_in(req, kind)
         except TimeoutError:
             # The producer may still deliver the record once Kafka is back; its cancel,
-            # queued behind it, then reaches the agents first (the request needs two more
-            # hops), so the request ends unrun and a client's retry is not run twice.
+            # queued behind it, then reaches the scheduler and the agents first, so the
+            # request ends unrun and a client's retry is not run twice.
             hub.close(request_id, queue)
             send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
             await free_key()
