@@ -157,6 +157,7 @@ async def test_a_stream_cut_by_a_killed_router_ends_in_a_status_its_client_can_r
         status = await eventually(finished, timeout_s=30, what="the status of the request")
     assert status["status"] == "completed"
     assert status["result"]["text"] == result.text and status["tenant"] == "acme"
+    assert isinstance(status["created_at_ms"], int)  # a number, as in the request's JSON
     billed = await eventually(lambda: billed_usage(stack, request_id), what="billed")
     assert (billed["requests"], billed["completion_tokens"]) == (1, 4000)
 

@@ -95,6 +95,8 @@ class ResultsHub:
         out: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
         if "result" in out:
             out["result"] = json.loads(out["result"])
+        if "created_at_ms" in out:  # Redis keeps strings; a client reads a number
+            out["created_at_ms"] = int(out["created_at_ms"])
         out["request_id"] = request_id
         return out
 
