@@ -273,6 +273,11 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
         assert ended.status_code == 409, ended.text
         assert "cancelled before it was placed" in ended.text
         assert time.monotonic() - asked_s < 5  # the fleet stays full for far longer
+
+        async def stored() -> bool:  # its client heard first; the status follows
+            status = await http.get(f"/v1/requests/{waiting_id}", headers=acme)
+            return status.json()["status"] == "cancelled"
+        await eventually(stored, what="the cancelled status stored")
         again = await cancel(waiting_id)
         assert again.status_code == 409 and again.json()["error"]["code"] == "request_ended"
         await usage.until(lambda recs: any(running_id.encode() in v and b'"final":true' in v
