@@ -28,6 +28,7 @@ from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
+from gpusched_common.recent import Recent
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes
@@ -90,8 +91,7 @@ class DroppedRecords:
 
     def __init__(self, dropped: Counter, remember: int = 1024) -> None:
         self._dropped = dropped
-        self._warned: dict[str, None] = {}  # keys warned about, oldest first
-        self._remember = remember
+        self._warned = Recent(remember)  # keys warned about
 
     def __call__(self, message: Message, key: str, sent: asyncio.Future) -> None:
         if sent.cancelled() or sent.exception() is None:
@@ -99,8 +99,6 @@ class DroppedRecords:
         self._dropped.labels(type(message).__name__).inc()
         if key in self._warned:
             return
-        if len(self._warned) >= self._remember:
-            del self._warned[next(iter(self._warned))]
         self._warned[key] = None
         log.warning("%s for %s dropped by Kafka (%r); the router streams its text from the "
                     "result. Later drops for %s are counted, not logged", type(message).__name__,
