@@ -73,7 +73,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        ["priority_class", "outcome"], registry=registry)
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
                         ["priority_class"], registry=registry)
-    cancels: set[asyncio.Task[None]] = set()
+    cancels: set[asyncio.Task[bool]] = set()
 
     # Every router reads every result as it comes, for the clients waiting on it...
     @broker.subscriber(topics.RESULTS.name, batch=True, group_id=None,
@@ -210,7 +210,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             hub.close(request_id, queue)
             send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
             await free_key()
-            return error(_not_taken_in(request_id, settings.publish_timeout_s,
+            return error(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                        "it is cancelled, send it again"), req.priority_class)
         except Exception:
             hub.close(request_id, queue)
@@ -284,7 +284,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             try:
                 await take_in(original, kind)
             except TimeoutError:
-                return _not_taken_in(request_id, settings.publish_timeout_s, "send it again")
+                return _not_taken_in(f"request {request_id}", settings.publish_timeout_s,
+                                     "send it again")
             return None
 
         async def outcome(deadline_s: float, gone: asyncio.Future[None]
@@ -409,13 +410,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return error(ApiError(409, f"request '{request_id}' has ended already: "
                                   f"{status['status']}", code="request_ended"))
         sent = send_cancel(request_id, "cancelled by its client")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(settings.publish_timeout_s):
-                await asyncio.shield(sent)
-        if not sent.done() or not sent.result():
-            return error(ApiError(503, f"Kafka did not take the cancel of request "
-                                  f"'{request_id}' within {settings.publish_timeout_s:g} s "
-                                  "(is Kafka up?); send it again"))
+        done, _ = await asyncio.wait({sent}, timeout=settings.publish_timeout_s)
+        if not done or not sent.result():
+            return error(_not_taken_in(f"the cancel of request '{request_id}'",
+                                       settings.publish_timeout_s, "send it again"))
         return JSONResponse({**status, "status": "cancelling"}, status_code=202)
 
     app.state.broker = broker
@@ -467,9 +465,9 @@ def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
     return not (failed.status_code == 409 or (failed.status_code == 504 and not keyed))
 
 
-def _not_taken_in(request_id: str, publish_timeout_s: float, what_now: str) -> ApiError:
-    return ApiError(503, f"Kafka did not take request {request_id} within "
-                    f"{publish_timeout_s:g} s (is Kafka up?); {what_now}")
+def _not_taken_in(what: str, publish_timeout_s: float, what_now: str) -> ApiError:
+    return ApiError(503, f"Kafka did not take {what} within {publish_timeout_s:g} s (is Kafka "
+                    f"up?); {what_now}")
 
 
 def _timed_out(request_id: str) -> ApiError:
