@@ -320,7 +320,8 @@ class SchedulingEngine:
             self._cancelled[cancel.request_id] = cancel.reason
             if self.epoch is not None:  # a new leader reads its queue again: `admit` checks
                 self._to_cancel.add(cancel.request_id)
-        self._wake.set()
+        if self._to_cancel:
+            self._wake.set()
 
     async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
         """True once the records' class has room for them; False when not leading."""
