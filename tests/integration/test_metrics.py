@@ -4,27 +4,18 @@ dashboard's queries checked by it, in tests/unit/test_monitoring.py)."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
+from monitoring_files import dashboard_queries, rules
 from stack_helpers import TEST_SERVICE_PORTS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-OPS = Path(__file__).resolve().parents[2] / "ops"
 
 
 def rule_queries() -> list[str]:
-    [group] = yaml.safe_load((OPS / "prometheus" / "gpusched-rules.yaml").read_text())["groups"]
-    return [rule["expr"] for rule in group["rules"]]
-
-
-def dashboard_queries() -> list[str]:
-    panels = json.loads((OPS / "grafana" / "gpusched.json").read_text())["panels"]
-    return [target["expr"] for panel in panels for target in panel.get("targets", ())]
+    return [rule["expr"] for rule in rules()]
 
 
 @pytest.mark.parametrize("what,queries,least", [

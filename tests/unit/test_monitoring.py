@@ -14,32 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from monitoring_files import DASHBOARD, RULE_TESTS, RULES, RULES_DIR, dashboard_queries, rules
 
 from gpusched_ops.stack import default_cache_dir
-
-RULES_DIR = Path(__file__).resolve().parents[2] / "ops" / "prometheus"
-RULES = RULES_DIR / "gpusched-rules.yaml"
-RULE_TESTS = RULES_DIR / "gpusched-rules.test.yaml"
-DASHBOARD = RULES_DIR.parent / "grafana" / "gpusched.json"
-GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
-"""What Grafana puts in a query before Prometheus sees it."""
-
-
-def dashboard_queries() -> dict[str, str]:
-    """Each query of the dashboard, by `<panel title> <refId>`, as Prometheus gets it."""
-    queries = {}
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
-        for target in panel.get("targets", ()):
-            expr = target["expr"]
-            for name, value in GRAFANA_VARIABLES.items():
-                expr = expr.replace(name, value)
-            queries[f"{panel['title']} {target['refId']}"] = expr
-    return queries
-
-
-def rules() -> list[dict]:
-    [group] = yaml.safe_load(RULES.read_text())["groups"]
-    return group["rules"]
 
 
 def test_every_alert_has_a_severity_and_says_what_to_do() -> None:
@@ -96,7 +73,7 @@ def test_promtool_accepts_every_dashboard_query(promtool: str, tmp_path: Path) -
     """As recording rules, since promtool checks expressions in rule files only."""
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query_{n}", "expr": expr}
-        for n, expr in enumerate(dashboard_queries().values())]}]}
+        for n, expr in enumerate(dashboard_queries())]}]}
     path = tmp_path / "dashboard-rules.yaml"
     path.write_text(yaml.safe_dump(rules))
     done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,

@@ -1,0 +1,34 @@
+"""The monitoring files in ops/ as tests read them: the Prometheus alerting rules and their
+promtool tests, and the Grafana dashboard's queries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+OPS = Path(__file__).resolve().parents[1] / "ops"
+RULES_DIR = OPS / "prometheus"
+RULES = RULES_DIR / "gpusched-rules.yaml"
+RULE_TESTS = RULES_DIR / "gpusched-rules.test.yaml"
+DASHBOARD = OPS / "grafana" / "gpusched.json"
+GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
+"""What Grafana puts in a query before Prometheus sees it."""
+
+
+def rules() -> list[dict]:
+    [group] = yaml.safe_load(RULES.read_text())["groups"]
+    return group["rules"]
+
+
+def dashboard_queries() -> list[str]:
+    """Each query of the dashboard, as Prometheus gets it."""
+    queries = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", ()):
+            expr = target["expr"]
+            for name, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(name, value)
+            queries.append(expr)
+    return queries
