@@ -491,11 +491,8 @@ def _failure(result: RequestResult) -> ApiError | None:
     if result.status == "failed":
         return ApiError(502, f"request {result.request_id} failed on node {result.node_id}: "
                         f"{result.finish_reason}")
-    if result.status == "cancelled":  # "cancelled: <why>", or "cancelled before it ..."
-        why = result.finish_reason
-        if not why.startswith("cancelled"):
-            why = f"cancelled: {why}"
-        return ApiError(409, f"request {result.request_id} was {why}",
+    if result.status == "cancelled":  # its reason reads "cancelled: <why>" or "cancelled before"
+        return ApiError(409, f"request {result.request_id} was {result.finish_reason}",
                         code="request_cancelled")
     return None
 
