@@ -293,6 +293,47 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
     assert waiting_id not in billed
 
 
+async def test_a_request_not_placed_within_its_queue_time_limit_ends_with_a_503(
+        stack, small_fleet) -> None:
+    """X-Max-Queue-Ms over HTTP, max_queue_ms on Kafka: a request that waits behind a full
+    fleet past its limit ends unrun; its client gets a 503 that names the limit, its status
+    says rejected, and nothing is billed for it."""
+    usage = await watch(stack, topics.USAGE.name)
+    results = await watch(stack, topics.RESULTS.name)
+    acme = {"Authorization": "Bearer sk-acme-demo", "x-priority-class": "batch"}
+    http = httpx.AsyncClient(base_url=stack.router_url, timeout=60)
+    try:
+        await produce(stack, [request("initech", "batch", 300, "fill") for _ in range(8)])
+        await asyncio.sleep(1.0)  # 7 fill the L4; the 8th and the next requests wait
+        from_kafka = request("acme", "batch", 1000, "expires", max_queue_ms=1500)
+        await produce(stack, [from_kafka])
+        sent_s = time.monotonic()
+        reply = await http.post("/v1/completions", headers={**acme, "X-Max-Queue-Ms": "2000"},
+                                json={"model": MODEL, "prompt": "tok " * BIG_PROMPT,
+                                      "max_tokens": 1000})
+        assert reply.status_code == 503, reply.text
+        assert "past its limit of 2 s" in reply.json()["error"]["message"]
+        assert 2 <= time.monotonic() - sent_s < 10  # the fleet stays full far longer
+        over_http = reply.headers["x-request-id"]
+        await results.until(lambda recs: from_kafka["request_id"] in results_by_id(recs), 30,
+                            "the Kafka request's rejection")
+        [rejection] = results_by_id(results.records)[from_kafka["request_id"]]
+        assert isinstance(rejection, Rejection) and rejection.status_code == 503
+        assert "past its limit of 1.5 s (its max_queue_ms" in rejection.reason
+
+        async def stored() -> bool:  # its client heard first; the status follows
+            status = await http.get(f"/v1/requests/{over_http}", headers=acme)
+            return status.json()["status"] == "rejected"
+        await eventually(stored, what="the rejected status stored")
+        await asyncio.sleep(1.0)  # neither was placed: no usage follows
+    finally:
+        await usage.stop()
+        await results.stop()
+        await http.aclose()
+    billed = {USAGE.validate_json(v).request_id for _k, v, _t in usage.records}
+    assert not billed & {over_http, from_kafka["request_id"]}
+
+
 async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) -> None:
     usage = await watch(stack, topics.USAGE.name)
     results = await watch(stack, topics.RESULTS.name)

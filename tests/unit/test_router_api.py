@@ -11,6 +11,8 @@ from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import RequestResult, TokenChunk
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
+    MAX_QUEUE_HEADER,
+    PRIORITY_HEADER,
     ApiError,
     ParsedRequest,
     parse_chat,
@@ -23,8 +25,10 @@ CATALOG = load_models(CONFIG)
 ACME = load_tenants(CONFIG).get("acme")
 
 
-def completion(body: object, priority: str | None = None):
-    return parse_completion(body, ACME, priority, CATALOG, "req-1", 1000)
+def completion(body: object, priority: str | None = None, **headers: str):
+    if priority is not None:
+        headers[PRIORITY_HEADER] = priority
+    return parse_completion(body, ACME, headers, CATALOG, "req-1", 1000)
 
 
 def test_valid_completion_becomes_a_request_in_the_tenants_default_class() -> None:
@@ -50,7 +54,7 @@ def test_stop_strings_travel_with_the_request_as_a_list(stop: object, expected: 
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stop": stop})
     assert parsed.request.stop == expected
     chat = parse_chat({"model": "qwen2.5-1.5b", "messages": [{"role": "user", "content": "hi"}],
-                       "stop": stop}, ACME, None, CATALOG, "req-2", 1000)
+                       "stop": stop}, ACME, {}, CATALOG, "req-2", 1000)
     assert chat.request.stop == expected
 
 
@@ -109,11 +113,24 @@ def test_unknown_priority_class_is_rejected() -> None:
     assert isinstance(parsed, ApiError) and parsed.status_code == 400
 
 
+def test_a_queue_time_limit_travels_with_the_request() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, **{MAX_QUEUE_HEADER: "2500"})
+    assert parsed.request.max_queue_ms == 2500
+    assert completion({"model": "qwen2.5-1.5b", "prompt": "x"}).request.max_queue_ms is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "soon", "", "99999999999", "\u00b2"])
+def test_a_bad_queue_time_limit_is_refused_with_its_range(value: str) -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, **{MAX_QUEUE_HEADER: value})
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+    assert parsed.param == "X-Max-Queue-Ms" and "whole number of milliseconds" in parsed.message
+
+
 def test_a_chat_request_carries_its_conversation_for_the_engines_template() -> None:
     parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-    ]}, ACME, None, CATALOG, "req-c", 0)
+    ]}, ACME, {}, CATALOG, "req-c", 0)
     assert [(t.role, t.content) for t in parsed.request.messages] == [
         ("system", "be brief"), ("user", "ab")]
 
@@ -122,21 +139,21 @@ def test_chat_messages_render_to_one_prompt() -> None:
     parsed = parse_chat({"model": "qwen2.5-1.5b", "max_completion_tokens": 3, "stream": True,
                          "messages": [{"role": "system", "content": "be brief"},
                                       {"role": "user", "content": "hello"}]},
-                        ACME, None, CATALOG, "req-2", 1)
+                        ACME, {}, CATALOG, "req-2", 1)
     assert not isinstance(parsed, ApiError)
     assert parsed.request.prompt == "system: be brief\nuser: hello\nassistant:"
     assert parsed.request.max_tokens == 3 and parsed.stream
 
 
 def test_chat_without_messages_is_rejected() -> None:
-    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": []}, ACME, None, CATALOG, "r", 1)
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": []}, ACME, {}, CATALOG, "r", 1)
     assert isinstance(parsed, ApiError) and "messages" in parsed.message
 
 
 def test_chat_text_parts_are_joined_and_other_parts_refused_not_dropped() -> None:
     def chat(content: list) -> object:
         return parse_chat({"model": "qwen2.5-1.5b", "messages": [
-            {"role": "user", "content": content}]}, ACME, None, CATALOG, "r", 1)
+            {"role": "user", "content": content}]}, ACME, {}, CATALOG, "r", 1)
 
     parsed = chat([{"type": "text", "text": "look "}, {"type": "text", "text": "here"}])
     assert parsed.request.prompt == "user: look here\nassistant:"
@@ -150,7 +167,7 @@ def test_chat_text_parts_are_joined_and_other_parts_refused_not_dropped() -> Non
 def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() -> None:
     def chat(**extra: object) -> object:
         return parse_chat({"model": "qwen2.5-1.5b", "messages": [
-            {"role": "user", "content": "hi"}], **extra}, ACME, None, CATALOG, "r", 1)
+            {"role": "user", "content": "hi"}], **extra}, ACME, {}, CATALOG, "r", 1)
 
     for extra, needle in [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not call tools"),

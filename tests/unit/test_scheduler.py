@@ -422,6 +422,58 @@ async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_fi
     assert placement.request.request_id == "placed" and not len(engine.queue)
 
 
+async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503() -> None:
+    """A request's own max_queue_ms, capped by its class's limit, bounds the wait for its
+    first placement (Triton's queue-policy time-out): past it the request ends with a 503
+    rejection that says which limit, and is never placed. Classes without a limit, and
+    retries of work placed once, wait as long as it takes."""
+    sent: dict[str, list[bytes]] = {}
+    now = [1000]
+
+    async def publish(batch):
+        for out in batch:
+            sent.setdefault(out.topic, []).append(out.message.to_bytes())
+        return asyncio.gather()
+
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
+                              NoOpTracer(), EngineConfig(
+                                  cycle_window_ms=0, node_timeout_ms=10**12,
+                                  class_max_queue_ms=(("standard", 5000.0),)))
+    engine.lead(3, [])
+
+    def record(offset: int, request_id: str, cls: str = "standard", **extra) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[cls].name, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+            "max_tokens": 4, "priority_class": cls, "created_at_ms": 1000, **extra}).encode())
+
+    await engine.admit([record(0, "own", max_queue_ms=2000), record(1, "of-class"),
+                        record(2, "lax", max_queue_ms=60_000),
+                        record(3, "retry", max_queue_ms=2000, attempt=1, requeued="handback")])
+    await engine.admit([record(0, "unlimited", "batch")])
+
+    def rejected() -> dict[str, Rejection]:
+        events = [RESULT_EVENT.validate_json(v) for v in sent.get(topics.RESULTS.name, [])]
+        return {e.request_id: e for e in events if isinstance(e, Rejection)}
+
+    now[0] = 3000  # waited 2.0 s: at its limit, not past it
+    assert await engine.cycle() == 0 and not rejected()
+    now[0] = 3500
+    assert await engine.cycle() == 1
+    own = rejected()["own"]
+    assert own.status_code == 503 and "waited 2.5 s" in own.reason
+    assert "limit of 2 s (its max_queue_ms" in own.reason
+    now[0] = 6500
+    assert await engine.cycle() == 2
+    assert set(rejected()) == {"own", "of-class", "lax"}
+    assert all("limit of 5 s (GPUSCHED_STANDARD_MAX_QUEUE_S)" in rejected()[r].reason
+               for r in ("of-class", "lax"))
+    engine.view.apply_node_state(node("n1", [80000]), now[0])
+    assert await engine.cycle() == 2
+    placed = {PLACEMENT.validate_json(v).request.request_id
+              for v in sent[topics.PLACEMENTS.name]}
+    assert placed == {"retry", "unlimited"} and not len(engine.queue)
+
+
 async def test_a_record_with_a_bad_request_id_among_other_errors_is_dead_lettered(wired) -> None:
     """Before, an error listed ahead of the bad id's made the engine build a rejection for
     that id, which raised: the batch was read again forever and the topic stood still."""

@@ -44,6 +44,9 @@ StopStrings = Annotated[
 MAX_PROMPT_CHARS = 200_000
 """Largest prompt accepted anywhere (router and Kafka); the model's context limit also applies."""
 
+MAX_QUEUE_MS = 7 * 24 * 3600 * 1000
+"""Longest queue time limit a request or a class may set: a week."""
+
 
 class Message(BaseModel):
     """Base of every contract: immutable, strict about unknown fields, versioned."""
@@ -115,6 +118,10 @@ class InferenceRequest(Message):
         "is its plain rendering, which sizes and bills the request.")
     resume: Resume | None = None
     created_at_ms: int = Field(ge=0)
+    max_queue_ms: int | None = Field(
+        default=None, ge=1, le=MAX_QUEUE_MS, description="Longest this request may wait for "
+        "its first placement, from `created_at_ms`; past it, it ends unrun with a 503 "
+        "rejection. Its class's limit (GPUSCHED_<CLASS>_MAX_QUEUE_S), where set, caps it.")
 
     @property
     def prompt_token_count(self) -> int:

@@ -56,7 +56,6 @@ STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
-PRIORITY_HEADER = "x-priority-class"
 
 
 def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -173,8 +172,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(body, ApiError):
             return error(body)
         request_id = f"req-{uuid.uuid4().hex}"
-        parsed = parse(body, tenant, request.headers.get(PRIORITY_HEADER), catalog,
-                       request_id, clock())
+        parsed = parse(body, tenant, request.headers, catalog, request_id, clock())
         if isinstance(parsed, ApiError):
             return error(parsed)
         req = parsed.request

@@ -96,6 +96,9 @@ class EngineConfig:
     node_timeout_ms: int = 10_000
     class_target_ms: tuple[tuple[str, float], ...] = (
         ("interactive", 1_000.0), ("standard", 10_000.0), ("batch", 60_000.0))
+    class_max_queue_ms: tuple[tuple[str, float], ...] = ()
+    """The classes whose requests end unrun (503) when not placed this long after they were
+    created; the others wait as long as it takes."""
     aging_factor: float = 5.0
     fair_half_life_s: float = 60.0
     preemption_timeout_ms: int = 15_000
@@ -191,6 +194,7 @@ class SchedulingEngine:
         self._tracer = tracer
         self._store = store
         self._targets = dict(config.class_target_ms)
+        self._max_queue_ms = dict(config.class_max_queue_ms)
         self._weights = {t.name: t.weight for t in tenants.tenants}
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
@@ -440,8 +444,8 @@ class SchedulingEngine:
         await self._take_over()
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
-        cancelled = self._take_cancelled(now)
-        if not len(self.queue) and not cancelled:
+        ended = self._take_cancelled(now) + self._take_expired(now)
+        if not len(self.queue) and not ended:
             return 0
         started = time.perf_counter()
         chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
@@ -457,7 +461,7 @@ class SchedulingEngine:
             now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
-        messages: list[tuple[Pending, Outgoing]] = list(cancelled)
+        messages: list[tuple[Pending, Outgoing]] = list(ended)
         new_running: list[RunningPlacement] = []
         for place in decisions.placed:
             request = place.item.request
@@ -513,7 +517,7 @@ class SchedulingEngine:
         ):
             acked = await self._send([out for _, out in messages])
         finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected] \
-            + [item for item, _ in cancelled]
+            + [item for item, _ in ended]
         for item in finished:
             self.queue.remove(item)
             self._placed[(item.request.request_id, item.request.attempt)] = None
@@ -606,6 +610,36 @@ class SchedulingEngine:
                     topics.RESULTS.name, request_id, item.trace_carrier)))
         self._to_cancel.clear()
         return out
+
+    def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
+        """The requests still waiting for their first placement past their queue time limit
+        (their own `max_queue_ms` or their class's, the lower), out of the queue, each with
+        its terminal 503 rejection (nothing ran, nothing is billed). Retries of placed work
+        never expire: they ran once already."""
+        out = []
+        for item in list(self.queue.in_order()):
+            request = item.request
+            limit_ms, source = self._queue_limit(request)
+            waited_ms = now_ms - request.created_at_ms
+            if limit_ms is None or request.attempt > 0 or waited_ms <= limit_ms:
+                continue
+            self.queue.remove(item)
+            self._metrics.rejected.labels("expired").inc()
+            out.append((item, Outgoing(Rejection(
+                request_id=request.request_id, tenant=request.tenant, status_code=503,
+                reason=f"request {request.request_id} waited {waited_ms / 1000:.1f} s for a "
+                f"GPU in the {request.priority_class} queue, past its limit of "
+                f"{limit_ms / 1000:g} s ({source}); it ends unrun: send it again later"),
+                topics.RESULTS.name, request.request_id, item.trace_carrier)))
+        return out
+
+    def _queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
+        """The longest `request` may wait for its first placement, and who set it."""
+        own = request.max_queue_ms
+        of_class = self._max_queue_ms.get(request.priority_class)
+        if of_class is not None and (own is None or of_class < own):
+            return of_class, f"GPUSCHED_{request.priority_class.upper()}_MAX_QUEUE_S"
+        return own, "its max_queue_ms: X-Max-Queue-Ms over HTTP"
 
     def _estimate(self, item: Pending) -> float:
         return self._estimate_request(item.request)

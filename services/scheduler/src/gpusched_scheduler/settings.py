@@ -5,6 +5,7 @@ import socket
 
 from pydantic import Field
 
+from gpusched_common.contracts import MAX_QUEUE_MS
 from gpusched_common.settings import ServiceSettings
 
 
@@ -33,6 +34,12 @@ class SchedulerSettings(ServiceSettings):
                                          description="Placement latency target, interactive.")
     standard_target_ms: float = Field(default=10_000, gt=0)
     batch_target_ms: float = Field(default=60_000, gt=0)
+    interactive_max_queue_s: float | None = Field(
+        default=None, gt=0, le=MAX_QUEUE_MS / 1000, description="A request of the class not "
+        "placed this long after it was created ends unrun with a 503 rejection (a request's "
+        "own max_queue_ms may ask for less); unset: it waits as long as it takes.")
+    standard_max_queue_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_MS / 1000)
+    batch_max_queue_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_MS / 1000)
     aging_factor: float = Field(
         default=5.0, ge=1, le=10, description="Work waiting longer than this many times its "
         "class's target is served before all classes, so none waits past 10x its target.")

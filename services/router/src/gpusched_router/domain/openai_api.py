@@ -6,6 +6,8 @@ with the HTTP status and a reason a user can act on).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpusched_common.catalog import ModelCatalog, Tenant
 from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
+    MAX_QUEUE_MS,
     PRIORITY_CLASSES,
     ChatTurn,
     InferenceRequest,
@@ -26,6 +29,10 @@ from gpusched_common.contracts import (
 
 DEFAULT_MAX_TOKENS = 16
 """What OpenAI's completions API uses when `max_tokens` is absent."""
+
+PRIORITY_HEADER = "x-priority-class"
+MAX_QUEUE_HEADER = "x-max-queue-ms"
+"""The longest the request may wait for a GPU, in milliseconds (its `max_queue_ms`)."""
 
 
 _CODE_OF_STATUS = {401: "invalid_api_key", 404: "not_found", 409: "conflict",
@@ -115,7 +122,7 @@ class ParsedRequest:
 
 
 def parse_completion(
-    body: Any, tenant: Tenant, priority_header: str | None, catalog: ModelCatalog,
+    body: Any, tenant: Tenant, headers: Mapping[str, str], catalog: ModelCatalog,
     request_id: str, now_ms: int,
 ) -> ParsedRequest | ApiError:
     if isinstance(body, dict) and isinstance(body.get("prompt"), list) and any(
@@ -132,12 +139,12 @@ def parse_completion(
         prompt = parsed.prompt[0]
     else:
         prompt = parsed.prompt
-    return _finish(parsed, prompt, parsed.max_tokens, tenant, priority_header, catalog,
-                   request_id, now_ms)
+    return _finish(parsed, prompt, parsed.max_tokens, tenant, headers, catalog, request_id,
+                   now_ms)
 
 
 def parse_chat(
-    body: Any, tenant: Tenant, priority_header: str | None, catalog: ModelCatalog,
+    body: Any, tenant: Tenant, headers: Mapping[str, str], catalog: ModelCatalog,
     request_id: str, now_ms: int,
 ) -> ParsedRequest | ApiError:
     parsed = _validate(ChatBody, body)
@@ -152,7 +159,7 @@ def parse_chat(
                                 "\"text\": ...}) only", param=where)
     turns = tuple(ChatTurn(role=m.role, content=_text_of(m)) for m in parsed.messages)
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
-    return _finish(parsed, render_chat(turns), max_tokens, tenant, priority_header, catalog,
+    return _finish(parsed, render_chat(turns), max_tokens, tenant, headers, catalog,
                    request_id, now_ms, turns)
 
 
@@ -182,7 +189,7 @@ def _validate(model: type[_Body], body: Any) -> Any:
 
 def _finish(
     parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
-    priority_header: str | None, catalog: ModelCatalog, request_id: str, now_ms: int,
+    headers: Mapping[str, str], catalog: ModelCatalog, request_id: str, now_ms: int,
     messages: tuple[ChatTurn, ...] | None = None,
 ) -> ParsedRequest | ApiError:
     # one result per request: answering n > 1 with one choice loses n - 1
@@ -193,9 +200,13 @@ def _finish(
     if spec is None:
         return ApiError(404, f"model '{parsed.model}' does not exist; available models: "
                         f"{', '.join(catalog.names)}", code="model_not_found", param="model")
+    priority_header = headers.get(PRIORITY_HEADER)
     if priority_header is not None and priority_header not in PRIORITY_CLASSES:
         return ApiError(400, f"X-Priority-Class '{priority_header}' is not one of "
                         f"{', '.join(PRIORITY_CLASSES)}", param="X-Priority-Class")
+    max_queue_ms = _max_queue_ms(headers.get(MAX_QUEUE_HEADER))
+    if isinstance(max_queue_ms, ApiError):
+        return max_queue_ms
     if len(prompt) > MAX_PROMPT_CHARS:
         return ApiError(400, f"prompt is {len(prompt)} characters; the limit is "
                         f"{MAX_PROMPT_CHARS}", param="prompt")
@@ -221,7 +232,17 @@ def _finish(
         stop=parsed.stop or None,
         messages=messages,
         created_at_ms=now_ms,
+        max_queue_ms=max_queue_ms,
     )
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
     return ParsedRequest(request=request, stream=bool(parsed.stream),
                          include_usage=include_usage)
+
+
+def _max_queue_ms(header: str | None) -> int | None | ApiError:
+    if header is None:
+        return None
+    if re.fullmatch(r"[0-9]{1,12}", header.strip()) and 1 <= int(header) <= MAX_QUEUE_MS:
+        return int(header)
+    return ApiError(400, f"X-Max-Queue-Ms '{header}' is not a whole number of milliseconds "
+                    f"from 1 to {MAX_QUEUE_MS} (a week)", param="X-Max-Queue-Ms")
