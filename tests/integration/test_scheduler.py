@@ -374,13 +374,19 @@ async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
                 "Authorization": "Bearer sk-hooli-demo"},
                 json={"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": tokens,
                       "stream": stream})
+        started_s = time.monotonic()
         replies = [await one(900) for _ in range(4)]  # 4 x 901 tokens > 3,000 per minute
         # streamed, the refusal is still the status (before: a 200 stream with an error event)
         replies.append(await one(900, stream=True))
+        elapsed_s = time.monotonic() - started_s
+        never = await one(3000)  # 3,001 tokens: more than a whole minute's quota
     assert [r.status_code for r in replies] == [200, 200, 200, 429, 429]
     for refused in replies[3:]:
         assert "tokens per minute" in refused.json()["error"]["message"]
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        # once the first 901 tokens leave the minute (the openai SDK waits this long)
+        assert 60 - elapsed_s - 1 <= int(refused.headers["retry-after"]) <= 60
+    assert never.status_code == 400 and "never admitted" in never.json()["error"]["message"]
 
 
 async def test_borrowed_capacity_is_reclaimed_for_a_tenant_within_its_guarantee(

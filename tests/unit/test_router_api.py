@@ -113,6 +113,18 @@ def test_unknown_priority_class_is_rejected() -> None:
     assert isinstance(parsed, ApiError) and parsed.status_code == 400
 
 
+def test_a_request_larger_than_the_tenants_tokens_per_minute_is_refused_for_good() -> None:
+    hooli = load_tenants(CONFIG).get("hooli")  # 3,000 tokens per minute
+    body = {"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": 3000}
+    parsed = parse_completion(body, hooli, {}, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+    assert parsed.code == "tokens_per_minute_exceeded" and parsed.param == "max_tokens"
+    assert "(3001 tokens) exceeds tenant 'hooli''s limit of 3000 tokens per minute" in \
+        parsed.message
+    assert not isinstance(parse_completion({**body, "max_tokens": 2999}, hooli, {}, CATALOG,
+                                           "r", 1), ApiError)
+
+
 def test_a_queue_time_limit_travels_with_the_request() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, **{MAX_QUEUE_HEADER: "2500"})
     assert parsed.request.max_queue_ms == 2500

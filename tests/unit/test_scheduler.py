@@ -316,9 +316,24 @@ def test_quota_limits_tokens_per_minute_and_inflight() -> None:
     quota = TenantQuota(tokens_per_minute=1000, max_inflight_requests=2)
     assert book.check("t", quota, 600, inflight=0, now_ms=0) is None
     book.admit("t", 600, 0)
-    assert "tokens per minute" in book.check("t", quota, 600, inflight=1, now_ms=1000)
+    over = book.check("t", quota, 600, inflight=1, now_ms=1000)
+    assert "tokens per minute" in over.reason and over.retry_after_s == 59
     assert book.check("t", quota, 600, inflight=1, now_ms=61_000) is None
-    assert "in flight" in book.check("t", quota, 1, inflight=2, now_ms=61_000)
+    busy = book.check("t", quota, 1, inflight=2, now_ms=61_000)
+    assert "in flight" in busy.reason and busy.retry_after_s is None
+
+
+def test_a_tokens_per_minute_refusal_says_when_enough_admissions_have_left_the_window() -> None:
+    """Before, it named the second the oldest admission left, though this request needed
+    two of them gone: a client that waited that long was refused again."""
+    book = QuotaBook()
+    quota = TenantQuota(tokens_per_minute=1000)
+    for at_ms in (0, 10_000, 20_000):
+        book.admit("t", 300, at_ms)
+    over = book.check("t", quota, 500, inflight=0, now_ms=30_000)
+    assert over.retry_after_s == 40 and "retry in 40 s" in over.reason
+    assert book.check("t", quota, 500, inflight=0, now_ms=69_999) is not None
+    assert book.check("t", quota, 500, inflight=0, now_ms=70_000) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -472,6 +487,28 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     placed = {PLACEMENT.validate_json(v).request.request_id
               for v in sent[topics.PLACEMENTS.name]}
     assert placed == {"retry", "unlimited"} and not len(engine.queue)
+
+
+async def test_a_request_larger_than_its_tenants_tokens_per_minute_is_refused_for_good(
+        wired) -> None:
+    """hooli may admit 3,000 tokens a minute: a request of 3,001 is refused with a 400 and
+    dead-lettered, as one over the model's context is. Before, it got a 429 saying to retry
+    in a minute, and every retry got the same."""
+    _, engine, sent = wired
+    standard = topics.REQUESTS["standard"].name
+
+    def body(request_id: str, max_tokens: int) -> bytes:
+        return json.dumps({"request_id": request_id, "tenant": "hooli", "model": SMALL.name,
+                           "prompt": "hi", "prompt_tokens": 1, "max_tokens": max_tokens}).encode()
+
+    await engine.admit([request_record(standard, 0, body("too-big", 3000)),
+                        request_record(standard, 1, body("fits", 2999))])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (rejection.request_id, rejection.status_code) == ("too-big", 400)
+    assert "limit of 3000 tokens per minute, so it is never admitted" in rejection.reason
+    [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert dead.reason == rejection.reason
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["fits"]
 
 
 async def test_a_record_with_a_bad_request_id_among_other_errors_is_dead_lettered(wired) -> None:

@@ -65,6 +65,16 @@ class Tenant(BaseModel):
     weight: float = Field(default=1.0, gt=0, description="Fair-share weight inside a class.")
     quota: TenantQuota = Field(default_factory=TenantQuota)
 
+    def never_admitted(self, tokens: int) -> str | None:
+        """Why a request of `tokens` (prompt plus max_tokens) can never be admitted for this
+        tenant, whatever it waits: more than its tokens per minute; else None."""
+        limit = self.quota.tokens_per_minute
+        if limit is None or tokens <= limit:
+            return None
+        return (f"prompt plus max_tokens ({tokens} tokens) exceeds tenant '{self.name}''s "
+                f"limit of {limit} tokens per minute, so it is never admitted: lower max_tokens "
+                "or shorten the prompt")
+
 
 class TenantDirectory(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -252,6 +252,9 @@ class Rejection(Message):
     tenant: str | None = None
     status_code: int = Field(ge=400, le=599, description="HTTP-equivalent: 400, 404, 429, ...")
     reason: str
+    retry_after_s: int | None = Field(
+        default=None, ge=1, le=3600, description="When a retry may be admitted, where the "
+        "scheduler can tell (a tokens-per-minute quota); the router's Retry-After.")
 
 
 MAX_USAGE_TOKENS = 10**9

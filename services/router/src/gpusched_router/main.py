@@ -347,6 +347,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         failed = first if isinstance(first, ApiError) else _error_of(first)
         if failed is not None:
             observe()
+            if isinstance(first, Rejection) and first.retry_after_s is not None:
+                headers["retry-after"] = str(first.retry_after_s)  # the openai SDK waits it
             if not _worth_retrying(failed, keyed=IDEMPOTENCY_HEADER in request.headers):
                 headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)

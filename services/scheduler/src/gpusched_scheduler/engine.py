@@ -54,7 +54,7 @@ from gpusched_scheduler.domain.planner import (
     snapshot,
 )
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
-from gpusched_scheduler.domain.quotas import QuotaBook
+from gpusched_scheduler.domain.quotas import OverQuota, QuotaBook
 from gpusched_scheduler.domain.running import ClaimState, RunningPlacement, RunningSet
 from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
 
@@ -157,7 +157,8 @@ def parse_request_record(
         return refuse(f"priority_class '{request.priority_class}' does not match topic "
                       f"{record.topic}; produce to gpusched.requests.{request.priority_class}",
                       rid, tenant=tenant)
-    if tenants.get(tenant) is None:
+    known = tenants.get(tenant)
+    if known is None:
         return refuse(f"unknown tenant '{tenant}'; tenants are listed in tenants.yaml", rid, 403,
                       tenant)
     spec = catalog.get(request.model)
@@ -168,6 +169,8 @@ def parse_request_record(
         return refuse(f"prompt plus max_tokens ({request_tokens(request)} tokens) exceeds "
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
                       tenant)
+    if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
+        return refuse(never, rid, 400, tenant)
     return Admitted(request, record_carrier(record.headers))
 
 
@@ -297,7 +300,8 @@ class SchedulingEngine:
                     self._metrics.rejected.labels("quota").inc()
                     await self._publish([Outgoing(
                         Rejection(request_id=request.request_id, tenant=request.tenant,
-                                  status_code=429, reason=over),
+                                  status_code=429, reason=over.reason,
+                                  retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
                     self.offsets.track(record, None, commit)
                     continue
@@ -657,7 +661,7 @@ class SchedulingEngine:
         t = self.tenants.get(tenant)
         return None if t is None else t.quota.guaranteed_gpu_memory_mib
 
-    def _over_quota(self, request: InferenceRequest, now_ms: int) -> str | None:
+    def _over_quota(self, request: InferenceRequest, now_ms: int) -> OverQuota | None:
         tenant = self.tenants.get(request.tenant)
         if tenant is None or (tenant.quota.max_inflight_requests is None
                               and tenant.quota.tokens_per_minute is None):

@@ -219,6 +219,8 @@ def _finish(
                         f"tokens) plus max_tokens ({max_tokens}) exceed it: shorten the prompt "
                         "or lower max_tokens", code="context_length_exceeded",
                         param="max_tokens")
+    if (never := tenant.never_admitted(prompt_tokens + max_tokens)) is not None:
+        return ApiError(400, never, code="tokens_per_minute_exceeded", param="max_tokens")
     request = InferenceRequest(
         request_id=request_id,
         tenant=tenant.name,

@@ -1,5 +1,6 @@
 """Hard per-tenant limits checked when a request is first admitted: tokens per minute and
-requests in flight. Over a limit is a value (the reason), answered as a 429 rejection."""
+requests in flight. Over a limit is a value (the reason, and when a retry may fit), answered
+as a 429 rejection."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ from dataclasses import dataclass, field
 from gpusched_common.catalog import TenantQuota
 
 WINDOW_MS = 60_000
+
+
+@dataclass(frozen=True)
+class OverQuota:
+    reason: str
+    retry_after_s: int | None = None
+    """When the request fits the limit again as far as the admissions so far tell (later
+    ones may take the room first); None when that depends on requests finishing."""
 
 
 @dataclass
@@ -25,20 +34,31 @@ class QuotaBook:
         return sum(t for _, t in window)
 
     def check(self, tenant: str, quota: TenantQuota, tokens: int, inflight: int,
-              now_ms: int) -> str | None:
-        """None when the request may be admitted, else why not (with what to do)."""
+              now_ms: int) -> OverQuota | None:
+        """None when the request may be admitted, else why not (with what to do). A request
+        of more tokens than the limit itself is refused before this (`never_admitted`)."""
         if quota.max_inflight_requests is not None and inflight >= quota.max_inflight_requests:
-            return (f"tenant '{tenant}' has {inflight} requests in flight, its limit is "
-                    f"{quota.max_inflight_requests}; retry when some have finished")
+            return OverQuota(f"tenant '{tenant}' has {inflight} requests in flight, its limit "
+                             f"is {quota.max_inflight_requests}; retry when some have finished")
         if quota.tokens_per_minute is not None:
             used = self.tokens_last_minute(tenant, now_ms)
             if used + tokens > quota.tokens_per_minute:
-                window = self._admitted.get(tenant)
-                retry_s = 1 + (window[0][0] + WINDOW_MS - now_ms) // 1000 if window else 60
-                return (f"tenant '{tenant}' is over its limit of {quota.tokens_per_minute} "
-                        f"tokens per minute ({used} used, this request needs {tokens}); "
-                        f"retry in {retry_s} s")
+                retry_s = self._seconds_until_room(tenant, used + tokens - quota.tokens_per_minute,
+                                                   now_ms)
+                return OverQuota(f"tenant '{tenant}' is over its limit of "
+                                 f"{quota.tokens_per_minute} tokens per minute ({used} used, "
+                                 f"this request needs {tokens}); retry in {retry_s} s", retry_s)
         return None
+
+    def _seconds_until_room(self, tenant: str, excess: int, now_ms: int) -> int:
+        """Whole seconds until admissions of at least `excess` tokens have left the window
+        (the oldest leave first); a minute when the window holds fewer."""
+        freed = 0
+        for at_ms, tokens in self._admitted.get(tenant, ()):
+            freed += tokens
+            if freed >= excess:
+                return max(1, -(-(at_ms + WINDOW_MS - now_ms) // 1000))
+        return WINDOW_MS // 1000
 
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
         """Record an admission; entries older than the window are dropped as it goes, so
