@@ -89,8 +89,12 @@ def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
 
 
 def test_submit_whose_stream_ends_in_an_error_prints_the_reason_and_exits_1() -> None:
+    """Also: --priority and --max-queue-ms reach the router as its headers."""
+    heard: list[dict[str, str]] = []
+
     class Router(BaseHTTPRequestHandler):  # streams one chunk, then the error event
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            heard.append({k.lower(): v for k, v in self.headers.items()})
             self.rfile.read(int(self.headers["content-length"]))
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
@@ -109,12 +113,15 @@ def test_submit_whose_stream_ends_in_an_error_prints_the_reason_and_exits_1() ->
     server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        result = CliRunner().invoke(app, ["submit", "hi", "--router-url",
-                                          f"http://127.0.0.1:{server.server_port}"])
+        result = CliRunner().invoke(app, [
+            "submit", "hi", "--priority", "batch", "--max-queue-ms", "1500", "--router-url",
+            f"http://127.0.0.1:{server.server_port}"])
     finally:
         server.shutdown()
 
     assert result.exit_code == 1, result.output
+    [headers] = heard
+    assert (headers["x-priority-class"], headers["x-max-queue-ms"]) == ("batch", "1500")
     assert " half" in result.output and "executor error: boom" in result.output
     assert "Traceback" not in result.output
 

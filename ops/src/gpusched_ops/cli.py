@@ -178,6 +178,8 @@ def submit(
     max_tokens: int = typer.Option(32),
     api_key: str = typer.Option("sk-acme-demo", envvar="GPUSCHED_API_KEY"),
     priority: str | None = typer.Option(None, help="interactive, standard or batch."),
+    max_queue_ms: int | None = typer.Option(
+        None, help="Give up (503) when no GPU took it within this many milliseconds."),
     router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
     as_json: JsonOut = False,
 ) -> None:
@@ -186,6 +188,8 @@ def submit(
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key)
     headers = {"X-Priority-Class": priority} if priority else {}
+    if max_queue_ms is not None:
+        headers["X-Max-Queue-Ms"] = str(max_queue_ms)
     try:
         if as_json:
             result = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
