@@ -631,9 +631,9 @@ class SchedulingEngine:
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=503,
-                reason=f"request {request.request_id} waited {waited_ms / 1000:.1f} s for a "
+                reason=f"request {request.request_id} waited {_duration(waited_ms)} for a "
                 f"GPU in the {request.priority_class} queue, past its limit of "
-                f"{limit_ms / 1000:g} s ({source}); it ends unrun: send it again later"),
+                f"{_duration(limit_ms)} ({source}); it ends unrun: send it again later"),
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
 
@@ -941,6 +941,10 @@ def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:
         out.append(chunk if len(chunk.items) <= limit else Chunk(chunk.name, chunk.items[:limit]))
         limit -= len(chunk.items)
     return out
+
+
+def _duration(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f}".removesuffix(".0") + " s"
 
 
 def _placement_id(request_id: str, attempt: int) -> str:
