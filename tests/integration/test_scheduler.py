@@ -313,6 +313,8 @@ async def test_a_request_not_placed_within_its_queue_time_limit_ends_with_a_503(
                                       "max_tokens": 1000})
         assert reply.status_code == 503, reply.text
         assert "past its limit of 2 s" in reply.json()["error"]["message"]
+        assert reply.json()["error"]["code"] == "queue_time_exceeded"
+        assert reply.headers["x-should-retry"] == "false"  # the SDK leaves it to the client
         assert 2 <= time.monotonic() - sent_s < 10  # the fleet stays full far longer
         over_http = reply.headers["x-request-id"]
         await results.until(lambda recs: from_kafka["request_id"] in results_by_id(recs), 30,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import RequestResult, TokenChunk
+from gpusched_common.contracts import Rejection, RequestResult, TokenChunk
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
     MAX_QUEUE_HEADER,
@@ -18,7 +18,7 @@ from gpusched_router.domain.openai_api import (
     parse_chat,
     parse_completion,
 )
-from gpusched_router.main import _failure, _sse, _worth_retrying
+from gpusched_router.main import _error_of, _failure, _sse, _worth_retrying
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
@@ -318,3 +318,11 @@ def test_a_keys_first_use_reads_back_and_is_taken_over_only_after_its_routers_ti
 def test_clients_are_told_not_to_retry_where_it_would_run_the_request_again(
         status: int, keyed: bool, worth: bool) -> None:
     assert _worth_retrying(ApiError(status, "x"), keyed=keyed) == worth
+
+
+def test_a_request_past_its_queue_time_limit_is_not_retried_by_the_sdk_on_its_own() -> None:
+    """The fleet is full: the client decides when to send it again, not the SDK at once."""
+    expired = _error_of(Rejection(request_id="r", status_code=503, reason="waited",
+                                  code="queue_time_exceeded"))
+    assert expired.body()["error"]["code"] == "queue_time_exceeded"
+    assert not _worth_retrying(expired, keyed=False)

@@ -475,7 +475,8 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     now[0] = 3500
     assert await engine.cycle() == 1
     own = rejected()["own"]
-    assert own.status_code == 503 and "waited 2.5 s" in own.reason
+    assert (own.status_code, own.code) == (503, "queue_time_exceeded")
+    assert "waited 2.5 s" in own.reason
     assert "limit of 2 s (its max_queue_ms" in own.reason
     now[0] = 6500
     assert await engine.cycle() == 2
@@ -504,7 +505,8 @@ async def test_a_request_larger_than_its_tenants_tokens_per_minute_is_refused_fo
     await engine.admit([request_record(standard, 0, body("too-big", 3000)),
                         request_record(standard, 1, body("fits", 2999))])
     [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
-    assert (rejection.request_id, rejection.status_code) == ("too-big", 400)
+    assert (rejection.request_id, rejection.status_code, rejection.code) == (
+        "too-big", 400, "tokens_per_minute_exceeded")
     assert "limit of 3000 tokens per minute, so it is never admitted" in rejection.reason
     [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
     assert dead.reason == rejection.reason

@@ -252,6 +252,10 @@ class Rejection(Message):
     tenant: str | None = None
     status_code: int = Field(ge=400, le=599, description="HTTP-equivalent: 400, 404, 429, ...")
     reason: str
+    code: str | None = Field(
+        default=None, max_length=64, description="What a client matches on where the status "
+        "alone does not say (OpenAI's error `code`): queue_time_exceeded, "
+        "tokens_per_minute_exceeded.")
     retry_after_s: int | None = Field(
         default=None, ge=1, le=3600, description="When a retry may be admitted, where the "
         "scheduler can tell (a tokens-per-minute quota); the router's Retry-After.")

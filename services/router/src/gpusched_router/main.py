@@ -461,8 +461,10 @@ async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
 def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
     """False where a retry would run the request again for nothing: a cancelled one (409),
     and one that timed out (504) and is still running, unless it has an Idempotency-Key
-    (its retry then waits for the same request)."""
-    return not (failed.status_code == 409 or (failed.status_code == 504 and not keyed))
+    (its retry then waits for the same request); and where an automatic one only adds load:
+    a request that waited past its queue time limit, on a fleet that is full."""
+    return not (failed.status_code == 409 or failed.code == "queue_time_exceeded"
+                or (failed.status_code == 504 and not keyed))
 
 
 def _not_taken_in(what: str, publish_timeout_s: float, what_now: str) -> ApiError:
@@ -481,7 +483,7 @@ def _error_of(event: ResultEvent) -> ApiError | None:
     rejection's own status, 502 for a request that failed on its node (the executor or its
     engine broke), 409 for a cancelled one; None for a completion or a token chunk."""
     if isinstance(event, Rejection):
-        return ApiError(event.status_code, event.reason)
+        return ApiError(event.status_code, event.reason, code=event.code)
     if isinstance(event, RequestResult):
         return _failure(event)
     return None

@@ -129,11 +129,11 @@ def parse_request_record(
     topic_class = _topic_class(record.topic)
 
     def refuse(reason: str, request_id: str | None = None, status: int = 400,
-               tenant: str | None = None) -> Refused:
+               tenant: str | None = None, code: str | None = None) -> Refused:
         rejection = None
         if request_id is not None:
             rejection = Rejection(request_id=request_id, tenant=tenant, status_code=status,
-                                  reason=reason)
+                                  reason=reason, code=code)
         return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection)
 
     try:
@@ -170,7 +170,7 @@ def parse_request_record(
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
                       tenant)
     if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
-        return refuse(never, rid, 400, tenant)
+        return refuse(never, rid, 400, tenant, "tokens_per_minute_exceeded")
     return Admitted(request, record_carrier(record.headers))
 
 
@@ -631,9 +631,10 @@ class SchedulingEngine:
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=503,
-                reason=f"request {request.request_id} waited {_duration(waited_ms)} for a "
-                f"GPU in the {request.priority_class} queue, past its limit of "
-                f"{_duration(limit_ms)} ({source}); it ends unrun: send it again later"),
+                code="queue_time_exceeded", reason=f"request {request.request_id} waited "
+                f"{_duration(waited_ms)} for a GPU in the {request.priority_class} queue, past "
+                f"its limit of {_duration(limit_ms)} ({source}); it ends unrun: send it again "
+                "later"),
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
 
