@@ -47,6 +47,7 @@ from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
 from gpusched_scheduler.domain.solver import ClusterState
 from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
+from gpusched_scheduler.settings import SchedulerSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
@@ -437,7 +438,8 @@ async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_fi
     assert placement.request.request_id == "placed" and not len(engine.queue)
 
 
-async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503() -> None:
+async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503(
+        monkeypatch) -> None:
     """A request's own max_queue_ms, capped by its class's limit, bounds the wait for its
     first placement (Triton's queue-policy time-out): past it the request ends with a 503
     rejection that says which limit, and is never placed. Classes without a limit, and
@@ -450,10 +452,13 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
             sent.setdefault(out.topic, []).append(out.message.to_bytes())
         return asyncio.gather()
 
+    monkeypatch.setenv("GPUSCHED_STANDARD_MAX_QUEUE_S", "5")
+    limits = SchedulerSettings().class_max_queue_ms()
+    assert limits == (("standard", 5000.0),)
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
                               NoOpTracer(), EngineConfig(
                                   cycle_window_ms=0, node_timeout_ms=10**12,
-                                  class_max_queue_ms=(("standard", 5000.0),)))
+                                  class_max_queue_ms=limits))
     engine.lead(3, [])
 
     def record(offset: int, request_id: str, cls: str = "standard", **extra) -> ConsumerRecord:

@@ -56,10 +56,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         class_target_ms=(("interactive", settings.interactive_target_ms),
                          ("standard", settings.standard_target_ms),
                          ("batch", settings.batch_target_ms)),
-        class_max_queue_ms=tuple((cls, limit_s * 1000) for cls, limit_s in (
-            ("interactive", settings.interactive_max_queue_s),
-            ("standard", settings.standard_max_queue_s),
-            ("batch", settings.batch_max_queue_s)) if limit_s is not None),
+        class_max_queue_ms=settings.class_max_queue_ms(),
         aging_factor=settings.aging_factor, fair_half_life_s=settings.fair_half_life_s,
         max_pending_per_class=settings.fetch_max_records)
     engine = SchedulingEngine(load_models(settings.config_dir), load_tenants(settings.config_dir),

@@ -48,3 +48,10 @@ class SchedulerSettings(ServiceSettings):
     fetch_max_records: int = Field(
         default=256, ge=1, le=10_000, description="Records per fetch and class; also the bound "
         "on pending requests per class held in memory (backpressure).")
+
+    def class_max_queue_ms(self) -> tuple[tuple[str, float], ...]:
+        """(class, ms) for each class with a queue time limit."""
+        return tuple((cls, limit_s * 1000) for cls, limit_s in (
+            ("interactive", self.interactive_max_queue_s),
+            ("standard", self.standard_max_queue_s),
+            ("batch", self.batch_max_queue_s)) if limit_s is not None)
