@@ -304,9 +304,17 @@ async def test_a_request_not_placed_within_its_queue_time_limit_ends_with_a_503(
     http = httpx.AsyncClient(base_url=stack.router_url, timeout=60)
     try:
         await produce(stack, [request("initech", "batch", 300, "fill") for _ in range(8)])
-        await asyncio.sleep(1.0)  # 7 fill the L4; the 8th and the next requests wait
-        from_kafka = request("acme", "batch", 1000, "expires", max_queue_ms=1500)
+        await asyncio.sleep(1.0)  # they fill the L4: the next big requests wait
+        from_kafka = request("acme", "batch", 1000, "expires", max_queue_ms=3000)
         await produce(stack, [from_kafka])
+
+        async def in_line() -> list[dict]:  # GET /v1/queue lists it while it waits
+            async with httpx.AsyncClient(base_url=stack.scheduler_url, timeout=10) as sched:
+                line = (await sched.get("/v1/queue", params={"limit": 20})).json()
+            return [r for r in line["requests"] if r["request_id"] == from_kafka["request_id"]]
+        [waits] = await eventually(in_line, timeout_s=2.5, interval_s=0.1,
+                                   what="the Kafka request in the queue")
+        assert (waits["tenant"], waits["chunk"], waits["max_queue_ms"]) == ("acme", "batch", 3000)
         sent_s = time.monotonic()
         reply = await http.post("/v1/completions", headers={**acme, "X-Max-Queue-Ms": "2000"},
                                 json={"model": MODEL, "prompt": "tok " * BIG_PROMPT,
@@ -321,7 +329,7 @@ async def test_a_request_not_placed_within_its_queue_time_limit_ends_with_a_503(
                             "the Kafka request's rejection")
         [rejection] = results_by_id(results.records)[from_kafka["request_id"]]
         assert isinstance(rejection, Rejection) and rejection.status_code == 503
-        assert "past its limit of 1.5 s (its max_queue_ms" in rejection.reason
+        assert "past its limit of 3 s (its max_queue_ms" in rejection.reason
 
         async def stored() -> bool:  # its client heard first; the status follows
             status = await http.get(f"/v1/requests/{over_http}", headers=acme)

@@ -17,7 +17,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from gpusched_common.contracts import DeadLetter
-from gpusched_ops.cli import app, console, dead_letter_table, usage_table
+from gpusched_ops.cli import app, console, dead_letter_table, queue_table, usage_table
 
 MODELS = Path(__file__).resolve().parents[2] / "config" / "models.yaml"
 
@@ -86,6 +86,27 @@ def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
     assert result.exit_code == 2, result.output  # 1 means "totals differ"
     assert "Kafka not reachable at 127.0.0.1:1; is the stack up?" in result.output
 
+
+
+def test_queue_table_shows_each_waiting_request_in_line() -> None:
+    """Whole on a terminal of 120 columns (ids to copy into a cancel); folded, never cut, on
+    a pipe's 80."""
+    row = {"position": 1, "request_id": "req-0123456789abcdef0123456789abcdef",
+           "tenant": "initech", "priority_class": "batch", "chunk": "aged",
+           "model": "llama-3.1-8b", "num_gpus": 2, "attempt": 1, "requeued": "preempted",
+           "waited_ms": 312_400, "max_queue_ms": 600_000}
+    data = {"requests": [row, {**row, "position": 2, "chunk": "batch", "max_queue_ms": None,
+                               "attempt": 0, "requeued": None}]}
+    wide = Console(width=120, record=True)
+    wide.print(queue_table(data))
+    text = wide.export_text()
+    for word in (row["request_id"], "initech", "batch (aged)", "llama-3.1-8b x2", "312.4",
+                 "600", "preempted"):
+        assert word in text, word
+    narrow = Console(width=80, record=True)
+    narrow.print(queue_table(data))
+    text = narrow.export_text()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
 
 
 def test_submit_whose_stream_ends_in_an_error_prints_the_reason_and_exits_1() -> None:

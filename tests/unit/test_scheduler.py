@@ -495,6 +495,23 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     assert placed == {"retry", "unlimited"} and not len(engine.queue)
 
 
+async def test_the_queue_is_shown_in_the_order_the_next_cycle_takes_it(wired) -> None:
+    """GET /v1/queue lists `in_line`: aged work first, then class by class."""
+    _, engine, _ = wired
+    for offset, (request_id, cls) in enumerate(
+            [("b1", "batch"), ("s1", "standard"), ("i1", "interactive"), ("b2", "batch")]):
+        await engine.admit([request_record(topics.REQUESTS[cls].name, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+            "max_tokens": 4, "priority_class": cls}).encode())])
+    assert await engine.cycle() == 0  # no node: all wait
+    order = [(chunk, p.request.request_id) for chunk, p in engine.in_line(1000)]
+    assert order == [("interactive", "i1"), ("standard", "s1"), ("batch", "b1"),
+                     ("batch", "b2")]
+    # 6 s later the interactive request is past 5x its 1 s target: aged, first of all
+    order = [(chunk, p.request.request_id) for chunk, p in engine.in_line(7001)]
+    assert order[0] == ("aged", "i1") and order[1] == ("standard", "s1")
+
+
 async def test_a_request_larger_than_its_tenants_tokens_per_minute_is_refused_for_good(
         wired) -> None:
     """hooli may admit 3,000 tokens a minute: a request of 3,001 is refused with a 400 and

@@ -128,6 +128,41 @@ def nodes(as_json: JsonOut = False,
     console.print(f"pending: {data['pending']}, reservations: {data['reservations']}")
 
 
+@app.command()
+def queue(limit: int = typer.Option(50, min=1, help="How many of the first in line to show."),
+          as_json: JsonOut = False,
+          scheduler_url: str = typer.Option(urls()["scheduler"], envvar="GPUSCHED_SCHEDULER_URL"),
+          ) -> None:
+    """Requests waiting for a GPU, in the order the scheduler will consider them (aged work,
+    then interactive, standard, batch): how long each has waited and its queue time limit
+    (model xN: a gang of N GPUs)."""
+    try:
+        reply = httpx.get(f"{scheduler_url}/v1/queue", params={"limit": limit}, timeout=5)
+        data = reply.raise_for_status().json()
+    except httpx.HTTPError as exc:
+        _unreachable("scheduler", scheduler_url, exc)
+    if as_json:
+        print(json.dumps(data))
+        return
+    console.print(queue_table(data))
+    by_class = ", ".join(f"{cls} {n}" for cls, n in data["pending"].items())
+    console.print(f"pending: {sum(data['pending'].values())} ({by_class})" + (
+        "" if data["leader"] else "; this scheduler is a standby, ask the leader"))
+
+
+def queue_table(data: dict) -> Table:
+    table = _table("#", "request", "tenant", "class", "model", "waited s", "limit s",
+                   "requeued")
+    for r in data["requests"]:
+        limit = r["max_queue_ms"]
+        table.add_row(str(r["position"]), r["request_id"], r["tenant"],
+                      r["priority_class"] + (" (aged)" if r["chunk"] == "aged" else ""),
+                      r["model"] + (f" x{r['num_gpus']}" if r["num_gpus"] > 1 else ""),
+                      f"{r['waited_ms'] / 1000:.1f}", "-" if limit is None else f"{limit / 1000:g}",
+                      r["requeued"] or "-")
+    return table
+
+
 @app.command("dead-letters")
 def dead_letters(
     last: int = typer.Option(20, min=1, help="How many of the newest to show."),

@@ -452,9 +452,7 @@ class SchedulingEngine:
         if not len(self.queue) and not ended:
             return 0
         started = time.perf_counter()
-        chunks = _first(order_pending(self.queue.in_order(), now, self.fair, self._weights,
-                                      self._targets, cfg.aging_factor, self._estimate),
-                        cfg.max_units_per_cycle)
+        chunks = _first(self._ordered(now), cfg.max_units_per_cycle)
         snap = snapshot(self.view, self.view.live_nodes(now, cfg.node_timeout_ms),
                         self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
@@ -615,6 +613,15 @@ class SchedulingEngine:
         self._to_cancel.clear()
         return out
 
+    def _ordered(self, now_ms: int) -> list[Chunk]:
+        return order_pending(self.queue.in_order(), now_ms, self.fair, self._weights,
+                             self._targets, self.config.aging_factor, self._estimate)
+
+    def in_line(self, now_ms: int) -> list[tuple[str, Pending]]:
+        """The work waiting here in the order a cycle now would consider it, each with its
+        chunk: 'aged' (waited past the aging threshold) or its class."""
+        return [(chunk.name, item) for chunk in self._ordered(now_ms) for item in chunk.items]
+
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The requests still waiting for their first placement past their queue time limit
         (their own `max_queue_ms` or their class's, the lower), out of the queue, each with
@@ -623,7 +630,7 @@ class SchedulingEngine:
         out = []
         for item in list(self.queue.in_order()):
             request = item.request
-            limit_ms, source = self._queue_limit(request)
+            limit_ms, source = self.queue_limit(request)
             waited_ms = now_ms - request.created_at_ms
             if limit_ms is None or request.attempt > 0 or waited_ms <= limit_ms:
                 continue
@@ -638,7 +645,7 @@ class SchedulingEngine:
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
 
-    def _queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
+    def queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
         """The longest `request` may wait for its first placement, and who set it."""
         own = request.max_queue_ms
         of_class = self._max_queue_ms.get(request.priority_class)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from prometheus_client import CollectorRegistry, Gauge
 
 from gpusched_common import topics
@@ -169,6 +169,21 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
              "tenant": r.tenant, "priority_class": r.request.priority_class,
              "node_id": r.node_id, "gpu_indices": list(r.gpu_indices), "borrowed": r.borrowed,
              "placed_at_ms": r.placed_at_ms} for r in engine.running.values()]}
+
+    @app.get("/v1/queue")
+    async def queue(limit: int = Query(100, ge=1, le=10_000)) -> dict:
+        """Work waiting for a GPU (leader's view), in the order the next cycle considers it:
+        aged work, then interactive, standard, batch, tenants by fair share inside a class."""
+        now = clock()
+        return {"leader": engine.epoch is not None, "pending": engine.queue.depth(),
+                "requests": [
+                    {"position": i, "request_id": p.request.request_id,
+                     "tenant": p.request.tenant, "priority_class": p.request.priority_class,
+                     "chunk": chunk, "model": p.request.model, "num_gpus": p.request.num_gpus,
+                     "attempt": p.request.attempt, "requeued": p.request.requeued,
+                     "waited_ms": max(0, now - p.request.created_at_ms),
+                     "max_queue_ms": engine.queue_limit(p.request)[0]}
+                    for i, (chunk, p) in enumerate(engine.in_line(now)[:limit], 1)]}
 
     app.state.engine = engine
     return app
