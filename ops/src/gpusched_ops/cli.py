@@ -144,7 +144,8 @@ def queue(limit: int = typer.Option(50, min=1, help="How many of the first in li
     if as_json:
         print(json.dumps(data))
         return
-    console.print(queue_table(data))
+    if data["requests"]:
+        console.print(queue_table(data))
     by_class = ", ".join(f"{cls} {n}" for cls, n in data["pending"].items())
     console.print(f"pending: {sum(data['pending'].values())} ({by_class})" + (
         "" if data["leader"] else "; this scheduler is a standby, ask the leader"))
