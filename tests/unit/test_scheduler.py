@@ -495,6 +495,28 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     assert placed == {"retry", "unlimited"} and not len(engine.queue)
 
 
+async def test_a_request_that_expired_in_kafka_takes_none_of_its_tenants_quota(wired) -> None:
+    """A backlog read late: the request already past its limit ends with its 503 at the next
+    cycle, and hooli's fresh request still fits its 3,000 tokens a minute. Before, the stale
+    one was charged 2,000 tokens on admission and the fresh one got a 429."""
+    _, engine, sent = wired  # the clock reads 1000
+    standard = topics.REQUESTS["standard"].name
+
+    def body(request_id: str, **extra) -> bytes:
+        return json.dumps({"request_id": request_id, "tenant": "hooli", "model": SMALL.name,
+                           "prompt": "hi", "prompt_tokens": 1, "max_tokens": 1999,
+                           **extra}).encode()
+
+    await engine.admit([request_record(standard, 0, body("stale", created_at_ms=100,
+                                                         max_queue_ms=500)),
+                        request_record(standard, 1, body("fresh"))])
+    assert not sent.get(topics.RESULTS.name)  # no 429
+    assert await engine.cycle() == 1
+    [expired] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (expired.request_id, expired.status_code) == ("stale", 503)
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["fresh"]
+
+
 async def test_the_queue_is_shown_in_the_order_the_next_cycle_takes_it(wired) -> None:
     """GET /v1/queue lists `in_line`: aged work first, then class by class."""
     _, engine, _ = wired

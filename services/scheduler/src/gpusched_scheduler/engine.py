@@ -293,8 +293,10 @@ class SchedulingEngine:
                 # redelivered after its placement was published: nothing to do
                 self.offsets.track(record, None, commit)
                 continue
+            # one already past its queue time limit (it waited in Kafka) ends at the next
+            # cycle, unrun: it takes none of its tenant's quota
             if request.attempt == 0 and request.requeued is None \
-                    and key not in self.queue:
+                    and key not in self.queue and not self._past_limit(request, now):
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -630,10 +632,10 @@ class SchedulingEngine:
         out = []
         for item in list(self.queue.in_order()):
             request = item.request
+            if not self._past_limit(request, now_ms):
+                continue
             limit_ms, source = self.queue_limit(request)
             waited_ms = now_ms - request.created_at_ms
-            if limit_ms is None or request.attempt > 0 or waited_ms <= limit_ms:
-                continue
             self.queue.remove(item)
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
@@ -644,6 +646,11 @@ class SchedulingEngine:
                 "later"),
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
+
+    def _past_limit(self, request: InferenceRequest, now_ms: int) -> bool:
+        limit_ms, _ = self.queue_limit(request)
+        return limit_ms is not None and request.attempt == 0 \
+            and now_ms - request.created_at_ms > limit_ms
 
     def queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
         """The longest `request` may wait for its first placement, and who set it."""
