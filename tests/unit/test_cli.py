@@ -165,6 +165,32 @@ def test_usage_refused_by_accounting_prints_the_reason_and_exits_1(
     assert printed in result.output
 
 
+@pytest.mark.parametrize("response,code,printed", [
+    (httpx.Response(202, json={"status": "cancelling"}), 0, "cancelling req-1"),
+    (httpx.Response(409, json={"error": {"message": "request 'req-1' has ended already: "
+                                         "completed", "code": "request_ended"}}),
+     1, "error: 409: request 'req-1' has ended already: completed"),
+    (httpx.Response(404, json={"error": {"message": "request 'req-1' is unknown (or "
+                                         "expired)"}}), 1, "is unknown (or expired)"),
+])
+def test_cancel_asks_the_router_and_prints_its_answer(
+        monkeypatch: pytest.MonkeyPatch, response: httpx.Response, code: int,
+        printed: str) -> None:
+    asked: list[tuple[str, dict]] = []
+
+    def post(url: str, **kwargs: object) -> httpx.Response:
+        asked.append((url, kwargs["headers"]))
+        return response
+    monkeypatch.setattr(httpx, "post", post)
+
+    result = CliRunner().invoke(app, ["cancel", "req-1", "--api-key", "sk-globex-demo"])
+
+    assert result.exit_code == code, result.output
+    assert printed in result.output.replace("\n", "")
+    assert asked == [("http://127.0.0.1:8080/v1/requests/req-1/cancel",
+                      {"Authorization": "Bearer sk-globex-demo"})]
+
+
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
         monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = {"index": 0, "gpu_type": "L4-24GB", "memory_free_mib": 4774,

@@ -249,6 +249,26 @@ def submit(
 
 
 @app.command()
+def cancel(
+    request_id: str = typer.Argument(..., help="The request's id: its x-request-id, or the "
+                                     "one a 504 or `gpusched queue` names."),
+    api_key: str = typer.Option("sk-acme-demo", envvar="GPUSCHED_API_KEY"),
+    router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
+) -> None:
+    """Cancel one of your requests that has not ended: a waiting one ends unplaced and
+    unbilled, a running one stops, billed for what it produced."""
+    try:
+        resp = httpx.post(f"{router_url}/v1/requests/{request_id}/cancel", timeout=30,
+                          headers={"Authorization": f"Bearer {api_key}"})
+    except httpx.HTTPError as exc:
+        _unreachable("router", router_url, exc)
+    if resp.status_code != 202:
+        _fail(f"{resp.status_code}: {_reason(resp)}")
+    console.print(f"cancelling {request_id}: it ends 'cancelled' (GET /v1/requests/{request_id} "
+                  "shows when)")
+
+
+@app.command()
 def usage(
     tenant: str | None = typer.Option(None),
     group_by: str = typer.Option("model", help="model, node, gpu_type, priority_class."),
@@ -282,11 +302,15 @@ def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
 
 
 def _reason(resp: httpx.Response) -> str:
-    """A FastAPI error's reason: its `detail` string, or `param: message` per invalid field."""
+    """An error's reason: the router's OpenAI-shaped `error.message`, else FastAPI's `detail`
+    string, or `param: message` per invalid field."""
     try:
         body = resp.json()
     except ValueError:
         return resp.text
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
     detail = body.get("detail") if isinstance(body, dict) else None
     if isinstance(detail, list):
         detail = "; ".join(f"{e['loc'][-1]}: {e['msg']}" for e in detail
