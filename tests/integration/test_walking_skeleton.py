@@ -299,6 +299,8 @@ async def test_a_keys_retry_runs_the_request_its_first_use_never_got_into_kafka(
             extra_headers={"Idempotency-Key": key})
         assert reply.parse().usage.completion_tokens == 20
         request_id = reply.headers["x-request-id"]
+        # the trace of the copy that ran (the stranded key's retry sent it: it was empty)
+        assert len(reply.headers["x-trace-id"]) == 32, key
         await result_of(stack, request_id)  # exactly one result
         billed = await eventually(lambda rid=request_id: billed_usage(stack, rid),
                                   what="billed")

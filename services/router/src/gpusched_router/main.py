@@ -223,7 +223,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             if key is None:
                 send_cancel(request_id, "client disconnected")
 
-        return await answer(request, parsed, kind, queue, trace_id, abandoned)
+        return await answer(request, parsed, kind, queue, lambda: trace_id, abandoned)
 
     async def take_in(req: InferenceRequest, kind: str) -> str:
         """Publish `req` to its priority class's topic and store its queued status; its
@@ -262,6 +262,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         original = parsed.request.model_copy(update={
             "request_id": request_id,
             "created_at_ms": int(status.get("created_at_ms", parsed.request.created_at_ms))})
+        trace_ids = [status.get("trace_id") or ""]  # the first use's, or this retry's own
 
         async def taken_in() -> ApiError | None:
             """With no status stored yet: None while the first use may still be on its way
@@ -280,7 +281,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "again (a copy Kafka did take is skipped as a redelivery)", request_id,
                         (now_ms - current.claimed_at_ms) / 1000)
             try:
-                await take_in(original, kind)
+                trace_ids.append(await take_in(original, kind))
             except TimeoutError:
                 return _not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                      "send it again")
@@ -306,17 +307,17 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
         accepted.labels(original.priority_class, "replayed").inc()
         return await answer(request, replace(parsed, request=original), kind, queue,
-                            status.get("trace_id") or None, abandoned=None, wait=outcome)
+                            lambda: trace_ids[-1], abandoned=None, wait=outcome)
 
     async def answer(request: Request, parsed: ParsedRequest, kind: str,
-                     queue: asyncio.Queue[ResultEvent], trace_id: str | None,
+                     queue: asyncio.Queue[ResultEvent], trace_id: Callable[[], str],
                      abandoned: Callable[[], None] | None,
                      wait: WaitOutcome | None = None) -> Response:
         """The reply to a request taken in: wait for its first event (`wait(deadline_s,
         gone)` instead, where given), then answer with it or stream from it. `abandoned()`
-        runs when the client leaves before the end."""
+        runs when the client leaves before the end; `trace_id()` is read once the wait is
+        over (a retry may have sent the request itself meanwhile)."""
         req = parsed.request
-        headers = {"x-request-id": req.request_id, "x-trace-id": trace_id or ""}
         started_s = time.monotonic()
         deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
 
@@ -339,6 +340,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             raise
         finally:
             gone.cancel()
+        headers = {"x-request-id": req.request_id, "x-trace-id": trace_id()}
         if first is None:
             observe()
             if abandoned is not None:
