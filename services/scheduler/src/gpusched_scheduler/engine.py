@@ -296,7 +296,8 @@ class SchedulingEngine:
             # one already past its queue time limit (it waited in Kafka) ends at the next
             # cycle, unrun: it takes none of its tenant's quota
             if request.attempt == 0 and request.requeued is None \
-                    and key not in self.queue and not self._past_limit(request, now):
+                    and key not in self.queue \
+                    and not _past(self.queue_limit(request)[0], request, now):
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -629,12 +630,14 @@ class SchedulingEngine:
         (their own `max_queue_ms` or their class's, the lower), out of the queue, each with
         its terminal 503 rejection (nothing ran, nothing is billed). Retries of placed work
         never expire: they ran once already."""
-        out = []
+        out: list[tuple[Pending, Outgoing]] = []
+        if not self._max_queue_ms and not self.queue.limited:
+            return out  # no limit applies to anything waiting
         for item in list(self.queue.in_order()):
             request = item.request
-            if not self._past_limit(request, now_ms):
-                continue
             limit_ms, source = self.queue_limit(request)
+            if not _past(limit_ms, request, now_ms):
+                continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)
             self._metrics.rejected.labels("expired").inc()
@@ -646,11 +649,6 @@ class SchedulingEngine:
                 "later"),
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
-
-    def _past_limit(self, request: InferenceRequest, now_ms: int) -> bool:
-        limit_ms, _ = self.queue_limit(request)
-        return limit_ms is not None and request.attempt == 0 \
-            and now_ms - request.created_at_ms > limit_ms
 
     def queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
         """The longest `request` may wait for its first placement, and who set it."""
@@ -956,6 +954,13 @@ def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:
         out.append(chunk if len(chunk.items) <= limit else Chunk(chunk.name, chunk.items[:limit]))
         limit -= len(chunk.items)
     return out
+
+
+def _past(limit_ms: float | None, request: InferenceRequest, now_ms: int) -> bool:
+    """Whether `request` has waited past `limit_ms` for its first placement (retries of
+    work placed once never expire)."""
+    return limit_ms is not None and request.attempt == 0 \
+        and now_ms - request.created_at_ms > limit_ms
 
 
 def _duration(ms: float) -> str:

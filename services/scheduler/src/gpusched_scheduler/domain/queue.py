@@ -37,6 +37,9 @@ class PendingQueue:
     by_request: dict[str, list[Key]] = field(default_factory=dict)
     """The keys waiting per request id (one, but for a retry queued beside an attempt
     redelivered late), so a cancel finds its request without a scan."""
+    limited: int = 0
+    """How many items carry their own queue time limit: with none, and no class limit, a
+    cycle skips looking for expired work."""
 
     def push(self, item: Pending) -> bool:
         """Queue at the back of its class, or at the front when it was preempted or lost
@@ -47,6 +50,7 @@ class PendingQueue:
         queue[item.key] = item
         self.by_tenant[item.request.tenant] += 1
         self.by_request.setdefault(item.request.request_id, []).append(item.key)
+        self.limited += item.request.max_queue_ms is not None
         if item.request.requeued in ("preempted", "node_lost"):
             # it waited its turn once already
             self.by_class[item.request.priority_class] = {item.key: item, **{
@@ -65,8 +69,8 @@ class PendingQueue:
 
     def of_request(self, request_id: str) -> list[Pending]:
         """Every attempt of `request_id` waiting here."""
-        return [self.by_class[c][key] for key in self.by_request.get(request_id, ())
-                for c in PRIORITY_CLASSES if key in self.by_class[c]]
+        return [item for key in self.by_request.get(request_id, ())
+                if (item := self.get(key)) is not None]
 
     def in_order(self) -> Iterator[Pending]:
         for cls in PRIORITY_CLASSES:
@@ -85,6 +89,7 @@ class PendingQueue:
             keys.remove(item.key)
             if not keys:
                 del self.by_request[item.request.request_id]
+            self.limited -= item.request.max_queue_ms is not None
 
     def depth(self) -> dict[PriorityClass, int]:
         return {c: len(q) for c, q in self.by_class.items()}
