@@ -262,12 +262,13 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         original = parsed.request.model_copy(update={
             "request_id": request_id,
             "created_at_ms": int(status.get("created_at_ms", parsed.request.created_at_ms))})
-        trace_ids = [status.get("trace_id") or ""]  # the first use's, or this retry's own
+        trace_id = status.get("trace_id") or ""  # the first use's, or this retry's own
 
         async def taken_in() -> ApiError | None:
             """With no status stored yet: None while the first use may still be on its way
             in (or once this retry has sent it, its router having died before it was taken
             in); a 503 if it was refused (its key freed or held by another request)."""
+            nonlocal trace_id
             now_ms = clock()
             current = await idempotency.holder(tenant, key)
             if current is None or current.request_id != request_id:
@@ -281,7 +282,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "again (a copy Kafka did take is skipped as a redelivery)", request_id,
                         (now_ms - current.claimed_at_ms) / 1000)
             try:
-                trace_ids.append(await take_in(original, kind))
+                trace_id = await take_in(original, kind)
             except TimeoutError:
                 return _not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                      "send it again")
@@ -307,7 +308,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
         accepted.labels(original.priority_class, "replayed").inc()
         return await answer(request, replace(parsed, request=original), kind, queue,
-                            lambda: trace_ids[-1], abandoned=None, wait=outcome)
+                            lambda: trace_id, abandoned=None, wait=outcome)
 
     async def answer(request: Request, parsed: ParsedRequest, kind: str,
                      queue: asyncio.Queue[ResultEvent], trace_id: Callable[[], str],
