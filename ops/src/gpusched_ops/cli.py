@@ -9,7 +9,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
@@ -109,10 +109,7 @@ def nodes(as_json: JsonOut = False,
           ) -> None:
     """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models (idle: none
     of its work runs there; unloaded when another model needs the room)."""
-    try:
-        data = httpx.get(f"{scheduler_url}/v1/cluster", timeout=5).json()
-    except httpx.HTTPError as exc:
-        _unreachable("scheduler", scheduler_url, exc)
+    data = _ask("scheduler", scheduler_url, "/v1/cluster", timeout=5).json()
     if as_json:
         print(json.dumps(data))
         return
@@ -136,11 +133,8 @@ def queue(limit: int = typer.Option(50, min=1, help="How many of the first in li
     """Requests waiting for a GPU, in the order the scheduler will consider them (aged work,
     then interactive, standard, batch): how long each has waited and its queue time limit
     (model xN: a gang of N GPUs)."""
-    try:
-        reply = httpx.get(f"{scheduler_url}/v1/queue", params={"limit": limit}, timeout=5)
-        data = reply.raise_for_status().json()
-    except httpx.HTTPError as exc:
-        _unreachable("scheduler", scheduler_url, exc)
+    data = _ask("scheduler", scheduler_url, "/v1/queue", params={"limit": limit},
+                timeout=5).json()
     if as_json:
         print(json.dumps(data))
         return
@@ -257,13 +251,8 @@ def cancel(
 ) -> None:
     """Cancel one of your requests that has not ended: a waiting one ends unplaced and
     unbilled, a running one stops, billed for what it produced."""
-    try:
-        resp = httpx.post(f"{router_url}/v1/requests/{request_id}/cancel", timeout=30,
-                          headers={"Authorization": f"Bearer {api_key}"})
-    except httpx.HTTPError as exc:
-        _unreachable("router", router_url, exc)
-    if resp.status_code != 202:
-        _fail(f"{resp.status_code}: {_reason(resp)}")
+    _ask("router", router_url, f"/v1/requests/{request_id}/cancel", post=True, expect=202,
+         timeout=30, headers={"Authorization": f"Bearer {api_key}"})
     console.print(f"cancelling {request_id}: it ends 'cancelled' (GET /v1/requests/{request_id} "
                   "shows when)")
 
@@ -291,14 +280,21 @@ def usage(
 
 def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
     """Accounting's `/v1/usage` report, or a clear error and exit."""
+    return _ask("accounting", accounting_url, "/v1/usage", params=params, timeout=10,
+                headers={"Authorization": f"Bearer {api_key}"}).json()
+
+
+def _ask(service: str, base_url: str, path: str, *, post: bool = False, expect: int = 200,
+         **kwargs: Any) -> httpx.Response:
+    """`service`'s answer to a GET (or POST) of `path`, or a clear error and exit: not
+    reachable, or the status it answered with and its reason."""
     try:
-        resp = httpx.get(f"{accounting_url}/v1/usage", params=params,
-                         headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+        resp = (httpx.post if post else httpx.get)(f"{base_url}{path}", **kwargs)
     except httpx.HTTPError as exc:
-        _unreachable("accounting", accounting_url, exc)
-    if resp.status_code != 200:
+        _unreachable(service, base_url, exc)
+    if resp.status_code != expect:
         _fail(f"{resp.status_code}: {_reason(resp)}")
-    return resp.json()
+    return resp
 
 
 def _reason(resp: httpx.Response) -> str:
