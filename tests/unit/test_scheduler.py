@@ -364,9 +364,10 @@ def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) ->
             assert queue.by_tenant[t] == sum(p.request.tenant == t for p in queue.in_order())
 
 
-@pytest.fixture
-def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
-    broker = make_broker(KafkaSettings(), "scheduler", None, None)
+def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None, **config
+                   ) -> tuple[SchedulingEngine, dict[str, list[bytes]]]:
+    """A leading engine whose publishes Kafka acknowledges at once, and what it sent per
+    topic; `config` overrides EngineConfig (no micro-batch wait, nodes never time out)."""
     sent: dict[str, list[bytes]] = {}
 
     async def publish(batch):
@@ -374,9 +375,17 @@ def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
             sent.setdefault(out.topic, []).append(out.message.to_bytes())
         return asyncio.gather()  # acknowledged at once
 
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, clock, NoOpTracer(),
+                              EngineConfig(**{"cycle_window_ms": 0, "node_timeout_ms": 10**12,
+                                              **config}), registry=registry)
     engine.lead(3, [])
+    return engine, sent
+
+
+@pytest.fixture
+def wired() -> tuple[KafkaBroker, SchedulingEngine, dict[str, list[bytes]]]:
+    broker = make_broker(KafkaSettings(), "scheduler", None, None)
+    engine, sent = leading_engine()
     handlers.register_cluster(broker, engine)
     return broker, engine, sent
 
@@ -444,22 +453,11 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     first placement (Triton's queue-policy time-out): past it the request ends with a 503
     rejection that says which limit, and is never placed. Classes without a limit, and
     retries of work placed once, wait as long as it takes."""
-    sent: dict[str, list[bytes]] = {}
     now = [1000]
-
-    async def publish(batch):
-        for out in batch:
-            sent.setdefault(out.topic, []).append(out.message.to_bytes())
-        return asyncio.gather()
-
     monkeypatch.setenv("GPUSCHED_STANDARD_MAX_QUEUE_S", "5")
     limits = SchedulerSettings().class_max_queue_ms()
     assert limits == (("standard", 5000.0),)
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
-                              NoOpTracer(), EngineConfig(
-                                  cycle_window_ms=0, node_timeout_ms=10**12,
-                                  class_max_queue_ms=limits))
-    engine.lead(3, [])
+    engine, sent = leading_engine(lambda: now[0], class_max_queue_ms=limits)
 
     def record(offset: int, request_id: str, cls: str = "standard", **extra) -> ConsumerRecord:
         return request_record(topics.REQUESTS[cls].name, offset, json.dumps({
@@ -641,14 +639,7 @@ async def test_the_fleets_gpus_are_exported_by_type_and_state_as_of_the_scrape()
     """Serving (a request runs, or a placement was sent), loaded (a model, nothing serving),
     empty, unhealthy, and unreachable once a node is silent past the time-out."""
     registry, now = CollectorRegistry(), [1000]
-
-    async def publish(batch):
-        return asyncio.gather()
-
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
-                              NoOpTracer(), EngineConfig(cycle_window_ms=0, node_timeout_ms=5000),
-                              registry=registry)
-    engine.lead(3, [])
+    engine, _ = leading_engine(lambda: now[0], registry, node_timeout_ms=5000)
 
     def gpus() -> dict[tuple[str, str], float]:
         return {(s.labels["gpu_type"], s.labels["state"]): s.value
