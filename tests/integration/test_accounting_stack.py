@@ -329,6 +329,9 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
         await shared.aclose()
     assert r.status_code == 429
     assert "day budget" in r.json()["error"]["message"]
+    # no retry fits before the period ends: say when it does, and that the SDK not retry
+    assert r.headers["x-should-retry"] == "false"
+    assert 0 < int(r.headers["retry-after"]) <= 60
     assert before.status_code == again.status_code == 200
     assert again.json() == before.json()  # the same request's reply: nothing ran again
 

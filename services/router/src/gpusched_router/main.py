@@ -108,9 +108,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); the "
                                      "router's log has the details").body(), status_code=500)
 
-    def error(err: ApiError, priority_class: str = "unknown") -> JSONResponse:
+    def error(err: ApiError, priority_class: str = "unknown",
+              headers: dict[str, str] | None = None) -> JSONResponse:
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
-        return JSONResponse(err.body(), status_code=err.status_code)
+        return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
 
     async def authenticate(request: Request) -> Any:
         header = request.headers.get("authorization", "")
@@ -194,10 +195,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 with contextlib.suppress(RedisError):  # it expires with the status TTL
                     await idempotency.release(tenant.name, key, use)
 
-        spent = await redis.get(BUDGET_EXHAUSTED_KEY.format(tenant.name))
+        budget_key = BUDGET_EXHAUSTED_KEY.format(tenant.name)
+        spent = await redis.get(budget_key)
         if spent is not None:  # checked after the replay: a spent budget stops new work only
             await free_key()
-            return error(_budget_error(spent), req.priority_class)
+            # No retry fits before the period ends (the flag's expiry): the openai SDK's own
+            # retries, seconds apart, would only be refused again.
+            headers = {"x-should-retry": "false"}
+            if (left_ms := await redis.pttl(budget_key)) > 0:
+                headers["retry-after"] = str(-(-left_ms // 1000))
+            return error(_budget_error(spent), req.priority_class, headers)
         queue = hub.open(request_id)
         try:
             trace_id = await take_in(req, kind)
