@@ -31,6 +31,7 @@ from gpusched_common.contracts import (
     EVENT,
     RESULT_EVENT,
     USAGE,
+    Cancel,
     GpuState,
     NodeState,
     Rejection,
@@ -227,6 +228,49 @@ async def test_a_request_cancelled_while_its_only_node_was_down_ends_there_unrun
     assert result.status == "cancelled" and result.completion_tokens == 0, result
     billed = [USAGE.validate_json(v) for _k, v, _t in usage.records
               if request_id.encode() in v]
+    assert sum(u.completion_tokens for u in billed) == 0 and all(
+        u.gpu_seconds == 0 for u in billed)
+
+
+async def test_a_cancel_produced_to_kafka_while_its_node_was_down_ends_the_request_unrun(
+        stack, small_fleet) -> None:
+    """A client that produces straight to Kafka cancels a request on the control topic
+    after the scheduler sent it to the fleet's one node, while that node's agent is down.
+    The agent comes back and ends the request cancelled, unrun and unbilled, from the
+    cancel the schedulers kept in Redis. Before, only the router's cancels were kept
+    there: the agent ran the request, and the tenant paid for a reply it had cancelled."""
+    [spec] = [shifted(s, SMALL_PORT_SHIFT) for s in agent_specs(stack, small_fleet)]
+    results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
+    r = request("acme", "standard", 50, "kafka-cancel", prompt_tokens=20)
+    stack.processes.kill_service(spec.name)
+    try:
+        await produce(stack, [r])
+        assert await read_topic(stack.endpoints.kafka_bootstrap, topics.PLACEMENTS.name,
+                                lambda _k, v: r["request_id"].encode() in v, timeout_s=4)
+        producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.CONTROL.name, Cancel(
+                request_id=r["request_id"], reason="the client gave up",
+                at_ms=int(time.time() * 1000)).to_bytes(), key=r["request_id"].encode())
+        finally:
+            await producer.stop()
+        await asyncio.sleep(1.0)  # the cancel is out, unread by any agent
+    finally:
+        await asyncio.to_thread(stack.processes.start_service, spec)
+    try:
+        await results.until(lambda recs: r["request_id"] in results_by_id(recs), 60,
+                            "its result")
+        await asyncio.sleep(2.0)  # an agent that ended it bills zero; nothing else bills it
+    finally:
+        await results.stop()
+        await usage.stop()
+    [result] = results_by_id(results.records)[r["request_id"]]
+    assert result.status == "cancelled" and result.completion_tokens == 0, result
+    assert "the client gave up" in (result.finish_reason or ""), result
+    billed = [USAGE.validate_json(v) for _k, v, _t in usage.records
+              if r["request_id"].encode() in v]
     assert sum(u.completion_tokens for u in billed) == 0 and all(
         u.gpu_seconds == 0 for u in billed)
 

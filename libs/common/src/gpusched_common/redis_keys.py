@@ -23,8 +23,9 @@ that work a second time."""
 NODE_ALIVE_TTL_S = 10
 CANCELLED_KEY = "gpusched:request:{}:cancelled"
 """Set by the router (value: the reason) when it cancels a request, before the cancel goes
-out on the control topic: an agent that was down when the cancel went out, and so never
-read it, still ends the request unrun when it is placed there later."""
+out on the control topic, and by every scheduler (if unset) as it reads a cancel there, one
+produced straight to Kafka too: an agent that was down when the cancel went out, and so
+never read it, still ends the request unrun when it is placed there later."""
 CANCELLED_TTL_S = 86_400
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router

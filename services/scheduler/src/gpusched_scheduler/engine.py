@@ -319,20 +319,28 @@ class SchedulingEngine:
         self._wake.set()
         self._commit_decided()
 
-    def cancels(self, records: list[ConsumerRecord]) -> None:
+    async def cancels(self, records: list[ConsumerRecord]) -> None:
         """Note the cancels among control records: the next cycle ends their requests that
-        wait here, unplaced, and so does a cycle after one is admitted later. (Agents stop
-        those that run, and dead-letter records that are not cancels.)"""
+        wait here, unplaced, and so does a cycle after one is admitted later. Every instance
+        also keeps them in Redis, for an agent that was down when they went out. (Agents
+        stop those that run, and dead-letter records that are not cancels.)"""
+        read: dict[str, str] = {}
         for record in records:
             try:
                 cancel = CANCEL.validate_json(record.value or b"")
             except ValidationError:
                 continue
+            read[cancel.request_id] = cancel.reason
             self._cancelled[cancel.request_id] = cancel.reason
             if self.epoch is not None:  # a new leader reads its queue again: `admit` checks
                 self._to_cancel.add(cancel.request_id)
         if self._to_cancel:
             self._wake.set()
+        if read and self._store is not None:
+            try:
+                await self._store.keep_cancels(read)
+            except Exception:  # the agents up now still read them on Kafka
+                log.exception("cancels of %d request(s) not kept in Redis", len(read))
 
     async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
         """True once the records' class has room for them; False when not leading."""

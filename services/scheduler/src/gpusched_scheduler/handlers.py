@@ -32,9 +32,10 @@ def register_cluster(broker: KafkaBroker, engine: SchedulingEngine) -> None:
     async def on_usage(msg: KafkaMessage) -> None:
         await engine.usage(list(msg.raw_message))
 
-    # Cancels: a request still waiting ends unplaced. From the end, as the agents read them:
-    # a leader that missed one places the request, and its agent ends it.
+    # Cancels: a request still waiting ends unplaced; each is kept in Redis for agents that
+    # were down. From the end, as the agents read them: a leader that missed one places the
+    # request, and its agent ends it.
     @broker.subscriber(topics.CONTROL.name, batch=True, group_id=None,
                        auto_offset_reset="latest", batch_timeout_ms=5, **RAW_BATCH)
     async def on_control(msg: KafkaMessage) -> None:
-        engine.cancels(list(msg.raw_message))
+        await engine.cancels(list(msg.raw_message))

@@ -10,6 +10,8 @@ from redis.asyncio import Redis
 
 from gpusched_common import outbox
 from gpusched_common.redis_keys import (
+    CANCELLED_KEY,
+    CANCELLED_TTL_S,
     CLAIM_TTL_S,
     FENCED_CLAIM,
     NODE_ALIVE_KEY,
@@ -97,6 +99,16 @@ class RunningStore:
                 pipe.set(PLACEMENT_CLAIM_KEY.format(pid), FENCED_CLAIM, nx=True,
                          ex=CLAIM_TTL_S)
             return [bool(ok) for ok in await pipe.execute()]
+
+    async def keep_cancels(self, reasons: dict[str, str]) -> None:
+        """Keep cancels read on the control topic (request id -> reason) where an agent
+        looks when it claims a placement, so one that was down when a cancel went out still
+        ends the request unrun. The router keeps its own before it sends them; this keeps
+        those produced straight to Kafka. A cancel kept already is left as it is."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, reason in reasons.items():
+                pipe.set(CANCELLED_KEY.format(request_id), reason, nx=True, ex=CANCELLED_TTL_S)
+            await pipe.execute()
 
     async def alive(self, node_ids: list[str]) -> list[bool]:
         """For each node, whether its agent said lately (in Redis) that it is alive."""
