@@ -189,6 +189,9 @@ async def test_retries_with_one_idempotency_key_run_once_and_get_the_same_reply(
     bodies = [r.parse() for r in replies]
     request_id = replies[0].headers["x-request-id"]
     assert {r.headers["x-request-id"] for r in replies} == {request_id}
+    # the replies that waited while the first use was still on its way in name its trace too
+    [trace_id] = {r.headers["x-trace-id"] for r in replies}
+    assert len(trace_id) == 32
     assert {b.choices[0].text for b in bodies} == {bodies[0].choices[0].text}
     assert bodies[0].usage.completion_tokens == 2000
     assert len(await requests_for(stack, marker)) == 1

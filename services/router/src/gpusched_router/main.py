@@ -299,18 +299,26 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                           ) -> ResultEvent | ApiError | None:
             # Its outcome may have passed this router before the queue opened, and be
             # stored a moment later: read the status again every STATUS_POLL_S.
+            nonlocal trace_id
             loop = asyncio.get_running_loop()
             stored = status
             while "result" not in stored:
                 if not stored and (refused := await taken_in()) is not None:
                     return refused
                 try:
-                    return await _next_terminal(queue, min(deadline_s, loop.time() + STATUS_POLL_S),
-                                                gone, stop_at_chunk=False)
+                    event = await _next_terminal(
+                        queue, min(deadline_s, loop.time() + STATUS_POLL_S), gone,
+                        stop_at_chunk=False)
                 except TimeoutError:
                     if loop.time() >= deadline_s:
                         raise
-                stored = await hub.status(request_id) or {}
+                    stored = await hub.status(request_id) or {}
+                    trace_id = trace_id or stored.get("trace_id") or ""
+                    continue
+                if not trace_id and event is not None:  # it was on its way in: stored since
+                    with contextlib.suppress(RedisError):  # the reply goes out without it
+                        trace_id = (await hub.status(request_id) or {}).get("trace_id") or ""
+                return event
             return RESULT_EVENT.validate_python(stored["result"])
 
         accepted.labels(original.priority_class, "replayed").inc()
