@@ -246,8 +246,10 @@ async def test_a_cancel_produced_to_kafka_while_its_node_was_down_ends_the_reque
     stack.processes.kill_service(spec.name)
     try:
         await produce(stack, [r])
+        # sent to the node before it goes silent (GPUSCHED_NODE_TIMEOUT_S, 4 s)
         assert await read_topic(stack.endpoints.kafka_bootstrap, topics.PLACEMENTS.name,
-                                lambda _k, v: r["request_id"].encode() in v, timeout_s=4)
+                                lambda _k, v: r["request_id"].encode() in v, timeout_s=4), \
+            "not placed on the node while the scheduler still took it for live"
         producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
         await producer.start()
         try:
