@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,10 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
+from monitoring_files import DASHBOARD, RULES
+from typer.testing import CliRunner
 
 from gpusched_accounting.settings import AccountingSettings
 from gpusched_agent.settings import AgentSettings
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
+from gpusched_ops import cli
 from gpusched_router.settings import RouterSettings
 from gpusched_scheduler.settings import SchedulerSettings
 
@@ -206,3 +210,48 @@ def test_every_service_reads_its_settings_listens_on_its_port_is_probed_and_scra
             assert service["spec"]["selector"].items() <= selector.items()
             assert service["spec"]["ports"] == [{"name": "http", "port": port,
                                                  "targetPort": "http"}]
+
+
+def _selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) selects `labels`."""
+    return selector.get("matchLabels", {}).items() <= labels.items() and all(
+        labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", ())
+        if e["operator"] == "In")
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_the_prometheus_operator_objects_scrape_every_service_with_the_rules_and_dashboard(
+        name: str) -> None:
+    """`gpusched monitoring-manifests`: its PodMonitor selects every pod that serves
+    /metrics, on its port, in both builds, and no other (Kafka, Redis, Jaeger); its
+    PrometheusRule and dashboard ConfigMap hold ops/'s files as they are, with the labels
+    asked for, so a cluster gets what promtool and the dashboard tests check."""
+    out = CliRunner().invoke(cli.app, [
+        "monitoring-manifests", "--label", "release=kube-prometheus-stack",
+        "--dashboard-namespace", "monitoring"])
+    assert out.exit_code == 0, out.output
+    objects = {o["kind"]: o for o in yaml.safe_load_all(out.output)}
+    assert set(objects) == {"PodMonitor", "PrometheusRule", "ConfigMap"}
+    for obj in objects.values():
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    monitor = objects["PodMonitor"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    objs = built(name)
+    pods = [w["spec"]["template"] for w in workloads(objs)]
+    scraped = [p for p in pods if _selects(monitor["spec"]["selector"], p["metadata"]["labels"])]
+    assert len(scraped) == len(gpusched_containers(objs)) >= 4
+    for pod in scraped:
+        [container] = pod["spec"]["containers"]
+        assert container["image"].startswith("gpusched")
+        assert endpoint["port"] in {p["name"] for p in container["ports"]}
+        assert pod["metadata"]["annotations"]["prometheus.io/path"] == endpoint["path"]
+    assert {o["metadata"]["namespace"] for o in objs if o["kind"] != "Namespace"} == {
+        monitor["metadata"]["namespace"], objects["PrometheusRule"]["metadata"]["namespace"]}
+    assert objects["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())
+    dashboard = objects["ConfigMap"]
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["gpusched.json"]) == json.loads(DASHBOARD.read_text())
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (ops[dev] has it)")
+    kubernetes_validate.validate(dashboard, KUBERNETES_VERSION, strict=True)

@@ -1,5 +1,5 @@
 """`gpusched`: the operator's command line (local stack, submit, usage, nodes, dead letters,
-demo, bench)."""
+monitoring manifests, demo, bench)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from rich.table import Column, Table
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, DeadLetter, invalid_fields
 from gpusched_common.kafka_records import dead_letter, retained
+from gpusched_ops.monitoring import operator_manifests, operator_objects
 from gpusched_ops.services import service_specs, urls
-from gpusched_ops.stack import LocalStack, StackError, default_cache_dir
+from gpusched_ops.stack import LocalStack, StackError, default_cache_dir, find_repo_root
 
 app = typer.Typer(help="gpusched: share a GPU fleet between inference workloads and tenants.",
                   no_args_is_help=True, add_completion=False)
@@ -156,6 +157,28 @@ def queue_table(data: dict) -> Table:
                       f"{r['waited_ms'] / 1000:.1f}", "-" if limit is None else f"{limit / 1000:g}",
                       r["requeued"] or "-")
     return table
+
+
+@app.command("monitoring-manifests")
+def monitoring_manifests(
+    namespace: str = typer.Option("gpusched", help="Where the services run."),
+    label: list[str] = typer.Option([], help="KEY=VALUE on every object, such as "
+                                    "release=kube-prometheus-stack (repeatable)."),
+    dashboard_namespace: str | None = typer.Option(
+        None, help="Where Grafana's sidecar looks for dashboards (default: --namespace)."),
+) -> None:
+    """Print, for `kubectl apply -f -`, the Prometheus Operator's PodMonitor and
+    PrometheusRule and the Grafana dashboard's ConfigMap, made from ops/prometheus and
+    ops/grafana."""
+    if bad := [entry for entry in label if "=" not in entry]:
+        _fail(f"--label takes KEY=VALUE, not {bad[0]!r}")
+    labels = dict(entry.split("=", 1) for entry in label)
+    try:
+        root = find_repo_root()
+    except StackError as exc:
+        _fail(str(exc))
+    print(operator_manifests(operator_objects(root, namespace, labels, dashboard_namespace)),
+          end="")
 
 
 @app.command("dead-letters")
