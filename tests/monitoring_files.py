@@ -8,11 +8,13 @@ from pathlib import Path
 
 import yaml
 
-OPS = Path(__file__).resolve().parents[1] / "ops"
-RULES_DIR = OPS / "prometheus"
-RULES = RULES_DIR / "gpusched-rules.yaml"
+from gpusched_ops.monitoring import dashboard_file, rules_file
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RULES = rules_file(REPO_ROOT)
+RULES_DIR = RULES.parent
 RULE_TESTS = RULES_DIR / "gpusched-rules.test.yaml"
-DASHBOARD = OPS / "grafana" / "gpusched.json"
+DASHBOARD = dashboard_file(REPO_ROOT)
 GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
 """What Grafana puts in a query before Prometheus sees it."""
 
