@@ -515,6 +515,30 @@ async def test_a_request_that_expired_in_kafka_takes_none_of_its_tenants_quota(w
     assert [p.request.request_id for p in engine.queue.in_order()] == ["fresh"]
 
 
+async def test_a_request_that_expired_in_the_queue_gives_its_quota_back() -> None:
+    """hooli (3,000 tokens a minute) sends 2,000 tokens that wait past their 1 s limit on a
+    fleet with no room: the 503 says send it again, and the retry a second later fits the
+    minute. Before, the expired request kept its charge and the retry got a 429."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, request_id: str) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "hi",
+            "prompt_tokens": 1, "max_tokens": 1999, "created_at_ms": now[0],
+            "max_queue_ms": 1000}).encode())
+
+    await engine.admit([record(0, "waits")])
+    now[0] = 2500
+    assert await engine.cycle() == 1
+    now[0] = 3000
+    await engine.admit([record(1, "again")])
+    results = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert [(r.request_id, r.status_code) for r in results] == [("waits", 503)]
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["again"]
+
+
 async def test_the_queue_is_shown_in_the_order_the_next_cycle_takes_it(wired) -> None:
     """GET /v1/queue lists `in_line`: aged work first, then class by class."""
     _, engine, _ = wired

@@ -295,9 +295,10 @@ class SchedulingEngine:
                 continue
             # one already past its queue time limit (it waited in Kafka) ends at the next
             # cycle, unrun: it takes none of its tenant's quota
-            if request.attempt == 0 and request.requeued is None \
-                    and key not in self.queue \
-                    and not _past(self.queue_limit(request)[0], request, now):
+            charged = request.attempt == 0 and request.requeued is None \
+                and key not in self.queue \
+                and not _past(self.queue_limit(request)[0], request, now)
+            if charged:
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -310,7 +311,7 @@ class SchedulingEngine:
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
-            item = Pending(request, outcome.carrier, now)
+            item = Pending(request, outcome.carrier, now, charged=charged)
             if not self.queue.push(item):
                 item = self.queue.get(key) or item  # a redelivery of work still pending
             if request.request_id in self._cancelled:  # its cancel came first
@@ -648,6 +649,8 @@ class SchedulingEngine:
                 continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)
+            if item.charged:  # it never ran: its tokens go back to its tenant's minute
+                self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=503,

@@ -60,6 +60,13 @@ class QuotaBook:
                 return max(1, -(-(at_ms + WINDOW_MS - now_ms) // 1000))
         return WINDOW_MS // 1000
 
+    def refund(self, tenant: str, tokens: int, admitted_ms: int) -> None:
+        """Take back an admission of `tokens` at `admitted_ms` that never ran (nothing, once
+        it has left the window)."""
+        window = self._admitted.get(tenant)
+        if window and (admitted_ms, tokens) in window:
+            window.remove((admitted_ms, tokens))
+
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
         """Record an admission; entries older than the window are dropped as it goes, so
         memory stays bounded by one minute of admissions."""
