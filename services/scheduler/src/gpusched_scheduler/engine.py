@@ -293,12 +293,7 @@ class SchedulingEngine:
                 # redelivered after its placement was published: nothing to do
                 self.offsets.track(record, None, commit)
                 continue
-            # one already past its queue time limit (it waited in Kafka) ends at the next
-            # cycle, unrun: it takes none of its tenant's quota
-            charged = request.attempt == 0 and request.requeued is None \
-                and key not in self.queue \
-                and not _past(self.queue_limit(request)[0], request, now)
-            if charged:
+            if key not in self.queue and self._charges_quota(request, now):
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -311,7 +306,7 @@ class SchedulingEngine:
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
-            item = Pending(request, outcome.carrier, now, charged=charged)
+            item = Pending(request, outcome.carrier, now)
             if not self.queue.push(item):
                 item = self.queue.get(key) or item  # a redelivery of work still pending
             if request.request_id in self._cancelled:  # its cancel came first
@@ -649,7 +644,7 @@ class SchedulingEngine:
                 continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)
-            if item.charged:  # it never ran: its tokens go back to its tenant's minute
+            if self._charges_quota(request, item.enqueued_ms):  # it never ran: no charge
                 self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
@@ -660,6 +655,14 @@ class SchedulingEngine:
                 "later"),
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
+
+    def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
+        """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
+        first attempt, not a retry, that has not already waited past its queue time limit
+        (it waited in Kafka: it ends at the next cycle, unrun). One that expires later in
+        the queue gives its charge back."""
+        return request.attempt == 0 and request.requeued is None \
+            and not _past(self.queue_limit(request)[0], request, admitted_ms)
 
     def queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
         """The longest `request` may wait for its first placement, and who set it."""

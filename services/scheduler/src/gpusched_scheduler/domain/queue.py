@@ -22,8 +22,6 @@ class Pending:
     enqueued_ms: int
     decided: bool = False
     """Placed or rejected, and that decision published: its records may be committed."""
-    charged: bool = False
-    """Its tokens went into its tenant's tokens-per-minute window at `enqueued_ms`."""
 
     @property
     def key(self) -> Key:

@@ -4,6 +4,7 @@ as a 429 rejection."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,9 +64,8 @@ class QuotaBook:
     def refund(self, tenant: str, tokens: int, admitted_ms: int) -> None:
         """Take back an admission of `tokens` at `admitted_ms` that never ran (nothing, once
         it has left the window)."""
-        window = self._admitted.get(tenant)
-        if window and (admitted_ms, tokens) in window:
-            window.remove((admitted_ms, tokens))
+        with contextlib.suppress(KeyError, ValueError):
+            self._admitted[tenant].remove((admitted_ms, tokens))
 
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
         """Record an admission; entries older than the window are dropped as it goes, so
