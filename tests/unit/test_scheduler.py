@@ -539,6 +539,29 @@ async def test_a_request_that_expired_in_the_queue_gives_its_quota_back() -> Non
     assert [p.request.request_id for p in engine.queue.in_order()] == ["again"]
 
 
+async def test_a_request_cancelled_while_it_waited_gives_its_quota_back() -> None:
+    """hooli (3,000 tokens a minute) sends 2,000 tokens that wait on a fleet with no room,
+    and cancels them: nothing ran, so the 2,000 tokens it sends next fit the minute. Before,
+    the cancelled request kept its charge and the next one got a 429."""
+    engine, sent = leading_engine()
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, request_id: str) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "hi",
+            "prompt_tokens": 1, "max_tokens": 1999}).encode())
+
+    await engine.admit([record(0, "waits")])
+    cancel = Cancel(request_id="waits", reason="client disconnected", at_ms=1000).to_bytes()
+    await engine.cancels([request_record(topics.CONTROL.name, 0, cancel)])
+    assert await engine.cycle() == 1
+    await engine.admit([record(1, "next")])
+    results = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert not [r.reason for r in results if isinstance(r, Rejection)]
+    assert [(r.request_id, r.status) for r in results] == [("waits", "cancelled")]
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["next"]
+
+
 async def test_the_queue_is_shown_in_the_order_the_next_cycle_takes_it(wired) -> None:
     """GET /v1/queue lists `in_line`: aged work first, then class by class."""
     _, engine, _ = wired

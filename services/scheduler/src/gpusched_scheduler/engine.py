@@ -604,12 +604,14 @@ class SchedulingEngine:
     # --- helpers ------------------------------------------------------------------------
     def _take_cancelled(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The cancelled requests waiting here, out of the queue, each with its terminal
-        result (nothing ran, nothing is billed) to publish with this cycle's decisions."""
+        result (nothing ran, nothing is billed, its quota charge is given back) to publish
+        with this cycle's decisions."""
         out = []
         for request_id in self._to_cancel:
             for item in self.queue.of_request(request_id):
                 self.queue.remove(item)
                 request = item.request
+                self._refund(item)
                 waited_ms = max(0, now_ms - request.created_at_ms)
                 out.append((item, Outgoing(RequestResult(
                     request_id=request_id, tenant=request.tenant, model=request.model,
@@ -644,8 +646,7 @@ class SchedulingEngine:
                 continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)
-            if self._charges_quota(request, item.enqueued_ms):  # it never ran: no charge
-                self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
+            self._refund(item)
             self._metrics.rejected.labels("expired").inc()
             out.append((item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=503,
@@ -656,11 +657,17 @@ class SchedulingEngine:
                 topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
 
+    def _refund(self, item: Pending) -> None:
+        """Give back the quota charge of work that ends unrun, if its admission took one."""
+        request = item.request
+        if self._charges_quota(request, item.enqueued_ms):
+            self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
+
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
         first attempt, not a retry, that has not already waited past its queue time limit
-        (it waited in Kafka: it ends at the next cycle, unrun). One that expires later in
-        the queue gives its charge back."""
+        (it waited in Kafka: it ends at the next cycle, unrun). One that ends unrun later,
+        expired or cancelled in the queue, gives its charge back (`_refund`)."""
         return request.attempt == 0 and request.requeued is None \
             and not _past(self.queue_limit(request)[0], request, admitted_ms)
 
