@@ -129,6 +129,31 @@ def test_a_gang_is_admitted_on_all_its_gpus_or_none() -> None:
     assert [g.free_mib() for g in sick.gpus] == [81559, 81559]
 
 
+def test_a_gangs_shards_serve_only_work_of_the_same_model_and_gang_size() -> None:
+    """A 2-GPU gang of the 70B leaves half its weights idle on each H100. A 1-GPU placement
+    of the 70B on GPU 0 needs all 134 GiB there and is refused; another 2-GPU gang of the 70B
+    uses the shards; one of the 8B next to an 8B shard loads its weights whole. Before,
+    a shard counted as the model loaded, and the whole 70B was admitted on one 80 GB GPU."""
+    node = NodeModel.from_inventory(parse_simulated("2xH100-80GB", "n"))
+    huge, eight = CATALOG.get("llama-3.1-70b"), CATALOG.get("llama-3.1-8b")
+
+    def gang(pid: str, model: str) -> Placement:
+        return placement(pid, 0, 1000, model).model_copy(update={"gpu_indices": (0, 1)})
+
+    for pid, model in (("g1", huge), ("g2", eight)):
+        node.admit(gang(pid, model.name), model)
+        node.finish(gang(pid, model.name))
+    assert node.state("n", 1, 0, 0).gpus[0].loaded_models == (
+        "llama-3.1-70b#tp2", "llama-3.1-8b#tp2")
+    refused = node.admit(placement("one", 0, 1000, huge.name), huge)
+    assert isinstance(refused, Refused) and "needs" in refused.reason
+    again = node.admit(gang("g3", huge.name), huge)
+    assert isinstance(again, Admitted) and not again.needs_load
+    node.finish(gang("g3", huge.name))
+    single = node.admit(placement("8b", 1, 1000, eight.name), eight)
+    assert isinstance(single, Admitted) and single.needs_load
+
+
 @pytest.mark.parametrize("tokens,stops,end", [
     (["ab", "xENDy", "zz"], ["END"], 3),  # inside one token
     (["he", "ll", "o wor", "ld"], ["o w"], 4),  # across tokens

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
-from gpusched_common.catalog import TenantQuota, load_models, load_tenants
+from gpusched_common.catalog import TenantQuota, load_models, load_tenants, weights_name
 from gpusched_common.contracts import (
     DEAD_LETTER,
     PLACEMENT,
@@ -114,6 +114,23 @@ def test_work_that_fits_only_without_idle_models_is_placed_and_they_are_unloaded
     view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,), seq=2), 0)
     assert [p.request.request_id for p in plan(view, [req("tp2", model=SEVENTY_B.name,
                                                           num_gpus=2)]).waiting] == ["tp2"]
+
+
+def test_a_gangs_shards_count_as_loaded_only_for_work_of_the_same_gang_size() -> None:
+    """Two H100s hold halves of the 70B, as an agent reports them after a 2-GPU gang.
+    A 1-GPU 70B request needs all 134 GiB on one GPU: refused, as on an empty fleet; a
+    2-GPU one uses the shards and reserves only its KV cache. Before, a shard counted as
+    the model loaded and the whole 70B was placed on one 80 GB GPU."""
+    view = ClusterView()
+    shard = weights_name(SEVENTY_B.name, 2)
+    free = 81559 - SEVENTY_B.weight_memory_mib // 2
+    view.apply_node_state(node("a", [free, free], models=(shard,)), 0)
+    decisions = plan(view, [req("one", "interactive", model=SEVENTY_B.name)])
+    assert not decisions.placed
+    [refused] = decisions.rejected
+    assert f"weights {SEVENTY_B.weight_memory_mib} + KV" in refused.reason
+    [gang] = plan(view, [req("tp2", model=SEVENTY_B.name, num_gpus=2)]).placed
+    assert sorted(gang.gpu_indices) == [0, 1] and gang.memory_mib_per_gpu == gang.kv_cache_mib
 
 
 def test_an_idle_model_stays_loaded_while_its_work_fits_without_unloading() -> None:

@@ -27,6 +27,23 @@ class ModelSpec(BaseModel):
         return -(-tokens * self.kv_cache_bytes_per_token // (1024 * 1024))
 
 
+SHARD_MARK = "#tp"
+"""Joins a model's name and its gang size in `weights_name`; '#' is in no model name."""
+
+
+def weights_name(model: str, num_gpus: int) -> str:
+    """What a model's weights go by on each GPU that holds them: the model's name when one
+    GPU holds them whole, `<model>#tp<n>` on each GPU of an n-GPU gang (tensor parallel:
+    each holds a 1/n shard). Work of another gang size cannot use a shard, so it is loaded,
+    reported and matched under this name."""
+    return model if num_gpus == 1 else f"{model}{SHARD_MARK}{num_gpus}"
+
+
+def model_of(weights: str) -> str:
+    """The model whose weights go by `weights` (see `weights_name`)."""
+    return weights.partition(SHARD_MARK)[0]
+
+
 class ModelCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     models: tuple[ModelSpec, ...]

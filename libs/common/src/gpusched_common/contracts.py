@@ -140,7 +140,9 @@ class GpuState(BaseModel):
     memory_total_mib: int = Field(ge=0)
     memory_free_mib: int = Field(description="Total minus loaded weights minus reserved KV cache.")
     healthy: bool = True
-    loaded_models: tuple[str, ...] = ()
+    loaded_models: tuple[str, ...] = Field(default=(), description="Weights in memory: a "
+        "model's name, or '<model>#tp<n>' for its shard from an n-GPU gang, which serves only "
+        "gangs of that size (catalog.weights_name).")
     running_requests: int = Field(default=0, ge=0)
     name: str = Field(default="", description="NVML name, e.g. 'NVIDIA H100 80GB HBM3'.")
     mig_parent_uuid: str | None = Field(

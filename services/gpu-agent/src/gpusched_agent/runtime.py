@@ -27,7 +27,7 @@ from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
-from gpusched_common.catalog import GPU_TYPES, ModelCatalog
+from gpusched_common.catalog import GPU_TYPES, ModelCatalog, model_of
 from gpusched_common.contracts import (
     PLACEMENT,
     Cancel,
@@ -354,8 +354,10 @@ class AgentRuntime:
         try:
             if run.stop_reason is not None:  # stopped between its start and now
                 raise asyncio.CancelledError
-            for gpu, name in admitted.evicted:
-                await self.executor.unload(name, gpu)
+            for gpu, weights in admitted.evicted:
+                name = model_of(weights)  # executors hold models, whatever their gang size
+                if all(model_of(w) != name for w in self.node.gpus[gpu].loaded_mib):
+                    await self.executor.unload(name, gpu)
             if admitted.needs_load:
                 await self.executor.load(model, slot.info.index)
             # a resumed engine continues the text: the prompt is all that came before

@@ -51,6 +51,7 @@ from gpusched_scheduler.domain.planner import (
     fleet_gpu_mib,
     plan_cycle,
     request_tokens,
+    request_weights,
     snapshot,
 )
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
@@ -474,13 +475,12 @@ class SchedulingEngine:
         new_running: list[RunningPlacement] = []
         for place in decisions.placed:
             request = place.item.request
-            spec = self.catalog.get(request.model)
             pid = _placement_id(request.request_id, request.attempt)
             placement = Placement(placement_id=pid, node_id=place.node_id,
                                   gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
                                   scheduler_epoch=self.epoch, placed_at_ms=now, request=request)
             self.view.reserve(Reservation(pid, place.node_id, place.gpu_indices,
-                                          place.memory_mib_per_gpu, spec.name))
+                                          place.memory_mib_per_gpu, request_weights(request)))
             held = self.running.memory_mib(request.tenant) + \
                 place.memory_mib_per_gpu * len(place.gpu_indices)
             guarantee = self._guarantee(request.tenant)
@@ -743,7 +743,8 @@ class SchedulingEngine:
                 fenced.append(r)
             else:
                 self.view.reserve_unlisted(Reservation(pid, r.node_id, r.gpu_indices,
-                                                       r.memory_mib_per_gpu, r.request.model))
+                                                       r.memory_mib_per_gpu,
+                                                       request_weights(r.request)))
         if ended:
             log.info("taking over: %d placements ended while no scheduler led", len(ended))
             await self._forget(ended)

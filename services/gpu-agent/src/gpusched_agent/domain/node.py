@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo
-from gpusched_common.catalog import ModelSpec
+from gpusched_common.catalog import ModelSpec, weights_name
 from gpusched_common.contracts import GpuState, NodeState, Placement
 
 
@@ -21,9 +21,10 @@ from gpusched_common.contracts import GpuState, NodeState, Placement
 class GpuSlot:
     info: GpuInfo
     loaded_mib: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    """Model name -> weight MiB, least recently used first."""
+    """Weights (`weights_name`: a model, or a gang's shard of one) -> MiB, least recently
+    used first."""
     active: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """Placement id -> (model, KV cache MiB)."""
+    """Placement id -> (its weights, KV cache MiB)."""
     meter: ShareMeter = field(default_factory=ShareMeter)
 
     def free_mib(self) -> int:
@@ -32,7 +33,7 @@ class GpuSlot:
                 - sum(self.loaded_mib.values()) - kv)
 
     def idle_models(self) -> list[str]:
-        """Loaded models nothing runs now, least recently used first (evictable)."""
+        """Loaded weights nothing runs now, least recently used first (evictable)."""
         in_use = {m for m, _ in self.active.values()}
         return [m for m in self.loaded_mib if m not in in_use]
 
@@ -45,7 +46,7 @@ class GpuSlot:
 class Admitted:
     needs_load: bool
     evicted: tuple[tuple[int, str], ...]
-    """(GPU index, model name) unloaded to make room; the executor must free them too."""
+    """(GPU index, weights) unloaded to make room; the executor must free them too."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class NodeModel:
 
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
         """Reserve the placement on every GPU of its gang, or on none (all or nothing).
-        A gang of n GPUs holds 1/n of the weights on each (tensor parallel)."""
+        A gang of n GPUs holds 1/n of the weights on each (tensor parallel), which only work
+        of the same model and gang size uses (`weights_name`)."""
         indices = placement.gpu_indices
         if len(set(indices)) != len(indices):
             return Refused(f"GPU indices {indices} repeat")
@@ -96,10 +98,11 @@ class NodeModel:
         if any(placement.placement_id in s.active for s in slots):
             return Refused("placement already running")
         weight_mib = -(-model.weight_memory_mib // len(indices))
+        weights = weights_name(model.name, len(indices))
         plan: list[tuple[GpuSlot, list[str]]] = []
         for slot in slots:
-            need = placement.kv_cache_mib + (0 if model.name in slot.loaded_mib else weight_mib)
-            idle = [m for m in slot.idle_models() if m != model.name]
+            need = placement.kv_cache_mib + (0 if weights in slot.loaded_mib else weight_mib)
+            idle = [m for m in slot.idle_models() if m != weights]
             evict: list[str] = []
             free = slot.free_mib()
             for name in idle:
@@ -111,19 +114,16 @@ class NodeModel:
                 return Refused(f"GPU {slot.info.index} has {slot.free_mib()} MiB free "
                                f"(after evicting idle models: {free}), needs {need} MiB")
             plan.append((slot, evict))
-        needs_load = any(model.name not in slot.loaded_mib for slot in slots)
+        needs_load = any(weights not in slot.loaded_mib for slot in slots)
         evicted: list[tuple[int, str]] = []
         for slot, evict in plan:
             for name in evict:
                 del slot.loaded_mib[name]
             evicted += [(slot.info.index, name) for name in evict]
-            slot.loaded_mib[model.name] = slot.loaded_mib.get(model.name, weight_mib)
-            slot.loaded_mib.move_to_end(model.name)
-            slot.active[placement.placement_id] = (model.name, placement.kv_cache_mib)
+            slot.loaded_mib[weights] = slot.loaded_mib.get(weights, weight_mib)
+            slot.loaded_mib.move_to_end(weights)
+            slot.active[placement.placement_id] = (weights, placement.kv_cache_mib)
         return Admitted(needs_load=needs_load, evicted=tuple(evicted))
-
-    def evict(self, gpu_index: int, model_name: str) -> None:
-        self.gpus[gpu_index].loaded_mib.pop(model_name, None)
 
     def finish(self, placement: Placement) -> None:
         for i in placement.gpu_indices:

@@ -14,7 +14,8 @@ class Reservation:
     node_id: str
     gpu_indices: tuple[int, ...]
     memory_mib_per_gpu: int
-    model: str
+    weights: str
+    """What it loads on each of its GPUs (`request_weights`: its model or a gang's shard)."""
 
 
 @dataclass
@@ -101,7 +102,7 @@ class ClusterView:
         for r in self._by_node.get(node_id, {}).values():
             for g in r.gpu_indices:
                 mib[g] = mib.get(g, 0) + r.memory_mib_per_gpu
-                models.setdefault(g, set()).add(r.model)
+                models.setdefault(g, set()).add(r.weights)
         return mib, models
 
     def gpu_states(self, live: set[str]) -> dict[tuple[str, str], int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpusched_common.catalog import ModelCatalog, ModelSpec
+from gpusched_common.catalog import ModelCatalog, ModelSpec, weights_name
 from gpusched_common.contracts import InferenceRequest
 from gpusched_scheduler.domain.cluster import ClusterView
 from gpusched_scheduler.domain.ordering import Chunk
@@ -294,7 +294,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
 def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Placed) -> Place:
     """Unit `u` placed: it reserves its KV cache, and its weights where they are not loaded."""
     kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
-    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices, item.request.model)
+    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
+                        request_weights(item.request))
     return Place(item, outcome.node_id, outcome.gpu_indices, kv, kv + (0 if loaded else weight))
 
 
@@ -307,7 +308,7 @@ def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place]
     busy: dict[tuple[str, int], set[str]] = {}
     for p in placed:
         for g in p.gpu_indices:
-            busy.setdefault((p.node_id, g), set()).add(p.item.request.model)
+            busy.setdefault((p.node_id, g), set()).add(request_weights(p.item.request))
     room: ClusterState | None = None
     for node_id, gpus in snap.evictable.items():
         start = int(state.node_gpu_start[snap.node_index[node_id]])
@@ -327,18 +328,25 @@ def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
     return WorkBatch.from_units(
         num_gpu=[r.num_gpus for r in requests], gpu_milli=[GPU_SHARE_MILLI] * len(requests),
         cpu_milli=[0] * len(requests), mem_mib=[0] * len(requests),
-        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[r.model for r in requests],
+        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[request_weights(r) for r in requests],
         model_weight_mib=[w for _, w in sizes],
         priority=priority or [CLASS_PRIORITY[r.priority_class] for r in requests],
         tenant=[r.tenant for r in requests], unit_ids=[r.request_id for r in requests])
 
 
-def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], model: str) -> bool:
+def request_weights(request: InferenceRequest) -> str:
+    """The weights a request runs on: its model whole, or its gang size's shards of it.
+    Only GPUs that hold those count as having its model loaded (a shard of another gang
+    size is of no use to it)."""
+    return weights_name(request.model, request.num_gpus)
+
+
+def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str) -> bool:
     state = snap.state
     start = int(state.node_gpu_start[snap.node_index[node_id]])
-    if model not in state.model_names:
+    if weights not in state.model_names:
         return False
-    code = state.model_names.index(model)
+    code = state.model_names.index(weights)
     return all(code in state.gpu_models[start + g] for g in gpus)
 
 
