@@ -59,7 +59,8 @@ def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | 
 def placement(rid: str, max_tokens: int = 8, epoch: int = 1, gpu: int = 0,
               attempt: int = 0) -> Placement:
     req = InferenceRequest(request_id=rid, tenant="acme", model=MODEL, prompt="hello there",
-                           max_tokens=max_tokens, created_at_ms=0, attempt=attempt)
+                           max_tokens=max_tokens, created_at_ms=0, attempt=attempt,
+                           requeued="preempted" if attempt else None)
     return Placement(placement_id=f"{rid}#{attempt}", node_id="n1", gpu_indices=(gpu,),
                      kv_cache_mib=64, scheduler_epoch=epoch, placed_at_ms=0, request=req)
 

@@ -430,6 +430,31 @@ async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     assert placement.request.priority_class == "standard"
 
 
+@pytest.mark.parametrize("extra,why", [
+    ({"resume": {"tokens": ["a"], "streamed_tokens": 0, "next_seq": 0}},
+     "resume is set only on a later attempt"),
+    ({"attempt": 1}, "attempt 1 with requeued=None"),
+    ({"requeued": "preempted"}, "attempt 0 with requeued='preempted'"),
+    ({"attempt": 1, "requeued": "preempted",
+      "resume": {"tokens": ["a"] * 10, "streamed_tokens": 50}}, "resume has 10 tokens, 50"),
+])
+async def test_a_client_record_that_claims_to_be_a_retry_is_refused(wired, extra, why) -> None:
+    """`attempt`, `requeued` and `resume` are gpusched's own, for retries of placed work: a
+    Kafka record that sets them against each other gets a 400 and a dead letter with the
+    reason. Before, a made-up `resume` ran with its prompt unbilled (the first attempt
+    bills it), and 10 resumed tokens came back, unbilled, for max_tokens 3."""
+    _, engine, sent = wired
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, 0, json.dumps({
+        "request_id": "forged", "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+        "max_tokens": 3, **extra}).encode())])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (rejection.request_id, rejection.status_code) == ("forged", 400)
+    assert why in rejection.reason
+    [dead] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert dead.reason == rejection.reason and not len(engine.queue)
+
+
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
         wired) -> None:
     """A request waiting for room is cancelled: the next cycle ends it with a cancelled

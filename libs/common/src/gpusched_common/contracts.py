@@ -9,7 +9,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch")
@@ -122,6 +130,26 @@ class InferenceRequest(Message):
         default=None, ge=1, le=MAX_QUEUE_MS, description="Longest this request may wait for "
         "its first placement, from `created_at_ms`; past it, it ends unrun with a 503 "
         "rejection. Its class's limit (GPUSCHED_<CLASS>_MAX_QUEUE_S), where set, caps it.")
+
+    @model_validator(mode="after")
+    def _attempts_agree(self) -> InferenceRequest:
+        """A later attempt says why it was queued again, and only a later attempt goes on
+        after earlier ones' tokens (they billed its prompt and those tokens): a record that
+        claims a resume without them would run unbilled."""
+        if (self.attempt == 0) != (self.requeued is None):
+            raise ValueError(f"attempt {self.attempt} with requeued={self.requeued!r}: a "
+                             "first attempt (0) has no requeued, a later one says why it was "
+                             "queued again; clients send neither")
+        resume = self.resume
+        if resume is not None:
+            if self.attempt == 0:
+                raise ValueError("resume is set only on a later attempt (gpusched's own retry "
+                                 "of a preempted or handed-back request); clients do not send it")
+            if not resume.streamed_tokens <= len(resume.tokens) <= self.max_tokens:
+                raise ValueError(f"resume has {len(resume.tokens)} tokens, "
+                                 f"{resume.streamed_tokens} streamed, for max_tokens "
+                                 f"{self.max_tokens}: streamed <= tokens <= max_tokens")
+        return self
 
     @property
     def prompt_token_count(self) -> int:
