@@ -455,6 +455,27 @@ async def test_a_client_record_that_claims_to_be_a_retry_is_refused(wired, extra
     assert dead.reason == rejection.reason and not len(engine.queue)
 
 
+async def test_a_request_created_in_the_future_is_refused_beyond_five_minutes(wired) -> None:
+    """A producer's clock may run a little ahead; a `created_at_ms` more than 5 minutes ahead
+    of the scheduler's gets a 400 and a dead letter that says so. Before, 10**20 was taken:
+    its result said ttft_ms -1e20, and its max_queue_ms could never run out."""
+    _, engine, sent = wired  # the clock reads 1000
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, offset, json.dumps({
+        "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+        "max_tokens": 3, "created_at_ms": created, "max_queue_ms": 1000}).encode())
+        for offset, (request_id, created) in enumerate(
+            [("skewed", 301_000), ("ahead", 301_001), ("far", 10**20)])])
+    rejections = {r.request_id: r for r in map(RESULT_EVENT.validate_json,
+                                               sent[topics.RESULTS.name])}
+    assert set(rejections) == {"ahead", "far"}
+    assert all(r.status_code == 400 for r in rejections.values())
+    assert "created_at_ms 301001 is 300 s ahead of this scheduler's clock (1000), more " \
+        "than 300 s" in rejections["ahead"].reason
+    assert len(sent[topics.DEAD_LETTERS.name]) == 2
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["skewed"]
+
+
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
         wired) -> None:
     """A request waiting for room is cancelled: the next cycle ends it with a cancelled

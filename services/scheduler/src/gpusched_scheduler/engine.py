@@ -72,6 +72,9 @@ MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 SAVE_RETRY_S = 0.5
 """Pause between tries to save a cycle's placements while Redis is away."""
+MAX_CLOCK_AHEAD_MS = 300_000
+"""How far a new request's `created_at_ms` may be ahead of this scheduler's clock (producers'
+clocks drift); later, the waits counted from it (queue time limit, latency) are nonsense."""
 ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
@@ -169,6 +172,13 @@ def parse_request_record(
     if request_tokens(request) > spec.context_limit_tokens:
         return refuse(f"prompt plus max_tokens ({request_tokens(request)} tokens) exceeds "
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
+                      tenant)
+    ahead_ms = request.created_at_ms - now_ms
+    if request.attempt == 0 and ahead_ms > MAX_CLOCK_AHEAD_MS:  # a retry keeps its first's
+        return refuse(f"created_at_ms {request.created_at_ms} is {_duration(ahead_ms)} ahead of "
+                      f"this scheduler's clock ({now_ms}), more than "
+                      f"{_duration(MAX_CLOCK_AHEAD_MS)}: send the producer's current time in "
+                      "epoch milliseconds, or leave it out for the record's timestamp", rid, 400,
                       tenant)
     if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
         return refuse(never, rid, 400, tenant, "tokens_per_minute_exceeded")
@@ -677,7 +687,7 @@ class SchedulingEngine:
         of_class = self._max_queue_ms.get(request.priority_class)
         if of_class is not None and (own is None or of_class < own):
             return of_class, f"GPUSCHED_{request.priority_class.upper()}_MAX_QUEUE_S"
-        return own, "its max_queue_ms: X-Max-Queue-Ms over HTTP"
+        return own, "its max_queue_ms, from the X-Max-Queue-Ms header or the Kafka record"
 
     def _estimate(self, item: Pending) -> float:
         return self._estimate_request(item.request)
