@@ -219,7 +219,8 @@ class SchedulingEngine:
         self._in_flight: list[asyncio.Task[None]] = []
         """Cycles published but not yet acknowledged, oldest first (see `_settle`)."""
         self._placed = Recent(RECENT_DECISIONS)
-        """Recently decided (request id, attempt), to skip redeliveries; bounded by
+        """Recently decided (request id, attempt) -> its request's `_identity`, to skip
+        redeliveries and refuse other requests under the same id; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
         self._cancelled = Recent(RECENT_DECISIONS)
         """Request id -> reason of the cancels read lately (their requests, queued here or
@@ -300,6 +301,15 @@ class SchedulingEngine:
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
+            taken = self._identity_of(key)
+            if taken is not None and taken != _identity(request):
+                await self._refuse(Refused(dead_letter(
+                    record, f"request_id '{request.request_id}' is taken by another request "
+                    "(a different tenant, model, class, prompt, max_tokens or num_gpus) this "
+                    "scheduler has taken in; this record is ignored: give each request its "
+                    "own id", SERVICE, now), None))  # a rejection would end the other one
+                self.offsets.track(record, None, commit)
+                continue
             if key in self._placed or _placement_id(*key) in self.running:
                 # redelivered after its placement was published: nothing to do
                 self.offsets.track(record, None, commit)
@@ -539,7 +549,8 @@ class SchedulingEngine:
             + [item for item, _ in ended]
         for item in finished:
             self.queue.remove(item)
-            self._placed[(item.request.request_id, item.request.attempt)] = None
+            self._placed[(item.request.request_id, item.request.attempt)] = \
+                _identity(item.request)
         if finished:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
@@ -672,6 +683,17 @@ class SchedulingEngine:
         request = item.request
         if self._charges_quota(request, item.enqueued_ms):
             self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
+
+    def _identity_of(self, key: tuple[str, int]) -> int | None:
+        """`_identity` of the request known here under `key` (waiting, decided lately or
+        running), or None."""
+        if key in self._placed:
+            return self._placed[key]
+        running = self.running.get(_placement_id(*key))
+        if running is not None:
+            return _identity(running.request)
+        waiting = self.queue.get(key)
+        return None if waiting is None else _identity(waiting.request)
 
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
@@ -997,6 +1019,14 @@ def _past(limit_ms: float | None, request: InferenceRequest, now_ms: int) -> boo
 
 def _duration(ms: float) -> str:
     return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f}".removesuffix(".0") + " s"
+
+
+def _identity(request: InferenceRequest) -> int:
+    """What tells a redelivery, or a producer's retry, of a request (equal) from another
+    request under the same id (different). Not its times: a retried record has a new
+    timestamp. (str hashes are cached: the prompt is hashed once.)"""
+    return hash((request.tenant, request.model, request.priority_class, request.prompt,
+                 request.max_tokens, request.num_gpus))
 
 
 def _placement_id(request_id: str, attempt: int) -> str:
