@@ -506,6 +506,26 @@ async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wir
     assert placement.request.prompt == "hi" and not len(engine.queue)
 
 
+async def test_a_record_without_num_gpus_runs_on_its_models_gang_size(wired) -> None:
+    """The 70B's 132 GiB need two 80 GB GPUs: models.yaml gives it num_gpus 2, which a
+    record without num_gpus gets; one that sets it keeps its own. Before, every record
+    defaulted to one GPU, and a 70B request that did not know to ask for two was refused."""
+    _, engine, sent = wired
+    batch = topics.REQUESTS["batch"].name
+    assert CATALOG.get("llama-3.1-70b").num_gpus == 2 and SMALL.num_gpus == 1
+    engine.view.apply_node_state(node("n1", [81559] * 8), 1000)
+    await engine.admit([request_record(batch, offset, json.dumps({
+        "request_id": request_id, "tenant": "acme", "model": model, "prompt": "hi",
+        "max_tokens": 3, **extra}).encode()) for offset, (request_id, model, extra) in
+        enumerate([("big", SEVENTY_B.name, {}), ("big4", SEVENTY_B.name, {"num_gpus": 4}),
+                   ("small", SMALL.name, {})])])
+    assert await engine.cycle() == 3
+    placed = {p.request.request_id: p for p in map(PLACEMENT.validate_json,
+                                                   sent[topics.PLACEMENTS.name])}
+    assert {rid: len(p.gpu_indices) for rid, p in placed.items()} == {
+        "big": 2, "big4": 4, "small": 1}
+
+
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
         wired) -> None:
     """A request waiting for room is cancelled: the next cycle ends it with a cancelled

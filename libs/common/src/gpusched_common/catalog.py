@@ -21,6 +21,9 @@ class ModelSpec(BaseModel):
     weight_memory_mib: int = Field(gt=0)
     kv_cache_bytes_per_token: int = Field(gt=0)
     context_limit_tokens: int = Field(gt=0)
+    num_gpus: int = Field(default=1, ge=1, le=8, description="GPUs of one node a request of "
+                          "it runs on unless the request says (tensor parallel, as vLLM's "
+                          "--tensor-parallel-size): a model too big for one GPU needs more.")
 
     def kv_cache_mib(self, tokens: int) -> int:
         """GPU memory of the KV cache for `tokens` tokens, rounded up to whole MiB."""

@@ -128,7 +128,7 @@ def parse_request_record(
 
     Missing `request_id` defaults to `kafka-<topic>-<partition>-<offset>` (stable across
     redeliveries); missing `created_at_ms` to the record's timestamp; missing
-    `priority_class` to the topic's class.
+    `priority_class` to the topic's class; missing `num_gpus` to its model's.
     """
     topic_class = _topic_class(record.topic)
 
@@ -147,6 +147,9 @@ def parse_request_record(
     payload.setdefault("request_id", f"kafka-{record.topic}-{record.partition}-{record.offset}")
     payload.setdefault("created_at_ms", record.timestamp)
     payload.setdefault("priority_class", topic_class)
+    model = payload.get("model")
+    if isinstance(model, str) and (spec := catalog.get(model)) is not None:
+        payload.setdefault("num_gpus", spec.num_gpus)
     try:
         request = REQUEST.validate_python(payload)
     except ValidationError as exc:

@@ -255,9 +255,10 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 if size not in never_fits:
                     known = fleet() if known is None else known
                     never_fits[size] = _never_fits(known, *size)
-                if outcome.reason == Reason.INVALID_REQUEST or never_fits[size]:
-                    rejected.append(Reject(item, _never_reason(item.request, kv, weight,
-                                                               outcome.message)))
+                if outcome.reason == Reason.INVALID_REQUEST:
+                    rejected.append(Reject(item, outcome.message))
+                elif never_fits[size]:
+                    rejected.append(Reject(item, _never_reason(item.request, kv, weight)))
                 else:
                     waiting.append(item)
                     blocked.append(u)
@@ -357,11 +358,12 @@ def _never_fits(fleet: Collection[tuple[int, ...]], mib_per_gpu: int, num_gpus: 
                                    for gpus in fleet)
 
 
-def _never_reason(request: InferenceRequest, kv: int, weight: int, solver_message: str) -> str:
+def _never_reason(request: InferenceRequest, kv: int, weight: int) -> str:
     n = request.num_gpus
     return (f"{request.model} needs {kv + weight} MiB on each of {n} GPU(s) of one node "
-            f"(weights {weight} + KV cache {kv} per GPU) and no node has that: "
-            f"{solver_message}. Use more GPUs per request (num_gpus) or a smaller model.")
+            f"(weights {weight} + KV cache {kv} per GPU) and no node of the fleet has {n} "
+            "GPU(s) with that much memory: run it on more GPUs (num_gpus on a Kafka record, "
+            "or the model's num_gpus in models.yaml), or use a smaller model or fewer tokens")
 
 
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
