@@ -1,8 +1,10 @@
 """Accounting domain: counters a usage record adds (exact integer units), cost, windows as
-buckets, the recomputation used by `gpusched reconcile`, and budgets."""
+buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
+answers to a window it cannot read."""
 
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -28,7 +30,10 @@ from gpusched_accounting.domain.usage import (
     unpack,
 )
 from gpusched_accounting.handlers import enforce_budgets
+from gpusched_accounting.main import create_app
+from gpusched_accounting.settings import AccountingSettings
 from gpusched_common.contracts import USAGE, UsageRecord
+from gpusched_common.settings import TelemetrySettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -220,3 +225,19 @@ def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value
 
 def test_shipped_budgets_load() -> None:
     assert b.load_budgets(CONFIG).of("initech")
+
+
+@pytest.mark.parametrize("path", ["/v1/usage", "/v1/usage/export.csv"])
+@pytest.mark.parametrize("field", ["start", "end"])
+async def test_a_number_too_long_to_be_a_time_is_a_400_that_quotes_it_short(path, field) -> None:
+    """Before, a number over Python's 4,300 digits raised out of int(): a plain-text 500."""
+    app = create_app(AccountingSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)  # a 500 is an answer too
+    async with httpx.AsyncClient(transport=transport, base_url="http://accounting") as client:
+        reply = await client.get(path, params={field: "1" * 5000},
+                                 headers={"authorization": "Bearer sk-acme-demo"})
+    assert reply.status_code == 400
+    detail = reply.json()["detail"]
+    assert detail.startswith(f"{field}='{'1' * 40}'... (5000 characters) is neither epoch "
+                             "milliseconds nor an ISO 8601 time")
+    assert len(detail) < 200

@@ -34,6 +34,10 @@ MAX_END_AHEAD_MS = 86_400_000
 and an unbounded end would make a window of millions of buckets."""
 SECONDS_LOOK = (10**9, 10**11)
 """Epoch values in this range are seconds (2001-5138), not milliseconds (1970-1973)."""
+MAX_EPOCH_MS_DIGITS = 19
+"""Longest number read as epoch milliseconds (any 64-bit one); a longer one is no time."""
+QUOTED_CHARS = 40
+"""How much of a value an error message quotes back."""
 
 
 class UsageTotals(BaseModel):
@@ -86,6 +90,8 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
     if value is None:
         return default_ms
     if value.isascii() and value.isdigit():
+        if len(value) > MAX_EPOCH_MS_DIGITS:  # and int() refuses over 4,300 digits
+            raise _not_a_time(name, value)
         at_ms = int(value)
         if SECONDS_LOOK[0] <= at_ms < SECONDS_LOOK[1]:
             raise HTTPException(400, f"{name}={value} looks like epoch seconds; send epoch "
@@ -94,11 +100,22 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
     try:
         moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise HTTPException(400, f"{name}={value!r} is neither epoch milliseconds nor an ISO "
-                            "8601 time like 2026-11-30T10:00:00Z") from None
+        raise _not_a_time(name, value) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
+
+
+def _not_a_time(name: str, value: str) -> HTTPException:
+    return HTTPException(400, f"{name}={_quoted(value)} is neither epoch milliseconds nor an "
+                         "ISO 8601 time like 2026-11-30T10:00:00Z")
+
+
+def _quoted(value: str) -> str:
+    """`value` as an error message quotes it: its start only, if it is long."""
+    if len(value) <= QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:QUOTED_CHARS]!r}... ({len(value)} characters)"
 
 
 def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs) -> APIRouter:
