@@ -5,24 +5,45 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import Rejection, RequestResult, TokenChunk
+from gpusched_common.settings import RedisSettings, TelemetrySettings
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
+    MAX_BODY_DEPTH,
     MAX_QUEUE_HEADER,
     PRIORITY_HEADER,
     ApiError,
     ParsedRequest,
+    decode_body,
     parse_chat,
     parse_completion,
 )
-from gpusched_router.main import _error_of, _failure, _sse, _worth_retrying
+from gpusched_router.main import _error_of, _failure, _sse, _worth_retrying, create_app
+from gpusched_router.settings import RouterSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
 ACME = load_tenants(CONFIG).get("acme")
+
+
+@pytest.fixture(scope="module")
+def router_app():
+    """The router's HTTP app, not started: what it answers before a request reaches Kafka or
+    Redis (neither runs here; Redis's address refuses at once, should a request get that far)."""
+    return create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                     redis=RedisSettings(url="redis://127.0.0.1:1/0")))
+
+
+async def post(app, path: str, body: str | bytes, **headers: str) -> httpx.Response:
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)  # a 500 is an answer too
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        return await client.post(path, content=body, headers={
+            "authorization": "Bearer sk-acme-demo", "content-type": "application/json",
+            **headers})
 
 
 def completion(body: object, priority: str | None = None, **headers: str):
@@ -106,6 +127,81 @@ def test_bad_completions_get_a_status_and_reason(body: object, status: int, need
     assert isinstance(parsed, ApiError)
     assert parsed.status_code == status
     assert needle in parsed.message
+
+
+@pytest.mark.parametrize("path,body,param,surrogate", [
+    ("/v1/completions", r'{"model":"qwen2.5-1.5b","prompt":"x\udc00","max_tokens":3}',
+     "prompt", r"\udc00"),
+    ("/v1/completions", r'{"model":"qwen2.5-1.5b","prompt":"x\udc00","stream":true}',
+     "prompt", r"\udc00"),
+    ("/v1/completions", b'{"model":"qwen2.5-1.5b","prompt":"x\xed\xb0\x80"}', "prompt",
+     r"\udc00"),  # the surrogate's own UTF-8 bytes, which json.loads lets through
+    ("/v1/chat/completions", r'{"model":"qwen2.5-1.5b","messages":[{"role":"user",'
+     r'"content":"a\ud800b"}],"max_tokens":3}', "messages.0.content", r"\ud800"),
+    ("/v1/chat/completions", r'{"model":"qwen2.5-1.5b","messages":[{"role":"user",'
+     r'"content":[{"type":"text","text":"\udfff"}]}]}', "messages.0.content.0.text",
+     r"\udfff"),
+    ("/v1/completions", r'{"model":"qwen2.5-1.5b","prompt":"x","user":"\udc00"}', "user",
+     r"\udc00"),
+    ("/v1/completions", r'{"model":"qwen2.5-1.5b","prompt":"x","metadata":{"\udc00":1}}',
+     "metadata", r"\udc00"),
+    ("/v1/completions", r'{"model":"q\udc00","prompt":"x"}', "model", r"\udc00"),
+    ("/v1/completions", r'{"model":"qwen2.5-1.5b","prompt":"x","stop":["\udc00"]}',
+     "stop.0", r"\udc00"),
+])
+async def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_its_field(
+        router_app, path: str, body: str | bytes, param: str, surrogate: str) -> None:
+    """Before, one in the prompt or in chat content was a 500 (encoding it for the token
+    count, or validating the chat turn, raised); one in `model` or `stop` was a 400 only
+    because their length limits make pydantic encode them."""
+    reply = await post(router_app, path, body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert error["message"].startswith("request body is not valid UTF-8 text:")
+    assert f"lone surrogate {surrogate}" in error["message"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ('{"model":"qwen2.5-1.5b","prompt":"x","user":' + "1" * 5000 + "}",
+     "not valid JSON: a number has more than 4300 digits"),
+    ('{"model":"qwen2.5-1.5b","prompt":"x","user":' + "[" * 10_000 + "]" * 10_000 + "}",
+     f"nests arrays and objects more than {MAX_BODY_DEPTH} levels deep"),
+    # within Python's recursion limit, yet refused all the same (before the unknown model):
+    # json.dumps of the Idempotency-Key's digest hit that limit a level before json.loads
+    ('{"model":"nope","prompt":"x","user":' + "[" * MAX_BODY_DEPTH + "]" * MAX_BODY_DEPTH
+     + "}", f"nests arrays and objects more than {MAX_BODY_DEPTH} levels deep"),
+])
+async def test_a_body_python_cannot_read_whole_is_a_400_not_a_500(
+        router_app, body: str, needle: str) -> None:
+    """Before, a number over Python's 4,300 digits (ValueError) or a body nested beyond its
+    recursion limit (RecursionError), even in an ignored field, was a 500."""
+    reply = await post(router_app, "/v1/completions", body, **{"idempotency-key": "k-1"})
+    assert reply.status_code == 400
+    assert needle in reply.json()["error"]["message"]
+
+
+def test_a_body_nested_to_the_limit_is_read() -> None:
+    def nested(levels: int) -> bytes:  # the object itself is the first level
+        return ('{"user":' + "[" * (levels - 1) + "]" * (levels - 1) + "}").encode()
+
+    assert not isinstance(decode_body(nested(MAX_BODY_DEPTH)), ApiError)
+    assert isinstance(decode_body(nested(MAX_BODY_DEPTH + 1)), ApiError)
+
+
+@pytest.mark.parametrize("content", [
+    "a" * 200_001, [{"type": "text", "text": "a" * 100_001}] * 2,
+])
+def test_chat_content_over_the_prompt_limit_is_a_400_naming_its_message(content) -> None:
+    """Before, the chat turn's own length check raised out of the parser: a 500, where a
+    prompt as long to /v1/completions was a 400."""
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": content}]},
+        ACME, {}, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+    assert parsed.param == "messages.1.content"
+    assert parsed.message == ("messages.1.content: String should have at most 200000 "
+                              "characters")
 
 
 def test_unknown_priority_class_is_rejected() -> None:
@@ -298,6 +394,36 @@ def test_a_key_stands_for_its_endpoint_and_body_not_their_spelling() -> None:
     assert request_digest("/v1/completions", body) == same
     assert request_digest("/v1/chat/completions", body) != same
     assert request_digest("/v1/completions", {**body, "max_tokens": 6}) != same
+
+
+def test_a_retry_that_only_switches_streaming_is_the_same_request() -> None:
+    """`stream` and `stream_options` say how the reply is delivered, and a retry gets the
+    first use's reply in the form it asks for; before, switching them was a 400
+    `idempotency_key_reused`."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5}
+    first = request_digest("/v1/completions", body)
+    assert request_digest("/v1/completions", {**body, "stream": True, "stream_options": {
+        "include_usage": True}}) == first
+    assert request_digest("/v1/completions", {**body, "stream": False}) == first
+    assert request_digest("/v1/completions", {**body, "stream": True, "seed": 1}) != first
+
+
+async def test_a_stored_reply_streams_whole_to_a_retry_that_asks_for_a_stream() -> None:
+    """What a retry that switches to streaming gets: its chunks went to the first client,
+    so the stored result's text comes as one chunk, then its finish and usage."""
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "stream": True,
+                         "stream_options": {"include_usage": True},
+                         "messages": [{"role": "user", "content": "hi"}]},
+                        ACME, {}, CATALOG, "req-1", 1000)
+    result = _result("completed", "length").model_copy(update={"text": " The cat sat"})
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "chat/completions", asyncio.Queue(), deadline_s,
+                                    lambda: None, None, result)]
+    payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
+    deltas = [p["choices"][0]["delta"] for p in payloads[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": " The cat sat"}, {}]
+    assert payloads[2]["choices"][0]["finish_reason"] == "length"
+    assert payloads[-1]["usage"]["completion_tokens"] == 1 and events[-1] == b"data: [DONE]\n\n"
 
 
 def test_a_keys_first_use_reads_back_and_is_taken_over_only_after_its_routers_time() -> None:

@@ -47,7 +47,13 @@ from gpusched_router.domain.idempotency import (
     request_digest,
     reused,
 )
-from gpusched_router.domain.openai_api import ApiError, ParsedRequest, parse_chat, parse_completion
+from gpusched_router.domain.openai_api import (
+    ApiError,
+    ParsedRequest,
+    decode_body,
+    parse_chat,
+    parse_completion,
+)
 from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
@@ -134,10 +140,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             body += part
             if len(body) > settings.max_body_bytes:
                 return too_big
-        try:
-            return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return ApiError(400, f"request body is not valid JSON: {exc}")
+        return decode_body(body)
 
     def send_cancel(request_id: str, reason: str) -> asyncio.Task[bool]:
         """Cancel a request wherever it waits or runs: the scheduler ends it if it waits,

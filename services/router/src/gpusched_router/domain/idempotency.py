@@ -49,9 +49,17 @@ def check_key(key: str) -> ApiError | None:
     return None
 
 
+DELIVERY_FIELDS = frozenset({"stream", "stream_options"})
+"""Body fields that choose how the reply is delivered, not what is asked: a retry may change
+them, and gets the first use's reply in the form it asks for."""
+
+
 def request_digest(path: str, body: Any) -> str:
-    """What a key stands for: the endpoint and the decoded body, independent of key order
-    and whitespace, so a retry of the same request matches and any other does not."""
+    """What a key stands for: the endpoint and the decoded body but its DELIVERY_FIELDS,
+    independent of key order and whitespace, so a retry of the same request matches and any
+    other does not."""
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in DELIVERY_FIELDS}
     canonical = json.dumps([path, body], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -1,12 +1,15 @@
 """OpenAI-compatible request parsing and response shaping; pure, no I/O.
 
-`parse_*` turn a decoded JSON body into an `InferenceRequest` or an `ApiError` (a value,
-with the HTTP status and a reason a user can act on).
+`decode_body` turns a request's bytes into JSON, and `parse_*` a decoded body into an
+`InferenceRequest`, or either into an `ApiError` (a value, with the HTTP status and a reason
+a user can act on).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +32,11 @@ from gpusched_common.contracts import (
 
 DEFAULT_MAX_TOKENS = 16
 """What OpenAI's completions API uses when `max_tokens` is absent."""
+
+MAX_BODY_DEPTH = 64
+"""Deepest nesting of arrays and objects in a body (OpenAI's requests use 5): far below
+Python's recursion limit, which a deeper body reaches again in whatever walks it next (the
+Idempotency-Key's digest)."""
 
 PRIORITY_HEADER = "x-priority-class"
 MAX_QUEUE_HEADER = "x-max-queue-ms"
@@ -121,6 +129,68 @@ class ParsedRequest:
     include_usage: bool
 
 
+def decode_body(raw: bytes) -> Any:
+    """The JSON value `raw` holds, or a 400 `ApiError` for a body Python cannot read or pass
+    on whole: not JSON, a number over Python's int digit limit (4,300), nesting deeper than
+    MAX_BODY_DEPTH, or text that is not Unicode (a lone surrogate, which no encoder takes)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return ApiError(400, f"request body is not valid JSON: {exc}")
+    except ValueError:  # json's one other: int() of a number over the digit limit
+        return ApiError(400, "request body is not valid JSON: a number has more than "
+                        f"{sys.get_int_max_str_digits()} digits")
+    except RecursionError:
+        return _too_deep()
+    return _unreadable(body) or body
+
+
+def _unreadable(body: Any) -> ApiError | None:
+    """A 400 for the first container in `body` nested deeper than MAX_BODY_DEPTH, or string
+    (key or value) holding a lone surrogate; None if none. Walks without recursion."""
+    if isinstance(body, str):
+        return _lone_surrogate(body, "the body", None)
+    todo: list[tuple[Any, tuple[str | int, ...]]] = (
+        [(body, ())] if isinstance(body, dict | list) else [])
+    while todo:
+        value, where = todo.pop()
+        if len(where) >= MAX_BODY_DEPTH:
+            return _too_deep()
+        parent = ".".join(map(str, where)) or None  # its keys were checked on the way
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and (bad := _lone_surrogate(
+                    key, f"a key of {parent or 'the body'}", parent)):
+                return bad
+            if isinstance(item, str):
+                field = f"{parent}.{key}" if parent else str(key)
+                if bad := _lone_surrogate(item, field, field):
+                    return bad
+            elif isinstance(item, dict | list):
+                todo.append((item, (*where, key)))
+    return None
+
+
+def _lone_surrogate(text: str, place: str, param: str | None) -> ApiError | None:
+    """A 400 naming `place` if `text` holds a lone surrogate: json.loads makes one of an
+    escape of half a UTF-16 pair (\\udc00), or of the bytes UTF-8 would give it, and
+    nothing can encode it again."""
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        return ApiError(400, f"request body is not valid UTF-8 text: {place} has a lone "
+                        f"surrogate \\u{code:04x} at character {exc.start} (half of a UTF-16 "
+                        "pair); send text as UTF-8", param=param)
+    return None
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"request body nests arrays and objects more than {MAX_BODY_DEPTH} "
+                    "levels deep")
+
+
 def parse_completion(
     body: Any, tenant: Tenant, headers: Mapping[str, str], catalog: ModelCatalog,
     request_id: str, now_ms: int,
@@ -157,10 +227,16 @@ def parse_chat(
                 return ApiError(400, f"{where}: a content part of type '{part.get('type')}' "
                                 "is not supported; send text parts ({\"type\": \"text\", "
                                 "\"text\": ...}) only", param=where)
-    turns = tuple(ChatTurn(role=m.role, content=_text_of(m)) for m in parsed.messages)
+    turns: list[ChatTurn] = []
+    for i, message in enumerate(parsed.messages):
+        try:  # the turn's own limits: its joined text parts are one content
+            turns.append(ChatTurn(role=message.role, content=_text_of(message)))
+        except ValidationError as exc:
+            return _invalid(exc, within=("messages", i))
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
-    return _finish(parsed, render_chat(turns), max_tokens, tenant, headers, catalog,
-                   request_id, now_ms, turns)
+    conversation = tuple(turns)
+    return _finish(parsed, render_chat(conversation), max_tokens, tenant, headers, catalog,
+                   request_id, now_ms, conversation)
 
 
 def render_chat(turns: tuple[ChatTurn, ...]) -> str:
@@ -182,9 +258,15 @@ def _validate(model: type[_Body], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or None
-        return ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where)
+        return _invalid(exc)
+
+
+def _invalid(exc: ValidationError, within: tuple[str | int, ...] = ()) -> ApiError:
+    """The 400 for a request field pydantic refused, named by its path in the body (the
+    model validated sits at `within`)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in (*within, *err["loc"])) or None
+    return ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where)
 
 
 def _finish(
