@@ -60,6 +60,14 @@ def test_valid_completion_becomes_a_request_in_the_tenants_default_class() -> No
     assert parsed.request.max_tokens == 5 and not parsed.stream
 
 
+def test_a_request_over_http_runs_on_its_models_gang_size() -> None:
+    """HTTP has no num_gpus: the 70B's requests get its models.yaml num_gpus (2), the rest 1.
+    Before, a 70B request over HTTP asked for one GPU and was refused with a 422."""
+    big = completion({"model": "llama-3.1-70b", "prompt": "hi"}).request
+    small = completion({"model": "qwen2.5-1.5b", "prompt": "hi"}).request
+    assert (big.num_gpus, small.num_gpus) == (2, 1)
+
+
 def test_sampling_settings_travel_with_the_request() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "temperature": 0,
                          "top_p": 0.5})

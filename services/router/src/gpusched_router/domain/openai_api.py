@@ -315,6 +315,7 @@ def _finish(
         top_p=parsed.top_p,
         stop=parsed.stop or None,
         messages=messages,
+        num_gpus=spec.num_gpus,  # as a vLLM deployment fixes its tensor-parallel size
         created_at_ms=now_ms,
         max_queue_ms=max_queue_ms,
     )
