@@ -304,6 +304,13 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
     try:
         running, running_id = await send(f"runs-{uuid.uuid4().hex}", 10, 3000)
         await asyncio.sleep(1.5)  # it runs (about 4 s of work)
+
+        async def status_of(request_id: str) -> str:
+            return (await http.get(f"/v1/requests/{request_id}", headers=acme)).json()["status"]
+
+        async def shown_running() -> bool:  # before, "queued" until it ended
+            return await status_of(running_id) == "running"
+        await eventually(shown_running, timeout_s=2, what="the running status stored")
         assert (await cancel(running_id, "sk-initech-demo")).status_code == 404
         assert (await cancel(running_id)).status_code == 202
         stopped = await running
@@ -313,6 +320,7 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
         await asyncio.sleep(1.0)  # 7 fill the L4; the 8th and the next request wait
         waiting, waiting_id = await send(f"waits-{uuid.uuid4().hex}", BIG_PROMPT, 1000)
         await asyncio.sleep(1.0)
+        assert await status_of(waiting_id) == "queued"
         asked_s = time.monotonic()
         assert (await cancel(waiting_id)).status_code == 202
         ended = await waiting

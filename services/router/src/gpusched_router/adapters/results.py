@@ -1,5 +1,6 @@
 """Fan-in of the results topic: hands each event to the HTTP request waiting for it, and
-stores every terminal outcome in Redis for GET /v1/requests/{id}."""
+stores every request's progress (its first tokens out) and terminal outcome in Redis for
+GET /v1/requests/{id}."""
 
 from __future__ import annotations
 
@@ -16,9 +17,17 @@ from gpusched_common.contracts import (
     Rejection,
     RequestResult,
     ResultEvent,
+    TokenChunk,
 )
 
 STATUS_KEY = "gpusched:request:{}"
+_STARTED = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'running')
+end
+"""
+"""queued -> running, and nothing else: a terminal status stays, and a request this router
+never took in gets no status."""
 
 
 class ResultsHub:
@@ -27,6 +36,7 @@ class ResultsHub:
     def __init__(self, redis: Redis, status_ttl_s: int) -> None:
         self._redis = redis
         self._ttl_s = status_ttl_s
+        self._started = redis.register_script(_STARTED)
         # request id -> the queue of each client waiting on it here (a retry with the same
         # Idempotency-Key waits beside the first)
         self._waiters: dict[str, list[asyncio.Queue[ResultEvent]]] = {}
@@ -66,22 +76,30 @@ class ResultsHub:
                 queue.put_nowait(event)
 
     async def store_finished(self, records: list[ConsumerRecord]) -> None:
-        """Store the terminal outcomes among `records` (one pipelined round trip).
-        Idempotent; raises RedisError, so that the caller's batch is delivered again."""
-        finals = []
+        """Store the terminal outcomes among `records`, and mark `running` the requests
+        whose first token chunk is among them (one pipelined round trip). Idempotent, in
+        any order (a terminal status is never marked running); raises RedisError, so that
+        the caller's batch is delivered again."""
+        finals, started = [], []
         for record in records:
             value = record.value or b""
-            if b'"request_result"' not in value and b'"rejection"' not in value:
-                continue  # a token chunk: most records, not worth parsing here
+            first_chunk = b'"seq":0,' in value
+            if not first_chunk and b'"request_result"' not in value \
+                    and b'"rejection"' not in value:
+                continue  # a later token chunk: most records, not worth parsing here
             try:
                 event = RESULT_EVENT.validate_json(value)
             except ValueError:
                 continue
             if isinstance(event, RequestResult | Rejection):
                 finals.append(event)
-        if not finals:
+            elif isinstance(event, TokenChunk) and event.seq == 0:
+                started.append(event.request_id)
+        if not finals and not started:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id in started:
+                await self._started(keys=[STATUS_KEY.format(request_id)], client=pipe)
             for event in finals:
                 key = STATUS_KEY.format(event.request_id)
                 pipe.hset(key, mapping=_status_fields(event))
