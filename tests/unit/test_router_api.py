@@ -68,6 +68,12 @@ def test_a_request_over_http_runs_on_its_models_gang_size() -> None:
     assert (big.num_gpus, small.num_gpus) == (2, 1)
 
 
+def test_max_completion_tokens_sizes_a_completion_as_it_does_a_chat() -> None:
+    """Before, /v1/completions ignored it and answered 16 tokens."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "max_completion_tokens": 5})
+    assert parsed.request.max_tokens == 5
+
+
 def test_sampling_settings_travel_with_the_request() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "temperature": 0,
                          "top_p": 0.5})
@@ -129,6 +135,13 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "llama-3.1-8b", "prompt": "tok " * 8000, "max_tokens": 500}, 400,
      "maximum context length is 8192 tokens"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "seed": 2**64}, 400, "seed"),
+    # before, lax parsing took "3" as 3 and true as 1, and max_completion_tokens went unread
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": "3"}, 400,
+     "max_tokens: Input should be a valid integer"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
 ])
 def test_bad_completions_get_a_status_and_reason(body: object, status: int, needle: str) -> None:
     parsed = completion(body)

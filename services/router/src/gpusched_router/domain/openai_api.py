@@ -94,10 +94,14 @@ def _not_supported(body: dict[str, Any]) -> ApiError | None:
 
 
 class _Body(BaseModel):
-    # Other OpenAI fields (user, presence_penalty, ...) are accepted and ignored.
-    model_config = ConfigDict(extra="ignore")
+    # Other OpenAI fields (user, presence_penalty, ...) are accepted and ignored. Strict, as
+    # OpenAI's own schema: "3" or true is no max_tokens (lax pydantic read them as 3 and 1).
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, le=32_768, description="Chat's newer name for max_tokens, which it "
+        "takes before; accepted on completions too, where it was ignored unchecked.")
     stream: bool | None = False
     seed: Seed | None = None
     stream_options: dict[str, Any] | None = None
@@ -119,7 +123,6 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=32_768)
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,7 @@ def parse_completion(
         prompt = parsed.prompt[0]
     else:
         prompt = parsed.prompt
-    return _finish(parsed, prompt, parsed.max_tokens, tenant, headers, catalog, request_id,
-                   now_ms)
+    return _finish(parsed, prompt, tenant, headers, catalog, request_id, now_ms)
 
 
 def parse_chat(
@@ -233,10 +235,9 @@ def parse_chat(
             turns.append(ChatTurn(role=message.role, content=_text_of(message)))
         except ValidationError as exc:
             return _invalid(exc, within=("messages", i))
-    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
     conversation = tuple(turns)
-    return _finish(parsed, render_chat(conversation), max_tokens, tenant, headers, catalog,
-                   request_id, now_ms, conversation)
+    return _finish(parsed, render_chat(conversation), tenant, headers, catalog, request_id,
+                   now_ms, conversation)
 
 
 def render_chat(turns: tuple[ChatTurn, ...]) -> str:
@@ -270,7 +271,7 @@ def _invalid(exc: ValidationError, within: tuple[str | int, ...] = ()) -> ApiErr
 
 
 def _finish(
-    parsed: _Body, prompt: str, max_tokens: int | None, tenant: Tenant,
+    parsed: _Body, prompt: str, tenant: Tenant,
     headers: Mapping[str, str], catalog: ModelCatalog, request_id: str, now_ms: int,
     messages: tuple[ChatTurn, ...] | None = None,
 ) -> ParsedRequest | ApiError:
@@ -292,7 +293,7 @@ def _finish(
     if len(prompt) > MAX_PROMPT_CHARS:
         return ApiError(400, f"prompt is {len(prompt)} characters; the limit is "
                         f"{MAX_PROMPT_CHARS}", param="prompt")
-    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = parsed.max_completion_tokens or parsed.max_tokens or DEFAULT_MAX_TOKENS
     prompt_tokens = count_prompt_tokens(prompt)
     if prompt_tokens + max_tokens > spec.context_limit_tokens:
         # the wording clients match to trim a conversation: "maximum context length"
