@@ -255,6 +255,21 @@ def test_a_bad_queue_time_limit_is_refused_with_its_range(value: str) -> None:
     assert parsed.param == "X-Max-Queue-Ms" and "whole number of milliseconds" in parsed.message
 
 
+def test_a_bad_queue_time_limit_is_quoted_as_it_was_sent() -> None:
+    """HTTP carries header bytes, which Starlette reads as Latin-1: before, Arabic digits came
+    back as mojibake ('Ù¡Ù Ù ')."""
+    sent = "١٠٠".encode().decode("latin-1")  # ١٠٠ as it arrives
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, **{MAX_QUEUE_HEADER: sent})
+    assert "X-Max-Queue-Ms '١٠٠' is not" in parsed.message
+
+
+async def test_the_admin_key_is_told_it_is_for_accounting(router_app) -> None:
+    """Before, the router answered it 401 'unknown API key', a key it knew."""
+    reply = await post(router_app, "/v1/completions", '{"model":"qwen2.5-1.5b","prompt":"x"}',
+                       authorization="Bearer sk-admin-demo")
+    assert reply.status_code == 403 and "tenant's key" in reply.json()["error"]["message"]
+
+
 def test_a_chat_request_carries_its_conversation_for_the_engines_template() -> None:
     parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
         {"role": "system", "content": "be brief"},

@@ -330,5 +330,6 @@ def _max_queue_ms(header: str | None) -> int | None | ApiError:
         return None
     if re.fullmatch(r"[0-9]{1,12}", header.strip()) and 1 <= int(header) <= MAX_QUEUE_MS:
         return int(header)
-    return ApiError(400, f"X-Max-Queue-Ms '{header}' is not a whole number of milliseconds "
+    shown = header.encode("latin-1", "replace").decode("utf-8", "replace")  # as it was sent
+    return ApiError(400, f"X-Max-Queue-Ms '{shown}' is not a whole number of milliseconds "
                     f"from 1 to {MAX_QUEUE_MS} (a week)", param="X-Max-Queue-Ms")
