@@ -30,6 +30,9 @@ class RedisSettings(BaseSettings):
         default=5.0, gt=0, le=60, description="Longest wait for Redis to connect or answer "
         "one command; then the caller fails with a clear error (a refused or dropped "
         "connection is retried for about 3 s first).")
+    max_connections: int = Field(
+        default=200, ge=1, le=10_000, description="Connections one process opens at most; a "
+        "command beyond them waits for a free one (up to timeout_s) instead of failing.")
 
 
 class TelemetrySettings(BaseSettings):
