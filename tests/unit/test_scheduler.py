@@ -477,7 +477,7 @@ async def test_a_request_created_in_the_future_is_refused_beyond_five_minutes(wi
 
 
 async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wired) -> None:
-    """A producer reuses an id: a record with another prompt, or in another class, is
+    """A producer reuses an id: a record with another prompt or seed, or in another class, is
     dead-lettered with the reason, while it waits and once it is placed; no rejection goes
     out (it would end the first request). A redelivery, even with a new timestamp, is still
     skipped quietly. Before, the other record vanished without a trace, and the one in
@@ -485,23 +485,24 @@ async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wir
     broker, engine, sent = wired
 
     def record(offset: int, cls: str = "standard", prompt: str = "hi",
-               created: int = 1000) -> ConsumerRecord:
+               created: int = 1000, **extra) -> ConsumerRecord:
         return request_record(topics.REQUESTS[cls].name, offset, json.dumps({
             "request_id": "dup", "tenant": "acme", "model": SMALL.name, "prompt": prompt,
-            "max_tokens": 3, "priority_class": cls, "created_at_ms": created}).encode())
+            "max_tokens": 3, "priority_class": cls, "created_at_ms": created,
+            **extra}).encode())
 
     def dead() -> list[str]:
         return [DEAD_LETTER.validate_json(v).reason for v in sent.get(topics.DEAD_LETTERS.name,
                                                                       [])]
 
     await engine.admit([record(0), record(1, prompt="other"), record(2, created=900)])
-    await engine.admit([record(0, "batch")])
-    assert len(dead()) == 2 and all("request_id 'dup' is taken by another request" in d
+    await engine.admit([record(0, "batch"), record(3, seed=7)])
+    assert len(dead()) == 3 and all("request_id 'dup' is taken by another request" in d
                                     for d in dead())
     engine.view.apply_node_state(node("n1", [80000]), 1000)
     assert await engine.cycle() == 1
-    await engine.admit([record(3, prompt="again"), record(4)])
-    assert len(dead()) == 3 and topics.RESULTS.name not in sent
+    await engine.admit([record(4, prompt="again"), record(5)])
+    assert len(dead()) == 4 and topics.RESULTS.name not in sent
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.prompt == "hi" and not len(engine.queue)
 

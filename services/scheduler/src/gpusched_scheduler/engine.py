@@ -306,11 +306,12 @@ class SchedulingEngine:
             key = (request.request_id, request.attempt)
             taken = self._identity_of(key)
             if taken is not None and taken != _identity(request):
+                # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
                     record, f"request_id '{request.request_id}' is taken by another request "
-                    "(a different tenant, model, class, prompt, max_tokens or num_gpus) this "
-                    "scheduler has taken in; this record is ignored: give each request its "
-                    "own id", SERVICE, now), None))  # a rejection would end the other one
+                    "(it asks for something else: tenant, model, class, prompt, messages, "
+                    "max_tokens, num_gpus or sampling) this scheduler has taken in; this "
+                    "record is ignored: give each request its own id", SERVICE, now), None))
                 self.offsets.track(record, None, commit)
                 continue
             if key in self._placed or _placement_id(*key) in self.running:
@@ -1026,10 +1027,12 @@ def _duration(ms: float) -> str:
 
 def _identity(request: InferenceRequest) -> int:
     """What tells a redelivery, or a producer's retry, of a request (equal) from another
-    request under the same id (different). Not its times: a retried record has a new
-    timestamp. (str hashes are cached: the prompt is hashed once.)"""
+    request under the same id (different): everything it asks for, not its times (a
+    retried record has a new timestamp). (str hashes are cached: the prompt is hashed
+    once.)"""
     return hash((request.tenant, request.model, request.priority_class, request.prompt,
-                 request.max_tokens, request.num_gpus))
+                 request.max_tokens, request.num_gpus, request.seed, request.temperature,
+                 request.top_p, tuple(request.stop or ()), request.messages))
 
 
 def _placement_id(request_id: str, attempt: int) -> str:
