@@ -142,6 +142,9 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "best_of": "x"}, 400, "not a positive integer"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "response_format": "json"}, 400,
+     "an object is expected"),
 ])
 def test_bad_completions_get_a_status_and_reason(body: object, status: int, needle: str) -> None:
     parsed = completion(body)

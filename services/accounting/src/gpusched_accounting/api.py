@@ -243,7 +243,9 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         authorization: str | None = Auth,
     ) -> StreamingResponse:
         """One CSV row per bucket, tenant and field (the total and every model, node, GPU type
-        and priority class), in bucket order."""
+        and priority class), in bucket order. Every bucket of `granularity` that overlaps the
+        window comes whole (its row names its start): windows that share a bucket both
+        include it, so export on bucket boundaries, or at a finer granularity."""
         who = caller(authorization)
         wanted = await readable(who, tenant)
         start_ms, end_ms, _ = window(start, end)

@@ -83,10 +83,15 @@ def _not_supported(body: dict[str, Any]) -> ApiError | None:
         if body.get(name):
             return ApiError(400, f"{name}: {reason}; leave it out", param=name)
     best_of = body.get("best_of")
-    if isinstance(best_of, int) and best_of > 1:
+    if best_of is not None and (type(best_of) is not int or best_of < 1):
+        return ApiError(400, f"best_of: {best_of!r} is not a positive integer", param="best_of")
+    if best_of is not None and best_of > 1:
         return ApiError(400, f"best_of is {best_of}; gpusched draws one sample per request",
                         param="best_of")
     response_format = body.get("response_format")
+    if response_format is not None and not isinstance(response_format, dict):
+        return ApiError(400, "response_format: an object is expected, such as "
+                        "{\"type\": \"text\"}", param="response_format")
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         return ApiError(400, f"response_format: gpusched does not constrain output to "
                         f"'{response_format.get('type')}'; only text", param="response_format")
