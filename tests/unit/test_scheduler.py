@@ -527,6 +527,24 @@ async def test_a_record_without_num_gpus_runs_on_its_models_gang_size(wired) -> 
         "big": 2, "big4": 4, "small": 1}
 
 
+async def test_a_request_created_more_than_a_year_ago_is_refused_as_likely_seconds() -> None:
+    """Epoch seconds in created_at_ms (a common slip) read as January 1970: a 400 and a dead
+    letter say so. Before, it was taken, and its wait and TTFT were reported as 56 years."""
+    now_ms = 1_764_840_000_000  # 2025-12-04
+    engine, sent = leading_engine(lambda: now_ms)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, offset, json.dumps({
+        "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+        "max_tokens": 3, "created_at_ms": created}).encode())
+        for offset, (request_id, created) in enumerate(
+            [("seconds", now_ms // 1000), ("backlog", now_ms - 7 * 86_400_000)])])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (rejection.request_id, rejection.status_code) == ("seconds", 400)
+    assert "days behind this scheduler's clock" in rejection.reason
+    assert "if it is epoch seconds, send milliseconds" in rejection.reason
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["backlog"]
+
+
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
         wired) -> None:
     """A request waiting for room is cancelled: the next cycle ends it with a cancelled

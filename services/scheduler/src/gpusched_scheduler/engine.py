@@ -75,6 +75,9 @@ SAVE_RETRY_S = 0.5
 MAX_CLOCK_AHEAD_MS = 300_000
 """How far a new request's `created_at_ms` may be ahead of this scheduler's clock (producers'
 clocks drift); later, the waits counted from it (queue time limit, latency) are nonsense."""
+MAX_CLOCK_BEHIND_MS = 365 * 86_400_000
+"""How far behind it may be: a backlog, but no Kafka keeps a year of one. Epoch seconds sent
+as milliseconds land in January 1970, 56 years behind."""
 ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
@@ -183,6 +186,12 @@ def parse_request_record(
                       f"{_duration(MAX_CLOCK_AHEAD_MS)}: send the producer's current time in "
                       "epoch milliseconds, or leave it out for the record's timestamp", rid, 400,
                       tenant)
+    behind_ms = -ahead_ms
+    if request.attempt == 0 and behind_ms > MAX_CLOCK_BEHIND_MS:
+        return refuse(f"created_at_ms {request.created_at_ms} is {behind_ms // 86_400_000} days "
+                      f"behind this scheduler's clock ({now_ms}), more than a year: if it is "
+                      "epoch seconds, send milliseconds, or leave it out for the record's "
+                      "timestamp", rid, 400, tenant)
     if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
         return refuse(never, rid, 400, tenant, "tokens_per_minute_exceeded")
     return Admitted(request, record_carrier(record.headers))
