@@ -191,6 +191,28 @@ def test_cancel_asks_the_router_and_prints_its_answer(
                       {"Authorization": "Bearer sk-globex-demo"})]
 
 
+@pytest.mark.parametrize("request_id,asked_path,printed", [
+    ("", None, "a request id is needed"),
+    ("a/b?c", "/v1/requests/a%2Fb%3Fc/cancel", "is unknown"),
+])
+def test_cancel_of_an_empty_or_odd_id_says_what_is_wrong(
+        monkeypatch: pytest.MonkeyPatch, request_id: str, asked_path: str | None,
+        printed: str) -> None:
+    """Before, '' asked for /v1/requests//cancel and printed the router's bare '404: Not
+    Found', and an id with '/' or '?' asked for another path."""
+    asked: list[str] = []
+
+    def post(url: str, **kwargs: object) -> httpx.Response:
+        asked.append(url.removeprefix("http://127.0.0.1:8080"))
+        return httpx.Response(404, json={"error": {"message": "request is unknown"}})
+    monkeypatch.setattr(httpx, "post", post)
+
+    result = CliRunner().invoke(app, ["cancel", request_id])
+
+    assert result.exit_code == 1 and printed in result.output
+    assert asked == ([asked_path] if asked_path else [])
+
+
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
         monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = {"index": 0, "gpu_type": "L4-24GB", "memory_free_mib": 4774,

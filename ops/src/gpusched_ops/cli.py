@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -274,8 +275,11 @@ def cancel(
 ) -> None:
     """Cancel one of your requests that has not ended: a waiting one ends unplaced and
     unbilled, a running one stops, billed for what it produced."""
-    _ask("router", router_url, f"/v1/requests/{request_id}/cancel", post=True, expect=202,
-         timeout=30, headers={"Authorization": f"Bearer {api_key}"})
+    if not request_id.strip():
+        _fail("a request id is needed: its x-request-id, or the one a 504 or `gpusched "
+              "queue` names")
+    _ask("router", router_url, f"/v1/requests/{quote(request_id, safe='')}/cancel",
+         post=True, expect=202, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
     console.print(f"cancelling {request_id}: it ends 'cancelled' (GET /v1/requests/{request_id} "
                   "shows when)")
 
