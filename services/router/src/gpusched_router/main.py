@@ -124,8 +124,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             return ApiError(401, "missing API key: send 'Authorization: Bearer <key>'")
-        tenant = tenants.by_api_key(key.strip())
-        if tenant is None and key.strip() in tenants.admin_api_keys:
+        key = key.strip()
+        tenant = tenants.by_api_key(key)
+        if tenant is None and key in tenants.admin_api_keys:
             return ApiError(403, "an admin key reads usage from accounting; send requests "
                             "with a tenant's key")
         if tenant is None:

@@ -313,8 +313,8 @@ class SchedulingEngine:
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
-            taken = self._identity_of(key)
-            if taken is not None and taken != _identity(request):
+            known = self._known(key)
+            if known is not None and known[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
                     record, f"request_id '{request.request_id}' is taken by another request "
@@ -323,11 +323,12 @@ class SchedulingEngine:
                     "record is ignored: give each request its own id", SERVICE, now), None))
                 self.offsets.track(record, None, commit)
                 continue
-            if key in self._placed or _placement_id(*key) in self.running:
+            waiting = known[1] if known is not None else None
+            if known is not None and waiting is None:
                 # redelivered after its placement was published: nothing to do
                 self.offsets.track(record, None, commit)
                 continue
-            if key not in self.queue and self._charges_quota(request, now):
+            if waiting is None and self._charges_quota(request, now):
                 over = self._over_quota(request, now)
                 if over is not None:
                     self._metrics.rejected.labels("quota").inc()
@@ -340,9 +341,10 @@ class SchedulingEngine:
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
-            item = Pending(request, outcome.carrier, now)
-            if not self.queue.push(item):
-                item = self.queue.get(key) or item  # a redelivery of work still pending
+            item = waiting  # a redelivery of work still pending keeps its item
+            if item is None:
+                item = Pending(request, outcome.carrier, now)
+                self.queue.push(item)
             if request.request_id in self._cancelled:  # its cancel came first
                 self._to_cancel.add(request.request_id)
             self.offsets.track(record, item, commit)
@@ -697,16 +699,17 @@ class SchedulingEngine:
         if self._charges_quota(request, item.enqueued_ms):
             self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
 
-    def _identity_of(self, key: tuple[str, int]) -> int | None:
-        """`_identity` of the request known here under `key` (waiting, decided lately or
-        running), or None."""
+    def _known(self, key: tuple[str, int]) -> tuple[int, Pending | None] | None:
+        """What this scheduler knows under `key`, in one look: the `_identity` of its
+        request, with its queue item while it waits (None once decided lately, or running);
+        None when nothing."""
         if key in self._placed:
-            return self._placed[key]
+            return self._placed[key], None
         running = self.running.get(_placement_id(*key))
         if running is not None:
-            return _identity(running.request)
+            return _identity(running.request), None
         waiting = self.queue.get(key)
-        return None if waiting is None else _identity(waiting.request)
+        return None if waiting is None else (_identity(waiting.request), waiting)
 
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
