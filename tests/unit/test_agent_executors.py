@@ -280,29 +280,41 @@ def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     assert out.stdout.strip() == "False"
 
 
-async def run_on(executor, request: InferenceRequest) -> tuple[list, object]:
-    """Run `request` through an agent runtime on `executor`: what it published, and the
-    runtime."""
+def make_runtime(executor) -> tuple[list, object]:
+    """An agent runtime on one L4 with `executor`, and the list of what it publishes."""
     from gpusched_agent.adapters.ledger import MemoryLedger
     from gpusched_agent.domain.inventory import parse_simulated
     from gpusched_agent.domain.node import NodeModel
     from gpusched_agent.runtime import AgentRuntime
-    from gpusched_common.contracts import Placement
 
     sent: list = []
 
     async def publish(message, topic, key, wait=True) -> None:
         sent.append(message)
 
-    runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")),
-                           CATALOG, executor, publish, MemoryLedger(), lambda: 0,
-                           chunk_tokens=4, heartbeat_s=1)
-    await runtime.command(Placement(placement_id=f"{request.request_id}#0", node_id="n",
-                                    gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0,
-                                    placed_at_ms=0, request=request))
+    return sent, AgentRuntime(
+        "n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")), CATALOG, executor,
+        publish, MemoryLedger(), lambda: 0, chunk_tokens=4, heartbeat_s=1)
+
+
+async def place(runtime, *requests: InferenceRequest) -> None:  # noqa: ANN001
+    """Place `requests` on GPU 0 all at once and wait until they have ended."""
+    from gpusched_common.contracts import Placement
+
+    for request in requests:
+        await runtime.command(Placement(placement_id=f"{request.request_id}#0", node_id="n",
+                                        gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0,
+                                        placed_at_ms=0, request=request))
     async with asyncio.timeout(30):
         while runtime.in_flight:
             await asyncio.sleep(0.01)
+
+
+async def run_on(executor, *requests: InferenceRequest) -> tuple[list, object]:
+    """Run `requests` through a new runtime on `executor`: what it published, and the
+    runtime."""
+    sent, runtime = make_runtime(executor)
+    await place(runtime, *requests)
     return sent, runtime
 
 
@@ -318,6 +330,101 @@ async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -
     assert result.status == "completed" and result.completion_tokens == 10
     assert usage.completion_tokens == 10 and usage.gpu_seconds > 0
     assert runtime.node.gpus[0].loaded_mib  # the model stays warm
+    await executor.close()
+
+
+async def test_requests_placed_at_once_on_a_cold_gpu_wait_for_one_load() -> None:
+    """The node model counts the weights loaded from the first admission on, so the requests
+    placed beside the first one used to skip the load and fail ('model ... is not loaded on
+    GPU 0'), as ops/gpu-check's burst on a cold GPU showed."""
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = TorchExecutor("cpu", seed=0, config=TinyConfig(dim=32, layers=1), threads=1)
+    loads: list[int] = []
+    load = executor.load
+
+    async def counted(model, gpu_index: int) -> None:
+        loads.append(gpu_index)
+        await load(model, gpu_index)
+
+    executor.load = counted  # type: ignore[method-assign]
+    sent, _ = await run_on(executor, *(job(f"cold{i}", max_tokens=6).request for i in range(4)))
+    results = [m for m in sent if isinstance(m, RequestResult)]
+    assert [(r.status, r.completion_tokens) for r in results] == [("completed", 6)] * 4
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 24
+    assert loads == [0]
+    await executor.close()
+
+
+class FailingFirstLoad(SimulatedExecutor):
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.001, seed=0)
+        self.loads = 0
+
+    async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+        self.loads += 1
+        await asyncio.sleep(0.01)
+        if self.loads == 1:
+            raise ExecutorError("CUDA out of memory")
+
+
+async def test_a_failed_load_fails_its_waiters_and_the_next_request_loads_again() -> None:
+    from gpusched_common.contracts import RequestResult
+
+    executor = FailingFirstLoad()
+    sent, runtime = make_runtime(executor)
+    await place(runtime, job("f1", max_tokens=3).request, job("f2", max_tokens=3).request)
+    assert sorted((r.request_id, r.status, r.finish_reason) for r in sent
+                  if isinstance(r, RequestResult)) == [
+        ("f1", "failed", "executor error: CUDA out of memory"),
+        ("f2", "failed", "executor error: CUDA out of memory")]
+    sent.clear()
+    await place(runtime, job("f3", max_tokens=3).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "completed" and executor.loads == 2
+    await executor.close()
+
+
+class SlowLoad(SimulatedExecutor):
+    """Holds each model it has loaded, as a real engine does, and takes 0.2 s to load one."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.001, seed=0)
+        self.held: set[tuple[int, str]] = set()
+
+    async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+        await asyncio.sleep(0.2)
+        self.held.add((gpu_index, model.name))
+
+    async def unload(self, model_name: str, gpu_index: int) -> None:
+        self.held.discard((gpu_index, model_name))
+
+    def generate(self, job: Job):  # noqa: ANN201
+        if (job.gpu_index, job.model.name) not in self.held:
+            raise ExecutorError(f"model {job.model.name} is not loaded on GPU {job.gpu_index}")
+        return super().generate(job)
+
+
+async def test_a_request_cancelled_while_its_model_loads_leaves_the_model_loaded() -> None:
+    """The node model keeps the weights after the cancel, so the executor must end up holding
+    them too: the next request for the model runs without another load."""
+    from gpusched_common.contracts import Cancel, RequestResult
+
+    executor = SlowLoad()
+    sent, runtime = make_runtime(executor)
+    await place(runtime, job("c0", max_tokens=3).request)  # warm the runtime up
+    executor.held.clear()
+    runtime.node.gpus[0].loaded_mib.clear()
+    first = asyncio.create_task(place(runtime, job("c1", max_tokens=3).request))
+    await asyncio.sleep(0.05)  # c1 is loading its model
+    runtime.cancel(Cancel(request_id="c1", reason="client_gone", at_ms=0))
+    await first
+    await place(runtime, job("c2", max_tokens=3).request)
+    statuses = {r.request_id: r.status for r in sent if isinstance(r, RequestResult)}
+    assert statuses == {"c0": "completed", "c1": "cancelled", "c2": "completed"}
+    assert executor.held == {(0, SMALL.name)}
     await executor.close()
 
 

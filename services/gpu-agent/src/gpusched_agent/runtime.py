@@ -27,7 +27,7 @@ from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused
 from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
-from gpusched_common.catalog import GPU_TYPES, ModelCatalog, model_of
+from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
     PLACEMENT,
     Cancel,
@@ -132,6 +132,8 @@ class AgentRuntime:
         """Placement id -> its run, from claim to its final usage record."""
         self._cancelled = Recent(REMEMBERED_CANCELS)
         """Request ids cancelled lately (a placement may arrive after its cancel)."""
+        self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
+        """(GPU index, model) -> the executor's load of it, running or done (`_ready`)."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:
@@ -323,6 +325,20 @@ class AgentRuntime:
             await self._release(placement.placement_id)
         return sum(placed)
 
+    async def _ready(self, model: ModelSpec, gpu: int, needs_load: bool) -> None:
+        """Return once the executor holds `model` on `gpu`. The node model counts weights
+        loaded from the first admission on, so a placement admitted while they still load
+        waits for that same load; a load that failed is tried again by the next placement.
+        The load is a task of its own: a request cancelled meanwhile does not cut it short
+        and leave the node model believing in weights the executor lacks."""
+        key = (gpu, model.name)
+        load = self._loads.get(key)
+        if needs_load or (load is not None and load.done()
+                          and (load.cancelled() or load.exception() is not None)):
+            load = self._loads[key] = asyncio.create_task(self.executor.load(model, gpu))
+        if load is not None:
+            await asyncio.shield(load)
+
     async def _execute(self, run: _Running, admitted: Admitted, model) -> None:  # noqa: ANN001
         placement, request = run.placement, run.placement.request
         pid = placement.placement_id
@@ -357,9 +373,11 @@ class AgentRuntime:
             for gpu, weights in admitted.evicted:
                 name = model_of(weights)  # executors hold models, whatever their gang size
                 if all(model_of(w) != name for w in self.node.gpus[gpu].loaded_mib):
+                    load = self._loads.pop((gpu, name), None)
+                    if load is not None:  # a cancelled request's load may still run
+                        await asyncio.wait([load])
                     await self.executor.unload(name, gpu)
-            if admitted.needs_load:
-                await self.executor.load(model, slot.info.index)
+            await self._ready(model, slot.info.index, admitted.needs_load)
             # a resumed engine continues the text: the prompt is all that came before
             prefix, left = "".join(pieces), request.max_tokens - len(pieces)
             asked = request.model_copy(update={
