@@ -118,7 +118,8 @@ class TorchExecutor:
             logits = lm.decode([st.next_token for st in states],
                                [s.kv_tokens - 1 for s in seqs], [st.cache for st in states])
             out = []
-            for st, row in zip(states, logits):
+            # one copy to the host per step, not one wait on the device per sequence
+            for st, row in zip(states, logits.float().cpu()):
                 st.next_token = self._sample(row, st)
                 out.append(VOCAB[st.next_token])
             return out
