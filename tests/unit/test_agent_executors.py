@@ -318,6 +318,24 @@ async def run_on(executor, *requests: InferenceRequest) -> tuple[list, object]:
     return sent, runtime
 
 
+def test_the_torch_executor_numbers_cuda_devices_as_nvml_does() -> None:
+    """The inventory's GPU i is NVML's (PCI bus order); CUDA would put the fastest first, so
+    on a node of mixed GPUs a request could run on another GPU than the one it was placed
+    on. An order the operator set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, gpusched_agent.adapters.torch_executor; "
+            "print(os.environ['CUDA_DEVICE_ORDER'])")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_ORDER"}
+    for given, expected in ((None, "PCI_BUS_ID"), ("FASTEST_FIRST", "FASTEST_FIRST")):
+        run_env = env if given is None else env | {"CUDA_DEVICE_ORDER": given}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env=run_env)
+        assert out.stdout.strip() == expected
+
+
 async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -> None:
     from gpusched_agent.adapters.torch_executor import TorchExecutor
     from gpusched_agent.adapters.torch_model import TinyConfig

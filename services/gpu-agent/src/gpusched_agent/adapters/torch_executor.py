@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ from gpusched_agent.adapters.executor import ExecutorError, Job
 from gpusched_agent.adapters.torch_model import VOCAB, TinyConfig, TinyLM, parameter_bytes, tokenize
 from gpusched_common.catalog import ModelSpec
 
+# GPU i of the agent's inventory is NVML's device i, numbered in PCI bus order; CUDA numbers
+# the fastest device first unless told otherwise, so on a node of mixed GPUs "cuda:i" could
+# be another GPU than the one the scheduler placed the request on. Read at CUDA's start.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 @dataclass
 class _SeqState:
