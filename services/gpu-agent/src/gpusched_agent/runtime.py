@@ -325,6 +325,10 @@ class AgentRuntime:
             await self._release(placement.placement_id)
         return sum(placed)
 
+    def _holds(self, gpu: int, model_name: str) -> bool:
+        """Whether the node model counts weights of `model_name` on `gpu`, any gang size."""
+        return any(model_of(w) == model_name for w in self.node.gpus[gpu].loaded_mib)
+
     async def _ready(self, model: ModelSpec, gpu: int, needs_load: bool) -> None:
         """Return once the executor holds `model` on `gpu`. The node model counts weights
         loaded from the first admission on, so a placement admitted while they still load
@@ -372,11 +376,12 @@ class AgentRuntime:
                 raise asyncio.CancelledError
             for gpu, weights in admitted.evicted:
                 name = model_of(weights)  # executors hold models, whatever their gang size
-                if all(model_of(w) != name for w in self.node.gpus[gpu].loaded_mib):
+                if not self._holds(gpu, name):
                     load = self._loads.pop((gpu, name), None)
                     if load is not None:  # a cancelled request's load may still run
                         await asyncio.wait([load])
-                    await self.executor.unload(name, gpu)
+                    if not self._holds(gpu, name):  # nothing admitted it again meanwhile
+                        await self.executor.unload(name, gpu)
             await self._ready(model, slot.info.index, admitted.needs_load)
             # a resumed engine continues the text: the prompt is all that came before
             prefix, left = "".join(pieces), request.max_tokens - len(pieces)
