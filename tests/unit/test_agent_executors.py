@@ -63,6 +63,31 @@ async def test_simulated_decode_slows_down_with_the_batch() -> None:
     await ex.close()
 
 
+async def test_a_failed_prefill_fails_its_own_request_not_the_batch() -> None:
+    """A prefill that fails (a long prompt out of GPU memory) ends its own request; the
+    batch's other requests go on. Before, the failing request had already left the joining
+    list, so its error reached every consumer but its own, which waited forever. A failed
+    decode step still fails the whole batch."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+
+    async def prefill(seq: Sequence) -> str:
+        if seq.key == "bad":
+            raise ExecutorError("CUDA out of memory")
+        return "a"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        await asyncio.sleep(0)
+        return ["b"] * len(seqs)
+
+    batch = ContinuousBatcher(prefill, step)
+    good, bad = await asyncio.gather(collect(batch.run(Sequence("good", 4, 1))),
+                                     collect(batch.run(Sequence("bad", 4, 1))),
+                                     return_exceptions=True)
+    assert good == ["a", "b", "b", "b"]
+    assert isinstance(bad, ExecutorError)
+    await batch.close()
+
+
 # --- torch -----------------------------------------------------------------------------------
 torch = pytest.importorskip("torch", reason="the torch extra: pip install 'gpusched-agent[torch]'")
 

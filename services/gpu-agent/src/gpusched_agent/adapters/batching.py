@@ -93,7 +93,11 @@ class ContinuousBatcher:
                     seq = self._joining.pop(0)
                     if seq.left:
                         continue
-                    first = await self._prefill(seq)
+                    try:
+                        first = await self._prefill(seq)
+                    except Exception as exc:  # noqa: BLE001 - its own (a prompt out of memory)
+                        seq.out.put_nowait(exc)  # popped: the handler below would miss it
+                        continue
                     if not seq.left:
                         self.active.append(seq)
                         self._emit(seq, first)
@@ -103,7 +107,7 @@ class ContinuousBatcher:
                     for seq, token in zip(batch, tokens):
                         if not seq.left:
                             self._emit(seq, token)
-            except Exception as exc:  # noqa: BLE001 - handed to every waiting consumer
+            except Exception as exc:  # noqa: BLE001 - a step's: handed to every waiting consumer
                 for seq in [*self.active, *self._joining]:
                     seq.out.put_nowait(exc)
                 self.active.clear()
