@@ -292,6 +292,36 @@ def test_executor_settings_are_validated_at_start_up() -> None:
     assert make_executor(AgentSettings()).name == "simulated"
 
 
+def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(monkeypatch) -> None:
+    """GPU i of NVML's inventory runs on cuda:i. CUDA_VISIBLE_DEVICES (NVML ignores it) or
+    CUDA's fastest-first order would run work on another GPU than the one the scheduler
+    placed it on, and on memory the agent never accounted for: refuse to start instead."""
+    from types import SimpleNamespace
+
+    from gpusched_agent.domain.inventory import build_inventory, simulated_reading
+    from gpusched_agent.main import make_executor
+    from gpusched_agent.settings import AgentSettings
+
+    inventory = build_inventory(simulated_reading("2xH100-80GB", "n"))  # as if from NVML
+    uuids = [g.uuid.removeprefix("GPU-") for g in inventory.gpus]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    settings = AgentSettings(executor="torch", torch_device="cuda")
+
+    def cuda_sees(order: list[str]) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i: SimpleNamespace(uuid=order[i]))
+
+    cuda_sees(uuids)
+    assert make_executor(settings, inventory).name == "torch"
+    for seen in (uuids[::-1], uuids[1:]):  # another order; CUDA_VISIBLE_DEVICES=1
+        cuda_sees(seen)
+        with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+            make_executor(settings, inventory)
+    simulated = AgentSettings(executor="torch", torch_device="cuda", simulate="2xH100-80GB")
+    assert make_executor(simulated, inventory).name == "torch"  # one GPU stands in for many
+
+
 def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     import subprocess
     import sys

@@ -62,8 +62,10 @@ def discover_inventory(settings: AgentSettings, nvml_module: Any = None
     return build_inventory(reading), read_nvml
 
 
-def make_executor(settings: AgentSettings) -> Executor:
-    """The executor the settings select; torch is imported only when it is selected."""
+def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -> Executor:
+    """The executor the settings select; torch is imported only when it is selected. On
+    NVML's `inventory` (not a simulated one), torch on CUDA must see the same GPUs in the
+    same order, or the agent does not start."""
     if settings.executor == "torch":
         try:
             from gpusched_agent.adapters.torch_executor import TorchExecutor
@@ -71,9 +73,18 @@ def make_executor(settings: AgentSettings) -> Executor:
         except ImportError as exc:
             raise ValueError("GPUSCHED_EXECUTOR=torch needs PyTorch: pip install "
                              "'gpusched-agent[torch]'") from exc
-        return TorchExecutor(settings.torch_device, settings.seed,
-                             TinyConfig(dim=settings.torch_dim, layers=settings.torch_layers),
-                             threads=settings.torch_threads)
+        executor = TorchExecutor(settings.torch_device, settings.seed,
+                                 TinyConfig(dim=settings.torch_dim, layers=settings.torch_layers),
+                                 threads=settings.torch_threads)
+        if inventory is not None and not settings.simulate:
+            if any(g.mig_parent_uuid for g in inventory.gpus):
+                log.warning("MIG is on: the torch executor runs GPU i's work on cuda:i "
+                            "unchecked")
+            else:
+                problem = executor.devices_problem([g.uuid for g in inventory.gpus])
+                if problem is not None:
+                    raise ValueError(problem)
+        return executor
     if settings.executor == "openai":
         from gpusched_agent.adapters.openai_executor import OpenAIExecutor
 
@@ -107,7 +118,7 @@ class DroppedRecords:
 
 def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
     inventory, read_inventory = discover_inventory(settings)
-    executor = make_executor(settings)
+    executor = make_executor(settings, inventory)
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)

@@ -26,6 +26,11 @@ from gpusched_common.catalog import ModelSpec
 # be another GPU than the one the scheduler placed the request on. Read at CUDA's start.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
+def _bare(uuid: object) -> str:
+    """A GPU UUID as CUDA and NVML both can write it (NVML adds 'GPU-')."""
+    return str(uuid).lower().removeprefix("gpu-")
+
+
 @dataclass
 class _SeqState:
     tokens: list[int]
@@ -56,6 +61,22 @@ class TorchExecutor:
         self._models: dict[tuple[int, str], TinyLM] = {}
         self._batches: dict[tuple[int, str], ContinuousBatcher] = {}
         self._lock = asyncio.Lock()
+
+    def devices_problem(self, gpu_uuids: list[str]) -> str | None:
+        """Why this executor's `cuda:i` is not the inventory's GPU i (NVML's, given by UUID
+        in index order), or None when they match or it does not run on CUDA. Compared only
+        without MIG: CUDA shows a process one MIG instance at most."""
+        if not self.device_kind.startswith("cuda") or ":" in self.device_kind:
+            return None
+        cuda = [_bare(torch.cuda.get_device_properties(i).uuid)
+                for i in range(torch.cuda.device_count())]
+        nvml = [_bare(u) for u in gpu_uuids]
+        if cuda == nvml:
+            return None
+        return (f"CUDA's devices {cuda} are not NVML's GPUs {nvml} in order: the torch "
+                "executor runs GPU i's work on cuda:i. Leave CUDA_VISIBLE_DEVICES unset (the "
+                "agent uses every GPU NVML sees; give it fewer with the container's devices) "
+                "and CUDA_DEVICE_ORDER unset or PCI_BUS_ID")
 
     def _device(self, gpu_index: int) -> torch.device:
         if self.device_kind.startswith("cuda") and ":" not in self.device_kind:
