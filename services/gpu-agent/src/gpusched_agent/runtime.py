@@ -343,7 +343,7 @@ class AgentRuntime:
         if load is not None:
             await asyncio.shield(load)
 
-    async def _execute(self, run: _Running, admitted: Admitted, model) -> None:  # noqa: ANN001
+    async def _execute(self, run: _Running, admitted: Admitted, model: ModelSpec) -> None:
         placement, request = run.placement, run.placement.request
         pid = placement.placement_id
         slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep

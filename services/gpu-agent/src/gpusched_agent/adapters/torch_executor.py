@@ -26,6 +26,7 @@ from gpusched_common.catalog import ModelSpec
 # be another GPU than the one the scheduler placed the request on. Read at CUDA's start.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
+
 def _bare(uuid: object) -> str:
     """A GPU UUID as CUDA and NVML both can write it (NVML adds 'GPU-')."""
     return str(uuid).lower().removeprefix("gpu-")
