@@ -154,6 +154,31 @@ def test_a_gangs_shards_serve_only_work_of_the_same_model_and_gang_size() -> Non
     assert isinstance(single, Admitted) and single.needs_load
 
 
+def test_a_gangs_shards_serve_only_a_gang_of_the_same_gpus() -> None:
+    """GPU 1's shard of a (0, 1) gang is rank 1 of that gang: a (1, 2) gang needs rank 0 on
+    GPU 1, so it loads its own shards. Before, the shards of (0, 1) and (2, 3) counted as
+    loaded for (1, 2), and the torch executor failed it ('not loaded on GPU 1')."""
+    node = NodeModel.from_inventory(parse_simulated("4xH100-80GB", "n"))
+    huge = CATALOG.get("llama-3.1-70b")
+
+    def gang(pid: str, gpus: tuple[int, ...]) -> Placement:
+        return placement(pid, 0, 1000, huge.name).model_copy(update={"gpu_indices": gpus})
+
+    for pid, gpus in (("a", (0, 1)), ("b", (2, 3))):
+        assert node.admit(gang(pid, gpus), huge).needs_load
+    across = node.admit(gang("c", (1, 2)), huge)
+    assert isinstance(across, Refused)  # the shards of a and b and c's do not fit together
+    node.finish(gang("a", (0, 1)))
+    node.finish(gang("b", (2, 3)))
+    across = node.admit(gang("c", (1, 2)), huge)
+    assert isinstance(across, Admitted) and across.needs_load
+    assert sorted(across.evicted) == [(1, "llama-3.1-70b#tp2@0,1"), (2, "llama-3.1-70b#tp2@2,3")]
+    node.finish(gang("c", (1, 2)))
+    assert not node.admit(gang("d", (1, 2)), huge).needs_load
+    assert [g.loaded_models for g in node.state("n", 1, 0, 0).gpus] == [
+        ("llama-3.1-70b#tp2",)] * 4  # the scheduler sees weights_name only
+
+
 @pytest.mark.parametrize("tokens,stops,end", [
     (["ab", "xENDy", "zz"], ["END"], 3),  # inside one token
     (["he", "ll", "o wor", "ld"], ["o w"], 4),  # across tokens

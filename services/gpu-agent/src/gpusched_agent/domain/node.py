@@ -13,15 +13,33 @@ from dataclasses import dataclass, field, replace
 
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo
-from gpusched_common.catalog import ModelSpec, weights_name
+from gpusched_common.catalog import SHARD_MARK, ModelSpec, weights_name
 from gpusched_common.contracts import GpuState, NodeState, Placement
+
+GANG_MARK = "@"
+"""Joins a gang's shard name and its GPUs in `held_weights`."""
+
+
+def held_weights(model: str, indices: Sequence[int]) -> str:
+    """What the agent holds a placement's weights as on each of its GPUs: `weights_name`,
+    and for a gang's shard also the gang's GPUs in rank order (`<model>#tp2@1,2`). A
+    shard is rank r of the gang that loaded it, so only a gang of the same GPUs can use it;
+    the scheduler, which only steers work to where weights are, sees `weights_name`."""
+    weights = weights_name(model, len(indices))
+    return weights if len(indices) == 1 else f"{weights}{GANG_MARK}{','.join(map(str, indices))}"
+
+
+def _reported(held: Sequence[str]) -> tuple[str, ...]:
+    """`weights_name`s of held weights, each once."""
+    return tuple(dict.fromkeys(
+        h.rpartition(GANG_MARK)[0] if SHARD_MARK in h else h for h in held))
 
 
 @dataclass
 class GpuSlot:
     info: GpuInfo
     loaded_mib: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    """Weights (`weights_name`: a model, or a gang's shard of one) -> MiB, least recently
+    """Weights (`held_weights`: a model, or a gang's shard of one) -> MiB, least recently
     used first."""
     active: dict[str, tuple[str, int]] = field(default_factory=dict)
     """Placement id -> (its weights, KV cache MiB)."""
@@ -82,8 +100,8 @@ class NodeModel:
 
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
         """Reserve the placement on every GPU of its gang, or on none (all or nothing).
-        A gang of n GPUs holds 1/n of the weights on each (tensor parallel), which only work
-        of the same model and gang size uses (`weights_name`)."""
+        A gang of n GPUs holds 1/n of the weights on each (tensor parallel), which only a
+        gang of the same model on the same GPUs uses (`held_weights`)."""
         indices = placement.gpu_indices
         if len(set(indices)) != len(indices):
             return Refused(f"GPU indices {indices} repeat")
@@ -98,7 +116,7 @@ class NodeModel:
         if any(placement.placement_id in s.active for s in slots):
             return Refused("placement already running")
         weight_mib = -(-model.weight_memory_mib // len(indices))
-        weights = weights_name(model.name, len(indices))
+        weights = held_weights(model.name, indices)
         plan: list[tuple[GpuSlot, list[str]]] = []
         for slot in slots:
             need = placement.kv_cache_mib + (0 if weights in slot.loaded_mib else weight_mib)
@@ -138,11 +156,11 @@ class NodeModel:
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
                          memory_total_mib=s.info.memory_total_mib, memory_free_mib=s.free_mib(),
-                         healthy=s.info.healthy, loaded_models=tuple(s.loaded_mib),
+                         healthy=s.info.healthy, loaded_models=_reported(s.loaded_mib),
                          running_requests=len(s.active), name=s.info.name,
                          mig_parent_uuid=s.info.mig_parent_uuid,
                          kv_cache_free_mib=s.kv_cache_free_mib(),
-                         idle_models=tuple(s.idle_models()) or None,
+                         idle_models=_reported(s.idle_models()) or None,
                          utilization_pct=s.info.utilization_pct,
                          temperature_c=s.info.temperature_c, power_w=s.info.power_w,
                          ecc_uncorrected_errors=s.info.ecc_uncorrected_errors,
