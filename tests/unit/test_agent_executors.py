@@ -501,6 +501,38 @@ async def test_a_request_cancelled_while_its_model_loads_leaves_the_model_loaded
     await executor.close()
 
 
+async def test_placements_that_evict_a_loading_model_share_the_eviction_and_the_load() -> None:
+    """r0's llama is cancelled while it loads; r1 and r2 of mistral need its memory, and r1,
+    which evicts it, is cancelled while it waits for llama's load to end. Before, r1's
+    eviction and load ran in r1's own task: the cancel cut them short, the node model kept
+    mistral loaded and llama evicted while the executor held llama and not mistral, and r2
+    (admitted as needing no load) failed with 'not loaded', as did every later mistral."""
+    from gpusched_common.contracts import Cancel, RequestResult
+
+    executor = SlowLoad()
+    sent, runtime = make_runtime(executor)
+    llama, mistral = CATALOG.get("llama-3.1-8b"), CATALOG.get("mistral-7b")
+
+    def request(rid: str, model) -> InferenceRequest:  # noqa: ANN001
+        return job(rid, max_tokens=3).request.model_copy(update={"model": model.name})
+
+    first = asyncio.create_task(place(runtime, request("r0", llama)))
+    await asyncio.sleep(0.05)  # r0 loads llama
+    runtime.cancel(Cancel(request_id="r0", reason="client_gone", at_ms=0))
+    await first
+    both = asyncio.create_task(place(runtime, request("r1", mistral), request("r2", mistral)))
+    await asyncio.sleep(0.05)  # r1 waits for llama's load, to unload it
+    runtime.cancel(Cancel(request_id="r1", reason="client_gone", at_ms=0))
+    await both
+    await place(runtime, request("r3", mistral))
+    statuses = {r.request_id: r.status for r in sent if isinstance(r, RequestResult)}
+    assert statuses == {"r0": "cancelled", "r1": "cancelled", "r2": "completed",
+                        "r3": "completed"}
+    assert executor.held == {(0, mistral.name)}
+    assert list(runtime.node.gpus[0].loaded_mib) == [mistral.name]
+    await executor.close()
+
+
 async def test_an_engine_that_ends_the_text_early_finishes_with_stop_not_length() -> None:
     from gpusched_common.contracts import RequestResult, UsageRecord
 

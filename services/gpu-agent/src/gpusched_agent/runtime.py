@@ -105,6 +105,12 @@ class _Running:
     gpu_slots: tuple[int, ...] = field(default_factory=tuple)
 
 
+def _failed(task: asyncio.Task[None] | None) -> bool:
+    """Whether `task` ended without doing its work (its error counts as seen)."""
+    return task is not None and task.done() and (
+        task.cancelled() or task.exception() is not None)
+
+
 class AgentRuntime:
     def __init__(self, node_id: str, node: NodeModel, catalog: ModelCatalog,
                  executor: Executor, publish: Publish, ledger: PlacementLedger,
@@ -283,7 +289,7 @@ class AgentRuntime:
         if isinstance(admitted, Refused) or model is None:
             await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
             return
-        await self._execute(run, admitted, model)
+        await self._execute(run, self._prepare(admitted, model, placement.gpu_indices[0]), model)
 
     async def _release(self, placement_id: str) -> None:
         try:
@@ -329,21 +335,45 @@ class AgentRuntime:
         """Whether the node model counts weights of `model_name` on `gpu`, any gang size."""
         return any(model_of(w) == model_name for w in self.node.gpus[gpu].loaded_mib)
 
-    async def _ready(self, model: ModelSpec, gpu: int, needs_load: bool) -> None:
-        """Return once the executor holds `model` on `gpu`. The node model counts weights
-        loaded from the first admission on, so a placement admitted while they still load
-        waits for that same load; a load that failed is tried again by the next placement.
-        The load is a task of its own: a request cancelled meanwhile does not cut it short
-        and leave the node model believing in weights the executor lacks."""
+    def _prepare(self, admitted: Admitted, model: ModelSpec, gpu: int
+                 ) -> asyncio.Task[None] | None:
+        """What the placement just admitted waits for before it runs: the executor freeing
+        what admission evicted and loading `model` on `gpu` (a gang runs on its first GPU).
+        Called at admission with no await in between, because the node model counts the
+        weights loaded from then on: a placement admitted later finds the task under
+        (GPU, model) and waits for the same load. The task runs on its own, so a request
+        cancelled meanwhile does not cut an unload or a load short; one that failed is
+        tried again by the next placement."""
         key = (gpu, model.name)
-        load = self._loads.get(key)
-        if needs_load or (load is not None and load.done()
-                          and (load.cancelled() or load.exception() is not None)):
-            load = self._loads[key] = asyncio.create_task(self.executor.load(model, gpu))
-        if load is not None:
-            await asyncio.shield(load)
+        before = self._loads.get(key)
+        failed = _failed(before)
+        if not (admitted.needs_load or admitted.evicted or failed):
+            return before
+        task = self._loads[key] = asyncio.create_task(self._make_room_and_load(
+            admitted.evicted, model, gpu, admitted.needs_load or failed, before))
+        return task
 
-    async def _execute(self, run: _Running, admitted: Admitted, model: ModelSpec) -> None:
+    async def _make_room_and_load(self, evicted: tuple[tuple[int, str], ...],
+                                  model: ModelSpec, gpu: int, load: bool,
+                                  before: asyncio.Task[None] | None) -> None:
+        if before is not None and not before.done():  # one load of a model on a GPU at once
+            await asyncio.wait([before])
+            load = load or _failed(before)
+        for index, weights in evicted:
+            name = model_of(weights)  # executors hold models, whatever their gang size
+            if self._holds(index, name):
+                continue
+            loading = self._loads.pop((index, name), None)
+            if loading is not None and not loading.done():  # a cancelled request's load
+                await asyncio.wait([loading])
+                _failed(loading)  # its waiters have seen any error; nobody else will
+            if not self._holds(index, name):  # nothing admitted it again meanwhile
+                await self.executor.unload(name, index)
+        if load:
+            await self.executor.load(model, gpu)
+
+    async def _execute(self, run: _Running, ready: asyncio.Task[None] | None,
+                       model: ModelSpec) -> None:
         placement, request = run.placement, run.placement.request
         pid = placement.placement_id
         slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep
@@ -374,15 +404,8 @@ class AgentRuntime:
         try:
             if run.stop_reason is not None:  # stopped between its start and now
                 raise asyncio.CancelledError
-            for gpu, weights in admitted.evicted:
-                name = model_of(weights)  # executors hold models, whatever their gang size
-                if not self._holds(gpu, name):
-                    load = self._loads.pop((gpu, name), None)
-                    if load is not None:  # a cancelled request's load may still run
-                        await asyncio.wait([load])
-                    if not self._holds(gpu, name):  # nothing admitted it again meanwhile
-                        await self.executor.unload(name, gpu)
-            await self._ready(model, slot.info.index, admitted.needs_load)
+            if ready is not None:
+                await asyncio.shield(ready)
             # a resumed engine continues the text: the prompt is all that came before
             prefix, left = "".join(pieces), request.max_tokens - len(pieces)
             asked = request.model_copy(update={
