@@ -533,6 +533,52 @@ async def test_placements_that_evict_a_loading_model_share_the_eviction_and_the_
     await executor.close()
 
 
+@pytest.mark.parametrize("stop", ["cancel", "preempt"])
+async def test_a_stop_during_a_partial_usage_send_still_bills_that_record(stop: str) -> None:
+    """A partial usage record counts its tokens billed before it is sent; a cancel or a
+    preempt landing while Kafka takes it used to drop it (a CancelledError is no Exception),
+    so those tokens, or the prompt when it was the first record, were never billed."""
+    from gpusched_agent.adapters.ledger import MemoryLedger
+    from gpusched_agent.domain.inventory import parse_simulated
+    from gpusched_agent.domain.node import NodeModel
+    from gpusched_agent.runtime import AgentRuntime
+    from gpusched_common.contracts import Cancel, Placement, Preempt, RequestResult, UsageRecord
+
+    sent: list = []
+    sending = asyncio.Event()
+
+    async def publish(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        if isinstance(message, UsageRecord) and not message.final:
+            sending.set()
+            await asyncio.sleep(0.05)  # Kafka has not taken it yet
+        sent.append(message)
+
+    executor = SimulatedExecutor(time_scale=0.001, seed=0)
+    runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")),
+                           CATALOG, executor, publish, MemoryLedger(), lambda: 0,
+                           chunk_tokens=4, heartbeat_s=1, usage_interval_s=0.0)
+    request = job("u", max_tokens=500, prompt="p" * 400).request
+    placement = Placement(placement_id="u#0", node_id="n", gpu_indices=(0,), kv_cache_mib=1,
+                          scheduler_epoch=0, placed_at_ms=0, request=request)
+    await runtime.command(placement)
+    await asyncio.wait_for(sending.wait(), 10)  # inside the first partial record's send
+    if stop == "cancel":
+        runtime.cancel(Cancel(request_id="u", reason="client_gone", at_ms=0))
+    else:
+        await runtime.command(Preempt(placement_id="u#0", request_id="u", node_id="n",
+                                      scheduler_epoch=0, reason="for interactive work"))
+    async with asyncio.timeout(10):
+        while runtime.in_flight:
+            await asyncio.sleep(0.01)
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    results = [m for m in sent if isinstance(m, RequestResult)]  # cancelled
+    back = [m for m in sent if isinstance(m, InferenceRequest)]  # preempted: the next attempt
+    generated = results[0].completion_tokens if results else len(back[0].resume.tokens)
+    assert sum(u.prompt_tokens for u in usage) == request.prompt_token_count == 100
+    assert sum(u.completion_tokens for u in usage) == generated > 0
+    await executor.close()
+
+
 async def test_an_engine_that_ends_the_text_early_finishes_with_stop_not_length() -> None:
     from gpusched_common.contracts import RequestResult, UsageRecord
 

@@ -441,6 +441,9 @@ class AgentRuntime:
                         partial = self._usage(run, final=False)
                         try:
                             await self._publish(*partial)
+                        except asyncio.CancelledError:  # a stop cut the send: it may not
+                            run.unsent.append(partial)  # have gone; an event counts once
+                            raise
                         except Exception:  # its deltas are counted: bill them at the end
                             log.warning("partial usage %s not published; it goes with the "
                                         "final records", partial[0].event_id, exc_info=True)
