@@ -357,9 +357,10 @@ async def place(runtime, *requests: InferenceRequest) -> None:  # noqa: ANN001
     from gpusched_common.contracts import Placement
 
     for request in requests:
-        await runtime.command(Placement(placement_id=f"{request.request_id}#0", node_id="n",
-                                        gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0,
-                                        placed_at_ms=0, request=request))
+        await runtime.command(Placement(
+            placement_id=f"{request.request_id}#{request.attempt}", node_id="n",
+            gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0, placed_at_ms=0,
+            request=request))
     async with asyncio.timeout(30):
         while runtime.in_flight:
             await asyncio.sleep(0.01)
@@ -576,6 +577,31 @@ async def test_a_stop_during_a_partial_usage_send_still_bills_that_record(stop: 
     generated = results[0].completion_tokens if results else len(back[0].resume.tokens)
     assert sum(u.prompt_tokens for u in usage) == request.prompt_token_count == 100
     assert sum(u.completion_tokens for u in usage) == generated > 0
+    await executor.close()
+
+
+async def test_a_request_preempted_before_its_first_token_bills_its_prompt_once() -> None:
+    """The preempted attempt's final usage bills the prompt; the next one goes on with no
+    tokens to resume. Before, only a resume with tokens counted the prompt billed, so it
+    was billed again (100 + 100 prompt tokens)."""
+    from gpusched_common.contracts import Preempt, RequestResult, UsageRecord
+
+    executor = SlowLoad()
+    sent, runtime = make_runtime(executor)
+    request = job("p", max_tokens=3, prompt="x" * 400).request
+    first = asyncio.create_task(place(runtime, request))
+    await asyncio.sleep(0.05)  # loading its model
+    await runtime.command(Preempt(placement_id="p#0", request_id="p", node_id="n",
+                                  scheduler_epoch=0, reason="for interactive work"))
+    await first
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert again.attempt == 1 and again.resume is not None and not again.resume.tokens
+    await place(runtime, again)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    assert result.status == "completed" and result.prompt_tokens == 100
+    assert sum(u.prompt_tokens for u in usage) == 100
+    assert sum(u.completion_tokens for u in usage) == result.completion_tokens == 3
     await executor.close()
 
 

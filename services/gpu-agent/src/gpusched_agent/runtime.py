@@ -381,10 +381,11 @@ class AgentRuntime:
         run.gpu_type, run.gpu_slots = gpu_type.name, placement.gpu_indices
         run.prompt_tokens = request.prompt_token_count
         # A resumed attempt goes on after what the earlier ones generated and billed (the
-        # prompt and those tokens), streaming from where they stopped.
+        # prompt and those tokens), streaming from where they stopped. One stopped before
+        # its first token billed the prompt too: it is resumed with no tokens.
         resume = request.resume or Resume()
         pieces: list[str] = list(resume.tokens)
-        if pieces:
+        if request.resume is not None:
             run.billed_prompt = run.prompt_tokens
             run.billed_completion = run.completion_tokens = len(pieces)
         run.started_ms = run.last_billed_ms = self._clock()
