@@ -605,6 +605,39 @@ async def test_a_request_preempted_before_its_first_token_bills_its_prompt_once(
     await executor.close()
 
 
+async def test_a_cancel_stops_every_attempt_of_its_request_on_the_node() -> None:
+    """Attempt 0, preempted, stays in the runtime until Redis takes its claim's release;
+    attempt 1 placed here meanwhile must be cancelled too. Before, the cancel stopped the
+    first run it found (the ending attempt 0) and attempt 1 completed."""
+    from gpusched_common.contracts import Cancel, Preempt, RequestResult
+
+    executor = SimulatedExecutor(time_scale=0.05, seed=0)
+    sent, runtime = make_runtime(executor)
+    release = runtime._ledger.release
+
+    async def slow_release(placement_id: str, node_id: str) -> None:
+        await asyncio.sleep(0.5)
+        await release(placement_id, node_id)
+
+    runtime._ledger.release = slow_release  # type: ignore[method-assign]
+    request = job("c", max_tokens=400).request
+    first = asyncio.create_task(place(runtime, request))
+    await asyncio.sleep(0.1)
+    await runtime.command(Preempt(placement_id="c#0", request_id="c", node_id="n",
+                                  scheduler_epoch=0, reason="for interactive work"))
+    async with asyncio.timeout(10):
+        while not any(isinstance(m, InferenceRequest) for m in sent):
+            await asyncio.sleep(0.005)
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    second = asyncio.create_task(place(runtime, again))
+    await asyncio.sleep(0.05)  # attempt 1 runs; attempt 0 still waits for its release
+    runtime.cancel(Cancel(request_id="c", reason="client_gone", at_ms=0))
+    await asyncio.gather(first, second)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "cancelled" and result.completion_tokens < 400
+    await executor.close()
+
+
 async def test_an_engine_that_ends_the_text_early_finishes_with_stop_not_length() -> None:
     from gpusched_common.contracts import RequestResult, UsageRecord
 

@@ -228,10 +228,11 @@ class AgentRuntime:
         """Stop the request if it runs here (usage so far is billed; it ends 'cancelled');
         remembered for a while in case its placement arrives later."""
         self._cancelled[cancel.request_id] = cancel.reason
-        for pid, run in self._running.items():
-            if run.placement.request.request_id == cancel.request_id:
-                return self._stop(pid, "cancelled", cancel.reason)
-        return Ignored("not running here")
+        outcome: Outcome = Ignored("not running here")
+        for pid, run in list(self._running.items()):  # all: an attempt still ending can sit
+            if run.placement.request.request_id == cancel.request_id:  # beside the next one
+                outcome = self._stop(pid, "cancelled", cancel.reason)
+        return outcome
 
     def _stop(self, placement_id: str, why: str, detail: str) -> Outcome:
         run = self._running.get(placement_id)
