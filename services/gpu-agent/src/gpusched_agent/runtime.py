@@ -139,7 +139,7 @@ class AgentRuntime:
         self._cancelled = Recent(REMEMBERED_CANCELS)
         """Request ids cancelled lately (a placement may arrive after its cancel)."""
         self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
-        """(GPU index, model) -> the executor's load of it, running or done (`_ready`)."""
+        """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:
