@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -273,6 +274,130 @@ async def test_openai_executor_reports_an_unreachable_server() -> None:
     with pytest.raises(ExecutorError, match="unreachable"):
         await collect(ex.generate(job("o3")))
     await ex.close()
+
+
+def engine(*events: str | bytes, content_type: str = "text/event-stream",
+           timeout_s: float = 600.0) -> OpenAIExecutor:
+    """An openai executor whose inference server answers every request with `events` (each
+    a `data:` payload, or raw bytes sent as they are)."""
+    import httpx
+
+    def body() -> bytes:
+        return b"".join(e if isinstance(e, bytes) else f"data: {e}\n\n".encode()
+                        for e in events)
+
+    transport = httpx.MockTransport(lambda _: httpx.Response(
+        200, headers={"content-type": content_type}, content=body()))
+    return OpenAIExecutor("http://engine", timeout_s=timeout_s, client=httpx.AsyncClient(
+        base_url="http://engine", transport=transport))
+
+
+def delta(text: str, index: int = 0) -> str:
+    return json.dumps({"choices": [{"index": index, "text": text}]}, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("ex,reason", [
+    (lambda: engine('{"choices": [{"text": "hi"}]}', content_type="application/json"),
+     "instead of an event stream"),
+    (lambda: engine(delta(" a"), delta(" b")), "without [DONE]"),
+    (lambda: engine(delta(" a"), '{"object": "error", "message": "CUDA out of memory"}'),
+     "CUDA out of memory"),
+    (lambda: engine(delta(" a"), "<html>bad gateway</html>"), "not JSON"),
+], ids=["not-a-stream", "no-done", "old-vllm-error", "not-json"])
+async def test_openai_executor_fails_a_reply_that_is_no_whole_stream(ex, reason: str) -> None:
+    """Each used to pass for a completed (short or empty) answer, billed as such."""
+    executor = ex()
+    with pytest.raises(ExecutorError, match=re.escape(reason)):
+        await collect(executor.generate(job("bad", max_tokens=5)))
+    await executor.close()
+
+
+async def test_openai_executor_keeps_tokens_that_hold_unicode_line_separators() -> None:
+    """JSON may carry U+2028 and U+0085 raw (vLLM does); httpx's aiter_lines split the event
+    there and the request failed with 'Unterminated string'."""
+    executor = engine(delta("a\u2028b"), delta("\u0085"), delta(" é"), "[DONE]")
+    assert await collect(executor.generate(job("u", max_tokens=5))) == ["a\u2028b", "\u0085",
+                                                                          " é"]
+    await executor.close()
+
+
+async def test_openai_executor_takes_only_the_first_choice() -> None:
+    executor = engine(delta(" a"), delta(" X", index=1), delta(" b"), "[DONE]")
+    assert await collect(executor.generate(job("n", max_tokens=5))) == [" a", " b"]
+    await executor.close()
+
+
+async def test_openai_executor_fails_a_server_that_only_keeps_the_connection_open() -> None:
+    """Keep-alive comments every 50 ms reset httpx's read time-out, so a stalled engine held
+    the request forever; the time-out now counts events only."""
+    import httpx
+
+    async def stall():  # noqa: ANN202
+        yield f"data: {delta(' a')}\n\n".encode()
+        while True:
+            await asyncio.sleep(0.05)
+            yield b": keep-alive\n\n"
+
+    transport = httpx.MockTransport(lambda _: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=stall()))
+    executor = OpenAIExecutor("http://engine", timeout_s=0.3, client=httpx.AsyncClient(
+        base_url="http://engine", transport=transport))
+    got: list[str] = []
+    with pytest.raises(ExecutorError, match="no event for 0.3 s"):
+        async with asyncio.timeout(10):
+            async for token in executor.generate(job("s", max_tokens=5)):
+                got.append(token)
+    assert got == [" a"]
+    await executor.close()
+
+
+async def test_openai_executor_opens_more_than_a_hundred_streams_at_once() -> None:
+    """The node admits requests by memory, not by count; httpx's default pool let 100
+    streams through and held the 101st until one ended. This engine answers nobody until
+    it holds 120 requests at once."""
+    held, everyone = [0], asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        held[0] += 1
+        if held[0] >= 120:
+            everyone.set()
+        await everyone.wait()
+        return StreamingResponse(iter([f"data: {delta(' a')}\n\n", "data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    executor = OpenAIExecutor(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    try:
+        async with asyncio.timeout(30):
+            texts = await asyncio.gather(*(collect(executor.generate(job(f"c{i}", 1)))
+                                           for i in range(120)))
+    finally:
+        everyone.set()  # let any request still held end, or the server never stops
+        await executor.close()
+        server.should_exit = True
+        await serving
+    assert texts == [[" a"]] * 120
+
+
+async def test_the_runtime_drops_what_an_engine_sends_beyond_max_tokens() -> None:
+    """Tokens beyond max_tokens were taken and billed (9 for 5), and a preempt then handed
+    back a request whose resume held more tokens than its max_tokens: invalid on the wire."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = engine(*(delta(f" t{i}") for i in range(9)), "[DONE]")
+    sent, _ = await run_on(executor, job("over", max_tokens=5).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.finish_reason, result.completion_tokens) == (
+        "completed", "length", 5)
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 5
+    await executor.close()
 
 
 # --- selection -------------------------------------------------------------------------------

@@ -418,6 +418,8 @@ class AgentRuntime:
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
+                    if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
+                        break  # so neither kept nor billed (and a hand-back stays valid)
                     if ttft_ms is None and not resume.tokens:
                         ttft_ms = float(self._clock() - request.created_at_ms)
                     pieces.append(token)

@@ -25,6 +25,9 @@ class AgentSettings(ServiceSettings):
     openai_model: str | None = Field(
         default=None, description="Model name sent to the server instead of the catalog's.")
     openai_api_key: str | None = Field(default=None, description="Bearer key of the server.")
+    openai_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400, description="A request fails when the server sends no "
+        "event (a token, or its first) for this long; keep-alive comments do not count.")
     torch_device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                               description="Where the torch executor runs.")
     torch_threads: int = Field(default=0, ge=0, le=256,

@@ -5,12 +5,16 @@ request /v1/chat/completions, so the engine applies the model's own chat templat
 The engine does the batching and owns the memory; every streamed text delta counts as one
 token (vLLM and llama.cpp stream one token per event), so billed completion tokens are the
 deltas the client received. Closing the stream closes the connection: engines abort there.
+A reply that is not an event stream, a stream that ends without `[DONE]`, and an engine
+that sends no event for `timeout_s` fail the request instead of passing for a short answer.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import httpx
 
@@ -27,9 +31,13 @@ class OpenAIExecutor:
                  client: httpx.AsyncClient | None = None) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._model_override = model_override
+        self._timeout_s = timeout_s
+        # no cap on connections: the node admits requests by memory, and a 101st stream must
+        # not wait for one of the first 100 to end (httpx's default)
         self._client = client or httpx.AsyncClient(
             base_url=base_url.rstrip("/"), headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0))
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
 
     async def load(self, model: ModelSpec, gpu_index: int) -> None:
         """The engine loads its own models; nothing to do."""
@@ -58,22 +66,63 @@ class OpenAIExecutor:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:500]
                     raise ExecutorError(f"inference server answered {resp.status_code}: {detail}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
+                kind = resp.headers.get("content-type", "")
+                if not kind.startswith("text/event-stream"):
+                    detail = (await resp.aread()).decode(errors="replace")[:200]
+                    raise ExecutorError(f"inference server answered {kind or 'no content type'}"
+                                        f" instead of an event stream: {detail}")
+                async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
                         return
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise ExecutorError(f"inference server error: {event['error']}")
-                    for choice in event.get("choices") or ():
-                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                        if text:
-                            yield text
+                    for text in _texts(data):
+                        yield text
+                raise ExecutorError("inference server ended the stream without [DONE]: the "
+                                    "reply may be cut short")
         except httpx.HTTPError as exc:
             raise ExecutorError(f"inference server at {self._client.base_url} unreachable or "
                                 f"broke the stream: {exc!r}") from exc
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+_LINE_END = re.compile(r"\r\n|\n|\r")
+"""Server-sent events end lines so, and only so: JSON may hold U+2028 raw, which
+`str.splitlines` (and so httpx's `aiter_lines`) takes for a line end."""
+
+
+async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
+    """The data of each `data:` line, failing when none came for `timeout_s` (comments an
+    engine sends to keep the connection open do not count)."""
+    pending, last = "", time.monotonic()
+    async for text in resp.aiter_text():
+        *lines, pending = _LINE_END.split(pending + text)
+        for line in lines:
+            if line.startswith("data:"):
+                last = time.monotonic()
+                yield line[5:].strip()
+        if time.monotonic() - last > timeout_s:
+            raise ExecutorError(f"inference server sent no event for {timeout_s:g} s")
+    if pending.startswith("data:"):
+        yield pending[5:].strip()
+
+
+def _texts(data: str) -> list[str]:
+    """The text of the first choice in one event; an error event raises."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        raise ExecutorError(f"inference server sent an event that is not JSON: "
+                            f"{data[:200]!r}") from None
+    if not isinstance(event, dict):
+        raise ExecutorError(f"inference server sent an event that is not an object: "
+                            f"{data[:200]!r}")
+    if "error" in event or event.get("object") == "error":  # the latter: older vLLM
+        raise ExecutorError(f"inference server error: {event.get('error') or event}")
+    texts = []
+    for choice in event.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:  # one was asked for
+            text = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if text:
+                texts.append(text)
+    return texts
