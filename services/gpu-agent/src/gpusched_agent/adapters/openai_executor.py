@@ -66,7 +66,7 @@ class OpenAIExecutor:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:500]
                     raise ExecutorError(f"inference server answered {resp.status_code}: {detail}")
-                kind = resp.headers.get("content-type", "")
+                kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
                     detail = (await resp.aread()).decode(errors="replace")[:200]
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
