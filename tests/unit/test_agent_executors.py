@@ -460,8 +460,10 @@ def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     assert out.stdout.strip() == "False"
 
 
-def make_runtime(executor) -> tuple[list, object]:
-    """An agent runtime on one L4 with `executor`, and the list of what it publishes."""
+def make_runtime(executor, before_publish=None, usage_interval_s: float = 5.0  # noqa: ANN001
+                 ) -> tuple[list, object]:
+    """An agent runtime on one L4 with `executor`, and the list of what it publishes (each
+    after `before_publish(message)` returns, when given: Kafka taking its time)."""
     from gpusched_agent.adapters.ledger import MemoryLedger
     from gpusched_agent.domain.inventory import parse_simulated
     from gpusched_agent.domain.node import NodeModel
@@ -470,11 +472,14 @@ def make_runtime(executor) -> tuple[list, object]:
     sent: list = []
 
     async def publish(message, topic, key, wait=True) -> None:
+        if before_publish is not None:
+            await before_publish(message)
         sent.append(message)
 
     return sent, AgentRuntime(
         "n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")), CATALOG, executor,
-        publish, MemoryLedger(), lambda: 0, chunk_tokens=4, heartbeat_s=1)
+        publish, MemoryLedger(), lambda: 0, chunk_tokens=4, heartbeat_s=1,
+        usage_interval_s=usage_interval_s)
 
 
 async def place(runtime, *requests: InferenceRequest) -> None:  # noqa: ANN001
@@ -664,38 +669,26 @@ async def test_a_stop_during_a_partial_usage_send_still_bills_that_record(stop: 
     """A partial usage record counts its tokens billed before it is sent; a cancel or a
     preempt landing while Kafka takes it used to drop it (a CancelledError is no Exception),
     so those tokens, or the prompt when it was the first record, were never billed."""
-    from gpusched_agent.adapters.ledger import MemoryLedger
-    from gpusched_agent.domain.inventory import parse_simulated
-    from gpusched_agent.domain.node import NodeModel
-    from gpusched_agent.runtime import AgentRuntime
-    from gpusched_common.contracts import Cancel, Placement, Preempt, RequestResult, UsageRecord
+    from gpusched_common.contracts import Cancel, Preempt, RequestResult, UsageRecord
 
-    sent: list = []
     sending = asyncio.Event()
 
-    async def publish(message, topic, key, wait=True) -> None:  # noqa: ANN001
+    async def slow_partials(message) -> None:  # noqa: ANN001
         if isinstance(message, UsageRecord) and not message.final:
             sending.set()
             await asyncio.sleep(0.05)  # Kafka has not taken it yet
-        sent.append(message)
 
     executor = SimulatedExecutor(time_scale=0.001, seed=0)
-    runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")),
-                           CATALOG, executor, publish, MemoryLedger(), lambda: 0,
-                           chunk_tokens=4, heartbeat_s=1, usage_interval_s=0.0)
+    sent, runtime = make_runtime(executor, slow_partials, usage_interval_s=0.0)
     request = job("u", max_tokens=500, prompt="p" * 400).request
-    placement = Placement(placement_id="u#0", node_id="n", gpu_indices=(0,), kv_cache_mib=1,
-                          scheduler_epoch=0, placed_at_ms=0, request=request)
-    await runtime.command(placement)
+    running = asyncio.create_task(place(runtime, request))
     await asyncio.wait_for(sending.wait(), 10)  # inside the first partial record's send
     if stop == "cancel":
         runtime.cancel(Cancel(request_id="u", reason="client_gone", at_ms=0))
     else:
         await runtime.command(Preempt(placement_id="u#0", request_id="u", node_id="n",
                                       scheduler_epoch=0, reason="for interactive work"))
-    async with asyncio.timeout(10):
-        while runtime.in_flight:
-            await asyncio.sleep(0.01)
+    await running
     usage = [m for m in sent if isinstance(m, UsageRecord)]
     results = [m for m in sent if isinstance(m, RequestResult)]  # cancelled
     back = [m for m in sent if isinstance(m, InferenceRequest)]  # preempted: the next attempt
