@@ -148,12 +148,20 @@ async def test_torch_request_too_long_for_the_model_says_so(torch_executor) -> N
 # --- openai-compatible -----------------------------------------------------------------------
 class LocalServer:
     """A minimal OpenAI-compatible completions server: streams `max_tokens` deltas " w<i>",
-    ending early, as an engine does, before a delta that would hold one of `stop`."""
+    ending early, as an engine does, before a delta that would hold one of `stop`; or
+    serves `app` instead."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, app: FastAPI | None = None) -> None:
         self.delay_s = delay_s
         self.bodies: list[dict] = []
         self.disconnected = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app or self._app(), log_level="warning",
+                                                    lifespan="off"))
+
+    def _app(self) -> FastAPI:
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -189,10 +197,7 @@ class LocalServer:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        return app
 
     async def __aenter__(self) -> LocalServer:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
@@ -367,22 +372,15 @@ async def test_openai_executor_opens_more_than_a_hundred_streams_at_once() -> No
         return StreamingResponse(iter([f"data: {delta(' a')}\n\n", "data: [DONE]\n\n"]),
                                  media_type="text/event-stream")
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    executor = OpenAIExecutor(f"http://127.0.0.1:{sock.getsockname()[1]}")
-    try:
-        async with asyncio.timeout(30):
-            texts = await asyncio.gather(*(collect(executor.generate(job(f"c{i}", 1)))
-                                           for i in range(120)))
-    finally:
-        everyone.set()  # let any request still held end, or the server never stops
-        await executor.close()
-        server.should_exit = True
-        await serving
+    async with LocalServer(app=app) as server:
+        executor = OpenAIExecutor(server.url)
+        try:
+            async with asyncio.timeout(30):
+                texts = await asyncio.gather(*(collect(executor.generate(job(f"c{i}", 1)))
+                                               for i in range(120)))
+        finally:
+            everyone.set()  # let any request still held end, or the server never stops
+            await executor.close()
     assert texts == [[" a"]] * 120
 
 
