@@ -282,9 +282,9 @@ async def test_openai_executor_reports_an_unreachable_server() -> None:
 
 
 def engine(*events: str | bytes, content_type: str = "text/event-stream",
-           timeout_s: float = 600.0) -> OpenAIExecutor:
+           timeout_s: float = 600.0, content=None) -> OpenAIExecutor:  # noqa: ANN001
     """An openai executor whose inference server answers every request with `events` (each
-    a `data:` payload, or raw bytes sent as they are)."""
+    a `data:` payload, or raw bytes sent as they are), or with the bytes `content` yields."""
     import httpx
 
     def body() -> bytes:
@@ -292,7 +292,8 @@ def engine(*events: str | bytes, content_type: str = "text/event-stream",
                         for e in events)
 
     transport = httpx.MockTransport(lambda _: httpx.Response(
-        200, headers={"content-type": content_type}, content=body()))
+        200, headers={"content-type": content_type},
+        content=content if content is not None else body()))
     return OpenAIExecutor("http://engine", timeout_s=timeout_s, client=httpx.AsyncClient(
         base_url="http://engine", transport=transport))
 
@@ -335,7 +336,6 @@ async def test_openai_executor_takes_only_the_first_choice() -> None:
 async def test_openai_executor_fails_a_server_that_only_keeps_the_connection_open() -> None:
     """Keep-alive comments every 50 ms reset httpx's read time-out, so a stalled engine held
     the request forever; the time-out now counts events only."""
-    import httpx
 
     async def stall():  # noqa: ANN202
         yield f"data: {delta(' a')}\n\n".encode()
@@ -343,10 +343,7 @@ async def test_openai_executor_fails_a_server_that_only_keeps_the_connection_ope
             await asyncio.sleep(0.05)
             yield b": keep-alive\n\n"
 
-    transport = httpx.MockTransport(lambda _: httpx.Response(
-        200, headers={"content-type": "text/event-stream"}, content=stall()))
-    executor = OpenAIExecutor("http://engine", timeout_s=0.3, client=httpx.AsyncClient(
-        base_url="http://engine", transport=transport))
+    executor = engine(content=stall(), timeout_s=0.3)
     got: list[str] = []
     with pytest.raises(ExecutorError, match="no event for 0.3 s"):
         async with asyncio.timeout(10):

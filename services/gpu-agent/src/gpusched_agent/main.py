@@ -76,14 +76,10 @@ def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -
         executor = TorchExecutor(settings.torch_device, settings.seed,
                                  TinyConfig(dim=settings.torch_dim, layers=settings.torch_layers),
                                  threads=settings.torch_threads)
-        if inventory is not None and not settings.simulate:
-            if any(g.mig_parent_uuid for g in inventory.gpus):
-                log.warning("MIG is on: the torch executor runs GPU i's work on cuda:i "
-                            "unchecked")
-            else:
-                problem = executor.devices_problem([g.uuid for g in inventory.gpus])
-                if problem is not None:
-                    raise ValueError(problem)
+        problem = (executor.devices_problem(inventory.gpus)
+                   if inventory is not None and not settings.simulate else None)
+        if problem is not None:
+            raise ValueError(problem)
         return executor
     if settings.executor == "openai":
         from gpusched_agent.adapters.openai_executor import OpenAIExecutor

@@ -229,7 +229,7 @@ class AgentRuntime:
         remembered for a while in case its placement arrives later."""
         self._cancelled[cancel.request_id] = cancel.reason
         outcome: Outcome = Ignored("not running here")
-        for pid, run in list(self._running.items()):  # all: an attempt still ending can sit
+        for pid, run in self._running.items():  # all: an attempt still ending can sit
             if run.placement.request.request_id == cancel.request_id:  # beside the next one
                 outcome = self._stop(pid, "cancelled", cancel.reason)
         return outcome

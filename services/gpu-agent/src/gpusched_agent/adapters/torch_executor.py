@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -19,7 +20,10 @@ import torch
 from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
 from gpusched_agent.adapters.executor import ExecutorError, Job
 from gpusched_agent.adapters.torch_model import VOCAB, TinyConfig, TinyLM, parameter_bytes, tokenize
+from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_common.catalog import ModelSpec
+
+log = logging.getLogger(__name__)
 
 # GPU i of the agent's inventory is NVML's device i, numbered in PCI bus order; CUDA numbers
 # the fastest device first unless told otherwise, so on a node of mixed GPUs "cuda:i" could
@@ -63,15 +67,18 @@ class TorchExecutor:
         self._batches: dict[tuple[int, str], ContinuousBatcher] = {}
         self._lock = asyncio.Lock()
 
-    def devices_problem(self, gpu_uuids: list[str]) -> str | None:
-        """Why this executor's `cuda:i` is not the inventory's GPU i (NVML's, given by UUID
-        in index order), or None when they match or it does not run on CUDA. Compared only
-        without MIG: CUDA shows a process one MIG instance at most."""
+    def devices_problem(self, gpus: tuple[GpuInfo, ...]) -> str | None:
+        """Why this executor's `cuda:i` is not NVML's GPU i of `gpus` (the inventory), or
+        None when they match or it does not run on CUDA. With MIG on there is nothing to
+        compare (CUDA shows a process one MIG instance at most): None, with a warning."""
         if not self.device_kind.startswith("cuda") or ":" in self.device_kind:
+            return None
+        if any(g.mig_parent_uuid for g in gpus):
+            log.warning("MIG is on: the torch executor runs GPU i's work on cuda:i unchecked")
             return None
         cuda = [_bare(torch.cuda.get_device_properties(i).uuid)
                 for i in range(torch.cuda.device_count())]
-        nvml = [_bare(u) for u in gpu_uuids]
+        nvml = [_bare(g.uuid) for g in gpus]
         if cuda == nvml:
             return None
         return (f"CUDA's devices {cuda} are not NVML's GPUs {nvml} in order: the torch "
