@@ -220,6 +220,17 @@ async def test_openai_executor_streams_from_a_local_server() -> None:
     assert server.bodies[0]["model"] == "served-model" and server.bodies[0]["stream"] is True
     assert server.bodies[0]["seed"] == 4
     assert "temperature" not in server.bodies[0]  # unset: the server's own default
+    assert server.bodies[0]["stream_options"] == {"include_usage": True,
+                                                  "continuous_usage_stats": True}
+
+
+async def test_openai_executor_can_leave_stream_options_out() -> None:
+    """For a server that refuses the field; each text delta then counts as one token."""
+    async with LocalServer() as server:
+        ex = OpenAIExecutor(server.url, stream_usage=False)
+        assert await collect(ex.generate(job("o1", max_tokens=2))) == [" w0", " w1"]
+        await ex.close()
+    assert "stream_options" not in server.bodies[0]
 
 
 async def test_a_chat_request_goes_to_the_chat_api_and_a_resumed_one_continues_its_reply(
@@ -298,8 +309,18 @@ def engine(*events: str | bytes, content_type: str = "text/event-stream",
         base_url="http://engine", transport=transport))
 
 
-def delta(text: str, index: int = 0) -> str:
-    return json.dumps({"choices": [{"index": index, "text": text}]}, ensure_ascii=False)
+def delta(text: str, index: int = 0, counted: int | None = None) -> str:
+    """One event of `text`; with `counted`, the engine's running count of completion tokens
+    (vLLM's `continuous_usage_stats`)."""
+    usage = {"usage": {"prompt_tokens": 3, "completion_tokens": counted}} if counted else {}
+    return json.dumps({"choices": [{"index": index, "text": text}]} | usage,
+                      ensure_ascii=False)
+
+
+def final_usage(completion_tokens: int) -> str:
+    """The last event before [DONE] of an engine asked to `include_usage`."""
+    return json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
+                                                "completion_tokens": completion_tokens}})
 
 
 @pytest.mark.parametrize("ex,reason", [
@@ -392,6 +413,35 @@ async def test_the_runtime_drops_what_an_engine_sends_beyond_max_tokens() -> Non
     assert (result.status, result.finish_reason, result.completion_tokens) == (
         "completed", "length", 5)
     assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 5
+    await executor.close()
+
+
+@pytest.mark.parametrize("events", [
+    # vLLM with continuous_usage_stats: a token whose bytes end no character streams no text
+    # (its count grows), and a delta of two tokens (speculative decoding)
+    (delta("a", counted=1), delta("", counted=2), delta("bc", counted=4), delta("d", counted=5),
+     final_usage(6)),
+    # an engine that counts only at the end
+    (delta("a"), delta("bc"), delta("d"), final_usage(6)),
+], ids=["running-count", "final-count"])
+async def test_the_engines_token_count_is_billed_not_its_text_deltas(events) -> None:
+    """Each text delta counted as one token: 3 of the 6 the engine generated were billed,
+    and a reply cut at max_tokens ended 'stop'."""
+    from gpusched_common.contracts import RequestResult, TokenChunk, UsageRecord
+
+    executor = engine(*events, "[DONE]")
+    sent, _ = await run_on(executor, job("count", max_tokens=6).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.finish_reason, result.text, result.completion_tokens) == (
+        "completed", "length", "abcd", 6)
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 6
+    assert sum(c.token_count for c in sent if isinstance(c, TokenChunk)) == 6
+    await executor.close()
+
+
+async def test_an_engine_count_below_the_deltas_never_bills_less_than_them() -> None:
+    executor = engine(delta("a", counted=1), delta("b", counted=1), final_usage(1), "[DONE]")
+    assert await collect(executor.generate(job("low", max_tokens=5))) == ["a", "b"]
     await executor.close()
 
 

@@ -86,7 +86,8 @@ def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -
 
         assert settings.openai_base_url is not None  # validated by the settings
         return OpenAIExecutor(settings.openai_base_url, settings.openai_model,
-                              settings.openai_api_key, settings.openai_timeout_s)
+                              settings.openai_api_key, settings.openai_timeout_s,
+                              stream_usage=settings.openai_stream_usage)
     return SimulatedExecutor(settings.time_scale, settings.seed)
 
 

@@ -28,6 +28,10 @@ class AgentSettings(ServiceSettings):
     openai_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="A request fails when the server sends no "
         "event (a token, or its first) for this long; keep-alive comments do not count.")
+    openai_stream_usage: bool = Field(
+        default=True, description="Ask the server for its token counts as it streams (vLLM, "
+        "SGLang) and bill those; off for a server that refuses `stream_options`: each "
+        "streamed text delta then counts as one token.")
     torch_device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                               description="Where the torch executor runs.")
     torch_threads: int = Field(default=0, ge=0, le=256,

@@ -2,9 +2,15 @@
 (vLLM, SGLang, TGI, llama.cpp server) over its streaming /v1/completions API, or for a chat
 request /v1/chat/completions, so the engine applies the model's own chat template.
 
-The engine does the batching and owns the memory; every streamed text delta counts as one
-token (vLLM and llama.cpp stream one token per event), so billed completion tokens are the
-deltas the client received. Closing the stream closes the connection: engines abort there.
+The engine does the batching and owns the memory. It is asked for its own token counts
+(`stream_options`: `include_usage`, and `continuous_usage_stats`, which vLLM and SGLang
+honour with a running count on every event): a delta that holds several tokens (speculative
+decoding, or characters that span tokens) yields its text and then one empty item per
+further token, and tokens the engine generated without streaming text for them (counted
+only in its final usage) yield empty items at the end. So the runtime, which bills one
+token per item, bills what the engine generated. An engine that sends no counts (or with
+`stream_usage` off, for one that refuses the field) has each text delta counted as one
+token. Closing the stream closes the connection: engines abort there.
 A reply that is not an event stream, a stream that ends without `[DONE]`, and an engine
 that sends no event for `timeout_s` fail the request instead of passing for a short answer.
 """
@@ -28,10 +34,11 @@ class OpenAIExecutor:
 
     def __init__(self, base_url: str, model_override: str | None = None,
                  api_key: str | None = None, timeout_s: float = 600.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, stream_usage: bool = True) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._model_override = model_override
         self._timeout_s = timeout_s
+        self._stream_usage = stream_usage
         # no cap on connections: the node admits requests by memory, and a 101st stream must
         # not wait for one of the first 100 to end (httpx's default)
         self._client = client or httpx.AsyncClient(
@@ -52,6 +59,8 @@ class OpenAIExecutor:
         body |= {k: v for k, v in (("seed", request.seed), ("temperature", request.temperature),
                                    ("top_p", request.top_p), ("stop", request.stop))
                  if v is not None}
+        if self._stream_usage:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if request.messages is not None:  # the engine applies the model's chat template
             path = "/v1/chat/completions"
             messages = [m.model_dump() for m in request.messages]
@@ -71,11 +80,17 @@ class OpenAIExecutor:
                     detail = (await resp.aread()).decode(errors="replace")[:200]
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
+                counted = 0  # items yielded: tokens as the runtime bills them
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
                         return
-                    for text in _texts(data):
-                        yield text
+                    text, engine_count = _event(data)
+                    tokens = 1 if text else 0
+                    if engine_count is not None:  # the engine's running count is the truth
+                        tokens = max(tokens, engine_count - counted)
+                    for i in range(tokens):
+                        yield text if i == 0 else ""
+                    counted += tokens
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
                                     "reply may be cut short")
         except httpx.HTTPError as exc:
@@ -107,8 +122,9 @@ async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
         yield pending[5:].strip()
 
 
-def _texts(data: str) -> list[str]:
-    """The text of the first choice in one event; an error event raises."""
+def _event(data: str) -> tuple[str, int | None]:
+    """The text of the first choice in one event, and the engine's count of completion
+    tokens so far when the event carries one; an error event raises."""
     try:
         event = json.loads(data)
     except ValueError:
@@ -119,10 +135,10 @@ def _texts(data: str) -> list[str]:
                             f"{data[:200]!r}")
     if "error" in event or event.get("object") == "error":  # the latter: older vLLM
         raise ExecutorError(f"inference server error: {event.get('error') or event}")
-    texts = []
+    text = ""
     for choice in event.get("choices") or ():
         if isinstance(choice, dict) and choice.get("index", 0) == 0:  # one was asked for
-            text = choice.get("text") or (choice.get("delta") or {}).get("content")
-            if text:
-                texts.append(text)
-    return texts
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    usage = event.get("usage")
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return text, count if isinstance(count, int) and not isinstance(count, bool) else None
