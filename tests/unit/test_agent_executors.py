@@ -812,3 +812,162 @@ async def test_an_engine_that_ends_the_text_early_finishes_with_stop_not_length(
     [usage] = [m for m in sent if isinstance(m, UsageRecord)]
     assert (result.finish_reason, result.text) == ("stop", " w0 w1 w2")
     assert result.completion_tokens == usage.completion_tokens == 3
+
+
+# --- an engine that is down ------------------------------------------------------------------
+class Engine:
+    """An inference server the test switches: `up` streams `tokens` deltas " e<i>"; `down`
+    refuses connections; `busy` answers 503; `crash_after` drops the connection after that
+    many deltas, once."""
+
+    def __init__(self, tokens: int = 6) -> None:
+        self.tokens, self.mode, self.crash_after = tokens, "up", None
+        self.asked: list[str] = []
+
+    def __call__(self, request):  # noqa: ANN001, ANN204
+        import httpx
+
+        self.asked.append(request.url.path)
+        if self.mode == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.mode == "busy":
+            return httpx.Response(503, text="server is restarting")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": []})
+        left = json.loads(request.content)["max_tokens"]
+        crash, self.crash_after = self.crash_after, None
+
+        async def events():  # noqa: ANN202
+            for i in range(left):
+                if i == crash:
+                    raise httpx.RemoteProtocolError("peer closed connection", request=request)
+                yield f"data: {delta(f' e{i}')}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())
+
+    def executor(self) -> OpenAIExecutor:
+        import httpx
+
+        return OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+            base_url="http://engine", transport=httpx.MockTransport(self)))
+
+
+@pytest.mark.parametrize("mode", ["down", "busy", "crash"])
+async def test_an_unavailable_engine_is_told_apart_from_a_failed_request(mode: str) -> None:
+    from gpusched_agent.adapters.executor import ExecutorUnavailable
+
+    engine_ = Engine()
+    engine_.mode, engine_.crash_after = ("up", 2) if mode == "crash" else (mode, None)
+    executor = engine_.executor()
+    got: list[str] = []
+    with pytest.raises(ExecutorUnavailable):
+        async for token in executor.generate(job("d", max_tokens=6)):
+            got.append(token)
+    assert got == ([" e0", " e1"] if mode == "crash" else [])
+    assert (await executor.health() is None) == (mode == "crash")
+    engine_.mode = "up"
+    assert await executor.health() is None
+    await executor.close()
+
+
+async def test_a_request_the_engine_refuses_is_still_its_own_failure() -> None:
+    import httpx
+
+    from gpusched_agent.adapters.executor import ExecutorUnavailable
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(
+            lambda _: httpx.Response(400, text="prompt is longer than the model's context"))))
+    with pytest.raises(ExecutorError, match="longer than") as raised:
+        await collect(executor.generate(job("long")))
+    assert not isinstance(raised.value, ExecutorUnavailable)
+    await executor.close()
+
+
+async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_until_it_is_up(
+) -> None:
+    """Every request placed on a node whose engine restarted failed at once, and the node
+    stayed ready, so the scheduler kept sending it work to fail."""
+    from gpusched_common.contracts import NodeState, RequestResult, UsageRecord
+
+    engine_ = Engine()
+    engine_.mode = "down"
+    sent, runtime = make_runtime(engine_.executor())
+    reporting = asyncio.create_task(runtime.report_forever())
+    try:
+        await place(runtime, job("a", max_tokens=6).request)
+        [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+        assert (again.attempt, again.requeued) == (1, "node_lost")
+        assert not [m for m in sent if isinstance(m, RequestResult)]
+        [usage] = [m for m in sent if isinstance(m, UsageRecord)]
+        assert usage.final and usage.completion_tokens == 0
+        async with asyncio.timeout(10):  # reported at once, not at the next heartbeat
+            while not any(isinstance(m, NodeState) and not m.gpus[0].healthy for m in sent):
+                await asyncio.sleep(0.01)
+        down = [m for m in sent if isinstance(m, NodeState)][-1].gpus[0]
+        assert "unreachable" in (down.unhealthy_reason or "")
+        await place(runtime, job("b").request)  # sent before the scheduler saw the state
+        assert [(m.request_id, m.attempt) for m in sent if isinstance(m, InferenceRequest)
+                ] == [("a", 1), ("b", 1)]
+        engine_.mode = "up"
+        async with asyncio.timeout(10):  # the next heartbeat's check finds it back
+            while not [m for m in sent if isinstance(m, NodeState)][-1].gpus[0].healthy:
+                await asyncio.sleep(0.01)
+        await place(runtime, again)
+        [result] = [m for m in sent if isinstance(m, RequestResult)]
+        assert (result.request_id, result.status, result.completion_tokens) == (
+            "a", "completed", 6)
+    finally:
+        reporting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporting
+        await runtime.executor.close()
+
+
+async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_billed_once(
+) -> None:
+    """It failed with the tokens it had, so its client got half an answer; now the next
+    attempt continues after them, and prompt and tokens are billed once over both."""
+    from gpusched_common.contracts import RequestResult, TokenChunk, UsageRecord
+
+    engine_ = Engine()
+    engine_.crash_after = 4
+    sent, runtime = make_runtime(engine_.executor())
+    request = job("m", max_tokens=10, prompt="x" * 40).request
+    await place(runtime, request)
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert again.requeued == "node_lost" and again.resume.tokens == (" e0", " e1", " e2", " e3")
+    _, elsewhere = make_runtime(Engine().executor())  # another node, its engine up
+    elsewhere._publish = runtime._publish
+    await place(elsewhere, again)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.completion_tokens) == ("completed", 10)
+    assert result.text == " e0 e1 e2 e3" + "".join(f" e{i}" for i in range(6))
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    assert sum(u.prompt_tokens for u in usage) == request.prompt_token_count
+    assert sum(u.completion_tokens for u in usage) == 10
+    streamed = "".join(c.text for c in sorted(
+        (m for m in sent if isinstance(m, TokenChunk)), key=lambda c: c.seq))
+    assert streamed == result.text
+    await runtime.executor.close()
+    await elsewhere.executor.close()
+
+
+async def test_a_request_handed_back_by_engines_too_often_ends_failed() -> None:
+    from gpusched_agent.runtime import MAX_ATTEMPTS
+    from gpusched_common.contracts import RequestResult
+
+    engine_ = Engine()
+    engine_.mode = "busy"
+    sent, runtime = make_runtime(engine_.executor())
+    last = job("f").request.model_copy(update={"attempt": MAX_ATTEMPTS - 1,
+                                               "requeued": "node_lost"})
+    await place(runtime, last)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "failed" and result.finish_reason.startswith(
+        f"not runnable after {MAX_ATTEMPTS} attempts: executor unavailable") and (
+        "503" in result.finish_reason)
+    assert not [m for m in sent if isinstance(m, InferenceRequest)]
+    await runtime.executor.close()

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpusched_agent.adapters.executor import Executor, Job
+from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job
 from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
@@ -179,7 +179,29 @@ class AgentRuntime:
                             (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
                 except Exception:  # a failed read must not stop the heartbeat
                     log.exception("re-reading the GPU inventory failed")
+            await self._check_engine()
             await asyncio.sleep(0.05)
+
+    async def _check_engine(self) -> None:
+        """Ask the executor whether its engine can run work; while it cannot, the node
+        reports its GPUs unhealthy with the reason and admits nothing."""
+        try:
+            problem = await self.executor.health()
+        except Exception as exc:  # a failed check must not stop the heartbeat
+            problem = f"executor health check failed: {exc!r}"
+        if problem is not None:
+            self._engine_down(problem)
+        elif self.node.down is not None:
+            log.warning("executor is back: the node takes work again")
+            self.node.down = None
+
+    def _engine_down(self, reason: str) -> None:
+        reason = reason[:500]
+        if self.node.down is None:
+            log.warning("executor unavailable, the node takes no work until it is back: %s",
+                        reason)
+            self._dirty.set()  # report it now, not at the next heartbeat
+        self.node.down = reason
 
     async def report(self) -> None:
         self._seq += 1
@@ -401,6 +423,8 @@ class AgentRuntime:
             stops.feed(token)
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
+        requeue: str | None = None  # handed back as the next attempt, requeued so
+        why = ""
         last_partial_s = self._mono()
         run.interruptible = True
         try:
@@ -464,6 +488,13 @@ class AgentRuntime:
             _uncancel()  # we asked for it: later awaits (publishes) must not see it again
             status = "cancelled"
             finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as its client sent it
+        except ExecutorUnavailable as exc:  # the engine's fault, not the request's
+            self._engine_down(str(exc))
+            if request.attempt + 1 < MAX_ATTEMPTS:
+                requeue, why = "node_lost", str(exc)
+            else:  # it ends here instead of bouncing between nodes forever
+                status, finish_reason = "failed", (f"not runnable after {MAX_ATTEMPTS} "
+                                                   f"attempts: executor unavailable: {exc}")
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
@@ -471,17 +502,17 @@ class AgentRuntime:
             run.interruptible = False
             self.node.finish(placement)
         # A stop that came after the last token changes nothing: the request completed.
-        stopped = run.stop_reason if status == "cancelled" else None
+        if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
+            requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
+            why = f"{run.stop_reason}: {run.detail}"
         text = "".join(pieces)[:stops.end_chars]  # without the stop string and what followed
-        if chunk and stopped not in ("preempted", "drained"):
+        if chunk and requeue is None:
             await self._publish_until_sent(
                 TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
                            token_count=len(chunk)), topics.RESULTS.name, request.request_id)
-        if stopped in ("preempted", "drained"):
-            log.info("placement %s %s after %d tokens: %s", pid, stopped, len(pieces),
-                     run.detail)
-            await self._finish(run, [_retry(request, "preempted" if stopped == "preempted"
-                                            else "node_lost", Resume(
+        if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
+            log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
+            await self._finish(run, [_retry(request, requeue, Resume(
                 tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))])
             return
         ended_ms = self._clock()

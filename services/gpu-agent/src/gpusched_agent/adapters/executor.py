@@ -47,9 +47,20 @@ class Executor(Protocol):
         stop string) or cancelling its consumer stops the request promptly. The runtime
         applies `request.stop`; an executor may also pass it on to its engine."""
 
+    async def health(self) -> str | None:
+        """Why the executor cannot run work now (its engine is down or loading), or None.
+        Asked every heartbeat, and answered within a few seconds."""
+
     async def close(self) -> None:
         """Release clients, threads and device memory."""
 
 
 class ExecutorError(RuntimeError):
     """A request failed inside the executor (the agent survives; the request ends failed)."""
+
+
+class ExecutorUnavailable(ExecutorError):
+    """The executor's engine could not take or finish the request: it is down, restarting
+    or overloaded, not at fault with this request. The runtime hands the request back to be
+    placed elsewhere (going on after the tokens it already has) and the node takes no more
+    work until `health` says the engine is back."""

@@ -13,6 +13,10 @@ token per item, bills what the engine generated. An engine that sends no counts 
 token. Closing the stream closes the connection: engines abort there.
 A reply that is not an event stream, a stream that ends without `[DONE]`, and an engine
 that sends no event for `timeout_s` fail the request instead of passing for a short answer.
+An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
+a proxy without it), or drops the connection mid-stream (it crashed) is unavailable, not
+at fault with the request: the runtime hands the request back. `health` asks its
+`/v1/models`, which each of these engines serves once its model is loaded.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import httpx
 
-from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_agent.adapters.executor import ExecutorError, ExecutorUnavailable, Job
 from gpusched_common.catalog import ModelSpec
+
+UNAVAILABLE = frozenset({429, 502, 503, 504})
+"""Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
+HEALTH_TIMEOUT_S = 2.0
 
 
 class OpenAIExecutor:
@@ -74,7 +82,9 @@ class OpenAIExecutor:
             async with self._client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:500]
-                    raise ExecutorError(f"inference server answered {resp.status_code}: {detail}")
+                    error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
+                             else ExecutorError)
+                    raise error(f"inference server answered {resp.status_code}: {detail}")
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
                     detail = (await resp.aread()).decode(errors="replace")[:200]
@@ -93,9 +103,23 @@ class OpenAIExecutor:
                     counted += tokens
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
                                     "reply may be cut short")
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+                httpx.RemoteProtocolError) as exc:  # not there, or gone mid-stream
+            raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
+                                      f"unreachable or dropped the stream: {exc!r}") from exc
         except httpx.HTTPError as exc:
-            raise ExecutorError(f"inference server at {self._client.base_url} unreachable or "
-                                f"broke the stream: {exc!r}") from exc
+            raise ExecutorError(f"inference server at {self._client.base_url} failed the "
+                                f"request: {exc!r}") from exc
+
+    async def health(self) -> str | None:
+        try:
+            resp = await self._client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return f"inference server at {self._client.base_url} unreachable: {exc!r}"
+        if resp.status_code != 200:
+            return (f"inference server at {self._client.base_url} answered "
+                    f"{resp.status_code} on /v1/models")
+        return None
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -67,6 +67,10 @@ class SimulatedExecutor:
         seq = Sequence(job.key, request.max_tokens, job.prompt_tokens, state=rng)
         return self._batch(job).run(seq)
 
+    async def health(self) -> str | None:
+        """Runs in the agent's own process: up while the agent is."""
+        return None
+
     async def close(self) -> None:
         for batch in self._batches.values():
             await batch.close()

@@ -189,6 +189,10 @@ class TorchExecutor:
         seq = Sequence(job.key, request.max_tokens, job.prompt_tokens, state=state)
         return batch.run(seq)
 
+    async def health(self) -> str | None:
+        """Runs in the agent's own process: up while the agent is."""
+        return None
+
     async def close(self) -> None:
         for batch in self._batches.values():
             await batch.close()

@@ -78,6 +78,9 @@ class NodeModel:
 
     driver_version: str | None = None
     cuda_version: str | None = None
+    down: str | None = None
+    """Why the executor's engine cannot run work now: every GPU is reported unhealthy with
+    this reason and admits nothing until it is cleared."""
 
     @classmethod
     def from_inventory(cls, inventory: Sequence[GpuInfo], driver_version: str | None = None,
@@ -108,6 +111,8 @@ class NodeModel:
         missing = [i for i in indices if i >= len(self.gpus)]
         if missing:
             return Refused(f"node has no GPU {missing[0]}")
+        if self.down is not None:
+            return Refused(self.down)
         slots = [self.gpus[i] for i in indices]
         sick = [s.info.index for s in slots if not s.info.healthy]
         if sick:
@@ -156,7 +161,8 @@ class NodeModel:
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
                          memory_total_mib=s.info.memory_total_mib, memory_free_mib=s.free_mib(),
-                         healthy=s.info.healthy, loaded_models=_reported(s.loaded_mib),
+                         healthy=s.info.healthy and self.down is None,
+                         loaded_models=_reported(s.loaded_mib),
                          running_requests=len(s.active), name=s.info.name,
                          mig_parent_uuid=s.info.mig_parent_uuid,
                          kv_cache_free_mib=s.kv_cache_free_mib(),
@@ -164,7 +170,7 @@ class NodeModel:
                          utilization_pct=s.info.utilization_pct,
                          temperature_c=s.info.temperature_c, power_w=s.info.power_w,
                          ecc_uncorrected_errors=s.info.ecc_uncorrected_errors,
-                         unhealthy_reason=s.info.unhealthy_reason)
+                         unhealthy_reason=s.info.unhealthy_reason or self.down)
                 for s in self.gpus),
             active_placement_ids=tuple(p for s in self.gpus for p in s.active),
         )
