@@ -3,19 +3,27 @@ sent from a new node's first report on (none skipped, across a restart too), wor
 killed agent left ended by its next run (and final records it had filed published), a
 placement the scheduler fenced, an unreadable control record (one dead letter), a client
 that cuts its stream mid-generation (cancelled and billed exactly for what was produced),
-and SIGTERM drain with work in flight."""
+SIGTERM drain with work in flight, and an inference engine that crashes mid-stream (the
+request goes on elsewhere, billed once; the node is out of service until the engine is
+back)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
 import time
 import uuid
+from dataclasses import replace
 
 import httpx
 import pytest
+import uvicorn
 from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.asyncio import Redis
 from stack_helpers import ADMIN, TopicWatch, eventually, read_topic
 
@@ -383,3 +391,97 @@ async def test_a_preempted_placement_is_billed_so_far_and_handed_back_in_front(s
     assert all(r.completion_tokens == 30_000 for r in first_results)
     # the scheduler runs the next attempt: cut it short, it is not this test's business
     await send_placements(stack, [Cancel(request_id=rid, reason="test over", at_ms=0)])
+
+
+class CrashingEngine:
+    """An OpenAI-compatible inference server in the test's process: streams " e<i>" deltas,
+    and after `crash_after` of them drops the connection and, like an engine restarting,
+    answers 503 everywhere until `crashed` is cleared."""
+
+    def __init__(self, port: int, crash_after: int) -> None:
+        self.crash_after, self.crashed = crash_after, False
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.url = f"http://127.0.0.1:{port}"
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": []},
+                                status_code=503 if self.crashed else 200)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            if self.crashed:
+                return JSONResponse({"error": "restarting"}, status_code=503)
+            left = (await request.json())["max_tokens"]
+
+            async def events():  # noqa: ANN202
+                for i in range(left):
+                    if i == self.crash_after:
+                        self.crashed = True
+                        raise RuntimeError("the engine crashed")  # the connection drops
+                    yield f"data: {json.dumps({'choices': [{'text': f' e{i}'}]})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical",
+                                                    lifespan="off"))
+
+    async def __aenter__(self) -> CrashingEngine:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def test_an_engine_crash_mid_stream_hands_the_request_on_billed_once(stack) -> None:
+    """The openai executor's engine drops the stream after 3 tokens and answers 503 while
+    it restarts: the request goes back in front of its class with those tokens, the
+    scheduler runs the rest on the stack's own node, every token and the prompt are billed
+    once, and the node reports its GPU unhealthy until the engine answers again."""
+    e = stack.endpoints
+    node, rid = f"engine-{uuid.uuid4().hex[:6]}", f"crash-{uuid.uuid4().hex[:8]}"
+    mine = lambda recs: [NODE_STATE.validate_json(v) for k, v, _ in recs  # noqa: E731
+                         if k == node.encode()]
+    states = await TopicWatch(e.kafka_bootstrap, topics.NODE_STATE.name).start()
+    async with CrashingEngine(FIRST_AGENT_PORT + 15, crash_after=3) as engine:
+        spec = extra_agent(stack, node, FIRST_AGENT_PORT + 14)
+        spec = replace(spec, env=spec.env | {"GPUSCHED_EXECUTOR": "openai",
+                                             "GPUSCHED_OPENAI_BASE_URL": engine.url})
+        await asyncio.to_thread(stack.processes.start_service, spec)
+        try:
+            await states.until(lambda recs: bool(mine(recs)), 30, f"{node}'s first report")
+            request = placement(node, rid, await leader_epoch(stack), max_tokens=8)
+            await send_placements(stack, [request])
+            await states.until(lambda recs: any(not s.gpus[0].healthy for s in mine(recs)),
+                               30, f"{node} reporting its engine down")
+            [result] = [RESULT_EVENT.validate_json(v) for _, v in await read_topic(
+                e.kafka_bootstrap, topics.RESULTS.name,
+                for_request(rid, b'"request_result"'), timeout_s=60)]
+            engine.crashed = False
+            await states.until(lambda recs: mine(recs)[-1].gpus[0].healthy, 30,
+                               f"{node} reporting its engine back")
+        finally:
+            await states.stop()
+            await asyncio.to_thread(stack.processes.stop_service, spec.name)
+    down = next(s.gpus[0] for s in mine(states.records) if not s.gpus[0].healthy)
+    assert "503" in down.unhealthy_reason or "dropped the stream" in down.unhealthy_reason
+    again = [REQUEST.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.REQUESTS["standard"].name, for_request(rid, b""))]
+    assert (again[0].attempt, again[0].requeued) == (1, "node_lost")
+    assert again[0].resume.tokens == (" e0", " e1", " e2")
+    assert isinstance(result, RequestResult) and result.status == "completed"
+    assert result.completion_tokens == 8 and result.text.startswith(" e0 e1 e2")
+    usage = {u.event_id: u for u in (USAGE.validate_json(v) for _, v in await read_topic(
+        e.kafka_bootstrap, topics.USAGE.name,
+        lambda k, v: f'"request_id":"{rid}"'.encode() in v))}.values()  # each billed once
+    assert sum(u.completion_tokens for u in usage) == 8
+    assert sum(u.prompt_tokens for u in usage) == request.request.prompt_token_count
