@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_agent.adapters.executor import ExecutorError, Job, PromptTokens
 from gpusched_agent.adapters.openai_executor import OpenAIExecutor
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_common.catalog import GPU_TYPES, load_models
@@ -309,17 +309,18 @@ def engine(*events: str | bytes, content_type: str = "text/event-stream",
         base_url="http://engine", transport=transport))
 
 
-def delta(text: str, index: int = 0, counted: int | None = None) -> str:
+def delta(text: str, index: int = 0, counted: int | None = None, prompt: int = 17) -> str:
     """One event of `text`; with `counted`, the engine's running count of completion tokens
-    (vLLM's `continuous_usage_stats`)."""
-    usage = {"usage": {"prompt_tokens": 3, "completion_tokens": counted}} if counted else {}
+    and its count of the prompt (vLLM's `continuous_usage_stats`)."""
+    usage = {"usage": {"prompt_tokens": prompt, "completion_tokens": counted}} if counted \
+        else {}
     return json.dumps({"choices": [{"index": index, "text": text}]} | usage,
                       ensure_ascii=False)
 
 
 def final_usage(completion_tokens: int) -> str:
     """The last event before [DONE] of an engine asked to `include_usage`."""
-    return json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
+    return json.dumps({"choices": [], "usage": {"prompt_tokens": 17,
                                                 "completion_tokens": completion_tokens}})
 
 
@@ -436,12 +437,37 @@ async def test_the_engines_token_count_is_billed_not_its_text_deltas(events) -> 
         "completed", "length", "abcd", 6)
     assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 6
     assert sum(c.token_count for c in sent if isinstance(c, TokenChunk)) == 6
+    # the prompt as the engine's tokenizer counted it, not the estimate (3 for "hello world")
+    assert result.prompt_tokens == 17
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 17
     await executor.close()
 
 
 async def test_an_engine_count_below_the_deltas_never_bills_less_than_them() -> None:
     executor = engine(delta("a", counted=1), delta("b", counted=1), final_usage(1), "[DONE]")
-    assert await collect(executor.generate(job("low", max_tokens=5))) == ["a", "b"]
+    assert await collect(executor.generate(job("low", max_tokens=5))) == [
+        PromptTokens(17), "a", "b"]
+    await executor.close()
+
+
+async def test_an_engines_prompt_count_below_what_a_partial_record_billed_is_not_taken(
+) -> None:
+    """A record can bill nothing negative: the estimate already billed stands."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    async def late():  # noqa: ANN202 - the engine's count comes after a partial record
+        yield f"data: {delta('a')}\n\n".encode()
+        await asyncio.sleep(0.05)
+        yield f"data: {delta('b', counted=2, prompt=1)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    executor = engine(content=late())
+    sent, runtime = make_runtime(executor, usage_interval_s=0.0)  # a record per token
+    await place(runtime, job("est", max_tokens=2, prompt="p" * 40).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    assert result.prompt_tokens == sum(u.prompt_tokens for u in usage) == 10
+    assert min(u.prompt_tokens for u in usage) >= 0
     await executor.close()
 
 
@@ -820,8 +846,9 @@ class Engine:
     refuses connections; `busy` answers 503; `crash_after` drops the connection after that
     many deltas, once."""
 
-    def __init__(self, tokens: int = 6) -> None:
+    def __init__(self, tokens: int = 6, prompt_tokens: int | None = None) -> None:
         self.tokens, self.mode, self.crash_after = tokens, "up", None
+        self.prompt_tokens = prompt_tokens
         self.asked: list[str] = []
 
     def __call__(self, request):  # noqa: ANN001, ANN204
@@ -841,7 +868,11 @@ class Engine:
             for i in range(left):
                 if i == crash:
                     raise httpx.RemoteProtocolError("peer closed connection", request=request)
-                yield f"data: {delta(f' e{i}')}\n\n".encode()
+                event = json.loads(delta(f" e{i}"))
+                if self.prompt_tokens is not None:  # as vLLM's continuous_usage_stats
+                    event["usage"] = {"prompt_tokens": self.prompt_tokens,
+                                      "completion_tokens": i + 1}
+                yield f"data: {json.dumps(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
@@ -932,21 +963,24 @@ async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_bille
     attempt continues after them, and prompt and tokens are billed once over both."""
     from gpusched_common.contracts import RequestResult, TokenChunk, UsageRecord
 
-    engine_ = Engine()
+    engine_ = Engine(prompt_tokens=23)
     engine_.crash_after = 4
     sent, runtime = make_runtime(engine_.executor())
     request = job("m", max_tokens=10, prompt="x" * 40).request
     await place(runtime, request)
     [again] = [m for m in sent if isinstance(m, InferenceRequest)]
     assert again.requeued == "node_lost" and again.resume.tokens == (" e0", " e1", " e2", " e3")
-    _, elsewhere = make_runtime(Engine().executor())  # another node, its engine up
+    assert again.prompt_tokens == 23  # as the engine counted it (the estimate is 10)
+    _, elsewhere = make_runtime(Engine(prompt_tokens=40).executor())  # another node
     elsewhere._publish = runtime._publish
     await place(elsewhere, again)
     [result] = [m for m in sent if isinstance(m, RequestResult)]
     assert (result.status, result.completion_tokens) == ("completed", 10)
     assert result.text == " e0 e1 e2 e3" + "".join(f" e{i}" for i in range(6))
     usage = [m for m in sent if isinstance(m, UsageRecord)]
-    assert sum(u.prompt_tokens for u in usage) == request.prompt_token_count
+    # billed once, by the first run, as its engine counted it (the second counts the resumed
+    # prefix in its prompt: billed already, as completion tokens)
+    assert sum(u.prompt_tokens for u in usage) == result.prompt_tokens == 23
     assert sum(u.completion_tokens for u in usage) == 10
     streamed = "".join(c.text for c in sorted(
         (m for m in sent if isinstance(m, TokenChunk)), key=lambda c: c.seq))

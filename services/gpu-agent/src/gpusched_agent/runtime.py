@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job
+from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job, PromptTokens
 from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
@@ -442,6 +442,9 @@ class AgentRuntime:
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
+                    if isinstance(token, PromptTokens):
+                        self._engine_counted_prompt(run, token.count, request)
+                        continue
                     if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
                         break  # so neither kept nor billed (and a hand-back stays valid)
                     if ttft_ms is None and not resume.tokens:
@@ -512,7 +515,9 @@ class AgentRuntime:
                            token_count=len(chunk)), topics.RESULTS.name, request.request_id)
         if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
             log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
-            await self._finish(run, [_retry(request, requeue, Resume(
+            billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
+                if run.prompt_tokens != request.prompt_token_count else request
+            await self._finish(run, [_retry(billed, requeue, Resume(
                 tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))])
             return
         ended_ms = self._clock()
@@ -524,6 +529,15 @@ class AgentRuntime:
             queued_ms=max(0.0, run.started_ms - request.created_at_ms),
             total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms),
             topics.RESULTS.name, request.request_id)])
+
+    @staticmethod
+    def _engine_counted_prompt(run: _Running, count: int, request: InferenceRequest) -> None:
+        """Bill the prompt as the engine counted it, instead of the estimate: on a request's
+        first run only (a resumed one's prompt was billed by then, and the engine's count
+        holds the earlier tokens too), and never below what a partial record already billed.
+        A hand-back carries the count on as the request's `prompt_tokens`."""
+        if request.resume is None and count >= run.billed_prompt:
+            run.prompt_tokens = count
 
     async def _finish(self, run: _Running, then: list[outbox.Final]) -> None:
         """End `run`: its final usage, then `then` (its result or its hand-back), filed in the

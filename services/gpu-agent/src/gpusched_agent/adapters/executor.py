@@ -30,6 +30,14 @@ class Job:
     `request` then already has it appended to its prompt and max_tokens reduced by it."""
 
 
+@dataclass(frozen=True)
+class PromptTokens:
+    """The prompt's length as the engine counted it (its tokenizer and chat template; the
+    prefix of a resumed request included): billed instead of gpusched's estimate."""
+
+    count: int
+
+
 class Executor(Protocol):
     name: str
     time_scale: float
@@ -41,11 +49,13 @@ class Executor(Protocol):
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """Free the model's memory on the device (idempotent)."""
 
-    def generate(self, job: Job) -> AsyncGenerator[str, None]:
+    def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens, None]:
         """Yield the text of each generated token, one token per item, up to max_tokens
         (fewer when the model ends its text). Closing the generator (the runtime does at a
         stop string) or cancelling its consumer stops the request promptly. The runtime
-        applies `request.stop`; an executor may also pass it on to its engine."""
+        applies `request.stop`; an executor may also pass it on to its engine. One whose
+        engine counts the prompt with the model's tokenizer yields that count once, as
+        `PromptTokens`, as soon as it knows it."""
 
     async def health(self) -> str | None:
         """Why the executor cannot run work now (its engine is down or loading), or None.

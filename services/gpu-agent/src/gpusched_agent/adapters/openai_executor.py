@@ -8,9 +8,11 @@ honour with a running count on every event): a delta that holds several tokens (
 decoding, or characters that span tokens) yields its text and then one empty item per
 further token, and tokens the engine generated without streaming text for them (counted
 only in its final usage) yield empty items at the end. So the runtime, which bills one
-token per item, bills what the engine generated. An engine that sends no counts (or with
-`stream_usage` off, for one that refuses the field) has each text delta counted as one
-token. Closing the stream closes the connection: engines abort there.
+token per item, bills what the engine generated. The engine's count of the prompt (its
+tokenizer, and the chat template) is yielded once as `PromptTokens`. An engine that sends
+no counts (or with `stream_usage` off, for one that refuses the field) has each text delta
+counted as one token, and the prompt is billed as estimated. Closing the stream closes the
+connection: engines abort there.
 A reply that is not an event stream, a stream that ends without `[DONE]`, and an engine
 that sends no event for `timeout_s` fail the request instead of passing for a short answer.
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
@@ -28,8 +30,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import httpx
 
-from gpusched_agent.adapters.executor import ExecutorError, ExecutorUnavailable, Job
+from gpusched_agent.adapters.executor import (
+    ExecutorError,
+    ExecutorUnavailable,
+    Job,
+    PromptTokens,
+)
 from gpusched_common.catalog import ModelSpec
+from gpusched_common.contracts import MAX_USAGE_TOKENS
 
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
@@ -60,7 +68,7 @@ class OpenAIExecutor:
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """The engine owns its memory; nothing to do."""
 
-    async def generate(self, job: Job) -> AsyncGenerator[str, None]:
+    async def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens, None]:
         request = job.request
         body: dict[str, object] = {"model": self._model_override or job.model.name,
                                    "max_tokens": request.max_tokens, "stream": True}
@@ -91,10 +99,14 @@ class OpenAIExecutor:
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
                 counted = 0  # items yielded: tokens as the runtime bills them
+                prompt_told = False
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
                         return
-                    text, engine_count = _event(data)
+                    text, engine_count, prompt_count = _event(data)
+                    if prompt_count is not None and not prompt_told:
+                        prompt_told = True
+                        yield PromptTokens(prompt_count)
                     tokens = 1 if text else 0
                     if engine_count is not None:  # the engine's running count is the truth
                         tokens = max(tokens, engine_count - counted)
@@ -146,9 +158,10 @@ async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
         yield pending[5:].strip()
 
 
-def _event(data: str) -> tuple[str, int | None]:
-    """The text of the first choice in one event, and the engine's count of completion
-    tokens so far when the event carries one; an error event raises."""
+def _event(data: str) -> tuple[str, int | None, int | None]:
+    """The text of the first choice in one event, and the engine's counts of completion
+    tokens so far and of prompt tokens when the event carries them; an error event
+    raises."""
     try:
         event = json.loads(data)
     except ValueError:
@@ -163,6 +176,13 @@ def _event(data: str) -> tuple[str, int | None]:
     for choice in event.get("choices") or ():
         if isinstance(choice, dict) and choice.get("index", 0) == 0:  # one was asked for
             text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    usage = event.get("usage")
-    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return text, count if isinstance(count, int) and not isinstance(count, bool) else None
+    usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+    return text, _count(usage.get("completion_tokens"), 0), _count(usage.get("prompt_tokens"), 1)
+
+
+def _count(value: object, least: int) -> int | None:
+    """A token count an engine sent, or None when it is not a plausible one."""
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            least <= value <= MAX_USAGE_TOKENS:
+        return value
+    return None
