@@ -10,21 +10,19 @@ back)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import socket
 import time
 import uuid
 from dataclasses import replace
 
 import httpx
 import pytest
-import uvicorn
 from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.asyncio import Redis
+from served_app import ServedApp
 from stack_helpers import ADMIN, TopicWatch, eventually, read_topic
 
 from gpusched_agent.adapters.ledger import RedisLedger
@@ -393,17 +391,13 @@ async def test_a_preempted_placement_is_billed_so_far_and_handed_back_in_front(s
     await send_placements(stack, [Cancel(request_id=rid, reason="test over", at_ms=0)])
 
 
-class CrashingEngine:
+class CrashingEngine(ServedApp):
     """An OpenAI-compatible inference server in the test's process: streams " e<i>" deltas,
     and after `crash_after` of them drops the connection and, like an engine restarting,
     answers 503 everywhere until `crashed` is cleared."""
 
     def __init__(self, port: int, crash_after: int) -> None:
         self.crash_after, self.crashed = crash_after, False
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.url = f"http://127.0.0.1:{port}"
         app = FastAPI()
 
         @app.get("/v1/models")
@@ -427,19 +421,7 @@ class CrashingEngine:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical",
-                                                    lifespan="off"))
-
-    async def __aenter__(self) -> CrashingEngine:
-        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            await asyncio.sleep(0.01)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        super().__init__(app, port, log_level="critical")  # the crash is on purpose
 
 
 async def test_an_engine_crash_mid_stream_hands_the_request_on_billed_once(stack) -> None:

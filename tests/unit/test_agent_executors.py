@@ -7,14 +7,13 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from served_app import ServedApp
 
 from gpusched_agent.adapters.executor import ExecutorError, Job, PromptTokens
 from gpusched_agent.adapters.openai_executor import OpenAIExecutor
@@ -146,7 +145,7 @@ async def test_torch_request_too_long_for_the_model_says_so(torch_executor) -> N
 
 
 # --- openai-compatible -----------------------------------------------------------------------
-class LocalServer:
+class LocalServer(ServedApp):
     """A minimal OpenAI-compatible completions server: streams `max_tokens` deltas " w<i>",
     ending early, as an engine does, before a delta that would hold one of `stop`; or
     serves `app` instead."""
@@ -155,11 +154,7 @@ class LocalServer:
         self.delay_s = delay_s
         self.bodies: list[dict] = []
         self.disconnected = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app or self._app(), log_level="warning",
-                                                    lifespan="off"))
+        super().__init__(app or self._app())
 
     def _app(self) -> FastAPI:
         app = FastAPI()
@@ -198,17 +193,6 @@ class LocalServer:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         return app
-
-    async def __aenter__(self) -> LocalServer:
-        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            await asyncio.sleep(0.01)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
 
 
 async def test_openai_executor_streams_from_a_local_server() -> None:
