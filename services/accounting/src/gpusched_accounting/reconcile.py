@@ -1,7 +1,8 @@
 """`gpusched reconcile`: recompute usage totals per tenant and day from the usage topic (every
 record still retained, with the live apply's dedup and request rules) and report every
 difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
-differ, 2 when Kafka or Redis cannot be reached."""
+differ, 2 when Kafka or Redis cannot be reached or `--tenant` names no tenant (neither
+configured nor in any retained record: a misspelt name would pass as agreeing)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from gpusched_accounting.domain.usage import (
     unpack,
 )
 from gpusched_common import topics
+from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import USAGE
 from gpusched_common.kafka_records import retained
 from gpusched_common.settings import REPO_CONFIG_DIR
@@ -62,10 +64,22 @@ async def differences(redis: Redis, rows: list[UsageRow], tenant: str | None
     return out
 
 
+class UnknownTenant(LookupError):
+    pass
+
+
 async def run(args: argparse.Namespace) -> dict:
     prices = load_prices(args.config_dir)
     records = await read_usage(args.kafka)
     rows = [row_for(r, prices) for r in records]
+    if args.tenant is not None and all(r.tenant != args.tenant for r in rows):
+        try:
+            configured = load_tenants(args.config_dir).get(args.tenant) is not None
+        except ValueError:  # no tenants.yaml there
+            configured = False
+        if not configured:
+            raise UnknownTenant(f"no tenant '{args.tenant}': it is not configured and no "
+                                f"usage record of it is retained")
     redis = Redis.from_url(args.redis)
     try:
         diffs = await differences(redis, rows, args.tenant)
@@ -94,6 +108,9 @@ def main(argv: list[str]) -> int:
         return 2
     except RedisConnectionError:
         print(f"error: Redis not reachable at {args.redis}; is the stack up?", file=sys.stderr)
+        return 2
+    except UnknownTenant as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
