@@ -753,6 +753,30 @@ async def test_a_stop_during_a_partial_usage_send_still_bills_that_record(stop: 
     await executor.close()
 
 
+async def test_a_preempted_request_too_large_to_hand_back_ends_failed_not_stuck() -> None:
+    """With its tokens, the hand-back would be over Kafka's record limit: the agent tried
+    to publish it again forever, holding its claim, and the request never ended."""
+    from gpusched_common.contracts import MAX_RECORD_BYTES, Preempt, RequestResult, UsageRecord
+
+    executor = SimulatedExecutor(time_scale=0.001, seed=0)
+    sent, runtime = make_runtime(executor)
+    request = job("big", max_tokens=30_000, prompt="\x01" * 165_000).request
+    assert len(request.to_bytes()) < MAX_RECORD_BYTES  # it came in as one record
+    running = asyncio.create_task(place(runtime, request))
+    async with asyncio.timeout(10):
+        while not runtime.in_flight or runtime._running["big#0"].completion_tokens < 1000:
+            await asyncio.sleep(0.01)
+    await runtime.command(Preempt(placement_id="big#0", request_id="big", node_id="n",
+                                  scheduler_epoch=0, reason="for interactive work"))
+    await running
+    assert not [m for m in sent if isinstance(m, InferenceRequest)]
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "failed" and "too large to hand back" in result.finish_reason
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    assert sum(u.completion_tokens for u in usage) == result.completion_tokens >= 1000
+    await executor.close()
+
+
 async def test_a_request_preempted_before_its_first_token_bills_its_prompt_once() -> None:
     """The preempted attempt's final usage bills the prompt; the next one goes on with no
     tokens to resume. Before, only a resume with tokens counted the prompt billed, so it

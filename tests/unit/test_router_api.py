@@ -228,6 +228,25 @@ def test_chat_content_over_the_prompt_limit_is_a_400_naming_its_message(content)
                               "characters")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_request_too_large_for_a_kafka_record_is_a_413_not_a_500(router_app, path
+                                                                          ) -> None:
+    """130,000 control characters fit every other limit (under 1 MiB of body, 200,000
+    characters, the model's context), but as a record a chat carries them twice, 6 bytes each
+    in JSON: 1.56 MB, which the Kafka producer refused (a 500)."""
+    text = "\x01" * 130_000 if path.endswith("chat/completions") else "\x01" * 120_000
+    body = {"model": "qwen2.5-1.5b", "max_tokens": 16} | (
+        {"messages": [{"role": "user", "content": text}]} if "chat" in path
+        else {"prompt": text})
+    r = await post(router_app, path, json.dumps(body))
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_too_large" and "bytes as a Kafka record" in error["message"]
+    assert error["param"] == ("messages" if "chat" in path else "prompt")
+    fits = completion({"model": "qwen2.5-1.5b", "prompt": "\x01" * 100_000, "max_tokens": 16})
+    assert not isinstance(fits, ApiError)  # 600 kB as a record
+
+
 def test_unknown_priority_class_is_rejected() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, priority="urgent")
     assert isinstance(parsed, ApiError) and parsed.status_code == 400

@@ -545,6 +545,23 @@ async def test_a_request_created_more_than_a_year_ago_is_refused_as_likely_secon
     assert [p.request.request_id for p in engine.queue.in_order()] == ["backlog"]
 
 
+async def test_a_request_too_large_to_travel_on_is_refused_with_a_413() -> None:
+    """Produced straight to Kafka under the broker's 1 MiB, it would be placed and, once
+    preempted with its tokens, be too large a record to hand back."""
+    engine, sent = leading_engine(lambda: 1000)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, offset, json.dumps({
+        "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": prompt,
+        "max_tokens": 3}).encode()) for offset, (request_id, prompt) in enumerate(
+            [("huge", "\x01" * 120_000), ("large", "\x01" * 100_000)])])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (rejection.request_id, rejection.status_code, rejection.code) == (
+        "huge", 413, "request_too_large")
+    assert "bytes as gpusched writes it, over the limit of 655360" in rejection.reason
+    assert len(sent[topics.DEAD_LETTERS.name]) == 1
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["large"]
+
+
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
         wired) -> None:
     """A request waiting for room is cancelled: the next cycle ends it with a cancelled

@@ -52,6 +52,18 @@ StopStrings = Annotated[
 MAX_PROMPT_CHARS = 200_000
 """Largest prompt accepted anywhere (router and Kafka); the model's context limit also applies."""
 
+MAX_RECORD_BYTES = 1_000_000
+"""The largest record value gpusched publishes: under Kafka's default limit of 1 MiB a record
+(the broker's `message.max.bytes`, the producer's `max.request.size`), with room for its key,
+headers and framing."""
+
+MAX_REQUEST_BYTES = 640 * 1024
+"""The largest `inference_request` record taken in (router: 413; produced to Kafka: a dead
+letter and a 413 rejection), as JSON: a chat carries its text twice (messages, and the prompt
+rendered from them), and control characters take 6 bytes each. A request grows on its way:
+the scheduler wraps it in a placement, and a preempted one goes back with the tokens it has
+(up to max_tokens of them), so this leaves about 360 KiB of MAX_RECORD_BYTES for those."""
+
 MAX_QUEUE_MS = 7 * 24 * 3600 * 1000
 """Longest queue time limit a request or a class may set: a week."""
 

@@ -29,6 +29,7 @@ from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
+    MAX_RECORD_BYTES,
     PLACEMENT,
     Cancel,
     InferenceRequest,
@@ -50,6 +51,9 @@ Publish = Callable[..., Awaitable[None]]
 same key, same partition, so they stay in order before the final result)."""
 ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
+PLACEMENT_WRAP_BYTES = 4096
+"""Room a handed-back request leaves in a Kafka record for the placement the scheduler wraps
+it in."""
 PUBLISH_RETRY_MAX_S = 5.0
 """Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
@@ -508,18 +512,24 @@ class AgentRuntime:
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
             why = f"{run.stop_reason}: {run.detail}"
+        if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
+            billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
+                if run.prompt_tokens != request.prompt_token_count else request
+            retry = _retry(billed, requeue, Resume(
+                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))
+            if (size := len(retry[0].to_bytes())) <= MAX_RECORD_BYTES - PLACEMENT_WRAP_BYTES:
+                log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
+                await self._finish(run, [retry])
+                return
+            # Kafka would refuse it, and the agent would try again forever: it ends here
+            status, finish_reason = "failed", (
+                f"{why}; with the {len(pieces)} tokens it has, it is too large to hand back "
+                f"as one Kafka record ({size} bytes)")
         text = "".join(pieces)[:stops.end_chars]  # without the stop string and what followed
-        if chunk and requeue is None:
+        if chunk:
             await self._publish_until_sent(
                 TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
                            token_count=len(chunk)), topics.RESULTS.name, request.request_id)
-        if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
-            log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
-            billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
-                if run.prompt_tokens != request.prompt_token_count else request
-            await self._finish(run, [_retry(billed, requeue, Resume(
-                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))])
-            return
         ended_ms = self._clock()
         await self._finish(run, [(RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,

@@ -23,6 +23,7 @@ from gpusched_common import topics
 from gpusched_common.catalog import ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
     CANCEL,
+    MAX_REQUEST_BYTES,
     NODE_STATE,
     PRIORITY_CLASSES,
     REQUEST,
@@ -179,6 +180,13 @@ def parse_request_record(
         return refuse(f"prompt plus max_tokens ({request_tokens(request)} tokens) exceeds "
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
                       tenant)
+    # (a record under half the limit cannot reach it as gpusched writes it: not measured)
+    if request.attempt == 0 and len(record.value or b"") > MAX_REQUEST_BYTES // 2 and (
+            size := len(request.to_bytes())) > MAX_REQUEST_BYTES:
+        return refuse(f"the request is {size} bytes as gpusched writes it, over the limit of "
+                      f"{MAX_REQUEST_BYTES} (it must still fit one Kafka record once handed "
+                      "back with its tokens): shorten the prompt or messages", rid, 413, tenant,
+                      "request_too_large")
     ahead_ms = request.created_at_ms - now_ms
     if request.attempt == 0 and ahead_ms > MAX_CLOCK_AHEAD_MS:  # a retry keeps its first's
         return refuse(f"created_at_ms {request.created_at_ms} is {_duration(ahead_ms)} ahead of "

@@ -20,6 +20,7 @@ from gpusched_common.catalog import ModelCatalog, Tenant
 from gpusched_common.contracts import (
     MAX_PROMPT_CHARS,
     MAX_QUEUE_MS,
+    MAX_REQUEST_BYTES,
     PRIORITY_CLASSES,
     ChatTurn,
     InferenceRequest,
@@ -325,6 +326,12 @@ def _finish(
         created_at_ms=now_ms,
         max_queue_ms=max_queue_ms,
     )
+    if (size := len(request.to_bytes())) > MAX_REQUEST_BYTES:  # Kafka would refuse it
+        return ApiError(413, f"the request is {size} bytes as a Kafka record, over the limit "
+                        f"of {MAX_REQUEST_BYTES}: shorten the "
+                        + ("conversation (its text is carried twice: as the messages and as "
+                           "the prompt rendered from them)" if messages else "prompt"),
+                        param="messages" if messages else "prompt")
     include_usage = bool((parsed.stream_options or {}).get("include_usage"))
     return ParsedRequest(request=request, stream=bool(parsed.stream),
                          include_usage=include_usage)
