@@ -1013,3 +1013,97 @@ async def test_a_request_handed_back_by_engines_too_often_ends_failed() -> None:
         "503" in result.finish_reason)
     assert not [m for m in sent if isinstance(m, InferenceRequest)]
     await runtime.executor.close()
+
+
+# --- what an engine may send -----------------------------------------------------------------
+async def test_an_emoji_split_across_events_is_joined_and_a_lone_half_replaced() -> None:
+    """JSON escapes an emoji as a surrogate pair, which a proxy may split across events:
+    each half became a string no record can hold as UTF-8, so the request's result could
+    not be published, and the agent tried again forever."""
+    split = ['{"choices": [{"text": "\\ud83d"}]}', '{"choices": [{"text": "\\ude00!"}]}',
+             '{"choices": [{"text": "\\udc00"}]}', "[DONE]"]
+    executor = engine(*split)
+    sent, _ = await run_on(executor, job("emoji", max_tokens=5).request)
+    for message in sent:
+        message.to_bytes()  # each can go to Kafka
+    from gpusched_common.contracts import RequestResult
+
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "completed" and result.text == "\U0001F600!\ufffd"
+    await executor.close()
+
+
+async def test_a_stop_string_in_a_delta_of_several_tokens_bills_them_all() -> None:
+    """The text came first and the delta's other tokens after it, so the runtime, closing
+    the stream at the stop string, billed 2 of the 4 tokens the engine counted."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = engine(delta("ab", counted=1), delta("xSTOP", counted=4), delta("more", counted=5),
+                      "[DONE]")
+    sent, _ = await run_on(executor, job("stop", max_tokens=9, stop=["STOP"]).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.text, result.finish_reason, result.completion_tokens) == ("abx", "stop", 4)
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 4
+    await executor.close()
+
+
+async def test_an_engines_prompt_count_beyond_the_models_context_is_not_billed() -> None:
+    """Billed as it came (999,999,999 tokens), and carried on a hand-back, it sized the next
+    attempt's KV cache so that no GPU could ever hold it."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = engine(delta("a", counted=1, prompt=999_999_999), "[DONE]")
+    sent, _ = await run_on(executor, job("huge", max_tokens=1).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.prompt_tokens == sum(u.prompt_tokens for u in sent
+                                       if isinstance(u, UsageRecord)) == 3  # the estimate
+    await executor.close()
+
+
+@pytest.mark.parametrize("event", [
+    '{"choices": [{"delta": "hi"}]}', '{"choices": [{"text": 5}]}',
+    '{"choices": [{"delta": {"content": ["a"]}}]}', '{"choices": {"0": {"text": "a"}}}',
+], ids=["delta-string", "text-number", "content-list", "choices-object"])
+async def test_an_event_of_another_shape_fails_as_the_engines_fault(event: str) -> None:
+    """They raised AttributeError or TypeError from inside the executor, or (choices as an
+    object) passed for an empty answer."""
+    executor = engine(event, "[DONE]")
+    with pytest.raises(ExecutorError, match="shape|not a list"):
+        await collect(executor.generate(job("odd", max_tokens=3)))
+    await executor.close()
+
+
+async def test_an_event_with_a_null_error_field_is_a_good_one() -> None:
+    executor = engine('{"choices": [{"text": " a"}], "error": null}', "[DONE]")
+    assert await collect(executor.generate(job("null", max_tokens=3))) == [" a"]
+    await executor.close()
+
+
+async def test_a_health_check_asked_before_a_fault_does_not_clear_it() -> None:
+    """A heartbeat's check that the engine answered before a request found it gone cleared
+    the mark once it returned, and the node took work for a dead engine."""
+    engine_ = Engine()
+    executor = engine_.executor()
+    answered, release = asyncio.Event(), asyncio.Event()
+    health = executor.health
+
+    async def slow_health() -> str | None:
+        answer = await health()  # the engine is up when asked ...
+        answered.set()
+        await release.wait()  # ... and the answer takes its time to come back
+        return answer
+
+    executor.health = slow_health  # type: ignore[method-assign]
+    sent, runtime = make_runtime(executor)
+    check = asyncio.create_task(runtime._check_engine())
+    await answered.wait()
+    engine_.mode = "down"
+    await place(runtime, job("a", max_tokens=3).request)
+    release.set()
+    await check
+    assert runtime.node.down is not None and "unreachable" in runtime.node.down
+    engine_.mode = "up"
+    executor.health = health  # type: ignore[method-assign]
+    await runtime._check_engine()  # asked after the fault: it clears it
+    assert runtime.node.down is None
+    await executor.close()

@@ -143,6 +143,9 @@ class AgentRuntime:
         self._cancelled = Recent(REMEMBERED_CANCELS)
         """Request ids cancelled lately (a placement may arrive after its cancel)."""
         self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._downs = 0
+        """How many times the executor was found unavailable: a health check asked before
+        the latest of them cannot clear it."""
         """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
 
     # --- node state ----------------------------------------------------------------------
@@ -189,17 +192,19 @@ class AgentRuntime:
     async def _check_engine(self) -> None:
         """Ask the executor whether its engine can run work; while it cannot, the node
         reports its GPUs unhealthy with the reason and admits nothing."""
+        downs = self._downs
         try:
             problem = await self.executor.health()
         except Exception as exc:  # a failed check must not stop the heartbeat
             problem = f"executor health check failed: {exc!r}"
         if problem is not None:
             self._engine_down(problem)
-        elif self.node.down is not None:
+        elif self.node.down is not None and self._downs == downs:  # not asked before a fault
             log.warning("executor is back: the node takes work again")
             self.node.down = None
 
     def _engine_down(self, reason: str) -> None:
+        self._downs += 1
         reason = reason[:500]
         if self.node.down is None:
             log.warning("executor unavailable, the node takes no work until it is back: %s",
@@ -447,7 +452,7 @@ class AgentRuntime:
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
                     if isinstance(token, PromptTokens):
-                        self._engine_counted_prompt(run, token.count, request)
+                        self._engine_counted_prompt(run, token.count, request, model)
                         continue
                     if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
                         break  # so neither kept nor billed (and a hand-back stays valid)
@@ -541,13 +546,20 @@ class AgentRuntime:
             topics.RESULTS.name, request.request_id)])
 
     @staticmethod
-    def _engine_counted_prompt(run: _Running, count: int, request: InferenceRequest) -> None:
+    def _engine_counted_prompt(run: _Running, count: int, request: InferenceRequest,
+                               model: ModelSpec) -> None:
         """Bill the prompt as the engine counted it, instead of the estimate: on a request's
         first run only (a resumed one's prompt was billed by then, and the engine's count
-        holds the earlier tokens too), and never below what a partial record already billed.
-        A hand-back carries the count on as the request's `prompt_tokens`."""
-        if request.resume is None and count >= run.billed_prompt:
+        holds the earlier tokens too), never below what a partial record already billed, and
+        never beyond the model's context (no engine runs a longer prompt: such a count is
+        not one to bill, nor to size the request by). A hand-back carries the count on as
+        the request's `prompt_tokens`."""
+        if request.resume is None and run.billed_prompt <= count <= model.context_limit_tokens:
             run.prompt_tokens = count
+        elif count > model.context_limit_tokens:
+            log.warning("engine counted %d prompt tokens for %s, beyond %s's context of %d: "
+                        "billed as estimated", count, request.request_id, model.name,
+                        model.context_limit_tokens)
 
     async def _finish(self, run: _Running, then: list[outbox.Final]) -> None:
         """End `run`: its final usage, then `then` (its result or its hand-back), filed in the

@@ -4,17 +4,22 @@ request /v1/chat/completions, so the engine applies the model's own chat templat
 
 The engine does the batching and owns the memory. It is asked for its own token counts
 (`stream_options`: `include_usage`, and `continuous_usage_stats`, which vLLM and SGLang
-honour with a running count on every event): a delta that holds several tokens (speculative
-decoding, or characters that span tokens) yields its text and then one empty item per
-further token, and tokens the engine generated without streaming text for them (counted
-only in its final usage) yield empty items at the end. So the runtime, which bills one
-token per item, bills what the engine generated. The engine's count of the prompt (its
-tokenizer, and the chat template) is yielded once as `PromptTokens`. An engine that sends
-no counts (or with `stream_usage` off, for one that refuses the field) has each text delta
-counted as one token, and the prompt is billed as estimated. Closing the stream closes the
+honour with a running count on every event): a delta that holds several tokens
+(speculative decoding, or characters that span tokens) yields one empty item per further
+token and then its text (so a stop string in it ends the request with all of them
+counted), and tokens the engine generated without streaming text for them (counted only in
+its final usage) yield empty items at the end. So the runtime, which bills one token per
+item, bills what the engine generated. The engine's count of the prompt (its tokenizer,
+and the chat template) is yielded once as `PromptTokens`. An engine that sends no counts
+(or with `stream_usage` off, for one that refuses the field) has each text delta counted
+as one token, and the prompt is billed as estimated. Closing the stream closes the
 connection: engines abort there.
-A reply that is not an event stream, a stream that ends without `[DONE]`, and an engine
-that sends no event for `timeout_s` fail the request instead of passing for a short answer.
+
+A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
+OpenAI's shape, and an engine that sends no event for `timeout_s` fail the request instead
+of passing for a short answer. Text is passed on in whole characters (an emoji split into
+two JSON escapes across events is joined; a lone half becomes U+FFFD), as records need.
+
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
 a proxy without it), or drops the connection mid-stream (it crashed) is unavailable, not
 at fault with the request: the runtime hands the request back. `health` asks its
@@ -99,19 +104,22 @@ class OpenAIExecutor:
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
                 counted = 0  # items yielded: tokens as the runtime bills them
-                prompt_told = False
+                prompt_told, held = False, ""
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
                         return
                     text, engine_count, prompt_count = _event(data)
+                    text, held = _whole_characters(held + text)
                     if prompt_count is not None and not prompt_told:
                         prompt_told = True
                         yield PromptTokens(prompt_count)
                     tokens = 1 if text else 0
                     if engine_count is not None:  # the engine's running count is the truth
                         tokens = max(tokens, engine_count - counted)
+                    # the text last: a stop string the runtime finds in it ends the request
+                    # with every token of the delta counted
                     for i in range(tokens):
-                        yield text if i == 0 else ""
+                        yield text if i == tokens - 1 else ""
                     counted += tokens
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
                                     "reply may be cut short")
@@ -170,14 +178,37 @@ def _event(data: str) -> tuple[str, int | None, int | None]:
     if not isinstance(event, dict):
         raise ExecutorError(f"inference server sent an event that is not an object: "
                             f"{data[:200]!r}")
-    if "error" in event or event.get("object") == "error":  # the latter: older vLLM
+    if event.get("error") or event.get("object") == "error":  # the latter: older vLLM
         raise ExecutorError(f"inference server error: {event.get('error') or event}")
+    choices = event.get("choices") or []
+    if not isinstance(choices, list):
+        raise ExecutorError(f"inference server sent choices that are not a list: "
+                            f"{data[:200]!r}")
     text = ""
-    for choice in event.get("choices") or ():
+    for choice in choices:
         if isinstance(choice, dict) and choice.get("index", 0) == 0:  # one was asked for
-            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            delta = choice.get("delta") or {}
+            piece = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
+                                           else None)
+            if not isinstance(delta, dict) or not isinstance(piece, str | None):
+                raise ExecutorError(f"inference server sent a choice of another shape than "
+                                    f"OpenAI's: {data[:200]!r}")
+            text += piece or ""
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
     return text, _count(usage.get("completion_tokens"), 0), _count(usage.get("prompt_tokens"), 1)
+
+
+def _whole_characters(text: str) -> tuple[str, str]:
+    """`text` without a trailing high surrogate (held for its pair in the next event: JSON
+    escapes an emoji as two, which a proxy may split), and with any other lone surrogate
+    replaced: records holding one cannot be written as UTF-8."""
+    if text.isascii():
+        return text, ""
+    held = text[-1] if "\ud800" <= text[-1] <= "\udbff" else ""
+    text = text[:-1] if held else text
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text, held
 
 
 def _count(value: object, least: int) -> int | None:
