@@ -247,6 +247,26 @@ async def test_a_request_too_large_for_a_kafka_record_is_a_413_not_a_500(router_
     assert not isinstance(fits, ApiError)  # 600 kB as a record
 
 
+@pytest.mark.parametrize("message,param,needle", [
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+     "messages.1.tool_calls", "tool calls are not supported"),
+    ({"role": "assistant", "content": "", "function_call": {"name": "f"}},
+     "messages.1.function_call", "tool calls are not supported"),
+    ({"role": "user"}, "messages.1.content", "a user message needs its content"),
+    ({"role": "user", "content": None}, "messages.1.content", "needs its content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages.1.content.0.text",
+     "a text part needs its text as a string"),
+], ids=["tool-calls", "function-call", "no-content", "null-content", "text-part-no-text"])
+def test_chat_turns_that_would_lose_something_are_refused(message, param, needle) -> None:
+    """Each was taken: the tool call dropped (published as an empty assistant turn), a user
+    turn without content rendered as 'user: ', and a text part without text was called a
+    part of an unsupported type."""
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
+        {"role": "user", "content": "hi"}, message]}, ACME, {}, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+    assert parsed.param == param and needle in parsed.message
+
+
 def test_unknown_priority_class_is_rejected() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, priority="urgent")
     assert isinstance(parsed, ApiError) and parsed.status_code == 400

@@ -125,6 +125,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None  # refused when not empty: passing on without them
+    function_call: dict[str, Any] | None = None  # would change the conversation
 
 
 class ChatBody(_Body):
@@ -229,12 +231,23 @@ def parse_chat(
     if isinstance(parsed, ApiError):
         return parsed
     for i, message in enumerate(parsed.messages):
+        if message.tool_calls or message.function_call:
+            where = f"messages.{i}.{'tool_calls' if message.tool_calls else 'function_call'}"
+            return ApiError(400, f"{where}: tool calls are not supported, so a conversation "
+                            "that holds them cannot go on here", param=where)
+        if message.content is None:  # as OpenAI: only a message of tool calls has none
+            where = f"messages.{i}.content"
+            return ApiError(400, f"{where}: a {message.role} message needs its content",
+                            param=where)
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                where = f"messages.{i}.content.{j}"
+            where = f"messages.{i}.content.{j}"
+            if part.get("type") != "text":
                 return ApiError(400, f"{where}: a content part of type '{part.get('type')}' "
                                 "is not supported; send text parts ({\"type\": \"text\", "
                                 "\"text\": ...}) only", param=where)
+            if not isinstance(part.get("text"), str):
+                return ApiError(400, f"{where}: a text part needs its text as a string",
+                                param=f"{where}.text")
     turns: list[ChatTurn] = []
     for i, message in enumerate(parsed.messages):
         try:  # the turn's own limits: its joined text parts are one content
