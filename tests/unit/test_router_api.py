@@ -267,6 +267,23 @@ def test_chat_turns_that_would_lose_something_are_refused(message, param, needle
     assert parsed.param == param and needle in parsed.message
 
 
+@pytest.mark.parametrize("body,param,message", [
+    ({"prompt": None}, "prompt", "prompt: Input should be a valid string"),
+    ({"prompt": "a" * 200_001}, "prompt",
+     "prompt: String should have at most 200000 characters"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "messages.0.content: Input should be a valid string"),
+    ({"messages": [{"role": "user", "content": "a" * 120_000}] * 2}, "messages",
+     "the conversation rendered as a prompt is 240024 characters; the limit is 200000"),
+], ids=["null-prompt", "long-prompt", "content-number", "long-conversation"])
+def test_an_error_names_the_field_as_sent(body, param, message) -> None:
+    """`param` named pydantic's union branch (`prompt.str`), a prompt's length was counted
+    in 'items', and a chat too long as a whole was blamed on `prompt`, which it has not."""
+    parse = parse_chat if "messages" in body else parse_completion
+    parsed = parse({"model": "qwen2.5-1.5b"} | body, ACME, {}, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and (parsed.param, parsed.message) == (param, message)
+
+
 def test_unknown_priority_class_is_rejected() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "x"}, priority="urgent")
     assert isinstance(parsed, ApiError) and parsed.status_code == 400

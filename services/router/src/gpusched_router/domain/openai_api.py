@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -118,7 +118,7 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] = Field(max_length=MAX_PROMPT_CHARS)
+    prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[str]
 
 
 class ChatMessage(BaseModel):
@@ -281,11 +281,18 @@ def _validate(model: type[_Body], body: Any) -> Any:
         return _invalid(exc)
 
 
+_UNION_BRANCHES = frozenset({"str", "constrained-str", "int", "float", "bool", "none", "list",
+                             "dict"})
+"""Names pydantic puts in an error's path for the branch of a union that refused the value
+(`prompt.str`): not a field of the body, so left out of `param`."""
+
+
 def _invalid(exc: ValidationError, within: tuple[str | int, ...] = ()) -> ApiError:
     """The 400 for a request field pydantic refused, named by its path in the body (the
     model validated sits at `within`)."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in (*within, *err["loc"])) or None
+    where = ".".join(str(p) for p in (*within, *err["loc"]) if p not in _UNION_BRANCHES
+                     and "[" not in str(p)) or None
     return ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where)
 
 
@@ -310,8 +317,9 @@ def _finish(
     if isinstance(max_queue_ms, ApiError):
         return max_queue_ms
     if len(prompt) > MAX_PROMPT_CHARS:
-        return ApiError(400, f"prompt is {len(prompt)} characters; the limit is "
-                        f"{MAX_PROMPT_CHARS}", param="prompt")
+        what = "the conversation rendered as a prompt" if messages else "prompt"
+        return ApiError(400, f"{what} is {len(prompt)} characters; the limit is "
+                        f"{MAX_PROMPT_CHARS}", param="messages" if messages else "prompt")
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens or DEFAULT_MAX_TOKENS
     prompt_tokens = count_prompt_tokens(prompt)
     if prompt_tokens + max_tokens > spec.context_limit_tokens:
