@@ -143,10 +143,10 @@ class AgentRuntime:
         self._cancelled = Recent(REMEMBERED_CANCELS)
         """Request ids cancelled lately (a placement may arrive after its cancel)."""
         self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
+        """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
         self._downs = 0
         """How many times the executor was found unavailable: a health check asked before
         the latest of them cannot clear it."""
-        """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:

@@ -47,6 +47,7 @@ from gpusched_common.contracts import MAX_USAGE_TOKENS
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
 HEALTH_TIMEOUT_S = 2.0
+"""How long a heartbeat's health check waits for the engine's answer."""
 
 
 class OpenAIExecutor:
