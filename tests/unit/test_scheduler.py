@@ -550,16 +550,71 @@ async def test_a_request_too_large_to_travel_on_is_refused_with_a_413() -> None:
     preempted with its tokens, be too large a record to hand back."""
     engine, sent = leading_engine(lambda: 1000)
     standard = topics.REQUESTS["standard"].name
+    retry = {"attempt": 1, "requeued": "handback"}  # a later one may be larger, to a point
+
+    def chat(chars: int) -> dict:  # a conversation is not counted against the context
+        return {"messages": [{"role": "user", "content": "\x01" * chars}]}
+
     await engine.admit([request_record(standard, offset, json.dumps({
         "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": prompt,
-        "max_tokens": 3}).encode()) for offset, (request_id, prompt) in enumerate(
-            [("huge", "\x01" * 120_000), ("large", "\x01" * 100_000)])])
-    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
-    assert (rejection.request_id, rejection.status_code, rejection.code) == (
-        "huge", 413, "request_too_large")
-    assert "bytes as gpusched writes it, over the limit of 655360" in rejection.reason
-    assert len(sent[topics.DEAD_LETTERS.name]) == 1
-    assert [p.request.request_id for p in engine.queue.in_order()] == ["large"]
+        "max_tokens": 3} | extra).encode()) for offset, (request_id, prompt, extra) in enumerate(
+            [("huge", "\x01" * 120_000, {}), ("large", "\x01" * 100_000, {}),
+             ("forged", "hi", retry | chat(170_000)), ("again", "hi", retry | chat(120_000))])])
+    rejections = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert [(r.request_id, r.status_code, r.code) for r in rejections] == [
+        ("huge", 413, "request_too_large"), ("forged", 413, "request_too_large")]
+    assert "bytes as gpusched writes it, over the limit of 655360" in rejections[0].reason
+    assert "over the limit of 995904" in rejections[1].reason
+    assert len(sent[topics.DEAD_LETTERS.name]) == 2
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["large", "again"]
+
+
+@pytest.mark.parametrize("gpus,reason", [
+    ([{"memory_total_mib": 10**30, "memory_free_mib": 10**30}], "less than or equal to"),
+    ([{"memory_free_mib": 100, "kv_cache_free_mib": 10**30, "loaded_models": ["x"],
+       "idle_models": ["x"]}], "less than or equal to"),
+    ([{"gpu_type": f"made-up-{i}"} for i in range(70)], "not in the catalog"),
+    ([{"index": 3}, {"index": 7}], "GPU indices [3, 7] are not 0..1"),
+    ([{"index": 0}, {"index": 0}], "GPU indices [0, 0] are not 0..1"),
+], ids=["huge-memory", "huge-kv-cache", "70-made-up-types", "sparse-indices", "same-index"])
+async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_still_run(
+        gpus, reason) -> None:
+    """Each was taken into the view: the first three then failed every cycle (an int64
+    overflow, the solver's 62 GPU types), so nothing was placed anywhere, and the record
+    outlived restarts in its compacted topic; the last two got placements on GPUs the node
+    does not have."""
+    engine, sent = leading_engine()
+    good = node("good", [80000])
+    bad = {"node_id": "bad", "seq": 1, "started_at_ms": 0, "reported_at_ms": 0, "gpus": [
+        {"index": i, "uuid": f"u{i}", "gpu_type": "H100-80GB", "memory_total_mib": 81559,
+         "memory_free_mib": 80000} | g for i, g in enumerate(gpus)]}
+    await engine.node_states([
+        ConsumerRecord(topics.NODE_STATE.name, 0, offset, 1000, 0, key, value, None, 0,
+                       len(value), ())
+        for offset, (key, value) in enumerate([(b"good", good.to_bytes()),
+                                               (b"bad", json.dumps(bad).encode())])])
+    [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert letter.reason.startswith("invalid node state") and reason in letter.reason
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
+        "request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+        "max_tokens": 3}).encode())])
+    assert await engine.cycle() == 1
+    [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
+    assert placement.node_id == "good"
+
+
+def test_a_node_that_started_again_with_its_clock_set_back_is_heard_once_lost() -> None:
+    """Its new run reports an earlier start than the one that died: refused as stale, the
+    node stayed silent to the scheduler forever (and so did a node whose record once said it
+    started in the far future)."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [80000], seq=9).model_copy(update={"started_at_ms": 10**15}),
+                          0)
+    again = node("a", [70000], seq=1)
+    assert not view.apply_node_state(again, 1000)  # a late report of an older run, maybe
+    view.mark_lost(view.silent(60_000, 10_000))
+    assert view.apply_node_state(again, 60_000) and "a" not in view.lost
+    assert view.nodes["a"].gpus[0].memory_free_mib == 70000
 
 
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(

@@ -57,6 +57,10 @@ MAX_RECORD_BYTES = 1_000_000
 (the broker's `message.max.bytes`, the producer's `max.request.size`), with room for its key,
 headers and framing."""
 
+MAX_HANDBACK_BYTES = MAX_RECORD_BYTES - 4096
+"""The largest request record handed back for another attempt: room is left for the
+placement the scheduler wraps it in."""
+
 MAX_REQUEST_BYTES = 640 * 1024
 """The largest `inference_request` record taken in (router: 413; produced to Kafka: a dead
 letter and a 413 rejection), as JSON: a chat carries its text twice (messages, and the prompt
@@ -170,6 +174,10 @@ class InferenceRequest(Message):
         return self.prompt_tokens or count_prompt_tokens(self.prompt)
 
 
+MAX_GPU_MEMORY_MIB = 2**24
+"""16 TiB: far beyond any one GPU, and far inside the 64-bit sums the solver adds it to."""
+
+
 class GpuState(BaseModel):
     """One schedulable GPU (or MIG instance) of a node, as its agent sees it."""
 
@@ -177,8 +185,9 @@ class GpuState(BaseModel):
     index: int = Field(ge=0)
     uuid: str
     gpu_type: str = Field(description="Catalog name, e.g. 'H100-80GB'.")
-    memory_total_mib: int = Field(ge=0)
-    memory_free_mib: int = Field(description="Total minus loaded weights minus reserved KV cache.")
+    memory_total_mib: int = Field(ge=0, le=MAX_GPU_MEMORY_MIB)
+    memory_free_mib: int = Field(le=MAX_GPU_MEMORY_MIB, description="Total minus loaded "
+                                 "weights minus reserved KV cache.")
     healthy: bool = True
     loaded_models: tuple[str, ...] = Field(default=(), description="Weights in memory: a "
         "model's name, or '<model>#tp<n>' for its shard from an n-GPU gang, which serves only "
@@ -188,8 +197,9 @@ class GpuState(BaseModel):
     mig_parent_uuid: str | None = Field(
         default=None, description="Set when this device is a MIG instance of that GPU.")
     kv_cache_free_mib: int | None = Field(
-        default=None, description="Memory a new request of a loaded model can use for its KV "
-        "cache: free memory plus the weights of idle (evictable) models.")
+        default=None, le=MAX_GPU_MEMORY_MIB, description="Memory a new request of a loaded "
+        "model can use for its KV cache: free memory plus the weights of idle (evictable) "
+        "models.")
     idle_models: tuple[str, ...] | None = Field(
         default=None, description="Loaded models nothing runs now, least recently used "
         "first: the agent unloads them to make room for other work (their weights are "
@@ -211,7 +221,7 @@ class NodeState(Message):
     type: Literal["node_state"] = "node_state"
     node_id: Name
     status: Literal["ready", "draining", "stopped"] = "ready"
-    seq: int = Field(ge=0, description="Grows with every report of one agent run.")
+    seq: int = Field(ge=0, le=2**62, description="Grows with every report of one agent run.")
     started_at_ms: int
     reported_at_ms: int
     gpus: tuple[GpuState, ...]

@@ -29,7 +29,7 @@ from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
-    MAX_RECORD_BYTES,
+    MAX_HANDBACK_BYTES,
     PLACEMENT,
     Cancel,
     InferenceRequest,
@@ -51,9 +51,6 @@ Publish = Callable[..., Awaitable[None]]
 same key, same partition, so they stay in order before the final result)."""
 ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
-PLACEMENT_WRAP_BYTES = 4096
-"""Room a handed-back request leaves in a Kafka record for the placement the scheduler wraps
-it in."""
 PUBLISH_RETRY_MAX_S = 5.0
 """Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
@@ -522,7 +519,7 @@ class AgentRuntime:
                 if run.prompt_tokens != request.prompt_token_count else request
             retry = _retry(billed, requeue, Resume(
                 tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))
-            if (size := len(retry[0].to_bytes())) <= MAX_RECORD_BYTES - PLACEMENT_WRAP_BYTES:
+            if (size := len(retry[0].to_bytes())) <= MAX_HANDBACK_BYTES:
                 log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
                 await self._finish(run, [retry])
                 return

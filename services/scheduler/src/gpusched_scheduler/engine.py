@@ -20,9 +20,10 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from gpusched_common import topics
-from gpusched_common.catalog import ModelCatalog, TenantDirectory
+from gpusched_common.catalog import GPU_TYPES, ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
     CANCEL,
+    MAX_HANDBACK_BYTES,
     MAX_REQUEST_BYTES,
     NODE_STATE,
     PRIORITY_CLASSES,
@@ -30,6 +31,7 @@ from gpusched_common.contracts import (
     USAGE,
     DeadLetter,
     InferenceRequest,
+    NodeState,
     Placement,
     Preempt,
     Rejection,
@@ -180,12 +182,14 @@ def parse_request_record(
         return refuse(f"prompt plus max_tokens ({request_tokens(request)} tokens) exceeds "
                       f"{spec.name}'s context limit of {spec.context_limit_tokens}", rid, 400,
                       tenant)
-    # (a record under half the limit cannot reach it as gpusched writes it: not measured)
-    if request.attempt == 0 and len(record.value or b"") > MAX_REQUEST_BYTES // 2 and (
-            size := len(request.to_bytes())) > MAX_REQUEST_BYTES:
+    # A first attempt must leave room to be handed back with its tokens; a later one must
+    # still fit a placement (a record under half the limit cannot reach it as gpusched
+    # writes it: not measured)
+    limit = MAX_REQUEST_BYTES if request.attempt == 0 else MAX_HANDBACK_BYTES
+    if len(record.value or b"") > limit // 2 and (size := len(request.to_bytes())) > limit:
         return refuse(f"the request is {size} bytes as gpusched writes it, over the limit of "
-                      f"{MAX_REQUEST_BYTES} (it must still fit one Kafka record once handed "
-                      "back with its tokens): shorten the prompt or messages", rid, 413, tenant,
+                      f"{limit} (it must still fit one Kafka record once handed back with its "
+                      "tokens): shorten the prompt or messages", rid, 413, tenant,
                       "request_too_large")
     ahead_ms = request.created_at_ms - now_ms
     if request.attempt == 0 and ahead_ms > MAX_CLOCK_AHEAD_MS:  # a retry keeps its first's
@@ -203,6 +207,20 @@ def parse_request_record(
     if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
         return refuse(never, rid, 400, tenant, "tokens_per_minute_exceeded")
     return Admitted(request, record_carrier(record.headers))
+
+
+def node_state_problem(state: NodeState) -> str | None:
+    """What makes a report the solver cannot take, beyond its schema: GPUs numbered other
+    than 0..n-1 (placements name GPUs by index), or of a type not in the catalog (agents
+    report catalog types; the solver packs each type's GPUs as one kind, 62 at most)."""
+    indices = sorted(g.index for g in state.gpus)
+    if indices != list(range(len(indices))):
+        return f"GPU indices {indices} are not 0..{len(indices) - 1}, each once"
+    unknown = sorted({g.gpu_type for g in state.gpus} - GPU_TYPES.keys())
+    if unknown:
+        return (f"GPU type(s) {', '.join(unknown[:5])} not in the catalog "
+                f"({', '.join(GPU_TYPES)})")
+    return None
 
 
 class SchedulingEngine:
@@ -416,8 +434,11 @@ class SchedulingEngine:
                 continue  # tombstone of a decommissioned node
             try:
                 state = NODE_STATE.validate_json(record.value)
-            except ValidationError as exc:
-                reason = f"invalid node state: {invalid_fields(exc)}"
+                if (problem := node_state_problem(state)) is not None:
+                    raise ValueError(problem)
+            except ValueError as exc:  # pydantic's ValidationError is one
+                reason = (f"invalid node state: {invalid_fields(exc)}"
+                          if isinstance(exc, ValidationError) else f"invalid node state: {exc}")
                 log.warning("ignoring node state at %s:%s: %s", record.partition,
                             record.offset, reason)
                 if self.epoch is not None:

@@ -37,10 +37,14 @@ class ClusterView:
     _by_node: dict[str, dict[str, Reservation]] = field(default_factory=dict)
 
     def apply_node_state(self, state: NodeState, now_ms: int) -> bool:
-        """Take a newer report of a node; returns False for a stale or reordered one."""
+        """Take a newer report of a node; returns False for a stale or reordered one. Once
+        the node is declared lost, any report is its latest: an agent that started again
+        after its clock was set back reports an earlier start than its dead run, and would
+        otherwise never be heard again."""
         node_id = state.node_id
         old = self.nodes.get(node_id)
-        if old is not None and (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq):
+        if old is not None and node_id not in self.lost and (
+                (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq)):
             return False
         self.nodes[node_id] = state
         self.last_seen_ms[node_id] = now_ms
