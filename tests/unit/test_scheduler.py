@@ -603,6 +603,50 @@ async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_s
     assert placement.node_id == "good"
 
 
+@pytest.mark.parametrize("fleet", ["sick-gpu", "silent-node"])
+async def test_work_no_live_node_could_hold_does_not_hold_back_the_classes_below(fleet
+                                                                                 ) -> None:
+    """An interactive gang for 2 GPUs of a node whose second GPU is sick, or for 8 GPUs of
+    a node gone silent: it waits (the GPUs may come back), and the standard and batch work
+    behind it, which fits now, used to wait with it for as long."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0], node_timeout_ms=10_000)
+    if fleet == "sick-gpu":
+        a = node("a", [80000, 80000])
+        engine.view.apply_node_state(a.model_copy(update={"gpus": (a.gpus[0], a.gpus[1].model_copy(
+            update={"healthy": False, "unhealthy_reason": "Xid 79"}))}), now[0])
+        gang = 2
+    else:
+        engine.view.apply_node_state(node("big", [80000] * 8), now[0])
+        now[0] = 100_000
+        engine.view.apply_node_state(node("small", [80000]), now[0])
+        gang = 8
+
+    def record(topic: str, offset: int, request_id: str, **extra) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[topic].name, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+            "max_tokens": 4, "created_at_ms": now[0]} | extra).encode())
+
+    await engine.admit([record("interactive", 0, "gang", num_gpus=gang),
+                        record("standard", 0, "s"), record("batch", 0, "b")])
+    await engine.cycle()
+    placed = [PLACEMENT.validate_json(v).request.request_id for v in sent[topics.PLACEMENTS.name]]
+    assert sorted(placed) == ["b", "s"]
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["gang"]
+
+
+def test_work_waiting_for_room_to_free_up_still_holds_back_the_classes_below() -> None:
+    view = ClusterView()
+    view.apply_node_state(node("a", [1000, 80000]), 0)  # GPU 0 is busy, not away
+    gang = InferenceRequest(request_id="gang", tenant="acme", model=SMALL.name, prompt="hi",
+                            max_tokens=4, num_gpus=2, priority_class="interactive",
+                            created_at_ms=0)
+    small = InferenceRequest(request_id="s", tenant="acme", model=SMALL.name, prompt="hi",
+                             max_tokens=4, created_at_ms=0)
+    decisions = plan(view, [gang, small])
+    assert not decisions.placed and len(decisions.waiting) == 2
+
+
 def test_a_node_that_started_again_with_its_clock_set_back_is_heard_once_lost() -> None:
     """Its new run reports an earlier start than the one that died: refused as stale, the
     node stayed silent to the scheduler forever (and so did a node whose record once said it

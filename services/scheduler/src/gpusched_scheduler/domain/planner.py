@@ -208,11 +208,13 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                fleet: Callable[[], Collection[tuple[int, ...]]],
                max_preemptions: int = 4) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
-    work that has to wait, later chunks wait too. `may_preempt` maps a request id to the
-    highest victim priority it may preempt (1: batch and borrowed work, 0: borrowed work
-    only). Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
-    (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
-    with the reason.
+    work that has to wait for room to free up, later chunks wait too (they would take that
+    room). Work that no live, healthy node could hold even empty (its GPUs are away or
+    sick) waits without holding later chunks back: nothing they take would make it fit.
+    `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
+    and borrowed work, 0: borrowed work only). Work that fits nowhere now waits, unless it
+    is invalid or no GPU of `fleet()` (`fleet_gpu_mib`, read once, when first needed) could
+    ever hold it: then it is rejected with the reason.
 
     Work that fits nowhere while idle models hold GPU memory is solved once more on the
     state with that memory free (`Snapshot.evictable`): the agent unloads them to admit it.
@@ -238,10 +240,13 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         result = solve(state, batch, policy, shapes=shapes)
         never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
         known: Collection[tuple[int, ...]] | None = None  # fleet(), read at first need
+        fits_live: dict[tuple[int, int], bool] = {}  # on a live, healthy node, were it empty
+        live: list[tuple[int, ...]] | None = None  # _live_gpu_mib, read at first need
+        holding = False  # an earlier chunk has work waiting for room that can free up
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
-            if waiting:  # an earlier chunk blocked
+            if holding:
                 waiting += chunk.items
                 continue
             for u in range(end - len(chunk.items), end):
@@ -262,7 +267,11 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 else:
                     waiting.append(item)
                     blocked.append(u)
-            if waiting and end < len(items):
+                    if size not in fits_live:
+                        live = _live_gpu_mib(snap.state) if live is None else live
+                        fits_live[size] = not _never_fits(live, *size)
+                    holding |= fits_live[size]
+            if holding and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
         state = result.state
         room = _evicting(state, snap, placed) if blocked and snap.evictable else None
@@ -349,6 +358,14 @@ def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str
         return False
     code = state.model_names.index(weights)
     return all(code in state.gpu_models[start + g] for g in gpus)
+
+
+def _live_gpu_mib(state: ClusterState) -> list[tuple[int, ...]]:
+    """The memory of each healthy GPU of every node in the snapshot (the live ones)."""
+    starts = state.node_gpu_start.tolist()
+    total, healthy = state.gpu_mem_total_mib.tolist(), state.gpu_healthy.tolist()
+    return [tuple(m for m, ok in zip(total[a:b], healthy[a:b]) if ok)
+            for a, b in zip(starts, starts[1:])]
 
 
 def _never_fits(fleet: Collection[tuple[int, ...]], mib_per_gpu: int, num_gpus: int) -> bool:
