@@ -507,6 +507,32 @@ async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wir
     assert placement.request.prompt == "hi" and not len(engine.queue)
 
 
+async def test_a_retry_of_another_request_under_a_taken_id_is_dead_lettered() -> None:
+    """A record of attempt 1 under the id of a request running as attempt 0, but asking for
+    something else (another tenant and prompt), was placed as a second run of it: the
+    client of the first could have read the other's result."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000, 80000]), 1000)
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, **extra) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": "victim", "tenant": "acme", "model": SMALL.name, "prompt": "secret",
+            "max_tokens": 3} | extra).encode())
+
+    await engine.admit([record(0)])
+    assert await engine.cycle() == 1
+    retry = {"attempt": 1, "requeued": "handback"}
+    await engine.admit([record(1, tenant="globex", prompt="other", **retry)])
+    [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "request_id 'victim' is taken by another request" in letter.reason
+    await engine.admit([record(2, **retry)])  # the agent's own hand-back of it
+    assert await engine.cycle() == 1
+    placements = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
+    assert [(p.placement_id, p.request.tenant) for p in placements] == [
+        ("victim#0", "acme"), ("victim#1", "acme")]
+
+
 async def test_a_record_without_num_gpus_runs_on_its_models_gang_size(wired) -> None:
     """The 70B's 132 GiB need two 80 GB GPUs: models.yaml gives it num_gpus 2, which a
     record without num_gpus gets; one that sets it keeps its own. Before, every record

@@ -340,7 +340,10 @@ class SchedulingEngine:
             request = outcome.request
             key = (request.request_id, request.attempt)
             known = self._known(key)
-            if known is not None and known[0] != _identity(request):
+            taken = known if known is not None or not request.attempt else next(
+                (k for a in reversed(range(request.attempt))  # a retry of another request?
+                 if (k := self._known((request.request_id, a))) is not None), None)
+            if taken is not None and taken[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
                     record, f"request_id '{request.request_id}' is taken by another request "
