@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio import Redis
@@ -278,6 +279,9 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
     tenant = tenants_named("budget", 1)[0]
     for name in ("tenants.yaml", "models.yaml", "prices.yaml"):
         shutil.copy(CONFIG / name, tmp_path / name)
+    tenants = yaml.safe_load((CONFIG / "tenants.yaml").read_text())  # a budget is a tenant's
+    tenants["tenants"].append({"name": tenant, "api_keys": [f"sk-{tenant}"]})
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     (tmp_path / "budgets.yaml").write_text(
         f"budgets:\n  - {{tenant: {tenant}, period: day, limit: 100, unit: tokens}}\n")
     group, port = f"test-budget-{uuid.uuid4().hex[:6]}", FIRST_PORT + 5

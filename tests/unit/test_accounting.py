@@ -2,10 +2,12 @@
 buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
 answers to a window it cannot read."""
 
+import re
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from gpusched_accounting.domain import budgets as b
@@ -32,6 +34,7 @@ from gpusched_accounting.domain.usage import (
 from gpusched_accounting.handlers import enforce_budgets
 from gpusched_accounting.main import create_app
 from gpusched_accounting.settings import AccountingSettings
+from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import USAGE, UsageRecord
 from gpusched_common.settings import TelemetrySettings
 
@@ -185,7 +188,8 @@ class FlagStore:
 
     async def set_exhausted(self, tenant: str, flag: dict, until_ms: int) -> bool:
         self.calls.append("set")
-        new, self.flag = self.flag is None, flag
+        new = self.flag is None or self.flag["period"] != flag["period"]
+        self.flag, self.until_ms = flag, until_ms
         return new
 
 
@@ -209,6 +213,23 @@ async def test_a_spent_second_budget_flags_the_tenant_once_and_never_clears_it()
     assert store.flag is None and len(events) == 1
 
 
+async def test_a_spent_month_holds_the_flag_past_a_spent_days_end() -> None:
+    """With a day and a month budget both spent, the flag named the first (the day) and
+    expired at midnight: the tenant was let through with its month spent."""
+    table = b.BudgetTable(budgets=(
+        b.Budget(tenant="acme", period="day", limit=100, unit="tokens"),
+        b.Budget(tenant="acme", period="month", limit=120, unit="tokens")))
+    store, events = FlagStore(Totals(prompt_tokens=150)), []
+
+    async def publish(message, topic, key) -> None:
+        events.append(message)
+
+    await enforce_budgets(store, table, {"acme"}, D, publish)
+    month = b.period_of(D, "month")
+    assert store.flag["limit"] == 120 and store.until_ms == month.end_ms
+    assert [e.period for e in events] == [month.label]
+
+
 @pytest.mark.parametrize("field,value", [
     ("gpu_seconds", "Infinity"), ("gpu_seconds", "1e308"), ("prompt_tokens", "1" + "0" * 400),
     ("completion_tokens", str(2**70)), ("ended_at_ms", str(10**19)),
@@ -224,7 +245,23 @@ def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value
 
 
 def test_shipped_budgets_load() -> None:
-    assert b.load_budgets(CONFIG).of("initech")
+    assert b.load_budgets(CONFIG, {t.name for t in load_tenants(CONFIG).tenants}).of("initech")
+
+
+@pytest.mark.parametrize("budgets,needle", [
+    ([{"tenant": "initeck", "period": "day", "limit": 5, "unit": "tokens"}],
+     "tenant(s) initeck not in tenants.yaml"),
+    ([{"tenant": "acme", "period": "day", "limit": 100, "unit": "tokens"},
+      {"tenant": "acme", "period": "day", "limit": 5, "unit": "tokens"}],
+     "tenant 'acme' has two day budgets in tokens"),
+], ids=["misspelt-tenant", "two-alike"])
+def test_a_budget_that_would_never_be_enforced_as_written_stops_the_start(
+        tmp_path, budgets, needle) -> None:
+    """Both loaded: a misspelt tenant's budget was never enforced, and of two alike the
+    smaller silently won."""
+    (tmp_path / "budgets.yaml").write_text(yaml.safe_dump({"budgets": budgets}))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        b.load_budgets(tmp_path, {"acme", "initech"})
 
 
 @pytest.mark.parametrize("path", ["/v1/usage", "/v1/usage/export.csv"])

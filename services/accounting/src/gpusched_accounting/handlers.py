@@ -36,21 +36,26 @@ together for longer (the first parse and the last apply of a fetch cannot overla
 async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[str],
                           now_ms: int, publish: Publish) -> None:
     """Flag each given tenant whose budget for the current period is spent (the router then
-    answers 429) and publish one `budget_exhausted` event when the flag is new; clear the
+    answers 429) until the end of the latest such period, and publish one `budget_exhausted`
+    event when the flag is new or names another period; clear the
     flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
     totals, so running it again after a redelivery changes nothing."""
     for tenant in tenants:
         budgets = table.of(tenant)
         if not budgets:
             continue
-        for budget in budgets:  # the first exhausted budget names the reason
+        exhausted = []
+        for budget in budgets:
             window = budget_rules.period_of(now_ms, budget.period)
             spending = await store.spending(tenant, window.day_starts_s)
             if budget_rules.is_exhausted(budget, spending):
-                break
-        else:
+                exhausted.append((budget, window, spending))
+        if not exhausted:
             await store.clear_exhausted(tenant)
             continue
+        # the spent budget whose period ends last names the reason and how long it holds:
+        # a spent month outlasts a spent day
+        budget, window, spending = max(exhausted, key=lambda spent: spent[1].end_ms)
         spent = budget_rules.spent(spending, budget.unit)
         flag = {"period": window.label, "limit": budget.limit, "spent": spent,
                 "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}

@@ -24,7 +24,7 @@ from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_wit
 def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
     tenants = load_tenants(settings.config_dir)
     prices = load_prices(settings.config_dir)
-    budgets = load_budgets(settings.config_dir)
+    budgets = load_budgets(settings.config_dir, {t.name for t in tenants.tenants})
     registry = CollectorRegistry()
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)

@@ -391,9 +391,11 @@ class UsageStore:
         return total
 
     async def set_exhausted(self, tenant: str, value: dict, until_ms: int) -> bool:
-        """Flag the tenant's budget as spent until `until_ms`; True if newly flagged."""
-        return bool(await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant), json.dumps(value),
-                                          nx=True, pxat=until_ms))
+        """Flag the tenant's budget as spent until `until_ms` (replacing a flag set before);
+        True if newly flagged, or flagged before for another period."""
+        old = await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant), json.dumps(value),
+                                   pxat=until_ms, get=True)
+        return old is None or json.loads(old).get("period") != value["period"]
 
     async def clear_exhausted(self, tenant: str) -> None:
         await self.redis.delete(BUDGET_EXHAUSTED_KEY.format(tenant))

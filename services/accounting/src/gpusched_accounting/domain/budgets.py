@@ -4,13 +4,14 @@ budget is exhausted. Pure; the store reads the spending and sets the router's fl
 from __future__ import annotations
 
 import calendar
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpusched_accounting.domain.usage import Totals
 
@@ -30,19 +31,36 @@ class BudgetTable(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     budgets: tuple[Budget, ...] = ()
 
+    @model_validator(mode="after")
+    def _one_per_period_and_unit(self) -> BudgetTable:
+        seen: set[tuple[str, str, str]] = set()
+        for b in self.budgets:
+            if (b.tenant, b.period, b.unit) in seen:
+                raise ValueError(f"tenant '{b.tenant}' has two {b.period} budgets in {b.unit}: "
+                                 "keep one")
+            seen.add((b.tenant, b.period, b.unit))
+        return self
+
     def of(self, tenant: str) -> tuple[Budget, ...]:
         return tuple(b for b in self.budgets if b.tenant == tenant)
 
 
-def load_budgets(config_dir: Path) -> BudgetTable:
-    """Read `budgets.yaml`; a missing file means no budgets."""
+def load_budgets(config_dir: Path, tenants: Collection[str]) -> BudgetTable:
+    """Read `budgets.yaml`, whose budgets must be of `tenants` (tenants.yaml's: no other
+    tenant's request is taken in, so a misspelt name would be a budget never enforced); a
+    missing file means no budgets."""
     path = config_dir / "budgets.yaml"
     if not path.is_file():
         return BudgetTable()
     try:
-        return BudgetTable.model_validate(yaml.safe_load(path.read_text()) or {})
+        table = BudgetTable.model_validate(yaml.safe_load(path.read_text()) or {})
     except ValueError as exc:
         raise ValueError(f"{path} is invalid: {exc}") from exc
+    unknown = sorted({b.tenant for b in table.budgets} - set(tenants))
+    if unknown:
+        raise ValueError(f"{path} is invalid: tenant(s) {', '.join(unknown)} not in "
+                         f"tenants.yaml ({', '.join(sorted(tenants))})")
+    return table
 
 
 @dataclass(frozen=True)
