@@ -244,6 +244,17 @@ def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value
         USAGE.validate_json(raw)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("tenant", "acme evil"), ("tenant", ""), ("model", "a model"), ("node_id", "n 1"),
+])
+def test_usage_records_naming_what_accounting_cannot_store_are_invalid(field, value) -> None:
+    """Accounting keeps "<tenant> <model>" per request: a tenant 'acme evil' read back as
+    tenant 'acme', model 'evil ...', so acme's key could read it; a '' tenant, once billed,
+    made an admin's `?tenant=` read every tenant."""
+    with pytest.raises(ValidationError):
+        UsageRecord.model_validate(usage().model_dump() | {field: value})
+
+
 def test_shipped_budgets_load() -> None:
     assert b.load_budgets(CONFIG, {t.name for t in load_tenants(CONFIG).tenants}).of("initech")
 

@@ -331,12 +331,12 @@ class UsageRecord(Message):
     type: Literal["usage"] = "usage"
     event_id: str = Field(min_length=1, max_length=200)
     request_id: RequestId
-    placement_id: str
-    tenant: str
-    model: str
+    placement_id: str = Field(min_length=1, max_length=300)
+    tenant: Name  # accounting stores "<tenant> <model>": neither may hold a space
+    model: Name
     priority_class: PriorityClass
-    node_id: str
-    gpu_type: str
+    node_id: Name
+    gpu_type: Name
     prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
     completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
     gpu_seconds: float = Field(ge=0, le=MAX_USAGE_GPU_SECONDS, allow_inf_nan=False,
