@@ -289,3 +289,23 @@ async def test_a_number_too_long_to_be_a_time_is_a_400_that_quotes_it_short(path
     assert detail.startswith(f"{field}='{'1' * 40}'... (5000 characters) is neither epoch "
                              "milliseconds nor an ISO 8601 time")
     assert len(detail) < 200
+
+
+def test_an_iso_basic_date_is_a_date_not_milliseconds_of_1970() -> None:
+    """`start=20261130` read as 20,261,130 ms: January 1970, clamped to the retention
+    without a word."""
+    from gpusched_accounting.api import _parse_time
+
+    assert _parse_time("20261130", 0, "start") == 1_795_996_800_000  # 2026-11-30T00:00Z
+    assert _parse_time("0", 5, "start") == 0 and _parse_time("99999999", 0, "end") == 99999999
+
+
+@pytest.mark.parametrize("query", ["group_by=model&group_by=node", "tenant=acme&tenant=acme"])
+async def test_a_query_parameter_given_twice_is_a_400(query: str) -> None:
+    """The last value was taken without a word: grouped by node only."""
+    app = create_app(AccountingSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://accounting") as client:
+        reply = await client.get(f"/v1/usage?{query}",
+                                 headers={"authorization": "Bearer sk-acme-demo"})
+    assert reply.status_code == 400 and "given more than once" in reply.json()["detail"]

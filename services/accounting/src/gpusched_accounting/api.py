@@ -4,13 +4,14 @@ tenant; an admin key reads every tenant."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Literal
 
-from fastapi import APIRouter, Header, HTTPException, Path, Query
+from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -86,9 +87,14 @@ class RequestUsage(UsageTotals):
 
 
 def _parse_time(value: str | None, default_ms: int, name: str) -> int:
-    """Epoch milliseconds or an ISO 8601 time (UTC unless it says otherwise)."""
+    """Epoch milliseconds or an ISO 8601 time (UTC unless it says otherwise), its basic
+    date form (20261130) included."""
     if value is None:
         return default_ms
+    # ISO 8601's basic date, 20261130: as epoch milliseconds it would be January 1970
+    if len(value) == 8 and value.isascii() and value.isdigit() and value[:2] in ("19", "20"):
+        with contextlib.suppress(ValueError):
+            return _parse_time(f"{value[:4]}-{value[4:6]}-{value[6:]}", default_ms, name)
     if value.isascii() and value.isdigit():
         if len(value) > MAX_EPOCH_MS_DIGITS:  # and int() refuses over 4,300 digits
             raise _not_a_time(name, value)
@@ -118,8 +124,18 @@ def _quoted(value: str) -> str:
     return f"{value[:QUOTED_CHARS]!r}... ({len(value)} characters)"
 
 
+def _each_once(request: Request) -> None:
+    """A 400 for a query parameter given twice: FastAPI would take the last one silently
+    (`group_by=model&group_by=node` grouped by node only)."""
+    params = request.query_params
+    twice = sorted({k for k in params.keys() if len(params.getlist(k)) > 1})
+    if twice:
+        raise HTTPException(400, f"{', '.join(twice)} given more than once; give each "
+                            "parameter once")
+
+
 def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs) -> APIRouter:
-    api = APIRouter(prefix="/v1/usage", tags=["usage"])
+    api = APIRouter(prefix="/v1/usage", tags=["usage"], dependencies=[Depends(_each_once)])
 
     def caller(authorization: str | None) -> str | None:
         """The tenant a key belongs to; None for an admin key; 401 otherwise."""
