@@ -171,6 +171,9 @@ def test_budget_exhaustion_and_reason() -> None:
     assert b.is_exhausted(usd, Totals(cost_nusd=1_500_000_000))
     text = b.reason(budget, b.period_of(0, "day"), Totals(prompt_tokens=100))
     assert "100 of 100 tokens" in text and "1970-01-02T00:00:00Z" in text
+    small = b.Budget(tenant="acme", period="day", limit=0.001, unit="usd")  # was $0.00 of $0.00
+    assert "$0.00100 of $0.00100" in b.reason(small, b.period_of(0, "day"),
+                                              Totals(cost_nusd=1_000_000))
 
 
 class FlagStore:

@@ -4,6 +4,7 @@ budget is exhausted. Pure; the store reads the spending and sets the router's fl
 from __future__ import annotations
 
 import calendar
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -98,9 +99,11 @@ def is_exhausted(budget: Budget, spending: Totals) -> bool:
 
 def reason(budget: Budget, window: PeriodWindow, spending: Totals) -> str:
     """What a client is told with its 429."""
+    # cents, or as many places as a limit under a dollar needs ($0.00 of $0.00 said nothing)
+    places = max(2, 2 - math.floor(math.log10(budget.limit)))
     amount = (f"{spent(spending, 'tokens'):.0f} of {budget.limit:.0f} tokens"
               if budget.unit == "tokens" else
-              f"${spent(spending, 'usd'):.2f} of ${budget.limit:.2f}")
+              f"${spent(spending, 'usd'):.{places}f} of ${budget.limit:.{places}f}")
     ends = datetime.fromtimestamp(window.end_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return (f"tenant '{budget.tenant}' has spent its {budget.period} budget ({amount} in "
             f"{window.label}); new requests are accepted again from {ends}, or raise the "
