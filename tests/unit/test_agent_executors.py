@@ -1107,3 +1107,25 @@ async def test_a_health_check_asked_before_a_fault_does_not_clear_it() -> None:
     await runtime._check_engine()  # asked after the fault: it clears it
     assert runtime.node.down is None
     await executor.close()
+
+
+async def test_a_token_no_record_can_hold_is_made_writable_whatever_the_executor() -> None:
+    """A lone surrogate from any executor made every record of its request unwritable:
+    the agent tried to publish its result forever."""
+    from gpusched_agent.adapters.executor import Job as ExecutorJob
+    from gpusched_common.contracts import RequestResult
+
+    class Surrogates(SimulatedExecutor):
+        def generate(self, job: ExecutorJob):  # noqa: ANN201
+            async def tokens():  # noqa: ANN202
+                for token in (" a", "\ud800", " b"):
+                    yield token
+            return tokens()
+
+    executor = Surrogates(time_scale=0.001, seed=0)
+    sent, _ = await run_on(executor, job("s", max_tokens=3).request)
+    for message in sent:
+        message.to_bytes()
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.text) == ("completed", " a? b")
+    await executor.close()

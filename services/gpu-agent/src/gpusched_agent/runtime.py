@@ -455,6 +455,7 @@ class AgentRuntime:
                         break  # so neither kept nor billed (and a hand-back stays valid)
                     if ttft_ms is None and not resume.tokens:
                         ttft_ms = float(self._clock() - request.created_at_ms)
+                    token = _writable(token)
                     pieces.append(token)
                     chunk.append(token)
                     run.completion_tokens = len(pieces)
@@ -671,6 +672,18 @@ async def _no_tokens() -> AsyncGenerator[str, None]:
     """What is left to generate for a resumed request that had all its tokens: nothing."""
     for token in ():
         yield token
+
+
+def _writable(token: str) -> str:
+    """`token` as UTF-8 can carry it: a lone surrogate (an executor's fault) becomes '?'.
+    Records holding one cannot be written, and their request would never end."""
+    if token.isascii():
+        return token
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        return token.encode(errors="replace").decode()
+    return token
 
 
 def _uncancel() -> None:
