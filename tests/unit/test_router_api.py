@@ -431,11 +431,48 @@ async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> 
     cancelled = []
     deadline_s = asyncio.get_running_loop().time() + 5
     events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
-                                    lambda: cancelled.append(True))]
+                                    cancelled.append)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert [json.loads(p)["choices"][0]["text"] for p in payloads[:2]] == [" The", " cat"]
     assert "started over" in json.loads(payloads[2])["error"]["message"]
-    assert payloads[3:] == ["[DONE]"] and cancelled == [True]
+    assert payloads[3:] == ["[DONE]"]
+    assert cancelled == ["its stream started over: the client was told to send it again"]
+
+
+@pytest.mark.parametrize("seqs", [(0, 1, 1), (0, 0, 1), (0, 1, 0, 1)])
+async def test_a_chunk_sent_twice_is_streamed_once_not_taken_for_a_start_over(seqs) -> None:
+    """An agent sends a record again when Kafka's answer to it was lost: the copy voided
+    the stream, cancelled the request and told the client to send it again (a second run,
+    billed twice) though it completed."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for seq in seqs:
+        queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=f" w{seq}",
+                                    token_count=1))
+    queue.put_nowait(_result("completed", "stop").model_copy(update={"text": " w0 w1"}))
+    cancelled: list = []
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+                                    cancelled.append)]
+    payloads = [json.loads(p) for p in (e.decode().removeprefix("data: ").strip()
+                                        for e in events) if p != "[DONE]"]
+    assert "".join(p["choices"][0]["text"] for p in payloads) == " w0 w1"
+    assert payloads[-1]["choices"][0]["finish_reason"] == "stop" and cancelled == []
+
+
+async def test_a_stream_past_its_deadline_tells_the_client_to_poll_and_cancels_nothing(
+) -> None:
+    """The 504 says the request still runs, but the stream's end cancelled it, as if its
+    client had gone ('client disconnected'); the reply without streaming cancels nothing."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" a", token_count=1))
+    cancelled: list = []
+    deadline_s = asyncio.get_running_loop().time() + 0.2
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+                                    cancelled.append)]
+    assert b"GET /v1/requests/" in events[-2] and events[-1] == b"data: [DONE]\n\n"
+    assert cancelled == []
 
 
 async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> None:

@@ -230,12 +230,12 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             raise
         accepted.labels(req.priority_class, "accepted").inc()
 
-        def abandoned() -> None:
+        def abandoned(why: str = "client disconnected") -> None:
             # The client hung up before the end: tell the agent running it to stop (it bills
             # what was produced), so a client's retry does not run it twice. With a key, the
             # retry gets this request's outcome instead: it runs on.
             if key is None:
-                send_cancel(request_id, "client disconnected")
+                send_cancel(request_id, why)
 
         return await answer(request, parsed, kind, queue, lambda: trace_id, abandoned)
 
@@ -334,7 +334,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
     async def answer(request: Request, parsed: ParsedRequest, kind: str,
                      queue: asyncio.Queue[ResultEvent], trace_id: Callable[[], str],
-                     abandoned: Callable[[], None] | None,
+                     abandoned: Callable[..., None] | None,
                      wait: WaitOutcome | None = None) -> Response:
         """The reply to a request taken in: wait for its first event (`wait(deadline_s,
         gone)` instead, where given), then answer with it or stream from it. `abandoned()`
@@ -578,24 +578,32 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
 
     next_seq = 0
     streamed: list[str] = []
+    seen: dict[int, str] = {}  # seq -> text of every chunk come
     gap = False  # a chunk never came: the rest is streamed from the result's text
+    started_over = False
     try:
         if chat:
             yield event("", None, opening=True)
         async with asyncio.timeout_at(deadline_s):
             async for ev in events():
                 if isinstance(ev, TokenChunk) and ev.seq < next_seq:
+                    if seen.get(ev.seq, ev.text) == ev.text:
+                        # A copy: an agent sends a record again when Kafka's answer was lost
+                        # (or a hole filled late, whose text comes with the result)
+                        continue
                     # Started over: its node was lost mid-run, and what was streamed is not
                     # what the new attempt generates (a preempted one goes on instead).
                     yield _data(ApiError(502, f"request {req.request_id} started over after "
                                          "its node was lost; the text streamed so far is "
                                          "void: send the request again").body())
-                    break  # not ended: abandoned() cancels the new attempt
+                    started_over = True  # not ended: the new attempt is cancelled
+                    break
                 if isinstance(ev, TokenChunk):
                     # Chunks are sent without waiting for Kafka's answer (the request's end
                     # is not): one Kafka dropped in an outage leaves a hole in the sequence.
                     gap = gap or ev.seq > next_seq
                     next_seq = ev.seq + 1
+                    seen[ev.seq] = ev.text
                     if not gap:
                         streamed.append(ev.text)
                         yield event(ev.text, None)
@@ -613,12 +621,15 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                     yield _data({**base, "object": obj, "choices": [], "usage": _usage(ev)})
                 break
         yield b"data: [DONE]\n\n"
-    except TimeoutError:
+    except TimeoutError:  # the request runs on: its client is told to poll for it
+        ended = True
         yield _data(_timed_out(req.request_id).body())
+        yield b"data: [DONE]\n\n"
     finally:
         done()
         if not ended and abandoned is not None:
-            abandoned()
+            abandoned("its stream started over: the client was told to send it again"
+                      if started_over else "client disconnected")
 
 
 def _data(payload: dict[str, Any]) -> bytes:
