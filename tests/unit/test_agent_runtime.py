@@ -491,3 +491,97 @@ async def test_dropped_chunks_warn_once_per_request_and_are_all_counted(caplog) 
     assert [w.split()[2] for w in warned] == ["a", "b", "c", "a"]
     assert "TokenChunk for a dropped by Kafka" in warned[0] and "no leader" in warned[0]
     assert registry.get_sample_value("dropped_total", {"message": "TokenChunk"}) == 8
+
+
+@pytest.mark.parametrize("raw", [b'{"final": 5}', b'{"final": null}', b'{"final": [5]}',
+                                 b'{"final": [{}]}', b'{"final": [{"topic": "gpusched.usage"}]}',
+                                 b'{"final": [{"topic": [], "value": "", "key": ""}]}'])
+def test_an_outbox_of_another_shape_is_a_value_error(raw: bytes) -> None:
+    """KeyError or TypeError escaped `recover` (which drops a ValueError's entry with a
+    log line), so the agent could not start."""
+    from gpusched_common import outbox
+
+    with pytest.raises(ValueError):
+        outbox.decode(raw)
+
+
+@pytest.mark.parametrize("change", [{"gpu_indices": (-5,)}, {"gpu_indices": (1, -1)},
+                                    {"placement_id": ""}, {"placement_id": "p" * 301}])
+def test_a_placement_the_agent_could_not_end_is_invalid_on_the_wire(change) -> None:
+    """Taken, (-5,) raised IndexError inside the run, and an id over 300 characters made its
+    final usage invalid: no result, no hand-back, no usage, and the claim left behind made
+    the next start fail in `recover`; (1, -1) ran a 2-GPU gang on GPU 1 alone."""
+    from pydantic import ValidationError
+
+    from gpusched_common.contracts import PLACEMENT
+
+    raw = placement("bad").model_dump(mode="json") | change
+    with pytest.raises(ValidationError):
+        PLACEMENT.validate_python(raw)
+
+
+async def test_a_drain_goes_on_when_kafka_refuses_its_reports() -> None:
+    """The first report's time-out ended the drain at once: nothing running was stopped,
+    handed back or billed."""
+    sink = Sink()
+
+    async def refusing_node_states(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        if isinstance(message, NodeState):
+            raise TimeoutError("Kafka away")
+        await sink(message, topic, key, wait)
+
+    runtime, _, _ = make(time_scale=1.0, sink=sink)
+    runtime._publish = refusing_node_states  # type: ignore[method-assign]
+    await runtime.command(placement("d", max_tokens=2000))
+    await until_tokens(sink, 1)
+    await runtime.drain(timeout_s=0.05)
+    [again] = sink.of(InferenceRequest)
+    assert again.requeued == "node_lost" and runtime.in_flight == 0
+    assert sum(u.final for u in sink.of(UsageRecord)) == 1
+
+
+async def test_a_token_chunk_kafka_refuses_goes_with_the_result() -> None:
+    """A send that raised (no metadata, a full buffer) failed a healthy request as an
+    'executor error'."""
+    sink, refused = Sink(), []
+
+    async def refusing_a_chunk(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        if isinstance(message, TokenChunk) and message.seq == 1 and not refused:
+            refused.append(message)
+            raise TimeoutError("metadata not available")
+        await sink(message, topic, key, wait)
+
+    runtime, _, _ = make(sink=sink)
+    runtime._publish = refusing_a_chunk  # type: ignore[method-assign]
+    await runtime.command(placement("k", max_tokens=10))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "completed" and result.completion_tokens == 10
+    assert [c.seq for c in sink.of(TokenChunk)] == [0, 2, 3] and refused
+
+
+async def test_recover_sends_filed_records_again_while_kafka_is_away_at_start() -> None:
+    """The first refusal raised out of `recover`: the agent failed to start whenever Kafka
+    was briefly away."""
+    crashed, dying, ledger = make(sink=DiesPublishingTheResult())
+    await crashed.command(placement("done", max_tokens=6))
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == "done#0"]
+    async with asyncio.timeout(5):
+        while not dying.refused:
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    class AwayOnce(Sink):
+        async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
+            if not hasattr(self, "refused"):
+                self.refused = True
+                raise ConnectionError("Kafka is not up yet")
+            await super().__call__(message, topic, key, wait)
+
+    restarted, sink, _ = make(ledger=ledger, now_ms=2_000, sink=AwayOnce())
+    async with asyncio.timeout(10):
+        assert await restarted.recover() == 0
+    [result] = sink.of(RequestResult)
+    assert result.status == "completed" and ledger.held == {"n1": {}}

@@ -26,6 +26,9 @@ PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 
+PlacementId = Annotated[str, Field(min_length=1, max_length=300)]
+"""'<request_id>#<attempt>' (a request id is 128 characters at most)."""
+
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
 Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="Sampling seed: a 64-bit "
@@ -235,10 +238,11 @@ class Placement(Message):
     """A scheduler's command to run one request on GPUs of one node (keyed by node id)."""
 
     type: Literal["placement"] = "placement"
-    placement_id: str = Field(description="'<request_id>#<attempt>': unique per attempt.")
+    placement_id: PlacementId = Field(description="'<request_id>#<attempt>': unique per "
+                                      "attempt.")
     node_id: Name
-    gpu_indices: tuple[int, ...] = Field(min_length=1, max_length=8,
-                                         description="All GPUs of the gang; one usually.")
+    gpu_indices: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        min_length=1, max_length=8, description="All GPUs of the gang; one usually.")
     kv_cache_mib: int = Field(ge=0, description="KV cache reserved on each of its GPUs.")
     scheduler_epoch: int = Field(ge=0, description="Fencing token of the scheduler that placed it.")
     placed_at_ms: int
@@ -250,7 +254,7 @@ class Preempt(Message):
     the agent bills usage so far and hands the request back with requeued='preempted'."""
 
     type: Literal["preempt"] = "preempt"
-    placement_id: str
+    placement_id: PlacementId
     request_id: RequestId
     node_id: Name
     scheduler_epoch: int = Field(ge=0)
@@ -331,7 +335,7 @@ class UsageRecord(Message):
     type: Literal["usage"] = "usage"
     event_id: str = Field(min_length=1, max_length=200)
     request_id: RequestId
-    placement_id: str = Field(min_length=1, max_length=300)
+    placement_id: PlacementId
     tenant: Name  # accounting stores "<tenant> <model>": neither may hold a space
     model: Name
     priority_class: PriorityClass

@@ -29,8 +29,14 @@ def decode(raw: bytes) -> list[Final] | None:
     value = json.loads(raw)
     if not isinstance(value, dict) or "final" not in value:
         return None
+    if not isinstance(value["final"], list):
+        raise ValueError("an outbox whose records are not a list")
     out: list[Final] = []
     for record in value["final"]:
+        if not isinstance(record, dict) or not {"topic", "value", "key"} <= record.keys() \
+                or not all(isinstance(record[k], str) for k in ("topic", "value", "key")):
+            raise ValueError(f"an outbox record that is not a topic, value and key: "
+                             f"{str(record)[:100]}")
         read = _READERS.get(record["topic"])
         if read is None:
             raise ValueError(f"an outbox record for topic {record['topic']!r}")

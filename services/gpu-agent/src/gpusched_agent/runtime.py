@@ -276,7 +276,7 @@ class AgentRuntime:
         """SIGTERM: stop taking work, let running requests finish for up to `timeout_s`,
         hand back what still runs (usage so far billed), publish the final state."""
         self.status = "draining"
-        await self.report()
+        await self._report_if_kafka_takes_it()
         tasks = [r.task for r in self._running.values() if r.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
@@ -286,7 +286,16 @@ class AgentRuntime:
         if tasks:
             await asyncio.wait(tasks, timeout=10)
         self.status = "stopped"
-        await self.report()
+        await self._report_if_kafka_takes_it()
+
+    async def _report_if_kafka_takes_it(self) -> None:
+        """A report the drain goes on without: Kafka away must not keep the work running
+        here from being handed back."""
+        try:
+            await self.report()
+        except Exception:
+            log.warning("node state %s not published; draining all the same", self.status,
+                        exc_info=True)
 
     # --- one placement -------------------------------------------------------------------
     async def _run(self, run: _Running) -> None:
@@ -346,8 +355,8 @@ class AgentRuntime:
                           pid, exc)
             else:
                 log.info("publishing again the final records of %s an earlier run filed", pid)
-                for message, topic, key in finals:
-                    await self._publish(message, topic, key)
+                for message, topic, key in finals:  # Kafka away at start: until it is back
+                    await self._publish_until_sent(message, topic, key)
             await self._release(pid)
         placed = await self._ledger.still_placed([p.placement_id for p in left])
         for placement, still in zip(left, placed, strict=True):
@@ -468,10 +477,15 @@ class AgentRuntime:
                         ready = _streamable(chunk, streamed_chars, stops.final_chars)
                         if ready:
                             text = "".join(chunk[:ready])
-                            await self._publish(
-                                TokenChunk(request_id=request.request_id, seq=seq, text=text,
-                                           token_count=ready),
-                                topics.RESULTS.name, request.request_id, wait=False)
+                            try:
+                                await self._publish(
+                                    TokenChunk(request_id=request.request_id, seq=seq,
+                                               text=text, token_count=ready),
+                                    topics.RESULTS.name, request.request_id, wait=False)
+                            except Exception:  # Kafka away (buffer full, no metadata): as
+                                # a chunk it drops, its text goes with the result
+                                log.warning("token chunk %d of %s not sent", seq,
+                                            request.request_id, exc_info=True)
                             seq, chunk = seq + 1, chunk[ready:]
                             streamed_chars += len(text)
                     if self._mono() - last_partial_s >= self._usage_interval_s:

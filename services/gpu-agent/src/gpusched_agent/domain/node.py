@@ -108,7 +108,7 @@ class NodeModel:
         indices = placement.gpu_indices
         if len(set(indices)) != len(indices):
             return Refused(f"GPU indices {indices} repeat")
-        missing = [i for i in indices if i >= len(self.gpus)]
+        missing = [i for i in indices if not 0 <= i < len(self.gpus)]
         if missing:
             return Refused(f"node has no GPU {missing[0]}")
         if self.down is not None:
