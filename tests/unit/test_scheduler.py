@@ -1353,3 +1353,35 @@ def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
     for i in range(1000):
         book.admit("t", 1, now_ms=i * 1000)
     assert len(book._admitted["t"]) <= 61  # noqa: SLF001 - the bound is the point
+
+
+async def test_a_cycle_places_on_while_redis_cannot_fence_an_untaken_placement() -> None:
+    """The untaken check's fence raised out of `cycle()`: with Redis away, no cycle placed
+    anything once a placement had gone untaken for the time-out."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0], untaken_timeout_ms=30_000)
+
+    class RedisAway:
+        async def save(self, placements) -> None:  # noqa: ANN001
+            pass
+
+        async def fence(self, ids):  # noqa: ANN001, ANN201
+            raise ConnectionError("Redis away")
+
+    engine._store = RedisAway()  # type: ignore[assignment]
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, request_id: str) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+            "max_tokens": 3, "created_at_ms": now[0]}).encode())
+
+    engine.view.apply_node_state(node("a", [80000, 80000]), now[0])
+    await engine.admit([record(0, "r1")])
+    assert await engine.cycle() == 1
+    now[0] = 40_000  # r1 never listed by its agent, which kept reporting
+    engine.view.apply_node_state(node("a", [80000, 80000], seq=2), now[0])
+    await engine.admit([record(1, "r2")])
+    assert await engine.cycle() == 1
+    assert [PLACEMENT.validate_json(v).request.request_id
+            for v in sent[topics.PLACEMENTS.name]] == ["r1", "r2"]

@@ -925,10 +925,15 @@ class SchedulingEngine:
                    and now_ms - r.placed_at_ms > timeout
                    and seen.get(r.node_id, 0) - r.placed_at_ms > timeout]
         if untaken and self._store is not None:
-            fenced = await self._store.fence([r.placement_id for r in untaken])
-            taken = [r for r, won in zip(untaken, fenced, strict=True) if not won]
-            untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
-            await self._drop_ended(taken)
+            try:
+                fenced = await self._store.fence([r.placement_id for r in untaken])
+                taken = [r for r, won in zip(untaken, fenced, strict=True) if not won]
+                untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
+                await self._drop_ended(taken)
+            except Exception:  # Redis away: the cycle places on; looked at again next second
+                log.warning("could not fence %d untaken placements; trying again later",
+                            len(untaken), exc_info=True)
+                return
         if untaken:
             await self._retry(untaken, "never took its placement")
 
