@@ -1385,3 +1385,17 @@ async def test_a_cycle_places_on_while_redis_cannot_fence_an_untaken_placement()
     assert await engine.cycle() == 1
     assert [PLACEMENT.validate_json(v).request.request_id
             for v in sent[topics.PLACEMENTS.name]] == ["r1", "r2"]
+
+
+async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_work() -> None:
+    """A tenant below its guarantee preempted for work beyond it: placed, that work was
+    borrowed, and its victim's hand-back (inside its own tenant's guarantee) preempted it
+    in turn, every 15 s, while the victim never ran."""
+    engine, _ = leading_engine()
+    batch = topics.REQUESTS["batch"].name
+    assert CATALOG.get("llama-3.1-8b").weight_memory_mib > 4000  # umbrella's guarantee
+    await engine.admit([request_record(batch, offset, json.dumps({
+        "request_id": request_id, "tenant": "umbrella", "model": model, "prompt": "hi",
+        "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
+            [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
+    assert engine._may_preempt() == {"inside": 0}

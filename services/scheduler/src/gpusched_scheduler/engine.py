@@ -52,6 +52,7 @@ from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     estimate_gpu_s,
     fleet_gpu_mib,
+    memory_per_gpu,
     plan_cycle,
     request_tokens,
     request_weights,
@@ -786,7 +787,9 @@ class SchedulingEngine:
 
     def _may_preempt(self) -> dict[str, int]:
         """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
-        still inside its GPU memory guarantee may reclaim borrowed work (ceiling 0)."""
+        that stays inside its GPU memory guarantee once placed may reclaim borrowed work
+        (ceiling 0). Work that would itself be borrowed may not: its victim, handed back
+        inside its own tenant's guarantee, would preempt it in turn, and so on forever."""
         out: dict[str, int] = {}
         for item in self.queue.in_order():
             request = item.request
@@ -796,7 +799,11 @@ class SchedulingEngine:
                 out[request.request_id] = 1
                 continue
             guarantee = self._guarantee(request.tenant)
-            if guarantee is not None and self.running.memory_mib(request.tenant) < guarantee:
+            model = self.catalog.get(request.model)
+            if guarantee is None or model is None:
+                continue
+            need = sum(memory_per_gpu(request, model)) * request.num_gpus  # weights counted
+            if self.running.memory_mib(request.tenant) + need <= guarantee:
                 out[request.request_id] = 0
         return out
 
