@@ -1399,3 +1399,35 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
     assert engine._may_preempt() == {"inside": 0}
+
+
+async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
+    """i1 preempts b1; i2, a cycle later, chose b1 again (the engine forgot its preempts
+    between cycles), so b0 ran on and i2 waited for the preemption time-out, 15 s."""
+    from gpusched_scheduler.domain.planner import memory_per_gpu
+
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+
+    def record(topic: str, offset: int, request_id: str, max_tokens: int) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[topic].name, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
+            "max_tokens": max_tokens, "created_at_ms": now[0]}).encode())
+
+    batch_kv = memory_per_gpu(InferenceRequest(
+        request_id="b", tenant="acme", model=SMALL.name, prompt="x", max_tokens=8000,
+        created_at_ms=0), SMALL)[0]
+    engine.view.apply_node_state(node("a", [2 * batch_kv + 40], models=(SMALL.name,)), now[0])
+    await engine.admit([record("batch", 0, "b0", 8000), record("batch", 1, "b1", 8000)])
+    assert await engine.cycle() == 2
+    engine.view.apply_node_state(node("a", [40], models=(SMALL.name,), seq=2,
+                                      active=("b0#0", "b1#0")), now[0])
+    victims = []
+    for offset, request_id in enumerate(["i1", "i2"]):
+        now[0] += 100
+        before = len(sent[topics.PLACEMENTS.name])
+        await engine.admit([record("interactive", offset, request_id, 7000)])
+        await engine.cycle()
+        victims += [json.loads(v)["placement_id"] for v in sent[topics.PLACEMENTS.name][before:]
+                    if json.loads(v)["type"] == "preempt"]
+    assert sorted(victims) == ["b0#0", "b1#0"]

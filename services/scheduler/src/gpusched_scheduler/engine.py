@@ -271,6 +271,9 @@ class SchedulingEngine:
         outbox after a crash) is not charged twice; bounded by RECENT_DECISIONS."""
         self._preempting: dict[str, int] = {}
         """Request id -> ms until which its preemption is in progress (not planned again)."""
+        self._victims: dict[str, int] = {}
+        """Placement id -> until when: running work a preempt was sent for (not chosen as a
+        victim again meanwhile, by another request that would then wait for its room)."""
         self._node_specs = NodeSpecCache()
         self._untaken_checked_ms = 0
         self._inherited: dict[str, ClaimState] = {}
@@ -532,10 +535,13 @@ class SchedulingEngine:
         snap = snapshot(self.view, self.view.live_nodes(now, cfg.node_timeout_ms),
                         self._node_specs)
         self._preempting = {r: t for r, t in self._preempting.items() if t > now}
+        self._victims = {p: t for p, t in self._victims.items() if t > now}
         solve_started = time.perf_counter()
-        # Inline: at most max_units_per_cycle units keep it short enough for the event loop
+        # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
+        # work told to stop already is no victim to choose again (its room is promised)
         decisions = plan_cycle(
-            snap, chunks, self.catalog, cfg.policy, self.running.values(),
+            snap, chunks, self.catalog, cfg.policy,
+            [r for r in self.running.values() if r.placement_id not in self._victims],
             now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view))
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
@@ -576,6 +582,7 @@ class SchedulingEngine:
         for pre in decisions.preemptions:
             self._preempting[pre.item.request.request_id] = now + cfg.preemption_timeout_ms
             for victim in pre.victims:
+                self._victims[victim.placement_id] = now + cfg.preemption_timeout_ms
                 self._metrics.preemptions.inc()
                 messages.append((pre.item, Outgoing(Preempt(
                     placement_id=victim.placement_id, request_id=victim.request.request_id,
