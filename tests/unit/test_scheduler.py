@@ -1431,3 +1431,37 @@ async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
         victims += [json.loads(v)["placement_id"] for v in sent[topics.PLACEMENTS.name][before:]
                     if json.loads(v)["type"] == "preempt"]
     assert sorted(victims) == ["b0#0", "b1#0"]
+
+
+async def test_requests_waiting_in_one_cycle_preempt_only_the_victims_they_need() -> None:
+    """One batch victim frees room for both interactive requests; each was planned on the
+    state before any preemption, so each got a victim of its own, and the second victim's
+    progress was thrown away for nothing."""
+    from gpusched_scheduler.domain.planner import memory_per_gpu
+
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+
+    def request(request_id: str, cls: str, max_tokens: int) -> InferenceRequest:
+        return InferenceRequest(request_id=request_id, tenant="acme", model=SMALL.name,
+                                prompt="x", max_tokens=max_tokens, priority_class=cls,
+                                created_at_ms=now[0])
+
+    def record(offset: int, r: InferenceRequest) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[r.priority_class].name, offset, r.to_bytes())
+
+    batch_kv = memory_per_gpu(request("b", "batch", 22000), SMALL)[0]
+    assert 2 * memory_per_gpu(request("i", "interactive", 10000), SMALL)[0] < batch_kv
+    engine.view.apply_node_state(node("a", [2 * batch_kv + 5], models=(SMALL.name,)), now[0])
+    await engine.admit([record(0, request("b0", "batch", 22000)),
+                        record(1, request("b1", "batch", 22000))])
+    assert await engine.cycle() == 2
+    engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2,
+                                      active=("b0#0", "b1#0")), now[0])
+    now[0] = 10_000
+    before = len(sent[topics.PLACEMENTS.name])
+    await engine.admit([record(0, request("i1", "interactive", 10000)),
+                        record(1, request("i2", "interactive", 10000))])
+    await engine.cycle()
+    commands = [json.loads(v) for v in sent[topics.PLACEMENTS.name][before:]]
+    assert [c["type"] for c in commands] == ["preempt"]

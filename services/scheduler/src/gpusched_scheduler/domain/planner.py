@@ -288,17 +288,39 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             state = evicting.state
     if running and may_preempt:
         taken: set[str] = set()
+        # the state once this cycle's victims have stopped and their preemptors run: work
+        # that fits in what is left of the room they free waits for it, and the next plan
+        # needs only the victims that room lacks
+        freed: ClusterState | None = None
         for item in waiting:
             if len(preemptions) >= max_preemptions:
                 break
             ceiling = may_preempt.get(item.request.request_id)
             if ceiling is None:
                 continue
-            plan = _plan(state, snap, item, catalog, running, now_ms, ceiling, taken)
+            unit = _batch([item.request], catalog)
+            if freed is not None:
+                trial = solve(freed, unit, policy, shapes=shapes)
+                if hasattr(trial.outcome(0), "gpu_indices"):
+                    freed = trial.state
+                    continue
+            plan = _plan(freed or state, snap, item, catalog, running, now_ms, ceiling, taken)
             if plan is not None:
                 preemptions.append(plan)
                 taken |= {v.placement_id for v in plan.victims}
+                freed = _stopped(freed or state, snap, plan, unit, policy, shapes)
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _stopped(state: ClusterState, snap: Snapshot, plan: Preemption, unit: WorkBatch,
+             policy: str, shapes: ShapeDistribution | None) -> ClusterState:
+    """`state` once `plan`'s victims have freed their KV caches and its request runs."""
+    out = state.copy()
+    for victim in plan.victims:
+        start = int(out.node_gpu_start[snap.node_index[victim.node_id]])
+        for g in victim.gpu_indices:
+            out.gpu_mem_free_mib[start + g] += victim.kv_cache_mib
+    return solve(out, unit, policy, shapes=shapes).state
 
 
 def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Placed) -> Place:
