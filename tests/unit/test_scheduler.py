@@ -3,6 +3,7 @@ broker (TestKafkaBroker) for node state; request records go to the engine as the
 consumer hands them: valid requests are placed, bad records are dead-lettered."""
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -1465,3 +1466,34 @@ async def test_requests_waiting_in_one_cycle_preempt_only_the_victims_they_need(
     await engine.cycle()
     commands = [json.loads(v) for v in sent[topics.PLACEMENTS.name][before:]]
     assert [c["type"] for c in commands] == ["preempt"]
+
+
+async def test_a_cycle_undone_gives_back_a_cancelled_requests_charge_once() -> None:
+    """hooli admits A and B (1,000 tokens each); A is cancelled, and the cycle that ends it
+    fails to publish: queued again, A was ended and refunded again, which took B's
+    identical charge too, though B still waits."""
+    engine, sent = leading_engine()
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, offset, json.dumps({
+        "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 999}).encode()) for offset, request_id in enumerate(["A", "B"])])
+    charged = engine.quotas.tokens_last_minute("hooli", 1000)
+    await engine.cancels([ConsumerRecord(topics.CONTROL.name, 0, 0, 1000, 0, b"A", Cancel(
+        request_id="A", reason="gone", at_ms=1000).to_bytes(), None, 0, 0, ())])
+    send = engine._send
+
+    async def kafka_away(batch):  # noqa: ANN001, ANN202
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(ConnectionError("Kafka away"))
+        return failed
+
+    engine._send = kafka_away  # type: ignore[method-assign]
+    with contextlib.suppress(ConnectionError):
+        await engine.cycle()
+    await asyncio.sleep(0.01)
+    engine._send = send  # type: ignore[method-assign]
+    await engine.cycle()
+    assert [RESULT_EVENT.validate_json(v).status for v in sent[topics.RESULTS.name]] == [
+        "cancelled"]
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == charged // 2
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["B"]

@@ -736,7 +736,8 @@ class SchedulingEngine:
     def _refund(self, item: Pending) -> None:
         """Give back the quota charge of work that ends unrun, if its admission took one."""
         request = item.request
-        if self._charges_quota(request, item.enqueued_ms):
+        if not item.refunded and self._charges_quota(request, item.enqueued_ms):
+            item.refunded = True  # once: a cycle undone queues it again, to end it again
             self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
 
     def _known(self, key: tuple[str, int]) -> tuple[int, Pending | None] | None:

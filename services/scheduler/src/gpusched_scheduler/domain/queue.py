@@ -22,6 +22,8 @@ class Pending:
     enqueued_ms: int
     decided: bool = False
     """Placed or rejected, and that decision published: its records may be committed."""
+    refunded: bool = False
+    """Its quota charge was given back (a cycle undone puts it in the queue again)."""
 
     @property
     def key(self) -> Key:
