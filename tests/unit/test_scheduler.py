@@ -1497,3 +1497,35 @@ async def test_a_cycle_undone_gives_back_a_cancelled_requests_charge_once() -> N
         "cancelled"]
     assert engine.quotas.tokens_last_minute("hooli", 1000) == charged // 2
     assert [p.request.request_id for p in engine.queue.in_order()] == ["B"]
+
+
+async def test_a_request_whose_placement_went_out_in_an_undone_cycle_never_expires() -> None:
+    """Kafka's answer to a placement failed (it may have been written): the cycle was
+    undone, and the request, past its queue limit by the next cycle, ended 503 'never
+    placed, nothing billed' while its placement could run."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    engine.view.apply_node_state(node("a", [80000]), now[0])
+    send = engine._send
+
+    async def unanswered(batch):  # noqa: ANN001, ANN202
+        for out in batch:  # written, but the answer is lost
+            sent.setdefault(out.topic, []).append(out.message.to_bytes())
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(TimeoutError("no answer from Kafka"))
+        return failed
+
+    engine._send = unanswered  # type: ignore[method-assign]
+    await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, json.dumps({
+        "request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 3, "max_queue_ms": 2000, "created_at_ms": now[0]}).encode())])
+    now[0] = 2500
+    with contextlib.suppress(TimeoutError):
+        await engine.cycle()
+    await asyncio.sleep(0.01)
+    engine._send = send  # type: ignore[method-assign]
+    now[0] = 3500  # past its limit
+    await engine.cycle()
+    assert topics.RESULTS.name not in sent  # no 503
+    assert [PLACEMENT.validate_json(v).placement_id for v in sent[topics.PLACEMENTS.name]] == [
+        "r#0", "r#0"]

@@ -669,8 +669,10 @@ class SchedulingEngine:
         for r in new_running:
             self.running.pop(r.placement_id, None)
             self.view.release(r.placement_id)
+        sent = {r.placement_id for r in new_running}
         for item in finished:
             self._placed.pop((item.request.request_id, item.request.attempt), None)
+            item.placed_once |= _placement_id(*item.key) in sent
             if requeue:
                 self.queue.push(item)
                 if item.request.request_id in self._cancelled:
@@ -718,7 +720,7 @@ class SchedulingEngine:
         for item in list(self.queue.in_order()):
             request = item.request
             limit_ms, source = self.queue_limit(request)
-            if not _past(limit_ms, request, now_ms):
+            if item.placed_once or not _past(limit_ms, request, now_ms):
                 continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)

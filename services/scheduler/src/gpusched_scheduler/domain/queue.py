@@ -24,6 +24,9 @@ class Pending:
     """Placed or rejected, and that decision published: its records may be committed."""
     refunded: bool = False
     """Its quota charge was given back (a cycle undone puts it in the queue again)."""
+    placed_once: bool = False
+    """A placement of it went out in a cycle then undone (Kafka's answer failed): it may
+    run, so it never expires; it is planned again, and run once by its agent's claim."""
 
     @property
     def key(self) -> Key:
