@@ -1529,3 +1529,21 @@ async def test_a_request_whose_placement_went_out_in_an_undone_cycle_never_expir
     assert topics.RESULTS.name not in sent  # no 503
     assert [PLACEMENT.validate_json(v).placement_id for v in sent[topics.PLACEMENTS.name]] == [
         "r#0", "r#0"]
+
+
+async def test_a_preempted_request_counts_once_in_flight() -> None:
+    """hooli (3 in flight at most) runs h0 and h1; h0's hand-back is read before its final
+    usage (another topic): h0 counted twice, and a third request got a 429 at 2 in flight."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("a", [80000, 80000]), 1000)
+
+    def record(offset: int, request_id: str, cls: str = "standard", **extra) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[cls].name, offset, json.dumps({
+            "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+            "max_tokens": 10, "priority_class": cls} | extra).encode())
+
+    await engine.admit([record(0, "h0"), record(1, "h1")])
+    assert await engine.cycle() == 2
+    await engine.admit([record(2, "h0", attempt=1, requeued="preempted")])  # its hand-back
+    await engine.admit([record(3, "h2")])
+    assert topics.RESULTS.name not in sent  # no 429

@@ -791,9 +791,18 @@ class SchedulingEngine:
         if tenant is None or (tenant.quota.max_inflight_requests is None
                               and tenant.quota.tokens_per_minute is None):
             return None
-        inflight = self.queue.by_tenant[tenant.name] + self.running.count(tenant.name)
+        inflight = self.queue.by_tenant[tenant.name] + self.running.count(tenant.name) \
+            - self._handed_back_while_running(tenant.name)
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
+
+    def _handed_back_while_running(self, tenant: str) -> int:
+        """Requests of `tenant` counted twice in flight: a later attempt queued while an
+        earlier one still counts as running (a hand-back read before its final usage)."""
+        return sum(1 for keys in self.queue.by_request.values() for rid, attempt in keys
+                   if attempt and (item := self.queue.get((rid, attempt))) is not None
+                   and item.request.tenant == tenant
+                   and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
     def _may_preempt(self) -> dict[str, int]:
         """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
