@@ -402,11 +402,9 @@ class DiesPublishingTheResult(Sink):
         await super().__call__(message, topic, key, wait)
 
 
-async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_not_a_rerun(
-) -> None:
-    """The scheduler still counts `done` as placed (it has not read the final usage yet):
-    the next run publishes the filed final records again (the usage applies once: same
-    event id) and hands nothing back, so the request has its result and runs once."""
+async def died_publishing_the_result() -> tuple[DiesPublishingTheResult, MemoryLedger]:
+    """A run of 'done' (6 tokens) killed while Kafka refuses its result: what it published,
+    and the ledger it filed its final records in."""
     crashed, dying, ledger = make(sink=DiesPublishingTheResult())
     await crashed.command(placement("done", max_tokens=6))
     [task] = [t for t in asyncio.all_tasks() if t.get_name() == "done#0"]
@@ -416,6 +414,15 @@ async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_n
     task.cancel()  # the process dies while the result waits for Kafka
     with pytest.raises(asyncio.CancelledError):
         await task
+    return dying, ledger
+
+
+async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_not_a_rerun(
+) -> None:
+    """The scheduler still counts `done` as placed (it has not read the final usage yet):
+    the next run publishes the filed final records again (the usage applies once: same
+    event id) and hands nothing back, so the request has its result and runs once."""
+    dying, ledger = await died_publishing_the_result()
     [billed] = dying.of(UsageRecord)
     assert (billed.event_id, billed.completion_tokens) == ("done#0:final", 6)
     assert list(ledger.held["n1"]) == ["done#0"]
@@ -563,15 +570,7 @@ async def test_a_token_chunk_kafka_refuses_goes_with_the_result() -> None:
 async def test_recover_sends_filed_records_again_while_kafka_is_away_at_start() -> None:
     """The first refusal raised out of `recover`: the agent failed to start whenever Kafka
     was briefly away."""
-    crashed, dying, ledger = make(sink=DiesPublishingTheResult())
-    await crashed.command(placement("done", max_tokens=6))
-    [task] = [t for t in asyncio.all_tasks() if t.get_name() == "done#0"]
-    async with asyncio.timeout(5):
-        while not dying.refused:
-            await asyncio.sleep(0.005)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    _, ledger = await died_publishing_the_result()
 
     class AwayOnce(Sink):
         async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
