@@ -584,3 +584,31 @@ async def test_recover_sends_filed_records_again_while_kafka_is_away_at_start() 
         assert await restarted.recover() == 0
     [result] = sink.of(RequestResult)
     assert result.status == "completed" and ledger.held == {"n1": {}}
+
+
+async def test_a_gpu_read_that_never_answers_marks_the_gpus_unhealthy_not_the_heartbeat() -> None:
+    """NVML stuck on a GPU fallen off the bus held the heartbeat: no node state went out,
+    while the agent still said in Redis it was alive, so the scheduler kept its stale view."""
+    from gpusched_agent.runtime import INVENTORY_STUCK_S
+
+    now_s, answer = [0.0], asyncio.Event()
+    inventory = parse_simulated("2xH100-80GB", "n1")
+
+    async def read() -> list:
+        await answer.wait()
+        return inventory
+
+    runtime = AgentRuntime("n1", NodeModel.from_inventory(inventory), CATALOG,
+                           SimulatedExecutor(0.01, seed=7), Sink(), MemoryLedger(), lambda: 0,
+                           chunk_tokens=4, heartbeat_s=1.0, read_inventory=read,
+                           monotonic=lambda: now_s[0])
+    async with asyncio.timeout(5):
+        await runtime._reread_inventory()  # returns after a second, unanswered
+        assert all(g.info.healthy for g in runtime.node.gpus)
+        now_s[0] = INVENTORY_STUCK_S
+        await runtime._reread_inventory()
+        assert [g.info.unhealthy_reason for g in runtime.node.gpus] == [
+            "reading the GPUs (NVML) has not answered for 30 s"] * 2
+        answer.set()
+        await runtime._reread_inventory()  # it answers at last: healthy again
+    assert all(g.info.healthy for g in runtime.node.gpus)

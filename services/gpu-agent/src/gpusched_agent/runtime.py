@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job, PromptTokens
 from gpusched_agent.adapters.ledger import PlacementLedger
@@ -54,6 +54,8 @@ MAX_ATTEMPTS = 5
 PUBLISH_RETRY_MAX_S = 5.0
 """Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
+INVENTORY_STUCK_S = 30.0
+"""A GPU read (NVML) not answered for this long marks the node's GPUs unhealthy."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ class AgentRuntime:
         self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
         """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
         self._downs = 0
+        self._reading: asyncio.Task[Sequence[GpuInfo]] | None = None
+        """The GPU read in progress (`_reread_inventory`), and since when."""
+        self._reading_since = 0.0
         """How many times the executor was found unavailable: a health check asked before
         the latest of them cannot clear it."""
 
@@ -156,6 +161,8 @@ class AgentRuntime:
             await self._report_forever()
         finally:
             alive.cancel()
+            if self._reading is not None:
+                self._reading.cancel()
 
     async def _say_alive_forever(self) -> None:
         """The scheduler does not retry the work of a node it cannot hear while this holds."""
@@ -177,14 +184,35 @@ class AgentRuntime:
                 await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
             self._dirty.clear()
             if self._read_inventory is not None:
-                try:
-                    if self.node.refresh(await self._read_inventory()):
-                        log.warning("GPU health changed: %s", [
-                            (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
-                except Exception:  # a failed read must not stop the heartbeat
-                    log.exception("re-reading the GPU inventory failed")
+                await self._reread_inventory()
             await self._check_engine()
             await asyncio.sleep(0.05)
+
+    async def _reread_inventory(self) -> None:
+        """Take fresh GPU readings (health, telemetry) into the node model. A read that has
+        not answered for INVENTORY_STUCK_S (NVML on a GPU fallen off the bus) is not
+        waited for: the heartbeat goes on, the GPUs are reported unhealthy with the reason,
+        and the next read is asked for once that one answers."""
+        assert self._read_inventory is not None
+        if self._reading is None:
+            self._reading, self._reading_since = (asyncio.create_task(self._read_inventory()),
+                                                  self._mono())
+        done, _ = await asyncio.wait({self._reading}, timeout=1.0)
+        if not done:
+            stuck_s = self._mono() - self._reading_since
+            if stuck_s >= INVENTORY_STUCK_S and any(g.info.healthy for g in self.node.gpus):
+                log.error("reading the GPUs has not answered for %.0f s", stuck_s)
+                self.node.refresh([replace(g.info, healthy=False, unhealthy_reason=(
+                    f"reading the GPUs (NVML) has not answered for {stuck_s:.0f} s"))
+                    for g in self.node.gpus])
+            return
+        reading, self._reading = self._reading, None
+        try:
+            if self.node.refresh(reading.result()):
+                log.warning("GPU health changed: %s", [
+                    (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
+        except Exception:  # a failed read must not stop the heartbeat
+            log.exception("re-reading the GPU inventory failed")
 
     async def _check_engine(self) -> None:
         """Ask the executor whether its engine can run work; while it cannot, the node
