@@ -144,11 +144,11 @@ class AgentRuntime:
         self._loads: dict[tuple[int, str], asyncio.Task[None]] = {}
         """(GPU index, model) -> the task that readies it there, running or done (`_prepare`)."""
         self._downs = 0
+        """How many times the executor was found unavailable: a health check asked before
+        the latest of them cannot clear it."""
         self._reading: asyncio.Task[Sequence[GpuInfo]] | None = None
         """The GPU read in progress (`_reread_inventory`), and since when."""
         self._reading_since = 0.0
-        """How many times the executor was found unavailable: a health check asked before
-        the latest of them cannot clear it."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:

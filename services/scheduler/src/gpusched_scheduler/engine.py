@@ -791,8 +791,10 @@ class SchedulingEngine:
         if tenant is None or (tenant.quota.max_inflight_requests is None
                               and tenant.quota.tokens_per_minute is None):
             return None
-        inflight = self.queue.by_tenant[tenant.name] + self.running.count(tenant.name) \
-            - self._handed_back_while_running(tenant.name)
+        # counting the hand-backs looks through the queue: only where a limit reads it
+        inflight = 0 if tenant.quota.max_inflight_requests is None else (
+            self.queue.by_tenant[tenant.name] + self.running.count(tenant.name)
+            - self._handed_back_while_running(tenant.name))
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
 
