@@ -66,8 +66,7 @@ async def test_simulated_decode_slows_down_with_the_batch() -> None:
 async def test_a_failed_prefill_fails_its_own_request_not_the_batch() -> None:
     """A prefill that fails (a long prompt out of GPU memory) ends its own request; the
     batch's other requests go on. Before, the failing request had already left the joining
-    list, so its error reached every consumer but its own, which waited forever. A failed
-    decode step still fails the whole batch."""
+    list, so its error reached every consumer but its own, which waited forever."""
     from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
 
     async def prefill(seq: Sequence) -> str:
@@ -85,6 +84,58 @@ async def test_a_failed_prefill_fails_its_own_request_not_the_batch() -> None:
                                      return_exceptions=True)
     assert good == ["a", "b", "b", "b"]
     assert isinstance(bad, ExecutorError)
+    await batch.close()
+
+
+async def test_a_failed_decode_step_fails_only_the_sequence_it_fails_for() -> None:
+    """A decode step that raises is run again in halves: only the sequence whose step fails
+    on its own ends with the error, and the others get every token, none twice. Before, one
+    request's failure (a sampling error of its own) failed every request in the batch, other
+    tenants' included."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+
+    async def prefill(seq: Sequence) -> str:
+        return f"{seq.key}0"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        await asyncio.sleep(0)
+        if any(s.key == "bad" and s.produced >= 2 for s in seqs):
+            raise ExecutorError("probability tensor contains nan")
+        return [f"{s.key}{s.produced}" for s in seqs]
+
+    batch = ContinuousBatcher(prefill, step)
+    keys = ["a", "b", "bad", "c", "d"]
+    results = await asyncio.gather(*(collect(batch.run(Sequence(k, 5, 1))) for k in keys),
+                                   return_exceptions=True)
+    for key, got in zip(keys, results):
+        if key == "bad":
+            assert isinstance(got, ExecutorError)
+        else:
+            assert got == [f"{key}{i}" for i in range(5)]
+    await batch.close()
+
+
+async def test_a_batch_too_big_for_one_step_goes_on_in_smaller_steps() -> None:
+    """A step that fails for the batch's size (activations out of device memory) is split;
+    every request still gets all of its tokens."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+    sizes: list[int] = []
+
+    async def prefill(seq: Sequence) -> str:
+        return "a"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        await asyncio.sleep(0)
+        sizes.append(len(seqs))
+        if len(seqs) > 2:
+            raise ExecutorError("CUDA out of memory")
+        return ["b"] * len(seqs)
+
+    batch = ContinuousBatcher(prefill, step)
+    results = await asyncio.gather(*(collect(batch.run(Sequence(f"s{i}", 4, 1)))
+                                     for i in range(6)))
+    assert results == [["a", "b", "b", "b"]] * 6
+    assert max(sizes) > 2 and 2 in sizes
     await batch.close()
 
 
@@ -126,8 +177,9 @@ async def test_torch_batched_decoding_matches_decoding_alone(torch_executor) -> 
 
 
 async def test_torch_samples_with_the_requests_temperature_and_top_p(torch_executor) -> None:
-    """Temperature 0, or a top_p that keeps only the likeliest token, is greedy decoding: the
-    seed no longer matters. The executor's default (temperature 1) samples, so seeds differ."""
+    """Temperature 0 (or below 1e-5, as in vLLM), or a top_p that keeps only the likeliest
+    token, is greedy decoding: the seed no longer matters. The executor's default
+    (temperature 1) samples, so seeds differ."""
     await torch_executor.load(SMALL, 0)
 
     async def text(seed: int, **sampling: float) -> list[str]:
@@ -135,6 +187,7 @@ async def test_torch_samples_with_the_requests_temperature_and_top_p(torch_execu
 
     greedy = await text(1, temperature=0)
     assert await text(2, temperature=0) == greedy
+    assert await text(4, temperature=1e-38) == greedy  # logits / t would overflow: greedy
     assert await text(3, top_p=1e-6) == greedy
     assert await text(1) != await text(2)
 

@@ -3,6 +3,7 @@ sequence per step; sequences join after their prefill and leave when done or can
 
 Executors supply `prefill(seq) -> first token` and `step(seqs) -> one token each`; the
 batcher never waits for a batch to fill, and a cancelled consumer leaves at the next step.
+A failed prefill or decode step fails only the sequences it belongs to.
 """
 
 from __future__ import annotations
@@ -86,6 +87,30 @@ class ContinuousBatcher:
             with contextlib.suppress(ValueError):
                 self.active.remove(seq)
 
+    async def _step_apart(self, batch: list[Sequence]) -> None:
+        """One decode step for `batch`. A step that fails is tried again as two halves, and
+        so on down to one sequence: the error ends only the sequences whose step fails
+        alone, and a batch too big for the device's memory goes on in smaller steps.
+        A step must be safe to run again when it raised (it writes a sequence's state only
+        once all of the batch has its token)."""
+        try:
+            tokens = await self._step(batch)
+        except Exception as exc:  # noqa: BLE001 - told apart below
+            if len(batch) == 1:
+                seq = batch[0]
+                seq.out.put_nowait(exc)
+                seq.left = True
+                with contextlib.suppress(ValueError):
+                    self.active.remove(seq)
+                return
+            half = len(batch) // 2
+            await self._step_apart(batch[:half])
+            await self._step_apart([s for s in batch[half:] if not s.left])
+            return
+        for seq, token in zip(batch, tokens, strict=True):
+            if not seq.left:
+                self._emit(seq, token)
+
     async def _forever(self) -> None:
         while self._joining or self.active:
             try:
@@ -103,11 +128,8 @@ class ContinuousBatcher:
                         self._emit(seq, first)
                 batch = [s for s in self.active if not s.left]
                 if batch:
-                    tokens = await self._step(batch)
-                    for seq, token in zip(batch, tokens):
-                        if not seq.left:
-                            self._emit(seq, token)
-            except Exception as exc:  # noqa: BLE001 - a step's: handed to every waiting consumer
+                    await self._step_apart(batch)
+            except Exception as exc:  # noqa: BLE001 - a fault of the loop's own: every consumer
                 for seq in [*self.active, *self._joining]:
                     seq.out.put_nowait(exc)
                 self.active.clear()

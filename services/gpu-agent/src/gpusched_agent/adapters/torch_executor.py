@@ -36,6 +36,11 @@ def _bare(uuid: object) -> str:
     return str(uuid).lower().removeprefix("gpu-")
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this decodes greedily, as vLLM does: logits divided by 1e-38 overflow
+to infinity and sampling them fails."""
+
+
 @dataclass
 class _SeqState:
     tokens: list[int]
@@ -124,7 +129,7 @@ class TorchExecutor:
 
     @staticmethod
     def _sample(logits: torch.Tensor, st: _SeqState) -> int:
-        if st.temperature <= 0:
+        if st.temperature < GREEDY_BELOW:
             return int(logits.argmax())
         probs = torch.softmax(logits.float() / st.temperature, dim=-1).cpu()
         if st.top_p < 1:  # the likeliest tokens until their mass reaches top_p (at least one)
@@ -151,12 +156,11 @@ class TorchExecutor:
             states: list[_SeqState] = [s.state for s in seqs]
             logits = lm.decode([st.next_token for st in states],
                                [s.kv_tokens - 1 for s in seqs], [st.cache for st in states])
-            out = []
             # one copy to the host per step, not one wait on the device per sequence
-            for st, row in zip(states, logits.float().cpu()):
-                st.next_token = self._sample(row, st)
-                out.append(VOCAB[st.next_token])
-            return out
+            sampled = [self._sample(row, st) for st, row in zip(states, logits.float().cpu())]
+            for st, token in zip(states, sampled):  # only now: a step that raised runs again
+                st.next_token = token
+            return [VOCAB[token] for token in sampled]
 
         async def prefill(seq: Sequence) -> str:
             return await asyncio.to_thread(prefill_sync, seq)
