@@ -1182,3 +1182,109 @@ async def test_a_token_no_record_can_hold_is_made_writable_whatever_the_executor
     [result] = [m for m in sent if isinstance(m, RequestResult)]
     assert (result.status, result.text) == ("completed", " a? b")
     await executor.close()
+
+
+async def test_unloading_a_model_ends_the_requests_decoding_on_it() -> None:
+    """Unloading (or closing) a model while requests still decode on it ends them with an
+    ExecutorError. Before, the batch's loop was cancelled under them and their consumers
+    waited for the next token forever."""
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+
+    ex = TorchExecutor("cpu", seed=1, config=TinyConfig(dim=64, layers=2), threads=1)
+    await ex.load(SMALL, 0)
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for token in ex.generate(job("long", max_tokens=4000)):
+            got.append(token)
+
+    consumer = asyncio.create_task(consume())
+    async with asyncio.timeout(10):
+        while len(got) < 3:
+            await asyncio.sleep(0.001)
+    await ex.unload(SMALL.name, 0)
+    with pytest.raises(ExecutorError, match="unloaded"):
+        async with asyncio.timeout(5):
+            await consumer
+    await ex.close()
+
+
+async def test_a_load_while_the_same_model_unloads_leaves_it_loaded() -> None:
+    """A load that comes while an unload of the same model awaits its batch finds the model
+    gone and loads it again. Before, the unload removed the model only after that await:
+    the load returned at once for a model about to go, and every later request for it on
+    that GPU failed 'not loaded'."""
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+
+    ex = TorchExecutor("cpu", seed=1, config=TinyConfig(dim=64, layers=2), threads=1)
+    await ex.load(SMALL, 0)
+    stream = ex.generate(job("running", max_tokens=4000))
+    await anext(stream)  # the batch's loop is decoding
+    await asyncio.gather(ex.unload(SMALL.name, 0), ex.load(SMALL, 0))
+    with contextlib.suppress(ExecutorError):
+        await stream.aclose()
+    assert len(await collect(ex.generate(job("after", max_tokens=3)))) == 3
+    await ex.close()
+
+
+async def test_a_step_with_logits_that_are_not_finite_fails_alone_and_the_rest_keep_their_draws(
+        torch_executor) -> None:
+    """A sequence whose logits come out NaN fails alone, and the batch's other sequences
+    draw exactly the tokens they draw without it: the step is checked before any of them
+    draws from its generator, so running it again in halves draws the same. Before, the
+    sequences sampled ahead of the bad one had drawn already and drew again."""
+    await torch_executor.load(SMALL, 2)
+    prompts = {"a": "alpha", "b": "bravo bravo", "c": "charlie"}
+
+    def jobs(tag: str) -> list[Job]:
+        return [job(f"{k}{tag}", max_tokens=8, seed=i, prompt=p, gpu=2)
+                for i, (k, p) in enumerate(prompts.items())]
+
+    alone = await asyncio.gather(*(collect(torch_executor.generate(j)) for j in jobs("1")))
+    lm = torch_executor._models[(2, SMALL.name)]
+    decode, fired = lm.decode, []
+
+    def poisoned(tokens, positions, caches):  # noqa: ANN001, ANN202
+        logits = decode(tokens, positions, caches)
+        if len(tokens) == 3 and not fired:  # from the first step with all three in, the
+            fired.append(caches[1])  # second sequence's logits are NaN
+        bad = [i for i, cache in enumerate(caches) if fired and cache is fired[0]]
+        if bad:
+            logits = logits.clone()  # an inference tensor takes no writes out here
+            logits[bad[0]] = float("nan")
+        return logits
+
+    lm.decode = poisoned
+    try:
+        again = await asyncio.gather(*(collect(torch_executor.generate(j)) for j in jobs("2")),
+                                     return_exceptions=True)
+    finally:
+        del lm.decode
+    assert fired
+    assert isinstance(again[1], ExecutorError) and "not finite" in str(again[1])
+    assert again[0] == alone[0] and again[2] == alone[2]
+
+
+async def test_a_requests_kv_cache_is_made_off_the_event_loop(torch_executor) -> None:
+    """The KV cache (prompt + max_tokens positions, zeroed) is made in the prefill's worker
+    thread. Before, generate() made it on the event loop: about 27 ms for 8,192 positions
+    on a CPU, so a burst of requests held heartbeats and token streams."""
+    import threading
+
+    await torch_executor.load(SMALL, 3)
+    lm = torch_executor._models[(3, SMALL.name)]
+    new_cache, threads = lm.new_cache, []
+
+    def recording(capacity: int):  # noqa: ANN202
+        threads.append(threading.current_thread())
+        return new_cache(capacity)
+
+    lm.new_cache = recording
+    try:
+        assert len(await collect(torch_executor.generate(job("kv", max_tokens=4, gpu=3)))) == 4
+    finally:
+        del lm.new_cache
+    assert threads and threading.main_thread() not in threads
+

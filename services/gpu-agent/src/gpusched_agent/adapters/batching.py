@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpusched_agent.adapters.executor import ExecutorError
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -72,10 +74,18 @@ class ContinuousBatcher:
                 self.active.remove(seq)
 
     async def close(self) -> None:
+        """Stop the loop; every sequence still in the batch ends with an ExecutorError (the
+        model was unloaded under it) instead of waiting for a token forever."""
         if self._loop is not None:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
+        gone = ExecutorError("the model was unloaded while the request ran on it")
+        for seq in [*self.active, *self._joining]:
+            seq.out.put_nowait(gone)
+            seq.left = True
+        self.active.clear()
+        self._joining.clear()
 
     def _emit(self, seq: Sequence, token: str) -> None:
         seq.out.put_nowait(token)

@@ -44,11 +44,21 @@ to infinity and sampling them fails."""
 @dataclass
 class _SeqState:
     tokens: list[int]
-    cache: torch.Tensor
+    capacity: int
+    """Positions its KV cache holds (prompt + max_tokens), made at its prefill."""
     generator: torch.Generator
     temperature: float
     top_p: float
     next_token: int = 0
+    cache: torch.Tensor | None = None
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """`logits`, or ExecutorError when some are not finite (sampling them would fail, in a
+    step after the batch's other sequences had drawn from their generators)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ExecutorError("the model's logits are not finite (inf or NaN)")
+    return logits
 
 
 class TorchExecutor:
@@ -109,10 +119,11 @@ class TorchExecutor:
                 TinyLM, self._config, seed, self._device(gpu_index), self._dtype())
 
     async def unload(self, model_name: str, gpu_index: int) -> None:
+        # both gone before the first await: a load meanwhile must find the model unloaded
         batch = self._batches.pop((gpu_index, model_name), None)
+        self._models.pop((gpu_index, model_name), None)
         if batch is not None:
             await batch.close()
-        self._models.pop((gpu_index, model_name), None)
         if self.device_kind.startswith("cuda"):
             torch.cuda.empty_cache()
 
@@ -120,7 +131,7 @@ class TorchExecutor:
         """Weights and KV caches held now (CUDA: what the allocator has handed out)."""
         weights = sum(parameter_bytes(m) for m in self._models.values())
         kv = sum(s.state.cache.numel() * s.state.cache.element_size()
-                 for b in self._batches.values() for s in b.active)
+                 for b in self._batches.values() for s in b.active if s.state.cache is not None)
         out = {"weights": weights, "kv_cache": kv}
         if self.device_kind.startswith("cuda"):
             out["cuda_allocated"] = int(torch.cuda.memory_allocated())
@@ -149,15 +160,21 @@ class TorchExecutor:
 
         def prefill_sync(seq: Sequence) -> str:
             st: _SeqState = seq.state
-            st.next_token = self._sample(lm.prefill(st.tokens, st.cache), st)
+            # made here, in the worker thread: zeroing a long request's cache on the event
+            # loop held heartbeats and streams (about 27 ms for 8,192 positions on a CPU)
+            st.cache = lm.new_cache(st.capacity)
+            st.next_token = self._sample(_finite(lm.prefill(st.tokens, st.cache)), st)
             return VOCAB[st.next_token]
 
         def step_sync(seqs: list[Sequence]) -> list[str]:
             states: list[_SeqState] = [s.state for s in seqs]
             logits = lm.decode([st.next_token for st in states],
                                [s.kv_tokens - 1 for s in seqs], [st.cache for st in states])
-            # one copy to the host per step, not one wait on the device per sequence
-            sampled = [self._sample(row, st) for st, row in zip(states, logits.float().cpu())]
+            # one copy to the host per step, not one wait on the device per sequence; checked
+            # before any sequence draws from its generator, so a step that raises can run
+            # again and draw the same tokens
+            rows = _finite(logits.float().cpu())
+            sampled = [self._sample(row, st) for st, row in zip(states, rows)]
             for st, token in zip(states, sampled):  # only now: a step that raised runs again
                 st.next_token = token
             return [VOCAB[token] for token in sampled]
@@ -179,14 +196,13 @@ class TorchExecutor:
                                 f"({request.max_tokens}) exceed the torch model's {limit} "
                                 "positions; send a shorter request")
         batch = self._batch(job)
-        lm = self._models[(job.gpu_index, job.model.name)]
         gen = torch.Generator().manual_seed(
             request.seed if request.seed is not None
             else int(hashlib.sha256(request.request_id.encode()).hexdigest()[:8], 16))
         temperature = self._temperature if request.temperature is None else request.temperature
         state = _SeqState(tokens=tokenize(request.prompt, job.prompt_tokens),
-                          cache=lm.new_cache(job.prompt_tokens + request.max_tokens),
-                          generator=gen, temperature=temperature,
+                          capacity=job.prompt_tokens + request.max_tokens, generator=gen,
+                          temperature=temperature,
                           top_p=1.0 if request.top_p is None else request.top_p)
         # kv_tokens counts the prompt; the token sampled at prefill enters the cache at the
         # first decode step, at position kv_tokens - 1 after the batcher's increment.
