@@ -1288,3 +1288,43 @@ async def test_a_requests_kv_cache_is_made_off_the_event_loop(torch_executor) ->
         del lm.new_cache
     assert threads and threading.main_thread() not in threads
 
+
+async def test_evicting_a_single_copy_beside_a_gangs_shard_unloads_it_in_the_executor() -> None:
+    """A model held whole on GPU 1 and as a shard of a gang on GPUs (0, 1): the executor
+    keeps the gang's copy under GPU 0, its first. Evicting the whole copy on GPU 1 unloads
+    it in the executor. Before, the shard on GPU 1 counted as holding it there, so the
+    executor kept the copy the node model had freed."""
+    from gpusched_agent.adapters.ledger import MemoryLedger
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+    from gpusched_agent.domain.inventory import parse_simulated
+    from gpusched_agent.domain.node import NodeModel
+    from gpusched_agent.runtime import AgentRuntime
+    from gpusched_common.contracts import Placement
+
+    ex = TorchExecutor("cpu", seed=1, config=TinyConfig(dim=64, layers=2), threads=1)
+
+    async def publish(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        pass
+
+    runtime = AgentRuntime("n", NodeModel.from_inventory(parse_simulated("2xL4-24GB", "n")),
+                           CATALOG, ex, publish, MemoryLedger(), lambda: 0, chunk_tokens=4,
+                           heartbeat_s=1)
+
+    async def place_on(request: InferenceRequest, gpus: tuple[int, ...], kv: int = 1) -> None:
+        await runtime.command(Placement(
+            placement_id=f"{request.request_id}#0", node_id="n", gpu_indices=gpus,
+            kv_cache_mib=kv, scheduler_epoch=0, placed_at_ms=0, request=request))
+        async with asyncio.timeout(30):
+            while runtime.in_flight:
+                await asyncio.sleep(0.01)
+
+    other = CATALOG.get("mistral-7b")
+    await place_on(job("whole", 3).request, (1,))
+    await place_on(job("gang", 3).request.model_copy(update={"num_gpus": 2}), (0, 1))
+    assert {(1, SMALL.name), (0, SMALL.name)} <= set(ex._models)
+    await place_on(job("other", 3).request.model_copy(update={"model": other.name}), (1,),
+                   kv=5000)  # room for it only without the whole copy on GPU 1
+    assert SMALL.name not in runtime.node.gpus[1].loaded_mib
+    assert (1, SMALL.name) not in ex._models and (0, SMALL.name) in ex._models
+    await ex.close()

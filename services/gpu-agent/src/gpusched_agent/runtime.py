@@ -24,7 +24,7 @@ from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job,
 from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
-from gpusched_agent.domain.node import Admitted, NodeModel, Refused
+from gpusched_agent.domain.node import Admitted, NodeModel, Refused, executor_gpu
 from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
@@ -398,8 +398,13 @@ class AgentRuntime:
         return sum(placed)
 
     def _holds(self, gpu: int, model_name: str) -> bool:
-        """Whether the node model counts weights of `model_name` on `gpu`, any gang size."""
-        return any(model_of(w) == model_name for w in self.node.gpus[gpu].loaded_mib)
+        """Whether the node model counts weights of `model_name` that the executor keeps
+        under (`gpu`, model): whole on `gpu`, or a gang's shard whose first GPU is `gpu`
+        (executors run a gang on its first GPU). A shard on a gang's other GPU does not
+        count: it kept a single copy on that GPU loaded in the executor after the node
+        model had evicted it."""
+        return any(model_of(w) == model_name and executor_gpu(w, gpu) == gpu
+                   for w in self.node.gpus[gpu].loaded_mib)
 
     def _prepare(self, admitted: Admitted, model: ModelSpec, gpu: int
                  ) -> asyncio.Task[None] | None:

@@ -29,6 +29,14 @@ def held_weights(model: str, indices: Sequence[int]) -> str:
     return weights if len(indices) == 1 else f"{weights}{GANG_MARK}{','.join(map(str, indices))}"
 
 
+def executor_gpu(held: str, gpu: int) -> int:
+    """The GPU under which an executor keeps weights `held` on `gpu` (see `held_weights`):
+    `gpu` itself for a whole model, the gang's first GPU for a shard (a gang runs there)."""
+    if SHARD_MARK not in held:
+        return gpu
+    return int(held.rpartition(GANG_MARK)[2].split(",")[0])
+
+
 def _reported(held: Sequence[str]) -> tuple[str, ...]:
     """`weights_name`s of held weights, each once."""
     return tuple(dict.fromkeys(
