@@ -475,6 +475,31 @@ async def test_a_stream_past_its_deadline_tells_the_client_to_poll_and_cancels_n
     assert cancelled == []
 
 
+async def test_a_client_slow_to_read_at_the_deadline_still_gets_its_whole_stream() -> None:
+    """The deadline bounds the wait for the request's next event, not the sending of one:
+    here the first send is held up (a client not reading: the server's transport paused)
+    past the deadline while the rest has come. Before, the timeout scope spanned the
+    stream's yields and cancelled the held-up send: the stream stopped with no error event
+    and no [DONE], and the request was cancelled whenever the GC closed the generator."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" a", token_count=1))
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=1, text=" b", token_count=1))
+    queue.put_nowait(_result("completed", "stop").model_copy(update={"text": " a b"}))
+    cancelled: list = []
+    deadline_s = asyncio.get_running_loop().time() + 0.1
+    events = []
+    async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+                        cancelled.append):
+        events.append(e)
+        if len(events) == 1:
+            await asyncio.sleep(0.3)  # the send waits for the client
+    payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in payloads) == " a b"
+    assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1] == b"data: [DONE]\n\n" and cancelled == []
+
+
 async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> None:
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True,
                          "stream_options": {"include_usage": True}})
@@ -584,3 +609,35 @@ def test_a_request_past_its_queue_time_limit_is_not_retried_by_the_sdk_on_its_ow
                                   code="queue_time_exceeded"))
     assert expired.body()["error"]["code"] == "queue_time_exceeded"
     assert not _worth_retrying(expired, keyed=False)
+
+
+async def test_a_rejection_is_readable_only_by_its_own_tenant(router_app, monkeypatch) -> None:
+    """GET /v1/requests/{id} answers only the tenant the status names. A rejection of a
+    request produced straight to Kafka was stored without its tenant, and a status with
+    none was shown to every tenant: another tenant's quota and prompt size, by a guessable
+    id ('r-42'). Its tenant is stored now, and a status naming none is nobody's."""
+    from gpusched_router.adapters.results import _status_fields
+
+    refused = Rejection(request_id="r-42", tenant="globex", status_code=429,
+                        reason="tenant 'globex' is over its limit of 1000 tokens per minute")
+    fields = _status_fields(refused)
+    assert fields["tenant"] == "globex" and fields["status"] == "rejected"
+    assert "tenant" not in _status_fields(refused.model_copy(update={"tenant": None}))
+
+    stored: dict = {}
+
+    async def status(request_id: str) -> dict | None:
+        return stored.get(request_id)
+
+    monkeypatch.setattr(router_app.state.hub, "status", status)
+    transport = httpx.ASGITransport(router_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        async def read(key: str) -> int:
+            reply = await client.get("/v1/requests/r-42",
+                                     headers={"authorization": f"Bearer {key}"})
+            return reply.status_code
+
+        stored["r-42"] = {"status": "rejected", "result": {"reason": "..."}}  # none named
+        assert (await read("sk-acme-demo"), await read("sk-globex-demo")) == (404, 404)
+        stored["r-42"] = {**stored["r-42"], "tenant": "globex"}
+        assert (await read("sk-acme-demo"), await read("sk-globex-demo")) == (404, 200)

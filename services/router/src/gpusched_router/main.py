@@ -416,7 +416,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(tenant, ApiError):
             return error(tenant)
         status = await hub.status(request_id)
-        if status is None or status.get("tenant") not in (tenant.name, None):
+        if status is None or status.get("tenant") != tenant.name:  # none known: nobody's
             return error(ApiError(404, f"request '{request_id}' is unknown (or expired)"))
         return JSONResponse(status)
 
@@ -570,11 +570,16 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
             payload["usage"] = None
         return _data(payload)
 
-    async def events() -> AsyncIterator[ResultEvent]:
-        if first is not None:
-            yield first
-        while True:
-            yield await queue.get()
+    taken = [first] if first is not None else []
+
+    async def next_event() -> ResultEvent:
+        """The deadline bounds only this wait: a timeout scope held across the stream's
+        yields would cancel a send that a client slow to read holds up, cutting the stream
+        off with no error event and leaving this generator to be closed by the GC."""
+        if taken:
+            return taken.pop()
+        async with asyncio.timeout_at(deadline_s):
+            return await queue.get()
 
     next_seq = 0
     streamed: list[str] = []
@@ -584,42 +589,42 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
     try:
         if chat:
             yield event("", None, opening=True)
-        async with asyncio.timeout_at(deadline_s):
-            async for ev in events():
-                if isinstance(ev, TokenChunk) and ev.seq < next_seq:
-                    if seen.get(ev.seq, ev.text) == ev.text:
-                        # A copy: an agent sends a record again when Kafka's answer was lost
-                        # (or a hole filled late, whose text comes with the result)
-                        continue
-                    # Started over: its node was lost mid-run, and what was streamed is not
-                    # what the new attempt generates (a preempted one goes on instead).
-                    yield _data(ApiError(502, f"request {req.request_id} started over after "
-                                         "its node was lost; the text streamed so far is "
-                                         "void: send the request again").body())
-                    started_over = True  # not ended: the new attempt is cancelled
-                    break
-                if isinstance(ev, TokenChunk):
-                    # Chunks are sent without waiting for Kafka's answer (the request's end
-                    # is not): one Kafka dropped in an outage leaves a hole in the sequence.
-                    gap = gap or ev.seq > next_seq
-                    next_seq = ev.seq + 1
-                    seen[ev.seq] = ev.text
-                    if not gap:
-                        streamed.append(ev.text)
-                        yield event(ev.text, None)
+        while True:
+            ev = await next_event()
+            if isinstance(ev, TokenChunk) and ev.seq < next_seq:
+                if seen.get(ev.seq, ev.text) == ev.text:
+                    # A copy: an agent sends a record again when Kafka's answer was lost
+                    # (or a hole filled late, whose text comes with the result)
                     continue
-                ended = True  # the terminal event
-                err = _error_of(ev)
-                if err is not None:
-                    yield _data(err.body())
-                    break
-                sent = "".join(streamed)  # ev is a completed RequestResult from here
-                if len(ev.text) > len(sent) and ev.text.startswith(sent):
-                    yield event(ev.text[len(sent):], None)  # what lost chunks held
-                yield event(None if chat else "", ev.finish_reason)
-                if parsed.include_usage:
-                    yield _data({**base, "object": obj, "choices": [], "usage": _usage(ev)})
+                # Started over: its node was lost mid-run, and what was streamed is not
+                # what the new attempt generates (a preempted one goes on instead).
+                yield _data(ApiError(502, f"request {req.request_id} started over after "
+                                     "its node was lost; the text streamed so far is "
+                                     "void: send the request again").body())
+                started_over = True  # not ended: the new attempt is cancelled
                 break
+            if isinstance(ev, TokenChunk):
+                # Chunks are sent without waiting for Kafka's answer (the request's end
+                # is not): one Kafka dropped in an outage leaves a hole in the sequence.
+                gap = gap or ev.seq > next_seq
+                next_seq = ev.seq + 1
+                seen[ev.seq] = ev.text
+                if not gap:
+                    streamed.append(ev.text)
+                    yield event(ev.text, None)
+                continue
+            ended = True  # the terminal event
+            err = _error_of(ev)
+            if err is not None:
+                yield _data(err.body())
+                break
+            sent = "".join(streamed)  # ev is a completed RequestResult from here
+            if len(ev.text) > len(sent) and ev.text.startswith(sent):
+                yield event(ev.text[len(sent):], None)  # what lost chunks held
+            yield event(None if chat else "", ev.finish_reason)
+            if parsed.include_usage:
+                yield _data({**base, "object": obj, "choices": [], "usage": _usage(ev)})
+            break
         yield b"data: [DONE]\n\n"
     except TimeoutError:  # the request runs on: its client is told to poll for it
         ended = True

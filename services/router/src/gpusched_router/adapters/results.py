@@ -120,7 +120,8 @@ class ResultsHub:
 
 
 def _status_fields(event: RequestResult | Rejection) -> dict[str, str]:
-    if isinstance(event, Rejection):
-        return {"status": "rejected", "result": event.model_dump_json()}
+    if isinstance(event, Rejection):  # its tenant, when known, keeps other tenants out
+        tenant = {} if event.tenant is None else {"tenant": event.tenant}
+        return {"status": "rejected", **tenant, "result": event.model_dump_json()}
     return {"status": event.status, "tenant": event.tenant, "model": event.model,
             "result": event.model_dump_json()}
