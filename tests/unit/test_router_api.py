@@ -129,6 +129,13 @@ def test_priority_header_overrides_default_class() -> None:
     ({"model": "qwen2.5-1.5b", "prompt": "x", "stop": 7}, 400, "a string or a list of up to 4"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "logprobs": 5}, 400, "log-probabilities"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "echo": True}, 400, "echo the prompt"),
+    # the legacy count: 0 still asks for the chosen tokens' log-probabilities
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "logprobs": 0}, 400, "log-probabilities"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "modalities": ["text", "audio"]}, 400,
+     "text only"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "audio": {"voice": "alloy"}}, 400, "text only"),
+    ({"model": "qwen2.5-1.5b", "prompt": "x", "stream": True,
+      "stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "best_of": 3}, 400, "one sample per request"),
     ({"model": "qwen2.5-1.5b", "prompt": "x", "logit_bias": {"50256": -100}}, 400, "bias"),
     ("a string", 400, "JSON object"),
@@ -382,8 +389,11 @@ def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() ->
         assert needle in refused.message and refused.param in extra
     # what clients send by default is not a request for the feature
     passed = chat(logprobs=False, top_logprobs=0, tools=[], logit_bias={}, best_of=1,
-                  echo=None, response_format={"type": "text"}, presence_penalty=0.5)
+                  echo=None, response_format={"type": "text"}, presence_penalty=0.5,
+                  modalities=["text"], audio=None, stream_options={"include_usage": False})
     assert not isinstance(passed, ApiError)
+    assert not isinstance(completion({"model": "qwen2.5-1.5b", "prompt": "x", "logprobs": None,
+                                      "modalities": ["text"]}), ApiError)
 
 
 def _result(status: str, finish_reason: str) -> RequestResult:

@@ -74,6 +74,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "tools": "gpusched does not call tools",
     "functions": "gpusched does not call functions",
     "logit_bias": "gpusched does not bias token probabilities",
+    "audio": "gpusched replies in text only",
 }
 """OpenAI fields whose request, ignored, would change what the reply means: when set to
 anything but off (null, false, 0, empty) they are refused with the reason."""
@@ -83,6 +84,14 @@ def _not_supported(body: dict[str, Any]) -> ApiError | None:
     for name, reason in NOT_SUPPORTED.items():
         if body.get(name):
             return ApiError(400, f"{name}: {reason}; leave it out", param=name)
+    if "prompt" in body and body.get("logprobs") is not None and body["logprobs"] is not False:
+        # the legacy API's logprobs is a count: 0 still asks for the chosen tokens' own
+        return ApiError(400, f"logprobs: {NOT_SUPPORTED['logprobs']}; leave it out",
+                        param="logprobs")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        return ApiError(400, f"modalities: gpusched replies in text only; ask for [\"text\"] "
+                        f"or leave it out, not {modalities!r}", param="modalities")
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of < 1):
         return ApiError(400, f"best_of: {best_of!r} is not a positive integer", param="best_of")
@@ -99,6 +108,11 @@ def _not_supported(body: dict[str, Any]) -> ApiError | None:
     return None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool | None = None
+
+
 class _Body(BaseModel):
     # Other OpenAI fields (user, presence_penalty, ...) are accepted and ignored. Strict, as
     # OpenAI's own schema: "3" or true is no max_tokens (lax pydantic read them as 3 and 1).
@@ -110,7 +124,7 @@ class _Body(BaseModel):
         "takes before; accepted on completions too, where it was ignored unchecked.")
     stream: bool | None = False
     seed: Seed | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1)
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -353,7 +367,7 @@ def _finish(
                         + ("conversation (its text is carried twice: as the messages and as "
                            "the prompt rendered from them)" if messages else "prompt"),
                         param="messages" if messages else "prompt")
-    include_usage = bool((parsed.stream_options or {}).get("include_usage"))
+    include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     return ParsedRequest(request=request, stream=bool(parsed.stream),
                          include_usage=include_usage)
 
