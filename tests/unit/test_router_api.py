@@ -22,7 +22,14 @@ from gpusched_router.domain.openai_api import (
     parse_chat,
     parse_completion,
 )
-from gpusched_router.main import _error_of, _failure, _sse, _worth_retrying, create_app
+from gpusched_router.main import (
+    _error_of,
+    _failure,
+    _full_response,
+    _sse,
+    _worth_retrying,
+    create_app,
+)
 from gpusched_router.settings import RouterSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -651,3 +658,16 @@ async def test_a_rejection_is_readable_only_by_its_own_tenant(router_app, monkey
         assert (await read("sk-acme-demo"), await read("sk-globex-demo")) == (404, 404)
         stored["r-42"] = {**stored["r-42"], "tenant": "globex"}
         assert (await read("sk-acme-demo"), await read("sk-globex-demo")) == (404, 200)
+
+
+async def test_reply_ids_are_prefixed_as_openai_prefixes_them() -> None:
+    """cmpl- for completions, chatcmpl- for chat, streamed or not (chat said cmpl-)."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    for kind, prefix in (("completions", "cmpl-"), ("chat", "chatcmpl-")):
+        assert _full_response(parsed, kind, _result("completed", "stop"))["id"] == \
+            f"{prefix}req-1"
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(_result("completed", "stop"))
+        deadline_s = asyncio.get_running_loop().time() + 5
+        events = [e async for e in _sse(parsed, kind, queue, deadline_s, lambda: None)]
+        assert json.loads(events[0].decode().removeprefix("data: "))["id"] == f"{prefix}req-1"

@@ -529,9 +529,15 @@ def _usage(result: RequestResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
+def _reply_id(kind: str, request_id: str) -> str:
+    """The reply's `id` as OpenAI prefixes it: `cmpl-` for completions, `chatcmpl-` for
+    chat."""
+    return f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{request_id}"
+
+
 def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> dict[str, Any]:
     req = parsed.request
-    common = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
+    common = {"id": _reply_id(kind, req.request_id), "created": req.created_at_ms // 1000,
               "model": req.model, "usage": _usage(result)}
     if kind == "completions":
         return {**common, "object": "text_completion", "choices": [
@@ -551,7 +557,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
     before the request's terminal event."""
     ended = False
     req = parsed.request
-    base = {"id": f"cmpl-{req.request_id}", "created": req.created_at_ms // 1000,
+    base = {"id": _reply_id(kind, req.request_id), "created": req.created_at_ms // 1000,
             "model": req.model}
     chat = kind != "completions"
     obj = "chat.completion.chunk" if chat else "text_completion"
