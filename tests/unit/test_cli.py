@@ -227,3 +227,156 @@ def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
 
     assert result.exit_code == 0, result.output
     assert "qwen2.5-1.5b (idle)" in result.output and "llama-3.1-8b (idle)" not in result.output
+
+
+def _router(reply: list[bytes], heard: list[str], hang_s: float = 0.0
+            ) -> ThreadingHTTPServer:
+    """A router on a free port that answers each POST 200 with `reply` as its event stream
+    (after `hang_s` of silence), and ends the connection there, [DONE] or not."""
+    import time
+
+    class Router(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            heard.append(self.path)
+            self.rfile.read(int(self.headers["content-length"]))
+            time.sleep(hang_s)
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("connection", "close")
+            self.end_headers()
+            for event in reply:
+                self.wfile.write(event)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _chunk(text: str, finish: str | None = None) -> bytes:
+    return ("data: " + json.dumps({
+        "id": "c", "object": "text_completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}]}) + "\n\n").encode()
+
+
+@pytest.mark.parametrize("reply,hang_s,printed", [
+    ([_chunk(" half")], 0.0, "ended after 1 chunks without a finish reason"),
+    ([_chunk(" half"), b"data: {not json\n\n"], 0.0, "not an event stream"),
+    ([], 3.0, "no answer from the router at http://127.0.0.1:"),
+])
+def test_submit_says_when_a_reply_is_cut_short_and_sends_it_once(
+        reply: list[bytes], hang_s: float, printed: str) -> None:
+    """A stream that ends without a finish reason (a proxy dropping the connection) exits
+    1 instead of 0 with half a reply; one that is not events exits 1 with the reason instead
+    of a traceback; a router that says nothing for --timeout gives up once. Before, the
+    OpenAI SDK's defaults waited 600 s and then sent the completion again, twice: three
+    runs of it, billed three times."""
+    heard: list[str] = []
+    server = _router(reply, heard, hang_s)
+    try:
+        result = CliRunner().invoke(app, [
+            "submit", "hi", "--timeout", "1", "--router-url",
+            f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+
+    assert result.exit_code == 1, result.output
+    assert printed in result.output and "Traceback" not in result.output
+    assert heard == ["/v1/completions"]
+    if reply:
+        assert " half\n" in result.output  # the error on a line of its own
+
+
+def test_submit_of_a_whole_reply_exits_0() -> None:
+    heard: list[str] = []
+    server = _router([_chunk(" whole"), _chunk("", "stop"), b"data: [DONE]\n\n"], heard)
+    try:
+        result = CliRunner().invoke(app, ["submit", "hi", "--router-url",
+                                          f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout == " whole\n"
+
+
+@pytest.mark.parametrize("cluster,args,shown", [
+    ("not json", ["--json"], "answered /v1/cluster with something that is not JSON"),
+    ({}, [], "scheduler answered with something that is not its API (KeyError('nodes'))"),
+])
+def test_an_answer_that_is_not_the_services_api_is_a_one_line_error(
+        monkeypatch: pytest.MonkeyPatch, cluster: object, args: list[str], shown: str) -> None:
+    reply = httpx.Response(200, text=cluster) if isinstance(cluster, str) else \
+        httpx.Response(200, json=cluster)
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: reply)
+
+    result = CliRunner().invoke(app, ["nodes", *args])
+
+    assert result.exit_code == 1 and shown in result.stderr and "Traceback" not in result.output
+    assert result.stdout == ""  # `nodes --json > file` gets no error text in its JSON
+
+
+def test_nodes_shows_a_node_the_scheduler_no_longer_hears_from_as_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler keeps a lost node's last report: it read 'ready', with free GPUs."""
+    import time
+
+    gpu = {"index": 0, "gpu_type": "L4-24GB", "memory_free_mib": 23034,
+           "memory_total_mib": 23034, "running_requests": 0, "loaded_models": []}
+    cluster = {"nodes": [
+        {"node_id": "n1", "status": "ready", "gpus": [gpu], "live": False,
+         "last_seen_ms": int(time.time() * 1000) - 42_000},
+        {"node_id": "n2", "status": "ready", "gpus": [gpu], "live": True,
+         "last_seen_ms": int(time.time() * 1000)}],
+        "pending": {"interactive": 1, "batch": 2}, "reservations": 0, "leader": True}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=cluster))
+    monkeypatch.setattr(console, "width", 160)
+
+    result = CliRunner().invoke(app, ["nodes"])
+
+    assert result.exit_code == 0, result.output
+    [n1] = [line for line in result.output.splitlines() if "n1" in line]
+    [n2] = [line for line in result.output.splitlines() if "n2" in line]
+    assert "lost (silent 4" in n1 and "ready" not in n1 and "ready" in n2
+    assert "pending: 3 (interactive 1, batch 2)" in result.output
+
+
+def test_text_from_a_service_is_printed_as_it_is_not_read_as_markup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reason or an id holding '[/x]' raised Rich's MarkupError (a traceback), and one
+    holding '[b]' lost it."""
+    refused = httpx.Response(400, json={"detail": "start='last[/week]' is neither ISO 8601 "
+                                                  "nor [b]epoch ms"})
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: refused)
+    result = CliRunner().invoke(app, ["usage", "--start", "last[/week]"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "start='last[/week]' is neither ISO 8601 nor [b]epoch ms" in result.output
+
+    row = {"position": 1, "request_id": "req-[/x]-[b]y", "tenant": "acme",
+           "priority_class": "batch", "chunk": "batch", "model": "m", "num_gpus": 1,
+           "requeued": None, "waited_ms": 1000, "max_queue_ms": None}
+    wide = Console(width=160, record=True)
+    wide.print(queue_table({"requests": [row]}))
+    assert "req-[/x]-[b]y" in wide.export_text()
+
+
+@pytest.mark.parametrize("error", ["timeout", "noauth"])
+def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
+        monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    """Exit 1 means the totals differ: a Redis time-out or NOAUTH exited 1 with a traceback."""
+    from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    from gpusched_accounting import reconcile
+
+    async def run(args: object) -> dict:
+        raise RedisTimeout("Timeout reading from socket") if error == "timeout" else \
+            ResponseError("NOAUTH Authentication required.")
+
+    monkeypatch.setattr(reconcile, "run", run)
+    result = CliRunner().invoke(app, ["reconcile"])
+
+    assert result.exit_code == 2, result.output
+    assert "Redis at redis://127.0.0.1:6379/0 answered with an error" in result.output

@@ -4,9 +4,11 @@ monitoring manifests, demo, bench)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +19,9 @@ import typer
 from aiokafka.errors import KafkaConnectionError
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Column, Table
+from rich.text import Text
 
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, DeadLetter, invalid_fields
@@ -32,6 +36,8 @@ bench_app = typer.Typer(help="Benchmarks that print numbers next to a baseline."
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 console = Console()
+errors = Console(stderr=True, soft_wrap=True)
+"""Errors go to stderr, one line each: `--json > file` keeps only JSON."""
 
 RunDir = Annotated[Path, typer.Option(envvar="GPUSCHED_RUN_DIR", help="State, logs, pids.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
@@ -48,9 +54,25 @@ def _table(*headers: str, title: str | None = None) -> Table:
     return Table(*(Column(h, overflow="fold") for h in headers), title=title)
 
 
+def _row(table: Table, *cells: str) -> None:
+    """Add a row of text as it is: what services answer (ids, reasons, model names) is not
+    read as Rich markup, where '[/x]' raised and '[b]' vanished."""
+    table.add_row(*(Text(cell) for cell in cells))
+
+
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    errors.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _its_api(service: str) -> Iterator[None]:
+    """Read an answer of `service` inside this: one that is not the shape of its API (a
+    proxy's page, another program on its port) is a one-line error, not a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        _fail(f"{service} answered with something that is not its API ({exc!r})")
 
 
 def _unreachable(service: str, url: str, cause: object) -> None:
@@ -111,20 +133,41 @@ def nodes(as_json: JsonOut = False,
           ) -> None:
     """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models (idle: none
     of its work runs there; unloaded when another model needs the room)."""
-    data = _ask("scheduler", scheduler_url, "/v1/cluster", timeout=5).json()
+    data = _ask_json("scheduler", scheduler_url, "/v1/cluster", timeout=5)
     if as_json:
         print(json.dumps(data))
         return
+    with _its_api("scheduler"):
+        console.print(nodes_table(data))
+        console.print(Text(
+            f"pending: {_by_class(data['pending'])}, reservations: {data['reservations']}"
+            + ("; this scheduler is a standby, ask the leader"
+               if data.get("leader") is False else "")))
+
+
+def nodes_table(data: dict) -> Table:
+    """One row per GPU. A node the scheduler no longer hears from shows `lost` (with how
+    long it has been silent), not the status its last report gave: the scheduler keeps
+    that report, so a dead node read `ready` with its GPUs free."""
+    now_ms = time.time() * 1000
     table = _table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
     for node in data["nodes"]:
+        status = node["status"]
+        if node.get("live") is False:
+            seen = node.get("last_seen_ms")
+            status = "lost" + (f" (silent {max(0.0, (now_ms - seen) / 1000):.0f} s)"
+                               if isinstance(seen, int | float) else "")
         for gpu in node["gpus"]:
-            table.add_row(node["node_id"], node["status"], str(gpu["index"]), gpu["gpu_type"],
-                          f"{gpu['memory_free_mib']} / {gpu['memory_total_mib']}",
-                          str(gpu["running_requests"]), ", ".join(
-                              f"{m} (idle)" if m in (gpu.get("idle_models") or ()) else m
-                              for m in gpu["loaded_models"]))
-    console.print(table)
-    console.print(f"pending: {data['pending']}, reservations: {data['reservations']}")
+            _row(table, node["node_id"], status, str(gpu["index"]), gpu["gpu_type"],
+                 f"{gpu['memory_free_mib']} / {gpu['memory_total_mib']}",
+                 str(gpu["running_requests"]), ", ".join(
+                     f"{m} (idle)" if m in (gpu.get("idle_models") or ()) else m
+                     for m in gpu["loaded_models"]))
+    return table
+
+
+def _by_class(pending: dict) -> str:
+    return f"{sum(pending.values())} (" + ", ".join(f"{c} {n}" for c, n in pending.items()) + ")"
 
 
 @app.command()
@@ -135,16 +178,20 @@ def queue(limit: int = typer.Option(50, min=1, help="How many of the first in li
     """Requests waiting for a GPU, in the order the scheduler will consider them (aged work,
     then interactive, standard, batch): how long each has waited and its queue time limit
     (model xN: a gang of N GPUs)."""
-    data = _ask("scheduler", scheduler_url, "/v1/queue", params={"limit": limit},
-                timeout=5).json()
+    data = _ask_json("scheduler", scheduler_url, "/v1/queue", params={"limit": limit},
+                     timeout=5)
     if as_json:
         print(json.dumps(data))
         return
-    if data["requests"]:
-        console.print(queue_table(data))
-    by_class = ", ".join(f"{cls} {n}" for cls, n in data["pending"].items())
-    console.print(f"pending: {sum(data['pending'].values())} ({by_class})" + (
-        "" if data["leader"] else "; this scheduler is a standby, ask the leader"))
+    with _its_api("scheduler"):
+        if data["requests"]:
+            console.print(queue_table(data))
+        shown = len(data["requests"])
+        total = sum(data["pending"].values())
+        console.print(Text(f"pending: {_by_class(data['pending'])}"
+                           + (f"; the first {shown} shown" if 0 < shown < total else "")
+                           + ("" if data["leader"] else
+                              "; this scheduler is a standby, ask the leader")))
 
 
 def queue_table(data: dict) -> Table:
@@ -152,11 +199,11 @@ def queue_table(data: dict) -> Table:
                    "requeued")
     for r in data["requests"]:
         limit = r["max_queue_ms"]
-        table.add_row(str(r["position"]), r["request_id"], r["tenant"],
-                      r["priority_class"] + (" (aged)" if r["chunk"] == "aged" else ""),
-                      r["model"] + (f" x{r['num_gpus']}" if r["num_gpus"] > 1 else ""),
-                      f"{r['waited_ms'] / 1000:.1f}", "-" if limit is None else f"{limit / 1000:g}",
-                      r["requeued"] or "-")
+        _row(table, str(r["position"]), r["request_id"], r["tenant"],
+             r["priority_class"] + (" (aged)" if r["chunk"] == "aged" else ""),
+             r["model"] + (f" x{r['num_gpus']}" if r["num_gpus"] > 1 else ""),
+             f"{r['waited_ms'] / 1000:.1f}", "-" if limit is None else f"{limit / 1000:g}",
+             r["requeued"] or "-")
     return table
 
 
@@ -206,9 +253,9 @@ def dead_letter_table(letters: list[DeadLetter]) -> Table:
                    title=f"{topics.DEAD_LETTERS.name}: the newest {len(letters)}")
     for letter in letters:
         at = datetime.fromtimestamp(letter.at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(at, letter.service,
-                      f"{letter.source_topic}[{letter.partition}]@{letter.offset}",
-                      letter.key or "", letter.reason)
+        _row(table, at, letter.service,
+             f"{letter.source_topic}[{letter.partition}]@{letter.offset}", letter.key or "",
+             letter.reason)
     return table
 
 
@@ -235,35 +282,62 @@ def submit(
     max_queue_ms: int | None = typer.Option(
         None, help="Give up (503) when no GPU took it within this many milliseconds."),
     router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
+    timeout: float = typer.Option(
+        330.0, min=1, help="Longest wait for the router's next bytes, in seconds: above its "
+        "GPUSCHED_REQUEST_TIMEOUT_S (300), after which it answers 504 itself."),
     as_json: JsonOut = False,
 ) -> None:
-    """Send one completion through the router and stream its tokens."""
-    from openai import APIConnectionError, APIError, APIStatusError, OpenAI
+    """Send one completion through the router and stream its tokens (--json: wait for the
+    whole reply and print it as JSON). One attempt: nothing is sent twice."""
+    from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError, OpenAI
 
-    client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key)
+    # No retries: the SDK's would send the completion again after a time-out or a cut
+    # connection, and run it twice (a key would stop that, but also the cancel that a
+    # Ctrl-C sends by hanging up).
+    client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0,
+                    timeout=httpx.Timeout(timeout, connect=5.0))
     headers = {"X-Priority-Class": priority} if priority else {}
     if max_queue_ms is not None:
         headers["X-Max-Queue-Ms"] = str(max_queue_ms)
+    streamed, finished = 0, False
     try:
         if as_json:
             result = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                extra_headers=headers)
-            print(result.model_dump_json())
+            with _its_api("router"):
+                print(result.model_dump_json())
             return
         for chunk in client.completions.create(model=model, prompt=prompt, stream=True,
                                                max_tokens=max_tokens, extra_headers=headers):
             if chunk.choices:
                 sys.stdout.write(chunk.choices[0].text)
                 sys.stdout.flush()
-        print()
+                streamed += 1
+                finished = finished or chunk.choices[0].finish_reason is not None
+        print(flush=True)  # before any error, which goes to stderr
     except APIStatusError as exc:  # the router's OpenAI-shaped error carries the reason
         reason = exc.body.get("message") if isinstance(exc.body, dict) else None
         _fail(f"{exc.status_code}: {reason or exc.message}")
+    except APITimeoutError:
+        _cut(streamed, f"no answer from the router at {router_url} within {timeout:g} s")
     except APIConnectionError as exc:
+        if streamed:
+            _cut(streamed, f"the connection broke off ({exc.__cause__ or exc})")
         _unreachable("router", router_url, exc.__cause__ or exc)
     except APIError as exc:  # an error event in the stream: the request failed midway
-        print()
-        _fail(exc.message)
+        _cut(streamed, exc.message)
+    except ValueError as exc:  # an event that is not JSON, or not UTF-8
+        _cut(streamed, f"the router sent something that is not an event stream ({exc})")
+    if not as_json and not finished:
+        _fail(f"the stream ended after {streamed} chunks without a finish reason: the reply "
+              "is cut short")
+
+
+def _cut(streamed: int, why: str) -> None:
+    """Fail a streamed reply: on a line of its own when some of it was printed."""
+    if streamed:
+        print(flush=True)
+    _fail(why)
 
 
 @app.command()
@@ -280,8 +354,8 @@ def cancel(
               "queue` names")
     _ask("router", router_url, f"/v1/requests/{quote(request_id, safe='')}/cancel",
          post=True, expect=202, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
-    console.print(f"cancelling {request_id}: it ends 'cancelled' (GET /v1/requests/{request_id} "
-                  "shows when)")
+    console.print(Text(f"cancelling {request_id}: it ends 'cancelled' (GET "
+                       f"/v1/requests/{request_id} shows when)"))
 
 
 @app.command()
@@ -302,13 +376,24 @@ def usage(
     if as_json:
         print(json.dumps(data))
         return
-    console.print(usage_table(data))
+    with _its_api("accounting"):
+        console.print(usage_table(data))
 
 
 def read_usage(accounting_url: str, api_key: str, params: dict) -> dict:
     """Accounting's `/v1/usage` report, or a clear error and exit."""
-    return _ask("accounting", accounting_url, "/v1/usage", params=params, timeout=10,
-                headers={"Authorization": f"Bearer {api_key}"}).json()
+    return _ask_json("accounting", accounting_url, "/v1/usage", params=params, timeout=10,
+                     headers={"Authorization": f"Bearer {api_key}"})
+
+
+def _ask_json(service: str, base_url: str, path: str, **kwargs: Any) -> Any:
+    """`_ask`'s answer as JSON, or a clear error and exit when it is not JSON."""
+    resp = _ask(service, base_url, path, **kwargs)
+    try:
+        return resp.json()
+    except ValueError:
+        _fail(f"{service} at {base_url} answered {path} with something that is not JSON: "
+              f"{resp.text[:200]!r}")
 
 
 def _ask(service: str, base_url: str, path: str, *, post: bool = False, expect: int = 200,
@@ -356,9 +441,9 @@ def usage_table(data: dict) -> Table:
                 f"{row['gpu_seconds']:.3f}", f"{row.get('cost_usd', 0):.4f}"]
 
     for t in data["tenants"]:
-        table.add_row(t["tenant"], "[b]all[/b]", *cells(t["totals"]))
+        table.add_row(Text(t["tenant"]), Text("all", style="bold"), *cells(t["totals"]))
         for row in t.get("groups") or []:
-            table.add_row("", row["group"], *cells(row))
+            _row(table, "", row["group"], *cells(row))
     return table
 
 
@@ -415,7 +500,7 @@ def demo(
         console.print(f"one trace in Jaeger: {report['trace_url']}\n"
                       f"  (as JSON from Jaeger's API: {report['trace_api']})")
         if report["errors"]:
-            console.print(f"[red]errors:[/red] {report['errors']}")
+            console.print(f"[red]errors:[/red] {escape(str(report['errors']))}")
     done = sum(r["completed"] for r in report["by_class"].values())
     if done != len(outcomes):
         _fail(f"{len(outcomes) - done} of {len(outcomes)} requests did not complete")

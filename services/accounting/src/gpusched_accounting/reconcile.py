@@ -17,6 +17,7 @@ from aiokafka.errors import KafkaConnectionError
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
@@ -109,11 +110,18 @@ def main(argv: list[str]) -> int:
     except RedisConnectionError:
         print(f"error: Redis not reachable at {args.redis}; is the stack up?", file=sys.stderr)
         return 2
+    except RedisError as exc:  # a time-out, NOAUTH: not a difference found (exit 1)
+        print(f"error: Redis at {args.redis} answered with an error: {exc!r}", file=sys.stderr)
+        return 2
     except UnknownTenant as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        try:
+            args.json.write_text(json.dumps(report, indent=2))
+        except OSError as exc:
+            print(f"error: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 2
     print(f"{report['records']} usage records read, {report['tenant_days_checked']} "
           f"(tenant, day) totals checked, {len(report['differences'])} differ")
     for d in report["differences"][:50]:
