@@ -312,3 +312,33 @@ async def test_a_query_parameter_given_twice_is_a_400(query: str) -> None:
         reply = await client.get(f"/v1/usage?{query}",
                                  headers={"authorization": "Bearer sk-acme-demo"})
     assert reply.status_code == 400 and "given more than once" in reply.json()["detail"]
+
+
+@pytest.mark.parametrize("persistence,memory,problems", [
+    ({"aof_enabled": 1}, {"maxmemory_policy": "noeviction"}, []),
+    ({"aof_enabled": 0}, {"maxmemory_policy": "noeviction"}, ["AOF is off (appendonly no)"]),
+    ({"aof_enabled": 1}, {"maxmemory_policy": "volatile-lru"},
+     ["maxmemory-policy is volatile-lru"]),
+])
+async def test_a_redis_that_could_lose_applied_ids_is_named_at_start(
+        persistence: dict, memory: dict, problems: list[str]) -> None:
+    """Accounting warns at start when its Redis would lose the ids of applied usage (no AOF:
+    a restart; an evicting policy, ElastiCache's default: memory pressure), after which a
+    redelivered record is billed again. The manifests for a cluster's own Redis said
+    nothing of either."""
+    from redis.exceptions import ResponseError
+
+    from gpusched_common.redis_client import durability_problems
+
+    class Info:
+        async def info(self, section: str) -> dict:
+            return persistence if section == "persistence" else memory
+
+    found = await durability_problems(Info())  # type: ignore[arg-type]
+    assert [p.split(":")[0] for p in found] == problems
+
+    class Refusing:
+        async def info(self, section: str) -> dict:
+            raise ResponseError("unknown command 'INFO'")
+
+    assert await durability_problems(Refusing()) == []  # type: ignore[arg-type]

@@ -71,3 +71,18 @@ def test_agents_simulate_distinct_nodes() -> None:
     agents = [services["agent-1"]["environment"], services["agent-2"]["environment"]]
     assert {env["GPUSCHED_NODE_ID"] for env in agents} == {"node-1", "node-2"}
     assert len({env["GPUSCHED_SIMULATE"] for env in agents}) == 2
+
+
+def test_compose_keeps_the_local_stacks_durability_and_drain_settings() -> None:
+    """Redis keeps every applied id (AOF, never evicting), as the local stack's does; an
+    agent gets the time to drain before Docker's SIGKILL (its default is 10 s, the drain
+    20 s: work took the crash-recovery path)."""
+    from gpusched_agent.settings import AgentSettings
+
+    services = _compose()["services"]
+    redis = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis
+    drain_s = AgentSettings.model_fields["drain_timeout_s"].default
+    for name in ("agent-1", "agent-2"):
+        grace = services[name]["stop_grace_period"]
+        assert grace.endswith("s") and int(grace[:-1]) >= drain_s + 20

@@ -112,3 +112,16 @@ def test_partition_for_key_matches_kafka_default_partitioner() -> None:
     parts = list(range(6))
     for key in ("node-1", "node-2", "gpu-host-17"):
         assert partition_for_key(key, 6) == DefaultPartitioner()(key.encode(), parts, parts)
+
+
+@pytest.mark.parametrize("copies,min_insync", [(1, "1"), (2, "2"), (3, "2")])
+def test_topics_with_copies_acknowledge_a_write_once_two_have_it(
+        copies: int, min_insync: str) -> None:
+    """acks=all waits for the in-sync copies, and Kafka's default minimum of them is 1: an
+    acknowledged request or usage record could go with the one broker that had it."""
+    from gpusched_common import topics
+
+    for spec in topics.ALL_TOPICS:
+        made = topics.new_topic(spec, copies)
+        assert made.topic_configs["min.insync.replicas"] == min_insync
+        assert made.replication_factor == copies and made.num_partitions == spec.partitions

@@ -176,8 +176,16 @@ def test_dev_is_the_compose_stack() -> None:
     compose_agents = [compose[s]["environment"] for s in ("agent-1", "agent-2")]
     assert agents == {e["GPUSCHED_NODE_ID"]: e["GPUSCHED_SIMULATE"] for e in compose_agents}
     kafka = named(objects, "StatefulSet")["kafka"]["spec"]["template"]["spec"]["containers"][0]
-    advertised = {e["name"]: e["value"] for e in kafka["env"]}["KAFKA_ADVERTISED_LISTENERS"]
-    assert advertised == f"PLAINTEXT://{settings['GPUSCHED_KAFKA_BOOTSTRAP']}"
+    kafka_env = {e["name"]: e["value"] for e in kafka["env"]}
+    assert kafka_env["KAFKA_ADVERTISED_LISTENERS"] == \
+        f"PLAINTEXT://{settings['GPUSCHED_KAFKA_BOOTSTRAP']}"
+    # Kafka refuses a log folder holding lost+found, as a fresh ext4 volume's root does
+    [mount] = [m["mountPath"] for m in kafka["volumeMounts"]]
+    assert kafka_env["KAFKA_LOG_DIRS"].startswith(mount.rstrip("/") + "/")
+    assert kafka_env["KAFKA_LOG_SEGMENT_BYTES"] == \
+        compose["kafka"]["environment"]["KAFKA_LOG_SEGMENT_BYTES"]
+    redis = named(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["command"] == compose["redis"]["command"]  # AOF, never evicting
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))

@@ -292,7 +292,9 @@ class LocalStack:
     def stop(self) -> None:
         """Stop everything in run_dir: services first, then jaeger, redis, kafka. Idempotent."""
         for name in self._service_names():
-            self._terminate(name, 15.0)
+            # an agent drains for GPUSCHED_DRAIN_TIMEOUT_S (20 s), then hands back what
+            # still runs: killed at 15 s, its work took the crash-recovery path instead
+            self._terminate(name, 45.0 if name.startswith("agent") else 15.0)
         for name in reversed(INFRA_COMPONENTS):
             self._terminate(name, _STOP_TIMEOUT_S[name])
 

@@ -16,7 +16,7 @@ from gpusched_accounting.settings import AccountingSettings
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
-from gpusched_common.redis_client import make_redis
+from gpusched_common.redis_client import make_redis, warn_unless_durable
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
 
@@ -36,7 +36,9 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
         settings.fetch_max_records, settings.apply_chunk_records, provider.get_tracer(SERVICE),
         registry)
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [redis.aclose], starting=[recheck_budgets])
+                                      [redis.aclose],
+                                      starting=[lambda: warn_unless_durable(redis),
+                                                recheck_budgets])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")

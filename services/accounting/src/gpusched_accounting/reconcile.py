@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -95,8 +96,14 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched reconcile", description=__doc__)
-    parser.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap.")
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL.")
+    parser.add_argument("--kafka", default=os.environ.get("GPUSCHED_KAFKA_BOOTSTRAP",
+                                                          "127.0.0.1:9092"),
+                        help="Kafka bootstrap (default: $GPUSCHED_KAFKA_BOOTSTRAP, else the "
+                        "local stack's).")
+    parser.add_argument("--redis", default=os.environ.get("GPUSCHED_REDIS_URL",
+                                                          "redis://127.0.0.1:6379/0"),
+                        help="Redis URL (default: $GPUSCHED_REDIS_URL, else the local "
+                        "stack's).")
     parser.add_argument("--tenant", default=None, help="Only this tenant.")
     parser.add_argument("--config-dir", type=Path, default=REPO_CONFIG_DIR,
                         help="Folder with prices.yaml (costs are recomputed with it).")
