@@ -1547,3 +1547,69 @@ async def test_a_preempted_request_counts_once_in_flight() -> None:
     await engine.admit([record(2, "h0", attempt=1, requeued="preempted")])  # its hand-back
     await engine.admit([record(3, "h2")])
     assert topics.RESULTS.name not in sent  # no 429
+
+
+def test_aged_work_takes_turns_between_tenants_by_fair_share() -> None:
+    """Aged work was taken oldest first across tenants: a tenant flooding its class had
+    all its work age first and took every placement, and an equal tenant's work waited
+    behind it without bound (a probe: 227 s against 2 s with ageing off)."""
+    fair = FairShare()
+    fair.charge("heavy", 30.0, 100.0)
+    items = [Pending(req(f"h{i}", tenant="heavy"), {}, i) for i in range(3)] + \
+        [Pending(req(f"l{i}", tenant="light"), {}, 10 + i) for i in range(3)]
+    [chunk] = order_pending(items, 100_000, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
+                            lambda p: 4.0)
+    assert chunk.name == "aged"
+    assert [p.request.request_id for p in chunk.items] == ["l0", "l1", "l2", "h0", "h1", "h2"]
+
+
+async def test_a_preempted_attempt_ages_from_its_requests_creation() -> None:
+    """A hand-back is a new queue item: it aged from its hand-back, so work preempted as
+    soon as it aged in waited the whole ageing time again, over and over."""
+    now = [400_000]
+    engine, _ = leading_engine(lambda: now[0])
+    batch = topics.REQUESTS["batch"].name
+    await engine.admit([request_record(batch, 0, json.dumps({
+        "request_id": "again", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 3, "created_at_ms": 1000, "attempt": 1, "requeued": "preempted",
+        "priority_class": "batch"}).encode()),
+        request_record(batch, 1, json.dumps({
+            "request_id": "fresh", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+            "max_tokens": 3, "created_at_ms": 1000, "priority_class": "batch"}).encode())])
+    assert [(name, item.request.request_id) for name, item in engine.in_line(now[0])] == [
+        ("aged", "again"), ("batch", "fresh")]
+
+
+def test_work_placed_as_aged_is_no_victim_of_class_priority() -> None:
+    """The newest placement loses the least, so aged batch work was the victim at the very
+    next cycle, every time it aged in. A tenant reclaiming its guarantee may still take it."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0)
+    victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
+                                memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
+                                kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
+                                estimate_gpu_s=1.0, placed_at_ms=at, aged=aged,
+                                request=req(f"b{i}", "batch", max_tokens=8000))
+               for i, (at, aged) in enumerate(((0, None), (9_000, True)))]
+    [pre] = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
+                 running=victims, may_preempt={"i": 1}).preemptions
+    assert [v.placement_id for v in pre.victims] == ["v0"]  # not the cheaper, aged v1
+    [reclaim] = plan(view, [req("g", "standard", max_tokens=100)], now=10_000,
+                     running=victims, may_preempt={"g": 0}).preemptions
+    assert [v.placement_id for v in reclaim.victims] == ["v1"]
+
+
+async def test_work_rejected_as_unschedulable_gives_its_tokens_back() -> None:
+    """A 422 (no node of the fleet could ever hold it) ends it unrun, but its charge stayed:
+    hooli's next request within the minute was refused over its tokens per minute."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("a", [80000]), 1000)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, 0, json.dumps({
+        "request_id": "too-big", "tenant": "hooli", "model": "llama-3.1-70b", "prompt": "x",
+        "max_tokens": 2000, "num_gpus": 1}).encode())])
+    assert engine.quotas.tokens_last_minute("hooli", 1000) > 0
+    await engine.cycle()
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert isinstance(rejection, Rejection) and rejection.status_code == 422
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0

@@ -376,7 +376,8 @@ class SchedulingEngine:
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
             item = waiting  # a redelivery of work still pending keeps its item
             if item is None:
-                item = Pending(request, outcome.carrier, now)
+                item = Pending(request, outcome.carrier, now, waiting_since_ms=min(
+                    now, request.created_at_ms) if request.requeued is not None else None)
                 self.queue.push(item)
             if request.request_id in self._cancelled:  # its cancel came first
                 self._to_cancel.add(request.request_id)
@@ -547,6 +548,7 @@ class SchedulingEngine:
 
         messages: list[tuple[Pending, Outgoing]] = list(ended)
         new_running: list[RunningPlacement] = []
+        aged = {id(item) for chunk in chunks if chunk.name == "aged" for item in chunk.items}
         for place in decisions.placed:
             request = place.item.request
             pid = _placement_id(request.request_id, request.attempt)
@@ -563,7 +565,7 @@ class SchedulingEngine:
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
                 borrowed=guarantee is not None and held > guarantee,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
-                request=request)
+                request=request, aged=True if id(place.item) in aged else None)
             self.running[pid] = running
             new_running.append(running)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
@@ -574,6 +576,7 @@ class SchedulingEngine:
                 max(0.0, now - request.created_at_ms) / 1000)
         for reject in decisions.rejected:
             request = reject.item.request
+            self._refund(reject.item)  # it ends unrun: its tokens count no more
             self._metrics.rejected.labels("unschedulable").inc()
             messages.append((reject.item, Outgoing(Rejection(
                 request_id=request.request_id, tenant=request.tenant, status_code=422,

@@ -1,6 +1,6 @@
 """The order pending work is considered in: aged work first, then strict priority between
-classes, then weighted fair share between tenants inside a class, FIFO inside a tenant.
-Pure: time and consumption are passed in."""
+classes; weighted fair share between tenants inside each (the aged chunk too), FIFO inside a
+tenant. Pure: time and consumption are passed in."""
 
 from __future__ import annotations
 
@@ -53,20 +53,23 @@ def order_pending(
     estimate_gpu_s: Callable[[Pending], float],
 ) -> list[Chunk]:
     """Chunks in the order to solve them: 'aged' (waited over aging_factor x its class's
-    target, oldest first), then one chunk per class, interactive first. Inside a class,
-    tenants take turns by weighted consumption: the tenant with the least (decayed GPU-seconds
-    + estimates of what it is given now) / weight goes next."""
+    target), then one chunk per class, interactive first. Inside each, tenants take turns
+    by weighted consumption: the tenant with the least (decayed GPU-seconds + estimates of
+    what it is given now) / weight goes next, its oldest aged work first in the aged chunk.
+    (Aged work taken oldest first across tenants gave a tenant that floods its class all
+    of it: its work aged first, and an equal tenant's waited behind it without bound.)"""
     aged: list[Pending] = []
     by_class: dict[str, list[Pending]] = {c: [] for c in PRIORITY_CLASSES}
     for item in items:
         cls = item.request.priority_class
-        if now_ms - item.enqueued_ms > aging_factor * class_target_ms[cls]:
+        if now_ms - item.aging_from_ms > aging_factor * class_target_ms[cls]:
             aged.append(item)
         else:
             by_class[cls].append(item)
-    aged.sort(key=lambda p: p.enqueued_ms)
-    chunks = [Chunk("aged", aged)] if aged else []
     now_s = now_ms / 1000
+    aged.sort(key=lambda p: p.aging_from_ms)
+    chunks = [Chunk("aged", _fair_interleave(aged, now_s, fair, weights, estimate_gpu_s))] \
+        if aged else []
     for cls in PRIORITY_CLASSES:
         if by_class[cls]:
             chunks.append(Chunk(cls, _fair_interleave(by_class[cls], now_s, fair, weights,

@@ -409,9 +409,11 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
           running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str]
           ) -> Preemption | None:
     """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
-    1), not already being preempted; cost = GPU-seconds of progress lost."""
+    1), not already being preempted, and not placed as aged work unless a guarantee is
+    reclaimed (ceiling 0); cost = GPU-seconds of progress lost."""
     candidates = [r for r in running if r.node_id in snap.node_index
-                  and r.placement_id not in taken and _victim_priority(r) <= ceiling]
+                  and r.placement_id not in taken and _victim_priority(r) <= ceiling
+                  and (not r.aged or ceiling == 0)]
     if not candidates:
         return None
     gpus = np.full((len(candidates), 8), -1, np.int64)

@@ -27,6 +27,14 @@ class Pending:
     placed_once: bool = False
     """A placement of it went out in a cycle then undone (Kafka's answer failed): it may
     run, so it never expires; it is planned again, and run once by its agent's claim."""
+    waiting_since_ms: int | None = None
+    """Since when it counts as waiting for ageing, where not `enqueued_ms`: a preempted or
+    lost attempt goes on waiting from its request's creation, so its clock does not start
+    again at every hand-back."""
+
+    @property
+    def aging_from_ms(self) -> int:
+        return self.enqueued_ms if self.waiting_since_ms is None else self.waiting_since_ms
 
     @property
     def key(self) -> Key:

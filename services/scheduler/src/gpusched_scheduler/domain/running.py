@@ -26,6 +26,12 @@ class RunningPlacement(BaseModel):
     estimate_gpu_s: float
     placed_at_ms: int
     request: InferenceRequest
+    aged: bool | None = None
+    """True: placed as aged work (it had waited past the aging threshold): no class-priority
+    preemption takes it back, or the newest placement, cheapest to stop, was stopped at the
+    next cycle and aged work never ran. A tenant reclaiming its guarantee still may. None
+    otherwise, left out of what is saved in Redis, which a standby of an earlier version
+    reads (it forbids fields it does not know)."""
 
     @property
     def tenant(self) -> str:
