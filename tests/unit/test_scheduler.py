@@ -1613,3 +1613,19 @@ async def test_work_rejected_as_unschedulable_gives_its_tokens_back() -> None:
     [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
     assert isinstance(rejection, Rejection) and rejection.status_code == 422
     assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
+
+
+def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work() -> None:
+    """An aged gang waiting for two free GPUs on one node: later aged work goes elsewhere
+    or waits, and no longer takes the GPU that freed there. Before, in an overloaded class
+    whose single-GPU work had aged too, that work took each GPU as it freed and the gang
+    never saw two at once (a probe: never placed in 600 s; 10.8 s with the node kept)."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [80000, 0]), 100_000)  # one GPU of two free
+    view.apply_node_state(node("b", [SMALL.weight_memory_mib + 4]), 100_000)  # room for one
+    decisions = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=100_000)
+    assert [(p.item.request.request_id, p.node_id) for p in decisions.placed] == [("s1", "b")]
+    assert [p.request.request_id for p in decisions.waiting] == ["gang", "s2"]
+    # work that is not aged still fits beside waiting work of its own chunk, as before
+    fresh = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=1_000)
+    assert len(fresh.placed) == 2 and "a" in {p.node_id for p in fresh.placed}

@@ -23,6 +23,7 @@ from gpusched_scheduler.domain.solver import (
     Reason,
     RunningWork,
     ShapeDistribution,
+    SolveResult,
     WorkBatch,
     get_policy,
     plan_preemption,
@@ -243,6 +244,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         fits_live: dict[tuple[int, int], bool] = {}  # on a live, healthy node, were it empty
         live: list[tuple[int, ...]] | None = None  # _live_gpu_mib, read at first need
         holding = False  # an earlier chunk has work waiting for room that can free up
+        kept: tuple[int, SolveResult] | None = None  # (first unit, its solve) past a node kept
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -251,7 +253,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 continue
             for u in range(end - len(chunk.items), end):
                 item = items[u]
-                outcome = result.outcome(u)
+                outcome = result.outcome(u) if kept is None else kept[1].outcome(u - kept[0])
                 if hasattr(outcome, "gpu_indices"):
                     placed.append(_place(snap, batch, u, item, outcome))
                     continue
@@ -271,9 +273,11 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                         live = _live_gpu_mib(snap.state) if live is None else live
                         fits_live[size] = not _never_fits(live, *size)
                     holding |= fits_live[size]
-            if holding and end < len(items):
+                    if chunk.name == "aged" and fits_live[size] and kept is None and u + 1 < end:
+                        kept = _keep_node_for(state, batch, u, end, policy, shapes, *size)
+            if holding and kept is None and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
-        state = result.state
+        state = result.state if kept is None else kept[1].state
         room = _evicting(state, snap, placed) if blocked and snap.evictable else None
         if room is not None:
             units = np.array(blocked, np.int64)
@@ -329,6 +333,33 @@ def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Pla
     loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
                         request_weights(item.request))
     return Place(item, outcome.node_id, outcome.gpu_indices, kv, kv + (0 if loaded else weight))
+
+
+def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, policy: str,
+                   shapes: ShapeDistribution | None, mib_per_gpu: int, num_gpus: int
+                   ) -> tuple[int, SolveResult]:
+    """Aged unit `u` waits for room: keep the node closest to holding it (of the live ones
+    that could, empty: the most memory free now on its `num_gpus` freest such GPUs) out of
+    reach of the later aged units `u + 1 .. end - 1`, which are solved again on the rest.
+    Before, they took each GPU that freed there, and an aged gang of an overloaded class
+    never saw two free at once (a probe: never placed in 600 s). Returns (u + 1, their
+    solve), whose state holds that node as it is, healthy."""
+    head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
+    at = head.state
+    best, best_free = -1, -1
+    starts = at.node_gpu_start.tolist()
+    for node, (a, b) in enumerate(zip(starts, starts[1:])):
+        free = sorted((int(at.gpu_mem_free_mib[g]) for g in range(a, b)
+                       if at.gpu_healthy[g] and at.gpu_mem_total_mib[g] >= mib_per_gpu),
+                      reverse=True)
+        if len(free) >= num_gpus and sum(free[:num_gpus]) > best_free:
+            best, best_free = node, sum(free[:num_gpus])
+    kept = at.copy()
+    a, b = (starts[best], starts[best + 1]) if best >= 0 else (0, 0)  # none: keep nothing
+    kept.gpu_healthy[a:b] = False
+    later = solve(kept, batch.take(slice(u + 1, end)), policy, shapes=shapes)
+    later.state.gpu_healthy[a:b] = at.gpu_healthy[a:b]
+    return u + 1, later
 
 
 def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place]
