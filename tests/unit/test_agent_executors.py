@@ -139,6 +139,81 @@ async def test_a_batch_too_big_for_one_step_goes_on_in_smaller_steps() -> None:
     await batch.close()
 
 
+async def test_a_step_run_again_in_halves_skips_a_half_whose_consumers_left() -> None:
+    """A fails alone while B's client goes: the second half is empty. Before, step([]) was
+    called, failed (torch.cat of nothing), was halved again into [] until RecursionError,
+    which failed every request on the model, one that had just joined included."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+    calls: list[list[str]] = []
+    consumers: dict[str, asyncio.Task] = {}
+
+    async def prefill(seq: Sequence) -> str:
+        return "p"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        calls.append([s.key for s in seqs])
+        if not seqs:
+            raise RuntimeError("torch.cat(): expected a non-empty list")
+        await asyncio.sleep(0)
+        if any(s.key == "A" for s in seqs):
+            if len(seqs) == 1:  # B's client leaves, D joins, while A runs alone
+                consumers["B"].cancel()
+                consumers["D"] = asyncio.create_task(collect(batch.run(Sequence("D", 3, 1))))
+                await asyncio.sleep(0.01)
+            raise ExecutorError("nan")
+        return ["t"] * len(seqs)
+
+    batch = ContinuousBatcher(prefill, step)
+    consumers["A"] = asyncio.create_task(collect(batch.run(Sequence("A", 5, 1))))
+    consumers["B"] = asyncio.create_task(collect(batch.run(Sequence("B", 5, 1))))
+    a, _ = await asyncio.gather(consumers["A"], consumers["B"], return_exceptions=True)
+    assert isinstance(a, ExecutorError)
+    assert await asyncio.wait_for(consumers["D"], 5) == ["p", "t", "t"]
+    assert [] not in calls
+    await batch.close()
+
+
+async def test_closing_a_batch_ends_a_request_in_its_prefill() -> None:
+    """A request taken from the joining list and not yet active was in neither list that
+    close() ends, so its consumer waited forever."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+    started = asyncio.Event()
+
+    async def prefill(seq: Sequence) -> str:
+        started.set()
+        await asyncio.sleep(10)
+        return "p"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        return ["t"] * len(seqs)
+
+    batch = ContinuousBatcher(prefill, step)
+    consumer = asyncio.create_task(collect(batch.run(Sequence("X", 3, 1))))
+    await started.wait()
+    await batch.close()
+    with pytest.raises(ExecutorError, match="unloaded"):
+        await asyncio.wait_for(consumer, 2)
+
+
+async def test_a_step_that_gives_a_wrong_number_of_tokens_fails_its_batch_only() -> None:
+    """Before, the count was checked while emitting: the first sequences had a token, then
+    the error failed every request on the model, those joining included."""
+    from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
+
+    async def prefill(seq: Sequence) -> str:
+        return "p"
+
+    async def step(seqs: list[Sequence]) -> list[str]:
+        await asyncio.sleep(0)
+        return ["t"] * (len(seqs) - 1)  # one short
+
+    batch = ContinuousBatcher(prefill, step)
+    got = await asyncio.gather(*(collect(batch.run(Sequence(k, 3, 1))) for k in "PQ"),
+                               return_exceptions=True)
+    assert all(isinstance(g, ExecutorError) and "gave 1 tokens for 2" in str(g) for g in got)
+    await batch.close()
+
+
 # --- torch -----------------------------------------------------------------------------------
 torch = pytest.importorskip("torch", reason="the torch extra: pip install 'gpusched-agent[torch]'")
 

@@ -42,6 +42,8 @@ class ContinuousBatcher:
         self._joining: list[Sequence] = []
         self.active: list[Sequence] = []
         self._loop: asyncio.Task[None] | None = None
+        self._prefilling: Sequence | None = None
+        """Taken from the joining list, not yet active: a close() meanwhile must end it."""
         self._wake = asyncio.Event()
 
     @property
@@ -81,9 +83,11 @@ class ContinuousBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
         gone = ExecutorError("the model was unloaded while the request ran on it")
-        for seq in [*self.active, *self._joining]:
+        prefilling = [] if self._prefilling is None else [self._prefilling]
+        for seq in [*prefilling, *self.active, *self._joining]:
             seq.out.put_nowait(gone)
             seq.left = True
+        self._prefilling = None
         self.active.clear()
         self._joining.clear()
 
@@ -97,25 +101,36 @@ class ContinuousBatcher:
             with contextlib.suppress(ValueError):
                 self.active.remove(seq)
 
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        seq.out.put_nowait(exc)
+        seq.left = True
+        with contextlib.suppress(ValueError):
+            self.active.remove(seq)
+
     async def _step_apart(self, batch: list[Sequence]) -> None:
         """One decode step for `batch`. A step that fails is tried again as two halves, and
         so on down to one sequence: the error ends only the sequences whose step fails
         alone, and a batch too big for the device's memory goes on in smaller steps.
         A step must be safe to run again when it raised (it writes a sequence's state only
         once all of the batch has its token)."""
+        batch = [s for s in batch if not s.left]  # a half's consumers may have gone
+        if not batch:
+            return
         try:
             tokens = await self._step(batch)
         except Exception as exc:  # noqa: BLE001 - told apart below
             if len(batch) == 1:
-                seq = batch[0]
-                seq.out.put_nowait(exc)
-                seq.left = True
-                with contextlib.suppress(ValueError):
-                    self.active.remove(seq)
+                self._fail(batch[0], exc)
                 return
             half = len(batch) // 2
             await self._step_apart(batch[:half])
-            await self._step_apart([s for s in batch[half:] if not s.left])
+            await self._step_apart(batch[half:])
+            return
+        if len(tokens) != len(batch):  # a fault of the executor's, after it wrote its state:
+            wrong = ExecutorError(f"a decode step gave {len(tokens)} tokens for "
+                                  f"{len(batch)} sequences")  # not to be run again
+            for seq in batch:
+                self._fail(seq, wrong)
             return
         for seq, token in zip(batch, tokens, strict=True):
             if not seq.left:
@@ -128,11 +143,14 @@ class ContinuousBatcher:
                     seq = self._joining.pop(0)
                     if seq.left:
                         continue
+                    self._prefilling = seq  # kept when cancelled: close() ends it
                     try:
                         first = await self._prefill(seq)
                     except Exception as exc:  # noqa: BLE001 - its own (a prompt out of memory)
+                        self._prefilling = None
                         seq.out.put_nowait(exc)  # popped: the handler below would miss it
                         continue
+                    self._prefilling = None
                     if not seq.left:
                         self.active.append(seq)
                         self._emit(seq, first)
