@@ -340,6 +340,10 @@ def test_nodes_shows_a_node_the_scheduler_no_longer_hears_from_as_lost(
     [n1] = [line for line in result.output.splitlines() if "n1" in line]
     [n2] = [line for line in result.output.splitlines() if "n2" in line]
     assert "lost (silent 4" in n1 and "ready" not in n1 and "ready" in n2
+    stopped = {**cluster, "nodes": [{**cluster["nodes"][0], "status": "stopped"}]}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=stopped))
+    drained = CliRunner().invoke(app, ["nodes"])
+    assert "stopped" in drained.output and "lost" not in drained.output
     assert "pending: 3 (interactive 1, batch 2)" in result.output
 
 

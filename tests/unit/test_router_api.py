@@ -398,6 +398,7 @@ def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() ->
     passed = chat(logprobs=False, top_logprobs=0, tools=[], logit_bias={}, best_of=1,
                   echo=None, response_format={"type": "text"}, presence_penalty=0.5,
                   modalities=["text"], audio=None, stream_options={"include_usage": False})
+    assert not isinstance(chat(modalities=[]), ApiError)
     assert not isinstance(passed, ApiError)
     assert not isinstance(completion({"model": "qwen2.5-1.5b", "prompt": "x", "logprobs": None,
                                       "modalities": ["text"]}), ApiError)

@@ -70,12 +70,13 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
 
 
 def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
-         running: list | None = None, may_preempt: dict | None = None):
+         running: list | None = None, may_preempt: dict | None = None,
+         reclaiming: tuple[str, ...] = ()):
     items = [Pending(r, {}, 0) for r in requests]
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view))
+                      fleet=lambda: fleet_gpu_mib(view), reclaiming=reclaiming)
 
 
 def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
@@ -1400,6 +1401,7 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
     assert engine._may_preempt() == {"inside": 0}
+    assert engine._reclaiming() == {"inside"}
 
 
 async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
@@ -1595,8 +1597,13 @@ def test_work_placed_as_aged_is_no_victim_of_class_priority() -> None:
                  running=victims, may_preempt={"i": 1}).preemptions
     assert [v.placement_id for v in pre.victims] == ["v0"]  # not the cheaper, aged v1
     [reclaim] = plan(view, [req("g", "standard", max_tokens=100)], now=10_000,
-                     running=victims, may_preempt={"g": 0}).preemptions
+                     running=victims, may_preempt={"g": 0}, reclaiming=("g",)).preemptions
     assert [v.placement_id for v in reclaim.victims] == ["v1"]
+    # interactive work inside its tenant's guarantee reclaims it too (it may preempt batch
+    # work as well: its ceiling stays 1)
+    [interactive] = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
+                         running=victims, may_preempt={"i": 1}, reclaiming=("i",)).preemptions
+    assert [v.placement_id for v in interactive.victims] == ["v1"]
 
 
 async def test_work_rejected_as_unschedulable_gives_its_tokens_back() -> None:

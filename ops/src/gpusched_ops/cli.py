@@ -153,7 +153,7 @@ def nodes_table(data: dict) -> Table:
     table = _table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
     for node in data["nodes"]:
         status = node["status"]
-        if node.get("live") is False:
+        if node.get("live") is False and status != "stopped":  # a drained one is not lost
             seen = node.get("last_seen_ms")
             status = "lost" + (f" (silent {max(0.0, (now_ms - seen) / 1000):.0f} s)"
                                if isinstance(seen, int | float) else "")

@@ -543,7 +543,8 @@ class SchedulingEngine:
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
-            now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view))
+            now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view),
+            reclaiming=self._reclaiming())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = list(ended)
@@ -821,15 +822,24 @@ class SchedulingEngine:
                 continue
             if request.priority_class == "interactive":
                 out[request.request_id] = 1
-                continue
-            guarantee = self._guarantee(request.tenant)
-            model = self.catalog.get(request.model)
-            if guarantee is None or model is None:
-                continue
-            need = sum(memory_per_gpu(request, model)) * request.num_gpus  # weights counted
-            if self.running.memory_mib(request.tenant) + need <= guarantee:
+            elif self._stays_inside_guarantee(request):
                 out[request.request_id] = 0
         return out
+
+    def _reclaiming(self) -> set[str]:
+        """Waiting work that stays inside its tenant's guarantee once placed, interactive
+        work too: it alone may take back borrowed work placed as aged."""
+        return {item.request.request_id for item in self.queue.in_order()
+                if item.request.request_id not in self._preempting
+                and self._stays_inside_guarantee(item.request)}
+
+    def _stays_inside_guarantee(self, request: InferenceRequest) -> bool:
+        guarantee = self._guarantee(request.tenant)
+        model = self.catalog.get(request.model)
+        if guarantee is None or model is None:
+            return False
+        need = sum(memory_per_gpu(request, model)) * request.num_gpus  # weights counted
+        return self.running.memory_mib(request.tenant) + need <= guarantee
 
     async def _take_over(self) -> None:
         """Settle the placements inherited from the previous leader by what the agents'

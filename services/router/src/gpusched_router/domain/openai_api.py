@@ -89,7 +89,7 @@ def _not_supported(body: dict[str, Any]) -> ApiError | None:
         return ApiError(400, f"logprobs: {NOT_SUPPORTED['logprobs']}; leave it out",
                         param="logprobs")
     modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
+    if modalities not in (None, [], ["text"]):  # off values pass, as for the fields above
         return ApiError(400, f"modalities: gpusched replies in text only; ask for [\"text\"] "
                         f"or leave it out, not {modalities!r}", param="modalities")
     best_of = body.get("best_of")

@@ -84,8 +84,9 @@ class RunningStore:
         if placements:
             await self._redis.hset(SCHEDULER_RUNNING_KEY, mapping={
                 # unset optional fields left out, as in Message.to_bytes: readable by a
-                # scheduler one release behind
-                p.placement_id: p.model_dump_json(exclude_none=True) for p in placements})
+                # scheduler one release behind (which knows no `aged`)
+                p.placement_id: p.model_dump_json(exclude_none=True, exclude={"aged"})
+                for p in placements})
 
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:

@@ -207,13 +207,15 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
-               max_preemptions: int = 4) -> CycleDecisions:
+               max_preemptions: int = 4, reclaiming: Collection[str] = ()) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait for room to free up, later chunks wait too (they would take that
     room). Work that no live, healthy node could hold even empty (its GPUs are away or
     sick) waits without holding later chunks back: nothing they take would make it fit.
     `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
-    and borrowed work, 0: borrowed work only). Work that fits nowhere now waits, unless it
+    and borrowed work, 0: borrowed work only); `reclaiming` holds those that stay inside
+    their tenant's guarantee once placed, which alone may preempt borrowed work placed as
+    aged. Work that fits nowhere now waits, unless it
     is invalid or no GPU of `fleet()` (`fleet_gpu_mib`, read once, when first needed) could
     ever hold it: then it is rejected with the reason.
 
@@ -308,7 +310,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 if hasattr(trial.outcome(0), "gpu_indices"):
                     freed = trial.state
                     continue
-            plan = _plan(freed or state, snap, item, catalog, running, now_ms, ceiling, taken)
+            plan = _plan(freed or state, snap, item, catalog, running, now_ms, ceiling, taken,
+                         item.request.request_id in reclaiming)
             if plan is not None:
                 preemptions.append(plan)
                 taken |= {v.placement_id for v in plan.victims}
@@ -437,14 +440,15 @@ def _never_reason(request: InferenceRequest, kv: int, weight: int) -> str:
 
 
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
-          running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str]
-          ) -> Preemption | None:
+          running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str],
+          reclaims: bool) -> Preemption | None:
     """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
-    1), not already being preempted, and not placed as aged work unless a guarantee is
-    reclaimed (ceiling 0); cost = GPU-seconds of progress lost."""
+    1), not already being preempted, and not placed as aged work unless borrowed and taken
+    back by work that `reclaims` its tenant's guarantee; cost = GPU-seconds of progress
+    lost."""
     candidates = [r for r in running if r.node_id in snap.node_index
                   and r.placement_id not in taken and _victim_priority(r) <= ceiling
-                  and (not r.aged or ceiling == 0)]
+                  and (not r.aged or (reclaims and r.borrowed))]
     if not candidates:
         return None
     gpus = np.full((len(candidates), 8), -1, np.int64)

@@ -30,8 +30,8 @@ class RunningPlacement(BaseModel):
     """True: placed as aged work (it had waited past the aging threshold): no class-priority
     preemption takes it back, or the newest placement, cheapest to stop, was stopped at the
     next cycle and aged work never ran. A tenant reclaiming its guarantee still may. None
-    otherwise, left out of what is saved in Redis, which a standby of an earlier version
-    reads (it forbids fields it does not know)."""
+    otherwise. Not saved in Redis (a standby of an earlier version, which forbids fields it
+    does not know, reads what is saved): a next leader does not know it."""
 
     @property
     def tenant(self) -> str:
