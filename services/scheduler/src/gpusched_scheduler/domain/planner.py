@@ -215,9 +215,9 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
     and borrowed work, 0: borrowed work only); `reclaiming` holds those that stay inside
     their tenant's guarantee once placed, which alone may preempt borrowed work placed as
-    aged. Work that fits nowhere now waits, unless it
-    is invalid or no GPU of `fleet()` (`fleet_gpu_mib`, read once, when first needed) could
-    ever hold it: then it is rejected with the reason.
+    aged. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
+    (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
+    with the reason.
 
     Work that fits nowhere while idle models hold GPU memory is solved once more on the
     state with that memory free (`Snapshot.evictable`): the agent unloads them to admit it.
