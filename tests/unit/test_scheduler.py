@@ -1636,3 +1636,14 @@ def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work(
     # work that is not aged still fits beside waiting work of its own chunk, as before
     fresh = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=1_000)
     assert len(fresh.placed) == 2 and "a" in {p.node_id for p in fresh.placed}
+
+
+def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None:
+    """The dashboard takes the max per model over instances: a standby's last value of
+    gpus_wanted outlived its leadership and hid falling demand."""
+    registry = CollectorRegistry()
+    engine, _ = leading_engine(registry=registry)
+    engine._metrics.gpus_wanted.labels(SMALL.name).set(6)  # as its scaling signal set it
+    engine.step_down()
+    assert registry.get_sample_value("gpusched_scheduler_gpus_wanted",
+                                      {"model": SMALL.name}) is None

@@ -87,6 +87,8 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     outcomes = Counter("gpusched_accounting_usage_records_total",
                        "Usage records by outcome (applied, duplicate, stale, invalid).",
                        ["outcome"], registry=registry)
+    for outcome in ("applied", "duplicate", "stale", "invalid"):
+        outcomes.labels(outcome)  # at 0: a series first seen at 1 is no increase() to alert on
 
     async def publish(message: Message, topic: str, key: str) -> None:
         await broker.publish(message.to_bytes(), topic, key=key.encode(),

@@ -120,9 +120,11 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     provider = make_tracer_provider(SERVICE, settings.telemetry)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = make_redis(settings.redis)
-    dropped = DroppedRecords(Counter(
+    dropped_total = Counter(
         "gpusched_agent_records_dropped_total", "Records published without waiting (token "
-        "chunks) that Kafka did not take, by message type.", ["message"], registry=registry))
+        "chunks) that Kafka did not take, by message type.", ["message"], registry=registry)
+    dropped_total.labels("TokenChunk")  # at 0: a series first seen at 1 is no increase()
+    dropped = DroppedRecords(dropped_total)
 
     async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
         sent = await broker.publish(message.to_bytes(), topic, key=key.encode(),
@@ -141,6 +143,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)
+    commands.labels("unknown", "invalid")  # at 0, for the dead-letter alert's increase()
     placements = handlers.register(broker, runtime, commands)
     Gauge("gpusched_agent_requests_in_flight", "Placements running.", registry=registry
           ).set_function(lambda: runtime.in_flight)

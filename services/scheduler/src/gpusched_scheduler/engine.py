@@ -316,6 +316,7 @@ class SchedulingEngine:
         for item in list(self.queue.in_order()):
             self.queue.remove(item)
         self.offsets.clear()
+        self._metrics.gpus_wanted.clear()  # a standby's last demand would outlive the leader's
         self._room.set()
 
     # --- inputs -------------------------------------------------------------------------
@@ -1191,6 +1192,9 @@ class _Metrics:
                                    "Running placements preempted.", registry=registry)
         self.rejected = Counter("gpusched_scheduler_rejections_total", "Requests refused.",
                                 ["reason"], registry=registry)
+        for reason in ("quota", "unschedulable", "expired", "invalid"):
+            # at 0 from the start: a series first seen at 1 is no increase() to alert on
+            self.rejected.labels(reason)
         self.retried = Counter("gpusched_scheduler_retries_total",
                                "Placements retried because their node was lost.",
                                registry=registry)
