@@ -3,6 +3,7 @@ and how a request that failed reaches its client."""
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -672,3 +673,17 @@ async def test_reply_ids_are_prefixed_as_openai_prefixes_them() -> None:
         deadline_s = asyncio.get_running_loop().time() + 5
         events = [e async for e in _sse(parsed, kind, queue, deadline_s, lambda: None)]
         assert json.loads(events[0].decode().removeprefix("data: "))["id"] == f"{prefix}req-1"
+
+
+async def test_answers_with_redis_away_are_counted_as_the_5xx_they_are(router_app) -> None:
+    """The server-errors alert reads the router's requests by outcome: a 503 for Redis away
+    was not counted, so a whole Redis outage left the alert's ratio at zero."""
+    reply = await post(router_app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert reply.status_code == 503 and "Redis is unavailable" in reply.text
+    transport = httpx.ASGITransport(router_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        metrics = (await client.get("/metrics")).text
+    served = re.search(r'gpusched_router_requests_total\{outcome="http_503",'
+                       r'priority_class="unknown"\} ([0-9.]+)', metrics)
+    assert served is not None and float(served.group(1)) >= 1

@@ -99,8 +99,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
-    unavailable_without_redis(app, lambda reason: ApiError(
-        503, reason).body())
+    def redis_away(reason: str) -> dict[str, Any]:
+        accepted.labels("unknown", "http_503").inc()  # as every 5xx answered: alerts read it
+        return ApiError(503, reason).body()
+
+    unavailable_without_redis(app, redis_away)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -111,6 +114,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        accepted.labels("unknown", "http_500").inc()
         return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); the "
                                      "router's log has the details").body(), status_code=500)
 
