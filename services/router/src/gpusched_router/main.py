@@ -77,7 +77,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     accepted = Counter("gpusched_router_requests_total", "Requests by outcome.",
                        ["priority_class", "outcome"], registry=registry)
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
-                        ["priority_class"], registry=registry)
+                        ["priority_class"], registry=registry,  # up to the request time-out:
+                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+                                 3600))  # the default's 10 s capped the latency panel
     cancels: set[asyncio.Task[bool]] = set()
 
     # Every router reads every result as it comes, for the clients waiting on it...
