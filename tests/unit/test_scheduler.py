@@ -1647,3 +1647,17 @@ def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None
     engine.step_down()
     assert registry.get_sample_value("gpusched_scheduler_gpus_wanted",
                                       {"model": SMALL.name}) is None
+
+
+def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
+    """The node's other GPUs stay open to the aged work after it: keeping the whole node
+    left up to seven GPUs idle for one waiting unit."""
+    view = ClusterView()
+    # the 8B gang of two fits only GPU 0 now; GPUs 1 and 2 have room for a loaded model's
+    # KV cache alone
+    view.apply_node_state(node("a", [80000, 100, 100, 0], models=(SMALL.name,)), 100_000)
+    decisions = plan(view, [req("gang", model="llama-3.1-8b", num_gpus=2), req("s1")],
+                     now=100_000)
+    assert [p.request.request_id for p in decisions.waiting] == ["gang"]
+    [single] = decisions.placed
+    assert (single.item.request.request_id, single.gpu_indices) == ("s1", (2,))

@@ -341,27 +341,28 @@ def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Pla
 def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, policy: str,
                    shapes: ShapeDistribution | None, mib_per_gpu: int, num_gpus: int
                    ) -> tuple[int, SolveResult]:
-    """Aged unit `u` waits for room: keep the node closest to holding it (of the live ones
-    that could, empty: the most memory free now on its `num_gpus` freest such GPUs) out of
-    reach of the later aged units `u + 1 .. end - 1`, which are solved again on the rest.
-    Before, they took each GPU that freed there, and an aged gang of an overloaded class
-    never saw two free at once (a probe: never placed in 600 s). Returns (u + 1, their
-    solve), whose state holds that node as it is, healthy."""
+    """Aged unit `u` waits for room: keep the GPUs closest to holding it (of the live nodes
+    that could, empty: the `num_gpus` such GPUs of one node with the most memory free now)
+    out of reach of the later aged units `u + 1 .. end - 1`, which are solved again on the
+    rest, the node's other GPUs included. Before, they took each GPU that freed there, and
+    an aged gang of an overloaded class never saw two free at once (a probe: never placed
+    in 600 s). Returns (u + 1, their solve), whose state holds those GPUs as they are."""
     head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
     at = head.state
-    best, best_free = -1, -1
+    best: list[int] = []  # GPU rows
+    best_free = -1
     starts = at.node_gpu_start.tolist()
-    for node, (a, b) in enumerate(zip(starts, starts[1:])):
-        free = sorted((int(at.gpu_mem_free_mib[g]) for g in range(a, b)
+    for a, b in zip(starts, starts[1:]):
+        rows = sorted((g for g in range(a, b)
                        if at.gpu_healthy[g] and at.gpu_mem_total_mib[g] >= mib_per_gpu),
-                      reverse=True)
-        if len(free) >= num_gpus and sum(free[:num_gpus]) > best_free:
-            best, best_free = node, sum(free[:num_gpus])
+                      key=lambda g: -int(at.gpu_mem_free_mib[g]))[:num_gpus]
+        free = sum(int(at.gpu_mem_free_mib[g]) for g in rows)
+        if len(rows) == num_gpus and free > best_free:
+            best, best_free = rows, free
     kept = at.copy()
-    a, b = (starts[best], starts[best + 1]) if best >= 0 else (0, 0)  # none: keep nothing
-    kept.gpu_healthy[a:b] = False
+    kept.gpu_healthy[best] = False
     later = solve(kept, batch.take(slice(u + 1, end)), policy, shapes=shapes)
-    later.state.gpu_healthy[a:b] = at.gpu_healthy[a:b]
+    later.state.gpu_healthy[best] = at.gpu_healthy[best]
     return u + 1, later
 
 
