@@ -303,13 +303,20 @@ def test_aged_batch_work_goes_before_fresh_interactive_work() -> None:
     assert [c.name for c in chunks] == ["aged", "interactive"]
 
 
-def test_fair_share_interleaves_tenants_by_weighted_consumption() -> None:
+@pytest.mark.parametrize("now_ms,chunk_name", [(0, "standard"), (100_000, "aged")])
+def test_fair_share_interleaves_tenants_by_weighted_consumption(
+        now_ms: int, chunk_name: str) -> None:
+    """In a class, and among aged work too: aged work was taken oldest first across
+    tenants, so a tenant flooding its class had all its work age first and took every
+    placement, and an equal tenant's work waited behind it without bound (a probe: 227 s
+    against 2 s with ageing off)."""
     fair = FairShare()
-    fair.charge("heavy", 30.0, 0.0)
+    fair.charge("heavy", 30.0, now_ms / 1000)
     items = [Pending(req(f"h{i}", tenant="heavy"), {}, i) for i in range(3)] + \
         [Pending(req(f"l{i}", tenant="light"), {}, 10 + i) for i in range(3)]
-    [chunk] = order_pending(items, 0, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
+    [chunk] = order_pending(items, now_ms, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
                             lambda p: 4.0)
+    assert chunk.name == chunk_name
     # heavy consumed 30 at weight 3 (10 per weight); light starts at 0 and pays 4 per request
     assert [p.request.request_id for p in chunk.items] == ["l0", "l1", "l2", "h0", "h1", "h2"]
 
@@ -1549,20 +1556,6 @@ async def test_a_preempted_request_counts_once_in_flight() -> None:
     await engine.admit([record(2, "h0", attempt=1, requeued="preempted")])  # its hand-back
     await engine.admit([record(3, "h2")])
     assert topics.RESULTS.name not in sent  # no 429
-
-
-def test_aged_work_takes_turns_between_tenants_by_fair_share() -> None:
-    """Aged work was taken oldest first across tenants: a tenant flooding its class had
-    all its work age first and took every placement, and an equal tenant's work waited
-    behind it without bound (a probe: 227 s against 2 s with ageing off)."""
-    fair = FairShare()
-    fair.charge("heavy", 30.0, 100.0)
-    items = [Pending(req(f"h{i}", tenant="heavy"), {}, i) for i in range(3)] + \
-        [Pending(req(f"l{i}", tenant="light"), {}, 10 + i) for i in range(3)]
-    [chunk] = order_pending(items, 100_000, fair, {"heavy": 3.0, "light": 1.0}, TARGETS, 5.0,
-                            lambda p: 4.0)
-    assert chunk.name == "aged"
-    assert [p.request.request_id for p in chunk.items] == ["l0", "l1", "l2", "h0", "h1", "h2"]
 
 
 async def test_a_preempted_attempt_ages_from_its_requests_creation() -> None:
