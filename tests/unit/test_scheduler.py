@@ -1407,8 +1407,9 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "request_id": request_id, "tenant": "umbrella", "model": model, "prompt": "hi",
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
-    assert engine._may_preempt() == {"inside": 0}
-    assert engine._reclaiming() == {"inside"}
+    may_preempt, reclaiming = engine._preemption_rights()
+    assert may_preempt == {"inside": 0}
+    assert reclaiming == {"inside"}
 
 
 async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:

@@ -116,9 +116,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        accepted.labels("unknown", "http_500").inc()
-        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); the "
-                                     "router's log has the details").body(), status_code=500)
+        return error(ApiError(500, f"internal error ({type(exc).__name__}); the router's log "
+                              "has the details"))
 
     def error(err: ApiError, priority_class: str = "unknown",
               headers: dict[str, str] | None = None) -> JSONResponse:

@@ -541,11 +541,11 @@ class SchedulingEngine:
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
+        may_preempt, reclaiming = self._preemption_rights()
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
-            now, self._may_preempt(), fleet=lambda: fleet_gpu_mib(self.view),
-            reclaiming=self._reclaiming())
+            now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming)
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = list(ended)
@@ -811,28 +811,28 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _may_preempt(self) -> dict[str, int]:
-        """Interactive work may preempt batch and borrowed work (ceiling 1); work of a tenant
-        that stays inside its GPU memory guarantee once placed may reclaim borrowed work
-        (ceiling 0). Work that would itself be borrowed may not: its victim, handed back
-        inside its own tenant's guarantee, would preempt it in turn, and so on forever."""
-        out: dict[str, int] = {}
+    def _preemption_rights(self) -> tuple[dict[str, int], set[str]]:
+        """In one look through the queue, what each waiting request may preempt: its ceiling
+        (interactive work may preempt batch and borrowed work, 1; work of a tenant that stays
+        inside its GPU memory guarantee once placed may reclaim borrowed work, 0; work that
+        would itself be borrowed may not: its victim, handed back inside its own tenant's
+        guarantee, would preempt it in turn, and so on forever), and which requests stay
+        inside their guarantee, interactive ones too: they alone may take back borrowed work
+        placed as aged."""
+        ceilings: dict[str, int] = {}
+        reclaiming: set[str] = set()
         for item in self.queue.in_order():
             request = item.request
             if request.request_id in self._preempting:
                 continue
+            inside = self._stays_inside_guarantee(request)
+            if inside:
+                reclaiming.add(request.request_id)
             if request.priority_class == "interactive":
-                out[request.request_id] = 1
-            elif self._stays_inside_guarantee(request):
-                out[request.request_id] = 0
-        return out
-
-    def _reclaiming(self) -> set[str]:
-        """Waiting work that stays inside its tenant's guarantee once placed, interactive
-        work too: it alone may take back borrowed work placed as aged."""
-        return {item.request.request_id for item in self.queue.in_order()
-                if item.request.request_id not in self._preempting
-                and self._stays_inside_guarantee(item.request)}
+                ceilings[request.request_id] = 1
+            elif inside:
+                ceilings[request.request_id] = 0
+        return ceilings, reclaiming
 
     def _stays_inside_guarantee(self, request: InferenceRequest) -> bool:
         guarantee = self._guarantee(request.tenant)
