@@ -289,13 +289,21 @@ def submit(
 ) -> None:
     """Send one completion through the router and stream its tokens (--json: wait for the
     whole reply and print it as JSON). One attempt: nothing is sent twice."""
-    from openai import APIConnectionError, APIError, APIStatusError, APITimeoutError, OpenAI
+    from openai import (
+        APIConnectionError,
+        APIError,
+        APIStatusError,
+        APITimeoutError,
+        OpenAI,
+        Timeout,
+    )
 
     # No retries: the SDK's would send the completion again after a time-out or a cut
     # connection, and run it twice (a key would stop that, but also the cancel that a
     # Ctrl-C sends by hanging up).
     client = OpenAI(base_url=f"{router_url}/v1", api_key=api_key, max_retries=0,
-                    timeout=httpx.Timeout(timeout, connect=5.0))
+                    timeout=Timeout(timeout, connect=5.0))  # the SDK's own: it may not
+    # be httpx's (openai 3.63 runs on httpx2, and refused httpx.Timeout: every submit failed)
     headers = {"X-Priority-Class": priority} if priority else {}
     if max_queue_ms is not None:
         headers["X-Max-Queue-Ms"] = str(max_queue_ms)
