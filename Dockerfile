@@ -14,14 +14,15 @@ WORKDIR /app
 COPY libs ./libs
 COPY services ./services
 COPY ops ./ops
-RUN pip install \
+COPY constraints.txt ./
+RUN pip install -c constraints.txt \
         ./libs/common \
         ./services/router \
         ./services/scheduler \
         ./services/gpu-agent \
         ./services/accounting \
         ./ops \
-    && rm -rf ./libs ./services ./ops
+    && rm -rf ./libs ./services ./ops constraints.txt
 
 COPY config ./config
 
