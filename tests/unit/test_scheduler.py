@@ -28,13 +28,14 @@ from gpusched_common.contracts import (
     GpuState,
     InferenceRequest,
     NodeState,
+    Placement,
     Rejection,
     RequestResult,
     UsageRecord,
 )
 from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
-from gpusched_scheduler.adapters.redis_state import Filed
+from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -54,6 +55,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
 SMALL = CATALOG.get("qwen2.5-1.5b")
 TARGETS = {"interactive": 1000, "standard": 10_000, "batch": 60_000}
+NODE_TIMEOUT_MS = 10_000
 
 
 def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int = 1,
@@ -88,8 +90,8 @@ def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: st
 
 def test_prefers_a_gpu_where_the_model_is_loaded() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [80000, 40000]), 0)
-    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
+    view.apply_node_state(node("a", [80000, 40000]), 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     [placed] = plan(view, [req("r")]).placed
     assert placed.node_id == "b"
     assert placed.memory_mib_per_gpu == placed.kv_cache_mib  # no weights to load there
@@ -106,14 +108,15 @@ def test_work_that_fits_only_without_idle_models_is_placed_and_they_are_unloaded
     view = ClusterView()
     free = 81559 - EIGHT_B.weight_memory_mib
     view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,),
-                               idle=(EIGHT_B.name,)), 0)
+                               idle=(EIGHT_B.name,)), 0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("tp2", "interactive", model=SEVENTY_B.name, num_gpus=2),
                             req("b", "batch", model=SMALL.name)])
     [gang] = [p for p in decisions.placed if p.item.request.request_id == "tp2"]
     assert gang.node_id == "a" and sorted(gang.gpu_indices) == [0, 1]
     assert gang.memory_mib_per_gpu == gang.kv_cache_mib + SEVENTY_B.weight_memory_mib // 2
     # the same GPUs while the 8B runs there: nothing to unload, so it waits
-    view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,), seq=2), 0)
+    view.apply_node_state(node("a", [free, free], models=(EIGHT_B.name,), seq=2),
+                          0, NODE_TIMEOUT_MS)
     assert [p.request.request_id for p in plan(view, [req("tp2", model=SEVENTY_B.name,
                                                           num_gpus=2)]).waiting] == ["tp2"]
 
@@ -126,7 +129,7 @@ def test_a_gangs_shards_count_as_loaded_only_for_work_of_the_same_gang_size() ->
     view = ClusterView()
     shard = weights_name(SEVENTY_B.name, 2)
     free = 81559 - SEVENTY_B.weight_memory_mib // 2
-    view.apply_node_state(node("a", [free, free], models=(shard,)), 0)
+    view.apply_node_state(node("a", [free, free], models=(shard,)), 0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("one", "interactive", model=SEVENTY_B.name)])
     assert not decisions.placed
     [refused] = decisions.rejected
@@ -139,7 +142,8 @@ def test_an_idle_model_stays_loaded_while_its_work_fits_without_unloading() -> N
     """Unloading is the last resort: work of an idle model goes where it is loaded, and work
     that fits beside idle models does not unload them."""
     view = ClusterView()
-    view.apply_node_state(node("a", [60000], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)), 0)
+    view.apply_node_state(node("a", [60000], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)),
+                          0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("8b", model=EIGHT_B.name), req("small", model=SMALL.name)])
     assert {p.item.request.request_id: p.memory_mib_per_gpu - p.kv_cache_mib
             for p in decisions.placed} == {"8b": 0, "small": SMALL.weight_memory_mib}
@@ -148,7 +152,8 @@ def test_an_idle_model_stays_loaded_while_its_work_fits_without_unloading() -> N
 def test_memory_a_sent_placement_relies_on_is_not_offered_twice() -> None:
     view, cache = ClusterView(), NodeSpecCache()
     free = 81559 - EIGHT_B.weight_memory_mib
-    view.apply_node_state(node("a", [free], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)), 0)
+    view.apply_node_state(node("a", [free], models=(EIGHT_B.name,), idle=(EIGHT_B.name,)),
+                          0, NODE_TIMEOUT_MS)
 
     def evictable() -> dict:
         cached = snapshot(view, {"a"}, cache).evictable
@@ -166,11 +171,11 @@ def test_memory_a_sent_placement_relies_on_is_not_offered_twice() -> None:
 
 def test_reservations_count_until_the_agent_reports_the_placement() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [10000]), 0)
+    view.apply_node_state(node("a", [10000]), 0, NODE_TIMEOUT_MS)
     view.reserve(Reservation("p1", "a", (0,), 6000, SMALL.name))
     assert view.node_reservations("a") == ({0: 6000}, {0: {SMALL.name}})
     # the agent now counts p1 in its own free memory
-    view.apply_node_state(node("a", [4000], seq=2, active=("p1",)), 0)
+    view.apply_node_state(node("a", [4000], seq=2, active=("p1",)), 0, NODE_TIMEOUT_MS)
     assert view.node_reservations("a") == ({}, {})
 
 
@@ -182,19 +187,21 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
         cached, fresh = snapshot(*args, cache), snapshot(*args)
         return cached.node_index, fresh.node_index, cached.state, fresh.state
 
-    view.apply_node_state(node("a", [80000, 40000]), 0)
-    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
+    view.apply_node_state(node("a", [80000, 40000]), 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     steps = [lambda: None,
              lambda: view.reserve(Reservation("p1", "a", (1,), 6000, SMALL.name)),
-             lambda: view.apply_node_state(node("b", [7000], seq=2), 0),
+             lambda: view.apply_node_state(node("b", [7000], seq=2), 0, NODE_TIMEOUT_MS),
              lambda: view.release("p1"),
-             lambda: view.apply_node_state(node("a", [80000, 40000], seq=2), 0),  # same GPUs
-             lambda: view.apply_node_state(node("b", [7000], models=("llama-3.1-8b",), seq=3), 0),
+             lambda: view.apply_node_state(node("a", [80000, 40000], seq=2),
+                                           0, NODE_TIMEOUT_MS),  # same GPUs
+             lambda: view.apply_node_state(node("b", [7000], models=("llama-3.1-8b",), seq=3),
+                                           0, NODE_TIMEOUT_MS),
              lambda: view.reserve(Reservation("p2", "b", (0,), 500, SMALL.name)),
              # the agent reports p2 running: its memory is in the agent's numbers now
              lambda: view.apply_node_state(node("b", [6500], models=("llama-3.1-8b",), seq=4,
-                                                active=("p2",)), 0),
-             lambda: view.apply_node_state(node("c", [1000, 2000]), 0)]
+                                                active=("p2",)), 0, NODE_TIMEOUT_MS),
+             lambda: view.apply_node_state(node("c", [1000, 2000]), 0, NODE_TIMEOUT_MS)]
     def decoded(state):
         """Every field, with type and model codes turned back into names (a reused snapshot
         may number them differently)."""
@@ -215,8 +222,8 @@ def test_a_cached_snapshot_equals_a_fresh_one_as_nodes_and_reservations_change()
 
 def test_a_reservation_rewrites_only_its_gpu_in_the_cached_snapshot(monkeypatch) -> None:
     view, cache = ClusterView(), NodeSpecCache()
-    view.apply_node_state(node("a", [80000, 40000]), 0)
-    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0)
+    view.apply_node_state(node("a", [80000, 40000]), 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [9000], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     before = snapshot(view, view.live_nodes(0, 10_000), cache).state
     rebuilt = []
     monkeypatch.setattr(ClusterState, "from_nodes",
@@ -234,8 +241,8 @@ def test_a_reservation_rewrites_only_its_gpu_in_the_cached_snapshot(monkeypatch)
 
 def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [10000], seq=5), 0)
-    assert not view.apply_node_state(node("a", [1], seq=4), 0)
+    view.apply_node_state(node("a", [10000], seq=5), 0, NODE_TIMEOUT_MS)
+    assert not view.apply_node_state(node("a", [1], seq=4), 0, NODE_TIMEOUT_MS)
     assert view.live_nodes(now_ms=20_000, node_timeout_ms=10_000) == set()
     assert view.silent(20_000, 10_000) == ["a"]
     view.mark_lost(["a"])
@@ -244,7 +251,7 @@ def test_stale_node_state_is_ignored_and_silent_nodes_are_lost_once() -> None:
 
 def test_a_model_bigger_than_every_gpu_is_rejected_with_the_numbers() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [81559]), 0)
+    view.apply_node_state(node("a", [81559]), 0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("big", model="llama-3.1-70b")])
     [reject] = decisions.rejected
     assert "MiB" in reject.reason and "num_gpus" in reject.reason
@@ -255,32 +262,32 @@ def test_work_waits_while_the_fleet_is_silent_or_restarting_instead_of_failing()
     drains its node: nothing fits now, but the GPUs still exist. Before, such requests were
     rejected with "no healthy GPU ... add nodes"."""
     view = ClusterView()
-    view.apply_node_state(node("a", [81559]), 0)
+    view.apply_node_state(node("a", [81559]), 0, NODE_TIMEOUT_MS)
     silent = plan(view, [req("r")], now=20_000)  # "a" last heard 20 s ago (time-out 10 s)
     assert not silent.rejected and [p.request.request_id for p in silent.waiting] == ["r"]
     view.apply_node_state(node("a", [81559], seq=2).model_copy(update={"status": "draining"}),
-                          20_000)
+                          20_000, NODE_TIMEOUT_MS)
     draining = plan(view, [req("r")], now=20_000)
     assert not draining.rejected and len(draining.waiting) == 1
     # what no GPU of the fleet can hold is still rejected at once
     [big] = plan(view, [req("big", model="llama-3.1-70b")], now=20_000).rejected
     assert "MiB" in big.reason
     view.apply_node_state(node("a", [81559], seq=3).model_copy(update={"status": "stopped"}),
-                          20_000)
+                          20_000, NODE_TIMEOUT_MS)
     assert plan(view, [req("r")], now=20_000).waiting  # no fleet at all: wait for agents
 
 
 def test_a_gang_gets_all_its_gpus_on_one_node() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [81559]), 0)
-    view.apply_node_state(node("b", [81559, 81559]), 0)
+    view.apply_node_state(node("a", [81559]), 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [81559, 81559]), 0, NODE_TIMEOUT_MS)
     [placed] = plan(view, [req("tp2", model="llama-3.1-70b", num_gpus=2)]).placed
     assert placed.node_id == "b" and sorted(placed.gpu_indices) == [0, 1]
 
 
 def test_no_room_now_means_wait_and_lower_classes_wait_too() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 50]), 0)
+    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 50]), 0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("i", "interactive", max_tokens=30_000), req("b", "batch",
                                                                              max_tokens=10)])
     assert not decisions.placed and {p.request.request_id for p in decisions.waiting} == {"i", "b"}
@@ -288,7 +295,8 @@ def test_no_room_now_means_wait_and_lower_classes_wait_too() -> None:
 
 def test_later_units_of_a_blocked_chunk_may_fit_but_later_chunks_wait() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(200)]), 0)
+    view.apply_node_state(node("a", [SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(200)]),
+                          0, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("i-big", "interactive", max_tokens=30_000),
                             req("i-small", "interactive", max_tokens=100),
                             req("b", "batch", max_tokens=100)])
@@ -324,7 +332,7 @@ def test_fair_share_interleaves_tenants_by_weighted_consumption(
 def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
     view = ClusterView()
     full = SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(8100)
-    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0)
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
                                 kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=False,
@@ -508,7 +516,7 @@ async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wir
     await engine.admit([record(0, "batch"), record(3, seed=7)])
     assert len(dead()) == 3 and all("request_id 'dup' is taken by another request" in d
                                     for d in dead())
-    engine.view.apply_node_state(node("n1", [80000]), 1000)
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
     assert await engine.cycle() == 1
     await engine.admit([record(4, prompt="again"), record(5)])
     assert len(dead()) == 4 and topics.RESULTS.name not in sent
@@ -521,7 +529,7 @@ async def test_a_retry_of_another_request_under_a_taken_id_is_dead_lettered() ->
     something else (another tenant and prompt), was placed as a second run of it: the
     client of the first could have read the other's result."""
     engine, sent = leading_engine()
-    engine.view.apply_node_state(node("n1", [80000, 80000]), 1000)
+    engine.view.apply_node_state(node("n1", [80000, 80000]), 1000, NODE_TIMEOUT_MS)
     standard = topics.REQUESTS["standard"].name
 
     def record(offset: int, **extra) -> ConsumerRecord:
@@ -549,7 +557,7 @@ async def test_a_record_without_num_gpus_runs_on_its_models_gang_size(wired) -> 
     _, engine, sent = wired
     batch = topics.REQUESTS["batch"].name
     assert CATALOG.get("llama-3.1-70b").num_gpus == 2 and SMALL.num_gpus == 1
-    engine.view.apply_node_state(node("n1", [81559] * 8), 1000)
+    engine.view.apply_node_state(node("n1", [81559] * 8), 1000, NODE_TIMEOUT_MS)
     await engine.admit([request_record(batch, offset, json.dumps({
         "request_id": request_id, "tenant": "acme", "model": model, "prompt": "hi",
         "max_tokens": 3, **extra}).encode()) for offset, (request_id, model, extra) in
@@ -611,13 +619,16 @@ async def test_a_request_too_large_to_travel_on_is_refused_with_a_413() -> None:
     ([{"gpu_type": f"made-up-{i}"} for i in range(70)], "not in the catalog"),
     ([{"index": 3}, {"index": 7}], "GPU indices [3, 7] are not 0..1"),
     ([{"index": 0}, {"index": 0}], "GPU indices [0, 0] are not 0..1"),
-], ids=["huge-memory", "huge-kv-cache", "70-made-up-types", "sparse-indices", "same-index"])
+    ([{"memory_total_mib": 1000, "memory_free_mib": 80000}],
+     "GPU 0 reports 80000 MiB free of 1000 MiB total"),
+], ids=["huge-memory", "huge-kv-cache", "70-made-up-types", "sparse-indices", "same-index",
+        "more-free-than-total"])
 async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_still_run(
         gpus, reason) -> None:
     """Each was taken into the view: the first three then failed every cycle (an int64
     overflow, the solver's 62 GPU types), so nothing was placed anywhere, and the record
-    outlived restarts in its compacted topic; the last two got placements on GPUs the node
-    does not have."""
+    outlived restarts in its compacted topic; the next two got placements on GPUs the node
+    does not have, the last on memory it does not have."""
     engine, sent = leading_engine()
     good = node("good", [80000])
     bad = {"node_id": "bad", "seq": 1, "started_at_ms": 0, "reported_at_ms": 0, "gpus": [
@@ -649,12 +660,12 @@ async def test_work_no_live_node_could_hold_does_not_hold_back_the_classes_below
     if fleet == "sick-gpu":
         a = node("a", [80000, 80000])
         engine.view.apply_node_state(a.model_copy(update={"gpus": (a.gpus[0], a.gpus[1].model_copy(
-            update={"healthy": False, "unhealthy_reason": "Xid 79"}))}), now[0])
+            update={"healthy": False, "unhealthy_reason": "Xid 79"}))}), now[0], NODE_TIMEOUT_MS)
         gang = 2
     else:
-        engine.view.apply_node_state(node("big", [80000] * 8), now[0])
+        engine.view.apply_node_state(node("big", [80000] * 8), now[0], NODE_TIMEOUT_MS)
         now[0] = 100_000
-        engine.view.apply_node_state(node("small", [80000]), now[0])
+        engine.view.apply_node_state(node("small", [80000]), now[0], NODE_TIMEOUT_MS)
         gang = 8
 
     def record(topic: str, offset: int, request_id: str, **extra) -> ConsumerRecord:
@@ -672,7 +683,7 @@ async def test_work_no_live_node_could_hold_does_not_hold_back_the_classes_below
 
 def test_work_waiting_for_room_to_free_up_still_holds_back_the_classes_below() -> None:
     view = ClusterView()
-    view.apply_node_state(node("a", [1000, 80000]), 0)  # GPU 0 is busy, not away
+    view.apply_node_state(node("a", [1000, 80000]), 0, NODE_TIMEOUT_MS)  # GPU 0 is busy, not away
     gang = InferenceRequest(request_id="gang", tenant="acme", model=SMALL.name, prompt="hi",
                             max_tokens=4, num_gpus=2, priority_class="interactive",
                             created_at_ms=0)
@@ -682,18 +693,25 @@ def test_work_waiting_for_room_to_free_up_still_holds_back_the_classes_below() -
     assert not decisions.placed and len(decisions.waiting) == 2
 
 
-def test_a_node_that_started_again_with_its_clock_set_back_is_heard_once_lost() -> None:
+@pytest.mark.parametrize("declared_lost", [True, False], ids=["lost", "alive-in-redis"])
+def test_a_node_that_started_again_with_its_clock_set_back_is_heard_once_silent(
+        declared_lost) -> None:
     """Its new run reports an earlier start than the one that died: refused as stale, the
     node stayed silent to the scheduler forever (and so did a node whose record once said it
-    started in the far future)."""
+    started in the far future). Before, only a node declared lost was heard again, and one
+    whose new run said in Redis that it was alive never was."""
     view = ClusterView()
     view.apply_node_state(node("a", [80000], seq=9).model_copy(update={"started_at_ms": 10**15}),
-                          0)
+                          0, NODE_TIMEOUT_MS)
     again = node("a", [70000], seq=1)
-    assert not view.apply_node_state(again, 1000)  # a late report of an older run, maybe
-    view.mark_lost(view.silent(60_000, 10_000))
-    assert view.apply_node_state(again, 60_000) and "a" not in view.lost
+    assert not view.apply_node_state(again, 1000, NODE_TIMEOUT_MS)  # an older run's, maybe
+    assert not view.apply_node_state(again, NODE_TIMEOUT_MS, NODE_TIMEOUT_MS)
+    if declared_lost:
+        view.mark_lost(view.silent(60_000, NODE_TIMEOUT_MS))
+    assert view.apply_node_state(again, 60_000, NODE_TIMEOUT_MS) and "a" not in view.lost
     assert view.nodes["a"].gpus[0].memory_free_mib == 70000
+    assert view.apply_node_state(node("a", [60000], seq=2), 61_000, NODE_TIMEOUT_MS)
+    assert not view.apply_node_state(again, 62_000, NODE_TIMEOUT_MS)  # its own older report
 
 
 async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_first(
@@ -719,7 +737,7 @@ async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_fi
         await br.publish(b"not a cancel", topics.CONTROL.name, key=b"x")  # agents refuse it
     await engine.admit([request_record(standard, 1, body("early")),
                         request_record(standard, 2, body("placed"))])
-    engine.view.apply_node_state(node("n1", [80000]), 1000)
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
     assert await engine.cycle() == 3
     results = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
     assert {(r.request_id, r.status, r.completion_tokens) for r in results} == {
@@ -769,7 +787,7 @@ async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503
     assert set(rejected()) == {"own", "of-class", "lax"}
     assert all("limit of 5 s (GPUSCHED_STANDARD_MAX_QUEUE_S)" in rejected()[r].reason
                for r in ("of-class", "lax"))
-    engine.view.apply_node_state(node("n1", [80000]), now[0])
+    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
     assert await engine.cycle() == 2
     placed = {PLACEMENT.validate_json(v).request.request_id
               for v in sent[topics.PLACEMENTS.name]}
@@ -933,7 +951,7 @@ async def test_interactive_is_placed_before_batch_that_arrived_earlier(wired) ->
                                model=SMALL.name, prompt="x", max_tokens=8, created_at_ms=0)
         engine.queue.push(Pending(req, {}, 0))
     # room for exactly one: weights + one KV cache
-    engine.view.apply_node_state(node("n1", [SMALL.weight_memory_mib + 1]), 0)
+    engine.view.apply_node_state(node("n1", [SMALL.weight_memory_mib + 1]), 0, NODE_TIMEOUT_MS)
     assert await engine.cycle() == 1
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.request_id == "i1"
@@ -960,7 +978,7 @@ async def test_queue_depth_per_class_and_tenant_is_exported_as_of_the_scrape() -
                 for s in m.samples}
 
     assert depth() == {("batch", "acme"): 2, ("interactive", "globex"): 1}
-    engine.view.apply_node_state(node("n1", [80000]), 0)
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
     assert await engine.cycle() == 3
     assert depth() == {}  # placed: nothing waits, and no stale series is left behind
 
@@ -981,13 +999,13 @@ async def test_the_fleets_gpus_are_exported_by_type_and_state_as_of_the_scrape()
         busy.gpus[0].model_copy(update={"running_requests": 2}), busy.gpus[1],
         busy.gpus[2].model_copy(update={"healthy": False}),
         busy.gpus[3].model_copy(update={"loaded_models": ()}))})
-    engine.view.apply_node_state(busy, 1000)
-    engine.view.apply_node_state(node("b", [80000, 80000]), 1000)
+    engine.view.apply_node_state(busy, 1000, NODE_TIMEOUT_MS)
+    engine.view.apply_node_state(node("b", [80000, 80000]), 1000, NODE_TIMEOUT_MS)
     engine.view.reserve(Reservation("p#0", "b", (1,), 1000, SMALL.name))
     assert gpus() == {("H100-80GB", "serving"): 2, ("H100-80GB", "loaded"): 1,
                       ("H100-80GB", "unhealthy"): 1, ("H100-80GB", "empty"): 2}
     now[0] = 7000  # b goes on reporting, a is silent past the time-out
-    engine.view.apply_node_state(node("b", [80000, 80000], seq=2), 7000)
+    engine.view.apply_node_state(node("b", [80000, 80000], seq=2), 7000, NODE_TIMEOUT_MS)
     assert gpus() == {("H100-80GB", "unreachable"): 4, ("H100-80GB", "serving"): 1,
                       ("H100-80GB", "empty"): 1}
 
@@ -1012,7 +1030,7 @@ async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_re
                               EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
                                            commit_interval_ms=0))
     engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0)
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
     kafka = Commits()
     standard = topics.REQUESTS["standard"].name
     await engine.admit([request_record(standard, 7, json.dumps(
@@ -1057,7 +1075,7 @@ async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_agai
                               EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
                                            commit_interval_ms=0), store=store)
     engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0)
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
     standard = topics.REQUESTS["standard"].name
     record = request_record(standard, 7, json.dumps(
         {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
@@ -1075,6 +1093,23 @@ async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_agai
     assert await engine.cycle() == 1
     await asyncio.sleep(0.01)
     assert store.saved == ["r1#0"] and kafka.offsets == {TopicPartition(standard, 0): 8}
+
+
+async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog) -> None:
+    """One unreadable entry in Redis's hash of placements in flight (a newer release's
+    field, a hand edit) made every lease renewal fail to lead: the instance held the lease
+    and never led, and no other instance could take it."""
+    readable = RunningPlacement(
+        placement_id="ok#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=req("ok"))
+
+    class Hash:
+        async def hgetall(self, key):
+            return {b"ok#0": readable.model_dump_json().encode(),
+                    b"odd#0": b'{"placement_id": "odd#0", "from_a_newer_release": 1}'}
+    assert await RunningStore(Hash()).load() == [readable]
+    assert "ignoring the unreadable placement in flight odd#0" in caplog.text
 
 
 class Fences:
@@ -1132,7 +1167,7 @@ class OnOneNode:
         self.engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: self.now,
                                        NoOpTracer(), config, store=self.fences)
         self.engine.lead(3, [])
-        self.engine.view.apply_node_state(node("n1", [80000]), self.now)
+        self.engine.view.apply_node_state(node("n1", [80000]), self.now, NODE_TIMEOUT_MS)
 
     async def place(self) -> None:
         for rid in ("taken", "untaken"):
@@ -1193,7 +1228,7 @@ async def test_a_placement_its_node_never_takes_is_fenced_and_retried() -> None:
     await one.place()
     for seq, t in enumerate((11_000, 21_000, 31_000, 32_000), start=2):  # heartbeats
         one.now = t
-        one.engine.view.apply_node_state(node("n1", [80000], seq=seq), t)
+        one.engine.view.apply_node_state(node("n1", [80000], seq=seq), t, NODE_TIMEOUT_MS)
         await one.engine.cycle()
         if t <= 31_000:  # sent at 1,000: not 30 s yet
             assert not one.retries()
@@ -1213,7 +1248,7 @@ async def test_a_request_placed_again_after_its_placement_ended_is_not_left_runn
     one.fences.ended.add("taken#0")
     await one.place()
     one.now = 32_000
-    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now)
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now, NODE_TIMEOUT_MS)
     await one.engine.cycle()
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
     assert not one.engine.running
@@ -1314,7 +1349,7 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     taken (its command lost on its way), `running` runs and its node lists it."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
     one.engine.view.apply_node_state(node("n1", [80000], seq=2, active=("running#0",)),
-                                     one.now)
+                                     one.now, NODE_TIMEOUT_MS)
     inherited = [RunningPlacement(
         placement_id=f"{rid}#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
         kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
@@ -1328,7 +1363,7 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     assert list(one.engine.view.reservations) == ["lost#0"]  # holds its memory meanwhile
     one.now = 31_000
     one.engine.view.apply_node_state(node("n1", [80000], seq=3, active=("running#0",)),
-                                     one.now)
+                                     one.now, NODE_TIMEOUT_MS)
     await one.engine.cycle()  # the untaken check finds the lost command
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("fenced", 1), ("lost", 1)]
     assert sorted(one.engine.running) == ["running#0"]
@@ -1347,7 +1382,7 @@ async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_ti
     await one.engine.cycle()
     assert "n9" not in one.engine.view.live_nodes(one.now, 10_000)
     one.now = 11_000
-    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now)
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now, NODE_TIMEOUT_MS)
     await one.engine.cycle()
     assert not one.retries()
     one.now = 11_001
@@ -1355,6 +1390,156 @@ async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_ti
     [retry] = one.retries()
     assert (retry.request_id, retry.attempt, retry.requeued) == ("orphan", 1, "node_lost")
     assert "orphan#0" not in one.engine.running
+
+
+async def test_a_leader_again_reserves_only_what_it_inherits() -> None:
+    """This instance placed `taken` and `untaken`, stepped down, and leads again; the
+    leader between retried both and Redis holds neither. Before, their reservations stayed
+    in the view and held n1's memory for good (nothing lists or ends those placements)."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    await one.place()
+    assert sorted(one.engine.view.reservations) == ["taken#0", "untaken#0"]
+    one.engine.step_down()
+    one.engine.lead(5, [], {})
+    await one.engine.cycle()
+    assert not one.engine.view.reservations
+
+
+async def test_work_dropped_on_stepping_down_gives_its_tokens_per_minute_back() -> None:
+    """The records are read again by whichever instance leads next, and charged then.
+    Before, leading again charged them a second time: hooli's 1,500 tokens counted 3,000
+    and its next request was refused over a limit it had not reached."""
+    engine, _ = leading_engine()
+    record = request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
+        "request_id": "A", "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 1499}).encode())
+    await engine.admit([record])
+    charged = engine.quotas.tokens_last_minute("hooli", 1000)
+    engine.step_down()  # a lease check failed
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
+    engine.lead(4, [])
+    await engine.admit([record])
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == charged
+
+
+async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_again() -> None:
+    """n1 is lost while Kafka still holds the cycle that placed `r` there: `r` is fenced and
+    retried as attempt 1, then Kafka refuses the cycle. Before, the undo queued attempt 0
+    again beside its retry; it was sent to another node, which refused it as fenced, and it
+    stayed running and reserved for good. Now its offset is committed once the retry is
+    out."""
+    acks: list[asyncio.Future] = []
+    sent: list = []
+
+    async def send(batch):
+        sent.extend(batch)
+        if any(isinstance(o.message, Placement) for o in batch):
+            acks.append(asyncio.get_running_loop().create_future())
+            return acks[-1]
+        return asyncio.gather()
+    now = [1000]
+    fences, kafka = Fences(taken=set()), Commits()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
+                                           commit_interval_ms=0), store=fences)
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, 7, json.dumps(
+        {"request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())], kafka.commit)
+    assert await engine.cycle() == 1
+    now[0] = 12_000  # n1 silent for 11 s; n2 is up
+    engine.view.apply_node_state(node("n2", [80000]), now[0], NODE_TIMEOUT_MS)
+    await engine.cycle()
+    assert [(o.message.request_id, o.message.attempt) for o in sent
+            if isinstance(o.message, InferenceRequest)] == [("r", 1)]
+    acks[0].set_exception(ConnectionError("broker gone"))
+    await asyncio.sleep(0.01)
+    await engine.cycle()
+    assert not engine.queue.depth()["standard"] and not engine.running
+    assert [o.message.placement_id for o in sent if isinstance(o.message, Placement)] == ["r#0"]
+    assert kafka.offsets == {TopicPartition(standard, 0): 8}
+
+
+async def test_an_untaken_placement_fenced_before_is_retried() -> None:
+    """Redis fenced `untaken` but its answer was lost: the next look found the claim
+    fenced, not won, and neither retried nor dropped the placement, which then held its
+    request and n1's memory for good."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
+    await one.place()
+    fence = one.fences.fence
+
+    async def answer_lost(placement_ids):
+        await fence(placement_ids)
+        raise ConnectionError("connection reset")
+    one.fences.fence = answer_lost
+    one.now = 32_000
+    one.engine.view.apply_node_state(node("n1", [80000], seq=2), one.now, NODE_TIMEOUT_MS)
+    await one.engine.cycle()
+    assert not one.retries()
+    one.fences.fence = fence
+    one.fences.taken.add("untaken#0")  # fenced: fencing it again does not win
+    claims = one.fences.claims
+
+    async def fenced(placements):
+        return {**await claims(placements), "untaken#0": "fenced"}
+    one.fences.claims = fenced
+    one.now = 33_000
+    one.engine.view.apply_node_state(node("n1", [80000], seq=3), one.now, NODE_TIMEOUT_MS)
+    await one.engine.cycle()
+    assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
+    assert sorted(one.engine.running) == ["taken#0"]
+
+
+async def test_an_ended_placement_redis_did_not_remove_is_removed_later() -> None:
+    """Redis refused to take an ended placement out of the running hash: the usage handler
+    raised, and the entry stayed; a leader after its agent's claim expired would have run
+    the request again."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    await one.place()
+    remove = one.fences.remove
+
+    async def refuse(placement_ids):
+        raise ConnectionError("Redis is away")
+    one.fences.remove = refuse
+    usage = UsageRecord(event_id="taken#0:final", request_id="taken", placement_id="taken#0",
+                        tenant="acme", model="qwen2.5-1.5b", priority_class="standard",
+                        node_id="n1", gpu_type="H100-80GB", prompt_tokens=3, completion_tokens=6,
+                        gpu_seconds=0.5, started_at_ms=1000, ended_at_ms=2000)
+    await one.engine.usage([request_record(topics.USAGE.name, 0, usage.to_bytes())])
+    assert sorted(one.engine.running) == ["untaken#0"] and not one.fences.removed
+    await one.engine.cycle()
+    one.fences.remove = remove  # Redis is back
+    await one.engine.cycle()
+    assert one.fences.removed == ["taken#0"]
+
+
+async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> None:
+    """Its last report stayed in the view: offered to the solver until the time-out, then
+    counted in the fleet for good, so work only it could hold waited forever instead of
+    getting the 422 a scheduler started after compaction gives. Its work is recovered as a
+    lost node's."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    await one.place()
+    small = node("small", [1000])
+    small = small.model_copy(update={"gpus": (small.gpus[0].model_copy(
+        update={"memory_total_mib": 1000}),)})
+    one.engine.view.apply_node_state(small, one.now, NODE_TIMEOUT_MS)
+    await one.engine.node_states([ConsumerRecord(topics.NODE_STATE.name, 0, 5, 1000, 0, b"n1",
+                                                 None, None, 0, 0, ())])
+    assert fleet_gpu_mib(one.engine.view) == [(1000,)]
+    assert "n1" not in one.engine.view.live_nodes(one.now, 10_000)
+    one.now = 12_000  # epoch milliseconds: any real clock is past the time-out since 0
+    await one.engine.cycle()
+    assert sorted((r.request_id, r.attempt) for r in one.retries()) == [("taken", 1),
+                                                                        ("untaken", 1)]
+    await one.engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps(
+        {"request_id": "x", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())])
+    await one.engine.cycle()
+    [rejection] = [o.message for o in one.sent if isinstance(o.message, Rejection)]
+    assert (rejection.request_id, rejection.status_code) == ("x", 422)
 
 
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
@@ -1385,11 +1570,11 @@ async def test_a_cycle_places_on_while_redis_cannot_fence_an_untaken_placement()
             "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "hi",
             "max_tokens": 3, "created_at_ms": now[0]}).encode())
 
-    engine.view.apply_node_state(node("a", [80000, 80000]), now[0])
+    engine.view.apply_node_state(node("a", [80000, 80000]), now[0], NODE_TIMEOUT_MS)
     await engine.admit([record(0, "r1")])
     assert await engine.cycle() == 1
     now[0] = 40_000  # r1 never listed by its agent, which kept reporting
-    engine.view.apply_node_state(node("a", [80000, 80000], seq=2), now[0])
+    engine.view.apply_node_state(node("a", [80000, 80000], seq=2), now[0], NODE_TIMEOUT_MS)
     await engine.admit([record(1, "r2")])
     assert await engine.cycle() == 1
     assert [PLACEMENT.validate_json(v).request.request_id
@@ -1428,11 +1613,12 @@ async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
     batch_kv = memory_per_gpu(InferenceRequest(
         request_id="b", tenant="acme", model=SMALL.name, prompt="x", max_tokens=8000,
         created_at_ms=0), SMALL)[0]
-    engine.view.apply_node_state(node("a", [2 * batch_kv + 40], models=(SMALL.name,)), now[0])
+    engine.view.apply_node_state(node("a", [2 * batch_kv + 40], models=(SMALL.name,)),
+                                 now[0], NODE_TIMEOUT_MS)
     await engine.admit([record("batch", 0, "b0", 8000), record("batch", 1, "b1", 8000)])
     assert await engine.cycle() == 2
     engine.view.apply_node_state(node("a", [40], models=(SMALL.name,), seq=2,
-                                      active=("b0#0", "b1#0")), now[0])
+                                      active=("b0#0", "b1#0")), now[0], NODE_TIMEOUT_MS)
     victims = []
     for offset, request_id in enumerate(["i1", "i2"]):
         now[0] += 100
@@ -1463,12 +1649,13 @@ async def test_requests_waiting_in_one_cycle_preempt_only_the_victims_they_need(
 
     batch_kv = memory_per_gpu(request("b", "batch", 22000), SMALL)[0]
     assert 2 * memory_per_gpu(request("i", "interactive", 10000), SMALL)[0] < batch_kv
-    engine.view.apply_node_state(node("a", [2 * batch_kv + 5], models=(SMALL.name,)), now[0])
+    engine.view.apply_node_state(node("a", [2 * batch_kv + 5], models=(SMALL.name,)),
+                                 now[0], NODE_TIMEOUT_MS)
     await engine.admit([record(0, request("b0", "batch", 22000)),
                         record(1, request("b1", "batch", 22000))])
     assert await engine.cycle() == 2
     engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2,
-                                      active=("b0#0", "b1#0")), now[0])
+                                      active=("b0#0", "b1#0")), now[0], NODE_TIMEOUT_MS)
     now[0] = 10_000
     before = len(sent[topics.PLACEMENTS.name])
     await engine.admit([record(0, request("i1", "interactive", 10000)),
@@ -1515,7 +1702,7 @@ async def test_a_request_whose_placement_went_out_in_an_undone_cycle_never_expir
     placed, nothing billed' while its placement could run."""
     now = [1000]
     engine, sent = leading_engine(lambda: now[0])
-    engine.view.apply_node_state(node("a", [80000]), now[0])
+    engine.view.apply_node_state(node("a", [80000]), now[0], NODE_TIMEOUT_MS)
     send = engine._send
 
     async def unanswered(batch):  # noqa: ANN001, ANN202
@@ -1545,7 +1732,7 @@ async def test_a_preempted_request_counts_once_in_flight() -> None:
     """hooli (3 in flight at most) runs h0 and h1; h0's hand-back is read before its final
     usage (another topic): h0 counted twice, and a third request got a 429 at 2 in flight."""
     engine, sent = leading_engine()
-    engine.view.apply_node_state(node("a", [80000, 80000]), 1000)
+    engine.view.apply_node_state(node("a", [80000, 80000]), 1000, NODE_TIMEOUT_MS)
 
     def record(offset: int, request_id: str, cls: str = "standard", **extra) -> ConsumerRecord:
         return request_record(topics.REQUESTS[cls].name, offset, json.dumps({
@@ -1580,7 +1767,7 @@ def test_work_placed_as_aged_is_no_victim_of_class_priority() -> None:
     """The newest placement loses the least, so aged batch work was the victim at the very
     next cycle, every time it aged in. A tenant reclaiming its guarantee may still take it."""
     view = ClusterView()
-    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0)
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
                                 kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
@@ -1604,7 +1791,7 @@ async def test_work_rejected_as_unschedulable_gives_its_tokens_back() -> None:
     """A 422 (no node of the fleet could ever hold it) ends it unrun, but its charge stayed:
     hooli's next request within the minute was refused over its tokens per minute."""
     engine, sent = leading_engine()
-    engine.view.apply_node_state(node("a", [80000]), 1000)
+    engine.view.apply_node_state(node("a", [80000]), 1000, NODE_TIMEOUT_MS)
     standard = topics.REQUESTS["standard"].name
     await engine.admit([request_record(standard, 0, json.dumps({
         "request_id": "too-big", "tenant": "hooli", "model": "llama-3.1-70b", "prompt": "x",
@@ -1622,8 +1809,9 @@ def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work(
     whose single-GPU work had aged too, that work took each GPU as it freed and the gang
     never saw two at once (a probe: never placed in 600 s; 10.8 s with the node kept)."""
     view = ClusterView()
-    view.apply_node_state(node("a", [80000, 0]), 100_000)  # one GPU of two free
-    view.apply_node_state(node("b", [SMALL.weight_memory_mib + 4]), 100_000)  # room for one
+    view.apply_node_state(node("a", [80000, 0]), 100_000, NODE_TIMEOUT_MS)  # one GPU of two free
+    view.apply_node_state(node("b", [SMALL.weight_memory_mib + 4]),
+                          100_000, NODE_TIMEOUT_MS)  # room for one
     decisions = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=100_000)
     assert [(p.item.request.request_id, p.node_id) for p in decisions.placed] == [("s1", "b")]
     assert [p.request.request_id for p in decisions.waiting] == ["gang", "s2"]
@@ -1649,7 +1837,8 @@ def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
     view = ClusterView()
     # the 8B gang of two fits only GPU 0 now; GPUs 1 and 2 have room for a loaded model's
     # KV cache alone
-    view.apply_node_state(node("a", [80000, 100, 100, 0], models=(SMALL.name,)), 100_000)
+    view.apply_node_state(node("a", [80000, 100, 100, 0], models=(SMALL.name,)),
+                          100_000, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("gang", model="llama-3.1-8b", num_gpus=2), req("s1")],
                      now=100_000)
     assert [p.request.request_id for p in decisions.waiting] == ["gang"]

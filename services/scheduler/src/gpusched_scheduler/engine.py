@@ -212,8 +212,9 @@ def parse_request_record(
 
 def node_state_problem(state: NodeState) -> str | None:
     """What makes a report the solver cannot take, beyond its schema: GPUs numbered other
-    than 0..n-1 (placements name GPUs by index), or of a type not in the catalog (agents
-    report catalog types; the solver packs each type's GPUs as one kind, 62 at most)."""
+    than 0..n-1 (placements name GPUs by index), of a type not in the catalog (agents
+    report catalog types; the solver packs each type's GPUs as one kind, 62 at most), or
+    with more memory free than they have."""
     indices = sorted(g.index for g in state.gpus)
     if indices != list(range(len(indices))):
         return f"GPU indices {indices} are not 0..{len(indices) - 1}, each once"
@@ -221,6 +222,11 @@ def node_state_problem(state: NodeState) -> str | None:
     if unknown:
         return (f"GPU type(s) {', '.join(unknown[:5])} not in the catalog "
                 f"({', '.join(GPU_TYPES)})")
+    for g in state.gpus:  # the solver would place work on memory the GPU does not have
+        free = max(g.memory_free_mib, g.kv_cache_free_mib or 0)
+        if free > g.memory_total_mib:
+            return (f"GPU {g.index} reports {free} MiB free of {g.memory_total_mib} MiB "
+                    "total")
     return None
 
 
@@ -288,6 +294,12 @@ class SchedulingEngine:
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
+        self._decide_when_retried: dict[str, Pending] = {}
+        """Placement id -> the work of an undone cycle that was retried meanwhile (its node
+        was lost before Kafka refused the cycle): decided once Kafka has taken the retry."""
+        self._unremoved: list[str] = []
+        """Ended placements Redis did not take out of its running hash; tried each cycle
+        (left there, a leader after the agents' claims expired would run them again)."""
         self._arrivals: dict[str, float] = {}
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
@@ -304,6 +316,7 @@ class SchedulingEngine:
         see `_take_over`)."""
         self.epoch = epoch
         self.running = RunningSet(running)
+        self.view.drop_reservations()  # `_take_over` reserves what is inherited
         self._inherited = dict(claims or {})
         self._unpublished = []  # a leader finds them filed when their node is lost to it
         self._retries = []  # still running in Redis: a leader finds them fenced, retries them
@@ -315,7 +328,9 @@ class SchedulingEngine:
         self.epoch = None
         for item in list(self.queue.in_order()):
             self.queue.remove(item)
+            self._refund(item)  # read and charged again by whichever instance leads next
         self.offsets.clear()
+        self._decide_when_retried.clear()
         self._metrics.gpus_wanted.clear()  # a standby's last demand would outlive the leader's
         self._room.set()
 
@@ -439,8 +454,10 @@ class SchedulingEngine:
         now = self._clock()
         dead: list[Outgoing] = []
         for record in records:
-            if record.value is None:
-                continue  # tombstone of a decommissioned node
+            if record.value is None:  # a decommissioned node's tombstone
+                if record.key:
+                    self.view.decommission(record.key.decode(errors="replace"))
+                continue
             try:
                 state = NODE_STATE.validate_json(record.value)
                 if (problem := node_state_problem(state)) is not None:
@@ -454,7 +471,7 @@ class SchedulingEngine:
                     letter = dead_letter(record, reason, SERVICE, now)
                     dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
-            self.view.apply_node_state(state, now)
+            self.view.apply_node_state(state, now, self.config.node_timeout_ms)
         self._wake.set()
         if dead:
             try:
@@ -493,9 +510,9 @@ class SchedulingEngine:
                 self._service_s[usage.model] = 0.8 * old + 0.2 * seconds
                 ended.append(usage.placement_id)
         if ended:
-            if self._store is not None and self.epoch is not None:
-                await self._store.remove(ended)
             self._wake.set()
+            if self.epoch is not None:
+                await self._remove(ended)
 
     # --- the cycle ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -527,6 +544,7 @@ class SchedulingEngine:
         now = self._clock()
         cfg = self.config
         await self._take_over()
+        await self._remove([])
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
         ended = self._take_cancelled(now) + self._take_expired(now)
@@ -671,17 +689,29 @@ class SchedulingEngine:
               requeue: bool) -> None:
         """Forget a cycle's placements; with `requeue` its work waits again here, else the
         next leader reads it again (its offsets are not committed)."""
+        sent = {r.placement_id for r in new_running}
+        # Ended (its final usage came) or retried (its node was lost) since it was sent: the
+        # work went on without this cycle, and placing it again would run it beside its retry
+        moved_on = {pid for pid in sent if pid not in self.running}
+        retrying = {pid for pid, _ in self._retries}
         for r in new_running:
             self.running.pop(r.placement_id, None)
             self.view.release(r.placement_id)
-        sent = {r.placement_id for r in new_running}
         for item in finished:
+            pid = _placement_id(*item.key)
+            if pid in moved_on:
+                if pid in retrying:
+                    self._decide_when_retried[pid] = item
+                else:
+                    item.decided = True
+                continue
             self._placed.pop((item.request.request_id, item.request.attempt), None)
-            item.placed_once |= _placement_id(*item.key) in sent
+            item.placed_once |= pid in sent
             if requeue:
                 self.queue.push(item)
                 if item.request.request_id in self._cancelled:
                     self._to_cancel.add(item.request.request_id)
+        self._commit_decided()
         self._wake.set()
 
     # --- helpers ------------------------------------------------------------------------
@@ -921,9 +951,9 @@ class SchedulingEngine:
             try:
                 if gone:
                     fenced = await self._store.fence([r.placement_id for r in gone])
-                    ended = await self._drop_ended(
+                    claims = await self._drop_ended(
                         [r for r, won in zip(gone, fenced, strict=True) if not won])
-                    gone = [r for r in gone if r.placement_id not in ended]
+                    gone = [r for r in gone if claims.get(r.placement_id) != "ended"]
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
         await self._retry(gone, "lost")
@@ -953,8 +983,10 @@ class SchedulingEngine:
         came) although the node has reported for `untaken_timeout_ms` since it was sent: the
         command was lost on its way. It is fenced first (claimed in the agents' ledger under
         the scheduler's name, so a late delivery is a duplicate the agent ignores); only
-        those fenced are retried, the others were taken by the agent meanwhile. Of those,
-        one its agent has already ended is no longer running: a request redelivered long
+        those fenced are retried, the others were taken by the agent meanwhile. One fenced
+        before is retried too (a fence whose answer Redis lost, or one of a placement sent
+        again after its retry): a retry of the same attempt runs once. Of those taken, one
+        its agent has already ended is no longer running: a request redelivered long
         after it was decided (past RECENT_DECISIONS) was placed again under the id of its
         finished placement, which the agent ignores as a duplicate. Looks at most once a
         second, over the reservations (few: most are taken within a heartbeat)."""
@@ -970,8 +1002,9 @@ class SchedulingEngine:
             try:
                 fenced = await self._store.fence([r.placement_id for r in untaken])
                 taken = [r for r, won in zip(untaken, fenced, strict=True) if not won]
-                untaken = [r for r, won in zip(untaken, fenced, strict=True) if won]
-                await self._drop_ended(taken)
+                claims = await self._drop_ended(taken)
+                untaken = [r for r, won in zip(untaken, fenced, strict=True)
+                           if won or claims[r.placement_id] == "fenced"]
             except Exception:  # Redis away: the cycle places on; looked at again next second
                 log.warning("could not fence %d untaken placements; trying again later",
                             len(untaken), exc_info=True)
@@ -979,19 +1012,18 @@ class SchedulingEngine:
         if untaken:
             await self._retry(untaken, "never took its placement")
 
-    async def _drop_ended(self, taken: list[RunningPlacement]) -> set[str]:
-        """Placements an agent claimed: those it has ended already are no longer running
-        (returned). Raises, changing nothing, when the claims cannot be read."""
+    async def _drop_ended(self, taken: list[RunningPlacement]) -> dict[str, ClaimState]:
+        """Placements claimed already: those their agent has ended are no longer running.
+        Returns every claim's state; raises, changing nothing, when they cannot be read."""
         assert self._store is not None
         if not taken:
-            return set()
+            return {}
         claims = await self._store.claims(taken)
         ended = [r.placement_id for r in taken if claims[r.placement_id] == "ended"]
-        if not ended:
-            return set()
-        log.warning("no longer running, their agents ended them: %s", ", ".join(ended))
-        await self._forget(ended)
-        return set(ended)
+        if ended:
+            log.warning("no longer running, their agents ended them: %s", ", ".join(ended))
+            await self._forget(ended)
+        return claims
 
     async def _forget(self, ended: list[str]) -> None:
         """Placements their agents ended without their final usage reaching this instance:
@@ -999,12 +1031,21 @@ class SchedulingEngine:
         for pid in ended:
             del self.running[pid]
             self.view.release(pid)
-        if self._store is None:
+        await self._remove(ended)
+
+    async def _remove(self, ended: list[str]) -> None:
+        """Take ended placements out of Redis's running hash, with those it refused before
+        (tried again each cycle: a leader that found one there after its agent's claim
+        expired would take it for never started and run it again)."""
+        pending, self._unremoved = self._unremoved + ended, []
+        if self._store is None or not pending:
             return
         try:
-            await self._store.remove(ended)
-        except Exception:  # a new leader finds them ended too
-            log.exception("removing ended placements %s from Redis failed", ended)
+            await self._store.remove(pending)
+        except Exception:
+            log.exception("removing ended placements %s from Redis failed; trying again",
+                          pending)
+            self._unremoved = pending
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
@@ -1036,6 +1077,10 @@ class SchedulingEngine:
                           len(retries))
             self._retries = retries + self._retries
             return
+        for pid, _ in retries:
+            if (item := self._decide_when_retried.pop(pid, None)) is not None:
+                item.decided = True
+        self._commit_decided()
         if self._store is not None:
             try:
                 await self._store.remove([pid for pid, _ in retries])

@@ -160,8 +160,17 @@ class RunningStore:
             await pipe.execute()
 
     async def load(self) -> list[RunningPlacement]:
+        """The placements in flight; one this release cannot read is left out with a
+        warning (raising would keep every instance from leading)."""
         raw = await self._redis.hgetall(SCHEDULER_RUNNING_KEY)
-        return [RunningPlacement.model_validate_json(v) for v in raw.values()]
+        out = []
+        for pid, value in raw.items():
+            try:
+                out.append(RunningPlacement.model_validate_json(value))
+            except ValueError as exc:
+                log.warning("ignoring the unreadable placement in flight %s: %s",
+                            pid.decode(errors="replace"), exc)
+        return out
 
 
 def claim_state(owner: bytes | None, held: bool) -> ClaimState:

@@ -36,14 +36,16 @@ class ClusterView:
     built from (a report of the same GPUs leaves it alone)."""
     _by_node: dict[str, dict[str, Reservation]] = field(default_factory=dict)
 
-    def apply_node_state(self, state: NodeState, now_ms: int) -> bool:
+    def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one. Once
-        the node is declared lost, any report is its latest: an agent that started again
-        after its clock was set back reports an earlier start than its dead run, and would
-        otherwise never be heard again."""
+        the node is silent past the time-out (declared lost or not), any report is its latest: an
+        agent that started again after its clock was set back reports an earlier start than
+        its dead run, and would otherwise never be heard again (nor declared lost, while it
+        says in Redis that it is alive)."""
         node_id = state.node_id
         old = self.nodes.get(node_id)
-        if old is not None and node_id not in self.lost and (
+        heard_lately = now_ms - self.last_seen_ms.get(node_id, now_ms) <= node_timeout_ms
+        if old is not None and heard_lately and (
                 (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq)):
             return False
         self.nodes[node_id] = state
@@ -75,6 +77,21 @@ class ClusterView:
         a report (its record was deleted, or it died before this instance started): counted
         as seen now, so it is declared lost after the time-out unless it reports by then."""
         self.last_seen_ms.setdefault(node_id, now_ms)
+
+    def drop_reservations(self) -> None:
+        """Forget every reservation: a new leader reserves again what it inherits (one it
+        held before it last stepped down may have been retried elsewhere since)."""
+        for placement_id in list(self.reservations):
+            self.release(placement_id)
+
+    def decommission(self, node_id: str) -> None:
+        """The node's record was deleted (a tombstone): it is offered to no work and counts
+        in the fleet no more, and it has been silent since the epoch, so work still placed on
+        it is recovered as a lost node's at once (unless its agent says in Redis that it is
+        alive)."""
+        if self.nodes.pop(node_id, None) is not None:
+            self.last_seen_ms[node_id] = min(self.last_seen_ms.get(node_id, 0), 0)
+            self._bump(node_id)
 
     def release(self, placement_id: str) -> None:
         r = self.reservations.pop(placement_id, None)
