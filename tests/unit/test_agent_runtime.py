@@ -361,6 +361,28 @@ async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stoppe
     assert [m.request_id for m in sink.of(InferenceRequest)] == ["long", "late"]
 
 
+async def test_a_draining_agent_goes_on_with_heartbeats_and_saying_it_is_alive() -> None:
+    """The agent stops its reporter on SIGTERM. Before, the drain (20 s by default) then
+    sent one report: past the scheduler's 10 s node time-out, with the alive mark lapsed,
+    the node was taken for lost and its work retried elsewhere while it still ran here, so
+    it ran and was billed twice."""
+    runtime, sink, ledger = make(time_scale=1.0)
+    runtime._heartbeat_s = 0.05
+    await runtime.command(placement("long", max_tokens=5000))
+    await until_tokens(sink, 1)
+    ledger.alive_nodes.clear()
+    draining = asyncio.create_task(runtime.drain(timeout_s=1.2))
+    await asyncio.sleep(1.1)
+    assert runtime.status == "draining" and runtime.in_flight == 1
+    assert ledger.alive_nodes == {"n1"}  # said again during the drain
+    ledger.alive_nodes.clear()
+    assert len([s for s in sink.of(NodeState) if s.status == "draining"]) >= 5
+    await draining
+    assert [s.status for s in sink.of(NodeState)][-1] == "stopped"
+    await asyncio.sleep(1.1)
+    assert not ledger.alive_nodes  # stopped: nothing says it is alive any more
+
+
 async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_it() -> None:
     crashed, _, ledger = make(time_scale=1.0)
     await crashed.command(placement("done", max_tokens=2))

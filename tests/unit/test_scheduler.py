@@ -1542,6 +1542,19 @@ async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> N
     assert (rejection.request_id, rejection.status_code) == ("x", 422)
 
 
+async def test_the_cycle_loop_stops_when_cancelled_as_it_is_woken() -> None:
+    """Shutting down cancels it; on Python 3.11, asyncio.wait_for swallowed a cancel that
+    came as the wake-up event was set, and the loop ran on (the shutdown hung)."""
+    engine, _ = leading_engine()
+    loop = asyncio.create_task(engine.run())
+    await asyncio.sleep(0.05)
+    engine._wake.set()
+    loop.cancel()
+    async with asyncio.timeout(3):
+        await asyncio.gather(loop, return_exceptions=True)
+    assert loop.cancelled()
+
+
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
     book = QuotaBook()
     for i in range(1000):

@@ -180,8 +180,11 @@ class AgentRuntime:
             except Exception:  # Kafka away: the next heartbeat tries again
                 log.warning("node state not published; trying again in %g s",
                             self._heartbeat_s, exc_info=True)
+            # not wait_for: on Python 3.11 it swallows a cancel that comes as the event is
+            # set (a drain's last placement ending), and this loop never stopped
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
+                async with asyncio.timeout(self._heartbeat_s):
+                    await self._dirty.wait()
             self._dirty.clear()
             if self._read_inventory is not None:
                 await self._reread_inventory()
@@ -301,18 +304,26 @@ class AgentRuntime:
         return Stopping(placement_id)
 
     async def drain(self, timeout_s: float) -> None:
-        """SIGTERM: stop taking work, let running requests finish for up to `timeout_s`,
-        hand back what still runs (usage so far billed), publish the final state."""
+        """SIGTERM (the caller has stopped `report_forever`): stop taking work, let running
+        requests finish for up to `timeout_s`, hand back what still runs (usage so far
+        billed), publish the final state. Heartbeats and the alive mark go on meanwhile:
+        a drain outlasts the scheduler's node time-out, which would otherwise take the node
+        for lost and retry its work beside it."""
         self.status = "draining"
-        await self._report_if_kafka_takes_it()
-        tasks = [r.task for r in self._running.values() if r.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
-        for pid in list(self._running):
-            self._stop(pid, "drained", "the agent is shutting down")
-        tasks = [r.task for r in self._running.values() if r.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
+        heartbeat = asyncio.create_task(self.report_forever(), name="node-state-draining")
+        try:
+            tasks = [r.task for r in self._running.values() if r.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout_s)
+            for pid in list(self._running):
+                self._stop(pid, "drained", "the agent is shutting down")
+            tasks = [r.task for r in self._running.values() if r.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=10)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
         self.status = "stopped"
         await self._report_if_kafka_takes_it()
 

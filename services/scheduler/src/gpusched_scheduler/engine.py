@@ -519,8 +519,11 @@ class SchedulingEngine:
         """Cycle whenever woken (new work, node state, released memory), at most once per
         micro-batch window, and at least once a second (node time-outs, aging)."""
         while True:
+            # not wait_for: on Python 3.11 it swallows a cancel (shutting down) that comes
+            # as the event is set, and this loop would run on
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             if self.config.cycle_window_ms:
