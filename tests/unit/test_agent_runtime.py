@@ -270,6 +270,31 @@ async def test_records_kafka_refuses_are_sent_once_it_is_back_and_the_reporter_l
     reporter.cancel()
 
 
+async def test_waiting_on_kafka_for_the_last_records_is_no_gpu_time() -> None:
+    """`a` ends while Kafka refuses its last chunk for a second. Before, its meter ran on
+    until the chunk went out: `a` was billed the outage as GPU time, and `b`, sharing the
+    GPU meanwhile, only half of its own."""
+    class SlowForA(Sink):
+        refused_until: float | None = None
+
+        async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
+            if wait and isinstance(message, TokenChunk) and message.request_id == "a":
+                now = asyncio.get_running_loop().time()
+                self.refused_until = self.refused_until or now + 1.0
+                if now < self.refused_until:
+                    raise TimeoutError("no broker")
+            await super().__call__(message, topic, key, wait)
+
+    runtime, sink, _ = make(time_scale=1.0, sink=SlowForA())
+    await runtime.command(placement("warm", max_tokens=1))  # the model loaded first
+    await settle(runtime)
+    await runtime.command(placement("a", max_tokens=10))
+    await runtime.command(placement("b", max_tokens=400))
+    await settle(runtime)
+    a, b = usage_sum(sink, "a")[2], usage_sum(sink, "b")[2]
+    assert a < 0.25 and b > 0.6, (a, b)  # ~0.01 and ~0.9 with Kafka answering at once
+
+
 async def test_the_agent_says_it_is_alive_while_a_node_state_send_hangs() -> None:
     """Before, the alive mark was refreshed between reports, so a send blocked on a Kafka
     that was away (aiokafka waits 40 s) let it lapse and the node's work was retried."""

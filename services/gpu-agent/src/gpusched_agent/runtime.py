@@ -106,6 +106,9 @@ class _Running:
     started_ms: int = 0
     gpu_type: str = "none"
     gpu_slots: tuple[int, ...] = field(default_factory=tuple)
+    unbilled_gpu_s: float | None = None
+    """GPU time since the last record, taken when the work left its GPUs (its meters
+    stopped there: waiting on Kafka for its last records is no GPU time)."""
 
 
 def _failed(task: asyncio.Task[None] | None) -> bool:
@@ -569,6 +572,7 @@ class AgentRuntime:
         finally:
             run.interruptible = False
             self.node.finish(placement)
+            run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
@@ -652,12 +656,9 @@ class AgentRuntime:
         completion tokens, and its share of each of its GPUs. Event ids are deterministic
         (`<placement>:<n>`, `<placement>:final`), so a replayed record is applied once."""
         pid = run.placement.placement_id
-        now_s, now_ms = self._mono(), self._clock()
-        gpu_seconds = 0.0
-        for index in run.gpu_slots:
-            meter = self.node.gpus[index].meter
-            gpu_seconds += (meter.stop(pid, now_s) if final else meter.take(pid, now_s))
-        gpu_seconds /= self.executor.time_scale
+        now_ms = self._clock()
+        gpu_seconds = run.unbilled_gpu_s if final and run.unbilled_gpu_s is not None \
+            else self._gpu_seconds(run, final)
         prompt = run.prompt_tokens - run.billed_prompt
         completion = run.completion_tokens - run.billed_completion
         run.billed_prompt, run.billed_completion = run.prompt_tokens, run.completion_tokens
@@ -675,6 +676,15 @@ class AgentRuntime:
             completion_tokens=completion, gpu_seconds=round(gpu_seconds, 6), final=final,
             started_at_ms=started or now_ms, ended_at_ms=now_ms), topics.USAGE.name,
             request.tenant)
+
+    def _gpu_seconds(self, run: _Running, final: bool) -> float:
+        """`run`'s share of its GPUs since its previous record; `final` stops its meters."""
+        pid, now_s = run.placement.placement_id, self._mono()
+        gpu_seconds = 0.0
+        for index in run.gpu_slots:
+            meter = self.node.gpus[index].meter
+            gpu_seconds += (meter.stop(pid, now_s) if final else meter.take(pid, now_s))
+        return gpu_seconds / self.executor.time_scale
 
     async def _end_unstarted(self, run: _Running, why: str, detail: str) -> None:
         """A placement stopped before it ran: a zero final usage releases the scheduler's
