@@ -7,11 +7,14 @@ from pydantic import ConfigDict, ValidationError
 
 from gpusched_common.contracts import (
     CANCEL,
+    PLACEMENT,
     REQUEST,
     RESULT_EVENT,
     InferenceRequest,
+    Placement,
     Rejection,
     TokenChunk,
+    UsageRecord,
     count_prompt_tokens,
     decode_json_object,
     invalid_fields,
@@ -44,6 +47,26 @@ def test_result_events_dispatch_on_type_tag() -> None:
     rejection = Rejection(request_id="r", status_code=404, reason="no such model")
     assert isinstance(RESULT_EVENT.validate_json(chunk.to_bytes()), TokenChunk)
     assert isinstance(RESULT_EVENT.validate_json(rejection.to_bytes()), Rejection)
+
+
+def test_every_placement_id_leaves_room_for_its_usage_records_ids() -> None:
+    """A placement id of 201-300 characters was taken, and its final usage record's id
+    then failed to validate inside the agent: no result, no bill, and an agent that
+    crashed at every start on the claim left over."""
+    request = InferenceRequest(request_id="r" * 128, tenant="t", model="m", prompt="p",
+                               created_at_ms=5, attempt=100, requeued="preempted")
+    longest = Placement(placement_id=f"{request.request_id}#100", node_id="n",
+                        gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=1, placed_at_ms=0,
+                        request=request)
+    for suffix in (":final", ":123456"):
+        UsageRecord(event_id=longest.placement_id + suffix, request_id=request.request_id,
+                    placement_id=longest.placement_id, tenant="t", model="m",
+                    priority_class="standard", node_id="n", gpu_type="H100-80GB",
+                    prompt_tokens=0, completion_tokens=0, gpu_seconds=0.0, started_at_ms=0,
+                    ended_at_ms=0)
+    too_long = longest.model_dump(mode="json") | {"placement_id": "p" * 200}
+    with pytest.raises(ValidationError, match="placement_id"):
+        PLACEMENT.validate_python(too_long)
 
 
 def test_messages_round_trip_unchanged() -> None:

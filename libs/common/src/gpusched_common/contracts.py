@@ -26,8 +26,9 @@ PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 
-PlacementId = Annotated[str, Field(min_length=1, max_length=300)]
-"""'<request_id>#<attempt>' (a request id is 128 characters at most)."""
+PlacementId = Annotated[str, Field(min_length=1, max_length=140)]
+"""'<request_id>#<attempt>' (a request id is 128 characters at most, an attempt 100), so
+that its usage records' ids ('<placement_id>:final', ':<n>') stay within theirs."""
 
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
