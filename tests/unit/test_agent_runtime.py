@@ -108,12 +108,20 @@ async def test_the_first_token_streams_alone_then_chunks_of_chunk_tokens() -> No
     assert [c.token_count for c in sink.of(TokenChunk)] == [1, 4, 4, 1]
 
 
-async def test_stale_scheduler_epochs_are_rejected() -> None:
+async def test_stale_and_future_scheduler_epochs_are_rejected() -> None:
+    """A command with an epoch no leader has taken yet used to be taken, and raised the
+    highest epoch seen: every command of the real leader was then refused as stale."""
     runtime, sink, ledger = make(epoch=5)
     out = await runtime.command(placement("old", epoch=4))
     assert isinstance(out, Stale) and "current leader's 5" in out.reason
+    forged = Preempt(placement_id="x#0", request_id="x", node_id="n1", scheduler_epoch=10**6,
+                     reason="x")
+    out = await runtime.command(forged)
+    assert isinstance(out, Stale) and "newer than the current leader's 5" in out.reason
+    ledger.epoch = 7  # a new leader took over
     assert isinstance(await runtime.command(placement("new", epoch=7)), Started)
-    out = await runtime.command(placement("zombie", epoch=6))  # >= Redis's 5, < seen 7
+    ledger.epoch = None  # Redis came back without its data
+    out = await runtime.command(placement("zombie", epoch=6))  # < seen 7
     assert isinstance(out, Stale) and "already took commands from" in out.reason
     stale_preempt = Preempt(placement_id="new#0", request_id="new", node_id="n1",
                             scheduler_epoch=3, reason="x")
