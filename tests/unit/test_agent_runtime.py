@@ -416,6 +416,49 @@ async def test_a_draining_agent_goes_on_with_heartbeats_and_saying_it_is_alive()
     assert not ledger.alive_nodes  # stopped: nothing says it is alive any more
 
 
+async def preempted_after_tokens(rid: str, attempt: int = 0) -> tuple[InferenceRequest, Sink]:
+    """`rid` preempted once it has streamed tokens: its next attempt (with its resume)."""
+    first, sink, _ = make(time_scale=1.0)
+    await first.command(placement(rid, max_tokens=40, attempt=attempt))
+    await until_tokens(sink, 6)
+    await first.command(Preempt(placement_id=f"{rid}#{attempt}", request_id=rid, node_id="n1",
+                                scheduler_epoch=1, reason="interactive work"))
+    await settle(first)
+    [again] = sink.of(InferenceRequest)
+    return again, sink
+
+
+async def test_a_resumed_attempt_cancelled_before_it_starts_reports_what_came_before() -> None:
+    """Its result said 0 tokens and no text, though the earlier attempt had streamed and
+    billed them (the same cancel a moment later, while it ran, reported them all)."""
+    again, sink = await preempted_after_tokens("a")
+    second, _, _ = make(sink=sink, now_ms=2_000)
+    second.cancel(Cancel(request_id="a", reason="user pressed stop", at_ms=0))
+    await second.command(placement("a", attempt=1).model_copy(update={"request": again}))
+    await settle(second)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled" and result.text == "".join(again.resume.tokens)
+    prompt, completion, _ = usage_sum(sink, "a")
+    assert (result.prompt_tokens, result.completion_tokens) == (prompt, completion)
+    assert completion == len(again.resume.tokens) > 0
+
+
+async def test_work_stopped_on_its_last_attempt_ends_failed_instead_of_an_unreadable_retry(
+) -> None:
+    """A request preempted on attempt 100 was handed back as attempt 101, which no
+    consumer reads: it was dead-lettered, billed and never answered."""
+    runtime, sink, _ = make(time_scale=1.0)
+    await runtime.command(placement("last", max_tokens=40, attempt=100))
+    await until_tokens(sink, 6)
+    await runtime.command(Preempt(placement_id="last#100", request_id="last", node_id="n1",
+                                  scheduler_epoch=1, reason="interactive work"))
+    await settle(runtime)
+    assert not sink.of(InferenceRequest)
+    [result] = sink.of(RequestResult)
+    assert result.status == "failed" and "attempt 100 was its last" in result.finish_reason
+    assert result.completion_tokens == usage_sum(sink, "last")[1] > 0
+
+
 async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_it() -> None:
     crashed, _, ledger = make(time_scale=1.0)
     await crashed.command(placement("done", max_tokens=2))

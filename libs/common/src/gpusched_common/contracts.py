@@ -26,6 +26,9 @@ PRIORITY_CLASSES: tuple[PriorityClass, ...] = ("interactive", "standard", "batch
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 
+LAST_ATTEMPT = 100
+"""The highest attempt number a request may reach (preemptions, drains, lost nodes)."""
+
 PlacementId = Annotated[str, Field(min_length=1, max_length=140)]
 """'<request_id>#<attempt>' (a request id is 128 characters at most, an attempt 100), so
 that its usage records' ids ('<placement_id>:final', ':<n>') stay within theirs."""
@@ -136,7 +139,7 @@ class InferenceRequest(Message):
     num_gpus: int = Field(
         default=1, ge=1, le=8, description="GPUs of one node that run it together (a gang: "
         "tensor parallel; weights and KV cache are split evenly across them).")
-    attempt: int = Field(default=0, ge=0, le=100)
+    attempt: int = Field(default=0, ge=0, le=LAST_ATTEMPT)
     requeued: Literal["handback", "preempted", "node_lost"] | None = Field(
         default=None, description="Why this attempt was queued again; preempted and node_lost "
         "attempts go to the front of their class.")

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job, PromptTokens
 from gpusched_agent.adapters.ledger import PlacementLedger
@@ -29,6 +30,7 @@ from gpusched_agent.domain.stop_strings import StopScan
 from gpusched_common import outbox, topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
+    LAST_ATTEMPT,
     MAX_HANDBACK_BYTES,
     PLACEMENT,
     Cancel,
@@ -577,6 +579,9 @@ class AgentRuntime:
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
             why = f"{run.stop_reason}: {run.detail}"
+            if request.attempt >= LAST_ATTEMPT:  # no attempt after it: it ends here
+                requeue, status = None, "failed"
+                finish_reason = f"{why}; attempt {request.attempt} was its last"
         if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
             billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
                 if run.prompt_tokens != request.prompt_token_count else request
@@ -690,12 +695,14 @@ class AgentRuntime:
         """A placement stopped before it ran: a zero final usage releases the scheduler's
         reservation; then the request ends (cancelled) or goes back (preempted, drained)."""
         request = run.placement.request
-        if why == "cancelled":
+        if why == "cancelled" or request.attempt >= LAST_ATTEMPT:
+            status = "cancelled" if why == "cancelled" else "failed"
+            reason = f"{why}: {detail}" + ("" if why == "cancelled" else
+                                           f"; attempt {request.attempt} was its last")
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
-                status="cancelled", finish_reason=f"cancelled: {detail}", prompt_tokens=0,
-                completion_tokens=0, node_id=self.node_id, queued_ms=0, total_ms=0),
-                topics.RESULTS.name, request.request_id)])
+                status=status, finish_reason=reason, **_so_far(request), node_id=self.node_id,
+                queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
         else:
             await self._finish(run, [_retry(request, "preempted" if why == "preempted"
                                             else "node_lost")])
@@ -710,7 +717,7 @@ class AgentRuntime:
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="failed", finish_reason=f"not runnable after {MAX_ATTEMPTS} attempts: "
-                f"{reason}", prompt_tokens=0, completion_tokens=0, queued_ms=0, total_ms=0),
+                f"{reason}", **_so_far(request), queued_ms=0, total_ms=0),
                 topics.RESULTS.name, request.request_id)])
             return
         await self._finish(run, [_retry(request, why)])
@@ -726,6 +733,19 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
             break
         ready += 1
     return ready
+
+
+def _so_far(request: InferenceRequest) -> dict[str, Any]:
+    """The text and tokens a request's earlier attempts produced and billed (its resume),
+    for the result of an attempt that ends without running: nothing for a first one."""
+    if request.resume is None:
+        return {"text": "", "prompt_tokens": 0, "completion_tokens": 0}
+    tokens = request.resume.tokens
+    stops = StopScan(request.stop)
+    for token in tokens:
+        stops.feed(token)
+    return {"text": "".join(tokens)[:stops.end_chars], "completion_tokens": len(tokens),
+            "prompt_tokens": request.prompt_token_count}
 
 
 def _retry(request: InferenceRequest, why: str, resume: Resume | None = None) -> outbox.Final:
