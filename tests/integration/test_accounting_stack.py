@@ -164,27 +164,33 @@ async def test_a_bad_usage_record_is_dead_lettered_with_the_field_and_bills_noth
     good = [r for r in make_usage([tenant], 1) if r.final][-1]
     bad = good.model_copy(update={"event_id": f"{good.placement_id}:bad"}).model_dump(
         mode="json") | {"completion_tokens": -5}
+    # billed a year ahead, into a bucket no query or budget would read before then
+    ahead = good.model_copy(update={"event_id": f"{good.placement_id}:ahead",
+                                    "ended_at_ms": good.ended_at_ms + 365 * 86_400_000})
     producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
     await producer.start()
     try:
-        for raw in (json.dumps(bad).encode(), f"{tenant} {{not json".encode()):
+        for raw in (json.dumps(bad).encode(), f"{tenant} {{not json".encode(),
+                    ahead.to_bytes()):
             await producer.send_and_wait(topics.USAGE.name, raw, key=tenant.encode())
     finally:
         await producer.stop()
     await produce(stack, [good])
 
-    async def both_letters():
+    async def all_letters():
         found = await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
                                  lambda k, v: tenant.encode() in v, timeout_s=2)
-        return found if len(found) >= 2 else None
+        return found if len(found) >= 3 else None
 
     letters = [DEAD_LETTER.validate_json(v) for _, v in await eventually(
-        both_letters, timeout_s=30, what="both bad records dead-lettered")]
-    assert [letter.service for letter in letters] == ["accounting"] * 2
+        all_letters, timeout_s=30, what="the bad records dead-lettered")]
+    assert [letter.service for letter in letters] == ["accounting"] * 3
     reasons = sorted(letter.reason for letter in letters)
     assert reasons[0] == ("invalid usage record: completion_tokens: Input should be greater "
                           "than or equal to 0")
     assert reasons[1].startswith("invalid usage record: value: Invalid JSON")
+    assert reasons[2].startswith("unusable usage record: it ended at") and \
+        "its agent's clock is off by more than a day" in reasons[2]
 
     async def billed():
         return await drained(stack, "gpusched-accounting") and \
@@ -197,23 +203,36 @@ async def test_a_bad_usage_record_is_dead_lettered_with_the_field_and_bills_noth
 async def test_a_record_from_an_agent_clock_ahead_keeps_its_id_as_long_as_it_is_redeliverable(
         stack) -> None:
     """A record is applied until its end + the dedup window; its id used to expire one
-    window after the apply, so a record ending 2 days ahead, redelivered on day 8, was
-    billed twice."""
+    window after the apply, so a record ending hours ahead, redelivered at the window's
+    end, was billed twice. Then a later record of the same request, from a clock that is
+    right, cut the id's time back to one window."""
     [tenant] = tenants_named("ahead", 1)
     [record] = [r for r in make_usage([tenant], 1) if r.final][:1]
-    ahead_ms = 2 * 86_400_000
+    ahead_ms = 20 * 3_600_000  # within the day accounting takes
     record = record.model_copy(update={"ended_at_ms": record.ended_at_ms + ahead_ms})
-    await produce(stack, [record])
+    later = record.model_copy(update={"event_id": f"{record.placement_id}:later",
+                                      "ended_at_ms": record.ended_at_ms - ahead_ms})
+    key = f"gpusched:usage:req:{record.request_id}"
     redis = Redis.from_url(stack.endpoints.redis_url)
     try:
-        async def kept_s():
-            return await redis.ttl(f"gpusched:usage:req:{record.request_id}") if await \
-                redis.exists(f"gpusched:usage:req:{record.request_id}") else None
+        await produce(stack, [record])
 
-        ttl_s = await eventually(kept_s, timeout_s=30, what="the record applied")
+        async def kept_s():
+            return await redis.ttl(key) if await redis.exists(key) else None
+
+        first_s = await eventually(kept_s, timeout_s=30, what="the record applied")
+        await produce(stack, [later])
+
+        async def both():
+            raw = await redis.get(key)
+            return raw is not None and b"later" in raw
+
+        await eventually(both, timeout_s=30, what="the later record applied")
+        ttl_s = await redis.ttl(key)
     finally:
         await redis.aclose()
     window_s = 7 * 86_400  # GPUSCHED_DEDUP_TTL_S's default
+    assert first_s >= window_s + ahead_ms // 1000 - 600
     assert ttl_s >= window_s + ahead_ms // 1000 - 600
 
 

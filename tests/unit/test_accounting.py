@@ -2,6 +2,7 @@
 buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
 answers to a window it cannot read."""
 
+import json
 import re
 from pathlib import Path
 
@@ -191,9 +192,13 @@ class FlagStore:
 
     async def set_exhausted(self, tenant: str, flag: dict, until_ms: int) -> bool:
         self.calls.append("set")
-        new = self.flag is None or self.flag["period"] != flag["period"]
-        self.flag, self.until_ms = flag, until_ms
-        return new
+        told = self.flag is not None and self.flag["period"] == flag["period"] \
+            and self.flag["announced"]
+        self.flag, self.until_ms = flag | {"announced": told}, until_ms
+        return not told
+
+    async def announced(self, tenant: str, flag: dict, until_ms: int) -> None:
+        self.flag = flag | {"announced": True}
 
 
 async def test_a_spent_second_budget_flags_the_tenant_once_and_never_clears_it() -> None:
@@ -216,6 +221,27 @@ async def test_a_spent_second_budget_flags_the_tenant_once_and_never_clears_it()
     assert store.flag is None and len(events) == 1
 
 
+async def test_a_budget_exhausted_event_kafka_refused_goes_out_with_the_redelivery() -> None:
+    """The flag was set before the event was published: the batch's redelivery found it
+    set for the same period, and the event never went out."""
+    table = b.BudgetTable(budgets=(b.Budget(tenant="acme", period="day", limit=100,
+                                            unit="tokens"),))
+    store, events = FlagStore(Totals(prompt_tokens=150)), []
+
+    async def kafka_away(message, topic, key) -> None:
+        raise TimeoutError("no broker")
+
+    async def publish(message, topic, key) -> None:
+        events.append(message)
+
+    with pytest.raises(TimeoutError):
+        await enforce_budgets(store, table, {"acme"}, D, kafka_away)
+    assert store.flag is not None  # the router refuses the tenant already
+    for _ in range(2):
+        await enforce_budgets(store, table, {"acme"}, D, publish)
+    assert [e.type for e in events] == ["budget_exhausted"]
+
+
 async def test_a_spent_month_holds_the_flag_past_a_spent_days_end() -> None:
     """With a day and a month budget both spent, the flag named the first (the day) and
     expired at midnight: the tenant was let through with its month spent."""
@@ -234,14 +260,30 @@ async def test_a_spent_month_holds_the_flag_past_a_spent_days_end() -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("gpu_seconds", "Infinity"), ("gpu_seconds", "1e308"), ("prompt_tokens", "1" + "0" * 400),
+    ("gpu_seconds", "Infinity"), ("gpu_seconds", "1e308"), ("gpu_seconds", "1e9"),
+    ("prompt_tokens", "1" + "0" * 400),
     ("completion_tokens", str(2**70)), ("ended_at_ms", str(10**19)),
 ])
 def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value) -> None:
     """Before, they validated and then overflowed (`row_for` raised, so the batch was read
-    again forever) or would have wrapped Redis's 64-bit counters."""
+    again forever) or would have wrapped Redis's 64-bit counters (10,000 records of 10**9
+    GPU-seconds in one day did; ten lost precision)."""
     raw = usage().model_dump_json()
     raw = raw.replace(f'"{field}":{getattr(usage(), field)}', f'"{field}":{value}')
+    assert value in raw
+    with pytest.raises(ValidationError):
+        USAGE.validate_json(raw)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt_tokens", "true"), ("prompt_tokens", '"10"'), ("completion_tokens", "10.0"),
+    ("final", '"no"'),
+])
+def test_usage_records_whose_counts_are_not_plain_numbers_are_invalid(field, value) -> None:
+    """They were billed as coerced: `true` as 1 token, "10" and 10.0 as 10, "no" as not
+    final."""
+    raw = usage().model_dump_json()
+    raw = raw.replace(f'"{field}":{json.dumps(getattr(usage(), field))}', f'"{field}":{value}')
     assert value in raw
     with pytest.raises(ValidationError):
         USAGE.validate_json(raw)
@@ -292,6 +334,19 @@ async def test_a_number_too_long_to_be_a_time_is_a_400_that_quotes_it_short(path
     assert detail.startswith(f"{field}='{'1' * 40}'... (5000 characters) is neither epoch "
                              "milliseconds nor an ISO 8601 time")
     assert len(detail) < 200
+
+
+async def test_a_window_whose_end_was_cut_to_a_day_from_now_says_so() -> None:
+    """The 400 named the end it had cut, not the one asked, and not why."""
+    app = create_app(AccountingSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://accounting") as client:
+        reply = await client.get("/v1/usage", params={"start": "2200-01-01",
+                                                      "end": "2200-01-02"},
+                                 headers={"authorization": "Bearer sk-acme-demo"})
+    assert reply.status_code == 400
+    assert "(the end asked, 7258204800000, is cut to a day from now: nothing is billed " \
+        "later)" in reply.json()["detail"]
 
 
 def test_an_iso_basic_date_is_a_date_not_milliseconds_of_1970() -> None:

@@ -366,6 +366,21 @@ def test_text_from_a_service_is_printed_as_it_is_not_read_as_markup(
     assert "req-[/x]-[b]y" in wide.export_text()
 
 
+def test_reconcile_with_a_redis_url_that_is_none_exits_2_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--redis 127.0.0.1:6379` (no scheme) exited 1, 'totals differ', with a traceback."""
+    from gpusched_accounting import reconcile
+
+    async def nothing_retained(bootstrap: str) -> list:
+        return []
+
+    monkeypatch.setattr(reconcile, "read_usage", nothing_retained)
+    result = CliRunner().invoke(app, ["reconcile", "--redis", "127.0.0.1:6379"])
+    assert result.exit_code == 2, result.output
+    assert "error: Redis URL must specify" in result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("error", ["timeout", "noauth"])
 def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
         monkeypatch: pytest.MonkeyPatch, error: str) -> None:

@@ -322,9 +322,11 @@ class Rejection(Message):
 
 
 MAX_USAGE_TOKENS = 10**9
-MAX_USAGE_GPU_SECONDS = 10**9
-"""Far beyond any one record (a request's prompt and output, or 8 GPUs for years), and far
-inside the 64-bit counters accounting adds them to."""
+MAX_USAGE_GPU_SECONDS = 8 * 31 * 86_400
+"""Far beyond any one record (a request's prompt and output; 8 GPUs for a month, where
+agents bill every minute), and far inside the counters accounting adds them to, which
+are exact up to 2**53 per bucket (285 GPU-years of microseconds); at 10**9 GPU-seconds ten
+records in a day lost precision and 10,000 wrapped the counter negative."""
 MAX_EPOCH_MS = 10**13
 """Year 2286: a larger timestamp is in micro- or nanoseconds, not milliseconds."""
 
@@ -345,11 +347,12 @@ class UsageRecord(Message):
     priority_class: PriorityClass
     node_id: Name
     gpu_type: Name
-    prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
-    completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
+    # strict: a bill is not guessed from `true`, "10" or "no"
+    prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS, strict=True)
+    completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS, strict=True)
     gpu_seconds: float = Field(ge=0, le=MAX_USAGE_GPU_SECONDS, allow_inf_nan=False,
                                description="Share of one GPU integrated over the run.")
-    final: bool = True
+    final: bool = Field(default=True, strict=True)
     started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
     ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
 

@@ -19,6 +19,7 @@ from gpusched_accounting.adapters.store import UsageStore
 from gpusched_accounting.domain.usage import (
     DIMENSION_CODE,
     GRANULARITY_S,
+    MAX_END_AHEAD_MS,
     Granularity,
     GroupBy,
     Totals,
@@ -30,9 +31,6 @@ from gpusched_common.kafka_records import WallClockMs
 
 DEFAULT_WINDOW_MS = 86_400_000
 MAX_CSV_BUCKETS = 100_000
-MAX_END_AHEAD_MS = 86_400_000
-"""A window's end is cut to a day after now: nothing is billed later (agents' clocks aside),
-and an unbounded end would make a window of millions of buckets."""
 SECONDS_LOOK = (10**9, 10**11)
 """Epoch values in this range are seconds (2001-5138), not milliseconds (1970-1973)."""
 MAX_EPOCH_MS_DIGITS = 19
@@ -166,10 +164,14 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
 
     def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
         now = clock()
-        end_ms = min(_parse_time(end, now, "end"), now + MAX_END_AHEAD_MS)
+        asked_end_ms = _parse_time(end, now, "end")
+        # nothing is billed later (an unbounded end would also make millions of buckets)
+        end_ms = min(asked_end_ms, now + MAX_END_AHEAD_MS)
         start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
         if start_ms >= end_ms:
-            raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms})")
+            cut = f" (the end asked, {asked_end_ms}, is cut to a day from now: nothing is " \
+                "billed later)" if asked_end_ms > end_ms else ""
+            raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms}){cut}")
         oldest_ms = now - store.retention.day_s * 1000  # nothing older is kept
         if end_ms <= oldest_ms:  # it would read as zeros, as if nothing had been used
             raise HTTPException(400, f"usage is kept for {store.retention.day_s // 86400} "

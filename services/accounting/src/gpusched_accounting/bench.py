@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -124,6 +125,9 @@ async def through_kafka(args: argparse.Namespace, stack, bootstrap: str, redis_u
     finally:
         stack.stop_service("accounting-bench")
     counted = len(events) - first
+    if counted <= 0:
+        raise RuntimeError(f"the instance applied all {len(events):,} events before the first "
+                           "look at its metrics: too few to time; send more (--events)")
     rate = counted / (t1 - t0) if t1 > t0 else float("inf")
     store = UsageStore(redis, 7 * 86_400, RETENTION)
     try:
@@ -254,7 +258,12 @@ def main(argv: list[str]) -> int:
         bootstrap = args.kafka or stack.endpoints().kafka_bootstrap
         redis_base = (args.redis or stack.endpoints().redis_url).rsplit("/", 1)[0]
         asyncio.run(topics.ensure_topics(bootstrap))
-        kafka = asyncio.run(through_kafka(args, stack, bootstrap, f"{redis_base}/14", prices))
+        try:
+            kafka = asyncio.run(through_kafka(args, stack, bootstrap, f"{redis_base}/14",
+                                              prices))
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         rows = [row_for(e, prices) for e in usage_events(
             args.baseline_events, [f"t{i}" for i in range(args.tenants)],
             int(time.time() * 1000), seed=2)]

@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from gpusched_accounting.adapters.store import APPLIED, PendingApply, UsageStore
 from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
-from gpusched_accounting.domain.usage import DUPLICATE, STALE, PriceTable, UsageRow, row_for
+from gpusched_accounting.domain.usage import (
+    DUPLICATE,
+    MAX_END_AHEAD_MS,
+    STALE,
+    PriceTable,
+    UsageRow,
+    row_for,
+)
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message, invalid_fields
@@ -37,7 +44,7 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
                           now_ms: int, publish: Publish) -> None:
     """Flag each given tenant whose budget for the current period is spent (the router then
     answers 429) until the end of the latest such period, and publish one `budget_exhausted`
-    event when the flag is new or names another period; clear the
+    event when the flag is new, names another period or its event has not gone out; clear the
     flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
     totals, so running it again after a redelivery changes nothing."""
     for tenant in tenants:
@@ -61,9 +68,12 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
                 "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}
         if await store.set_exhausted(tenant, flag, window.end_ms):
             log.warning("budget exhausted: %s", flag["reason"])
+            # published before the flag says so: a refused publish is tried again with the
+            # batch's redelivery (a crash between the two publishes it twice, never zero)
             await publish(BudgetExhausted(tenant=tenant, period=window.label,
                                           limit=budget.limit, spent=spent, unit=budget.unit,
                                           at_ms=now_ms), topics.EVENTS.name, tenant)
+            await store.announced(tenant, flag, window.end_ms)
 
 
 async def recheck_budgets(store: UsageStore, table: BudgetTable, now_ms: int,
@@ -101,9 +111,15 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         for record in records:
             try:
                 row = row_for(USAGE.validate_json(record.value), prices)
+                if (ahead_ms := row.ended_at_ms - now_ms) > MAX_END_AHEAD_MS:
+                    raise ValueError(
+                        f"it ended at {row.ended_at_ms}, {ahead_ms // 60_000} minutes after "
+                        f"accounting's clock ({now_ms}): its agent's clock is off by more than a "
+                        "day; fix it, then produce this record again")
             except Exception as exc:  # noqa: BLE001 - one record must never stop its partition
                 reason = (f"invalid usage record: {invalid_fields(exc)}"
                           if isinstance(exc, ValidationError)
+                          else f"unusable usage record: {exc}" if isinstance(exc, ValueError)
                           else f"unreadable usage record: {exc!r}")
                 outcomes.labels("invalid").inc()
                 await publish(dead_letter(record, reason, SERVICE, now_ms),

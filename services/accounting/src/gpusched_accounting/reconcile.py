@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
+    MAX_END_AHEAD_MS,
     TOTAL_FIELD,
     Totals,
     UsageRow,
@@ -42,9 +43,11 @@ async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
     out = []
     async for record in retained(bootstrap, topic):
         try:
-            out.append(USAGE.validate_json(record.value))
+            usage = USAGE.validate_json(record.value)
         except ValidationError:
             continue  # the live consumer dead-letters these too
+        if usage.ended_at_ms - record.timestamp <= MAX_END_AHEAD_MS:  # else dead-lettered
+            out.append(usage)
     return out
 
 
@@ -120,7 +123,7 @@ def main(argv: list[str]) -> int:
     except RedisError as exc:  # a time-out, NOAUTH: not a difference found (exit 1)
         print(f"error: Redis at {args.redis} answered with an error: {exc!r}", file=sys.stderr)
         return 2
-    except UnknownTenant as exc:
+    except (UnknownTenant, ValueError) as exc:  # ValueError: a URL that is none
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:

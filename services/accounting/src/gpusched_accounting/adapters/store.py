@@ -112,9 +112,11 @@ if not same then return {0, outcome} end
 -- 2. the requests' new totals and event ids
 for rkey, q in pairs(req) do
   if q[10] then
+    -- never shorter than it is: an earlier record ending ahead may need its id kept longer
+    local ttl = math.max(dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
+                         redis.call('TTL', rkey))
     redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])
-               .. q[8] .. q[9], 'EX',
-               dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000))
+               .. q[8] .. q[9], 'EX', ttl)
   end
 end
 
@@ -392,10 +394,20 @@ class UsageStore:
 
     async def set_exhausted(self, tenant: str, value: dict, until_ms: int) -> bool:
         """Flag the tenant's budget as spent until `until_ms` (replacing a flag set before);
-        True if newly flagged, or flagged before for another period."""
-        old = await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant), json.dumps(value),
-                                   pxat=until_ms, get=True)
-        return old is None or json.loads(old).get("period") != value["period"]
+        True while its `budget_exhausted` event is still to be published: newly flagged,
+        flagged before for another period, or its event not out yet (`announced` says it
+        is; a flag without the mark is from a release that published first)."""
+        key = BUDGET_EXHAUSTED_KEY.format(tenant)
+        old = await self.redis.get(key)
+        told = old is not None and (flag := json.loads(old)).get("period") == value["period"] \
+            and flag.get("announced", True)
+        await self.redis.set(key, json.dumps(value | {"announced": told}), pxat=until_ms)
+        return not told
+
+    async def announced(self, tenant: str, value: dict, until_ms: int) -> None:
+        """Mark the flag `set_exhausted` wrote: its event is out."""
+        await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant),
+                             json.dumps(value | {"announced": True}), pxat=until_ms)
 
     async def clear_exhausted(self, tenant: str) -> None:
         await self.redis.delete(BUDGET_EXHAUSTED_KEY.format(tenant))

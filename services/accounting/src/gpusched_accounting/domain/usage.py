@@ -30,6 +30,10 @@ DIMENSION_CODE: dict[Dimension, str] = {"model": "m", "node": "n", "gpu_type": "
 """Prefix of a bucket hash field: `m:<model>`; `t` alone is the bucket's total. The `u:`
 (tenant) fields exist only in the all-tenants buckets."""
 TOTAL_FIELD = "t"
+MAX_END_AHEAD_MS = 86_400_000
+"""A usage record ending later than a day after accounting's clock (its agent's clock is
+that far off) is dead-lettered, not billed into a bucket no query or budget reads before
+then; a query window's end is cut there too."""
 NO_GPU = "none"
 """gpu_type of a record for a placement that never ran (a hand-back): no request counted."""
 
