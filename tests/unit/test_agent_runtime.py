@@ -18,6 +18,7 @@ from gpusched_agent.runtime import AgentRuntime, Ignored, Stale, Started, Stoppi
 from gpusched_common import topics
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import (
+    MAX_USAGE_GPU_SECONDS,
     Cancel,
     InferenceRequest,
     Message,
@@ -414,6 +415,47 @@ async def test_a_draining_agent_goes_on_with_heartbeats_and_saying_it_is_alive()
     assert [s.status for s in sink.of(NodeState)][-1] == "stopped"
     await asyncio.sleep(1.1)
     assert not ledger.alive_nodes  # stopped: nothing says it is alive any more
+
+
+async def test_a_drain_that_starts_while_a_gpu_read_hangs_goes_on_with_heartbeats() -> None:
+    """NVML stuck: stopping the reporter cancelled its read but left it set, and the
+    drain's heartbeat died on that cancelled read after one report."""
+    inventory = parse_simulated("2xH100-80GB", "n1")
+
+    async def never_answers() -> list:
+        await asyncio.Event().wait()
+        return inventory
+    sink, ledger = Sink(), MemoryLedger(None)
+    runtime = AgentRuntime("n1", NodeModel.from_inventory(inventory), CATALOG,
+                           SimulatedExecutor(1.0, seed=7), sink, ledger, lambda: 1000,
+                           chunk_tokens=4, heartbeat_s=0.05, usage_interval_s=60.0,
+                           read_inventory=never_answers)
+    reporter = asyncio.create_task(runtime.report_forever())
+    await runtime.command(placement("long", max_tokens=5000))
+    await until_tokens(sink, 1)
+    await asyncio.sleep(0.3)  # a read is in flight
+    reporter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reporter
+    draining = asyncio.create_task(runtime.drain(timeout_s=1.5))
+    await asyncio.sleep(0.2)
+    ledger.alive_nodes.clear()
+    await asyncio.sleep(1.1)
+    assert ledger.alive_nodes == {"n1"}
+    # a report a second: each waits a second for the read, as the heartbeat does then
+    assert len([s for s in sink.of(NodeState) if s.status == "draining"]) >= 2
+    await draining
+
+
+async def test_more_gpu_time_than_a_record_holds_is_billed_at_the_most_and_ends() -> None:
+    """A simulator sped up 10**11-fold measured years of GPU time: the usage record
+    failed to validate, and the request ended with no result and no bill."""
+    runtime, sink, _ = make(time_scale=1e-11)
+    await runtime.command(placement("fast", max_tokens=8))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "completed"
+    assert usage_sum(sink, "fast")[2] == MAX_USAGE_GPU_SECONDS
 
 
 async def preempted_after_tokens(rid: str, attempt: int = 0) -> tuple[InferenceRequest, Sink]:

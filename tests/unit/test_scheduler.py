@@ -1420,6 +1420,18 @@ async def test_work_dropped_on_stepping_down_gives_its_tokens_per_minute_back() 
     engine.lead(4, [])
     await engine.admit([record])
     assert engine.quotas.tokens_last_minute("hooli", 1000) == charged
+    # so does work whose cycle Kafka had not acknowledged yet
+    acked = asyncio.get_running_loop().create_future()
+
+    async def send(batch):
+        return acked
+    engine._send = send
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    acked.set_exception(ConnectionError("broker gone"))
+    await asyncio.sleep(0.01)
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
 
 
 async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_again() -> None:
@@ -1462,6 +1474,77 @@ async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_ag
     assert kafka.offsets == {TopicPartition(standard, 0): 8}
 
 
+async def test_a_cycle_kafka_refuses_after_leading_again_is_placed_again() -> None:
+    """A lease check failed once and the next one led again (Redis, which holds only what a
+    cycle's ack saved, did not have its placement): the undo took the placement for one that
+    had moved on, marked the work decided, and its record, read again, was skipped as a
+    redelivery. The request was never placed."""
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    kafka = Commits()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    record = request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
+        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(3, [], {})
+    acks[0].set_exception(ConnectionError("broker gone"))
+    await asyncio.sleep(0.01)
+    await engine.admit([record], kafka.commit)  # the consumer reads it again
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and kafka.offsets
+
+
+async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_take_it(
+) -> None:
+    """Kafka refused the cycle while the lost node's retry was being published: the retry
+    was out of the list the undo looks at, so the record's offset was committed before
+    Kafka had taken the retry, which it then refused too (a crash then lost the request)."""
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    now = [1000]
+    kafka = Commits()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
+                                           commit_interval_ms=0), store=Fences(taken=set()))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, 7, json.dumps(
+        {"request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())], kafka.commit)
+    assert await engine.cycle() == 1
+    now[0] = 12_000  # n1 lost: its retry goes out
+    cycle = asyncio.create_task(engine.cycle())
+    await asyncio.sleep(0.01)
+    acks[0].set_exception(ConnectionError("broker gone"))  # the cycle that placed r
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
+    acks[1].set_exception(ConnectionError("broker gone"))  # the retry
+    await cycle
+    assert kafka.offsets == {} and [pid for pid, _ in engine._retries] == ["r#0"]
+    retried = asyncio.create_task(engine.cycle())  # Kafka is back: the retry goes out
+    await asyncio.sleep(0.01)
+    acks[2].set_result(None)
+    await retried
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {TopicPartition(standard, 0): 8} and not engine._retries
+
+
 async def test_an_untaken_placement_fenced_before_is_retried() -> None:
     """Redis fenced `untaken` but its answer was lost: the next look found the claim
     fenced, not won, and neither retried nor dropped the placement, which then held its
@@ -1501,6 +1584,7 @@ async def test_an_ended_placement_redis_did_not_remove_is_removed_later() -> Non
     remove = one.fences.remove
 
     async def refuse(placement_ids):
+        await asyncio.sleep(0.01)  # a round trip that times out
         raise ConnectionError("Redis is away")
     one.fences.remove = refuse
     usage = UsageRecord(event_id="taken#0:final", request_id="taken", placement_id="taken#0",
@@ -1509,10 +1593,14 @@ async def test_an_ended_placement_redis_did_not_remove_is_removed_later() -> Non
                         gpu_seconds=0.5, started_at_ms=1000, ended_at_ms=2000)
     await one.engine.usage([request_record(topics.USAGE.name, 0, usage.to_bytes())])
     assert sorted(one.engine.running) == ["untaken#0"] and not one.fences.removed
-    await one.engine.cycle()
+    ended = usage.model_copy(update={"event_id": "untaken#0:final", "request_id": "untaken",
+                                     "placement_id": "untaken#0"})
+    await asyncio.gather(  # the cycle's try again overlaps another ending, both refused
+        one.engine.cycle(),
+        one.engine.usage([request_record(topics.USAGE.name, 1, ended.to_bytes())]))
     one.fences.remove = remove  # Redis is back
     await one.engine.cycle()
-    assert one.fences.removed == ["taken#0"]
+    assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]  # none dropped on the way
 
 
 async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> None:

@@ -32,6 +32,7 @@ from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
     LAST_ATTEMPT,
     MAX_HANDBACK_BYTES,
+    MAX_USAGE_GPU_SECONDS,
     PLACEMENT,
     Cancel,
     InferenceRequest,
@@ -166,8 +167,9 @@ class AgentRuntime:
             await self._report_forever()
         finally:
             alive.cancel()
-            if self._reading is not None:
+            if self._reading is not None:  # the drain's heartbeat asks for a read of its own
                 self._reading.cancel()
+                self._reading = None
 
     async def _say_alive_forever(self) -> None:
         """The scheduler does not retry the work of a node it cannot hear while this holds."""
@@ -215,6 +217,8 @@ class AgentRuntime:
                     for g in self.node.gpus])
             return
         reading, self._reading = self._reading, None
+        if reading.cancelled():
+            return
         try:
             if self.node.refresh(reading.result()):
                 log.warning("GPU health changed: %s", [
@@ -664,6 +668,10 @@ class AgentRuntime:
         now_ms = self._clock()
         gpu_seconds = run.unbilled_gpu_s if final and run.unbilled_gpu_s is not None \
             else self._gpu_seconds(run, final)
+        if gpu_seconds > MAX_USAGE_GPU_SECONDS:  # a simulator sped up a millionfold, say
+            log.error("%s used %.0f GPU-seconds since its last record, more than a record "
+                      "holds: billed as %d", pid, gpu_seconds, MAX_USAGE_GPU_SECONDS)
+            gpu_seconds = MAX_USAGE_GPU_SECONDS  # no record could carry it, nor its end
         prompt = run.prompt_tokens - run.billed_prompt
         completion = run.completion_tokens - run.billed_completion
         run.billed_prompt, run.billed_completion = run.prompt_tokens, run.completion_tokens

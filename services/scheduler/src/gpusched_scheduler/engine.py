@@ -275,6 +275,9 @@ class SchedulingEngine:
         self._ended = Recent(RECENT_DECISIONS)
         """Placements whose final usage came, so that a copy of it (published again from an
         outbox after a crash) is not charged twice; bounded by RECENT_DECISIONS."""
+        self._moved_on = Recent(RECENT_DECISIONS)
+        """Placements retried (their node lost, never taken) or found ended in the agents'
+        ledger: with `_ended`, what a cycle settled or undone late must not place again."""
         self._preempting: dict[str, int] = {}
         """Request id -> ms until which its preemption is in progress (not planned again)."""
         self._victims: dict[str, int] = {}
@@ -658,8 +661,16 @@ class SchedulingEngine:
             log.exception("publishing a cycle's decisions failed; planning its work again")
             self._undo(finished, new_running, requeue=self.epoch is not None)
             return
-        # those that ended meanwhile (the agent was quicker than the ack) are not running
-        new_running = [r for r in new_running if r.placement_id in self.running]
+        # those that ended or were retried meanwhile (the agent was quicker than the ack,
+        # the node was lost) are not running
+        new_running = [r for r in new_running if not self._gone(r.placement_id)]
+        for r in new_running:
+            if r.placement_id not in self.running and self.epoch == epoch:
+                # led again meanwhile: `lead` took Redis's list, which it is not in yet
+                self.running[r.placement_id] = r
+                self.view.reserve_unlisted(Reservation(
+                    r.placement_id, r.node_id, r.gpu_indices, r.memory_mib_per_gpu,
+                    request_weights(r.request)))
         if self._store is not None and new_running and not await self._save(new_running,
                                                                             epoch):
             # Deposed before they were saved, a next leader would not know these
@@ -695,8 +706,8 @@ class SchedulingEngine:
         sent = {r.placement_id for r in new_running}
         # Ended (its final usage came) or retried (its node was lost) since it was sent: the
         # work went on without this cycle, and placing it again would run it beside its retry
-        moved_on = {pid for pid in sent if pid not in self.running}
-        retrying = {pid for pid, _ in self._retries}
+        moved_on = {pid for pid in sent if self._gone(pid)}
+        retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
         for r in new_running:
             self.running.pop(r.placement_id, None)
             self.view.release(r.placement_id)
@@ -714,6 +725,8 @@ class SchedulingEngine:
                 self.queue.push(item)
                 if item.request.request_id in self._cancelled:
                     self._to_cancel.add(item.request.request_id)
+            else:  # read and charged again by whichever instance leads next
+                self._refund(item)
         self._commit_decided()
         self._wake.set()
 
@@ -1034,7 +1047,12 @@ class SchedulingEngine:
         for pid in ended:
             del self.running[pid]
             self.view.release(pid)
+            self._moved_on[pid] = None
         await self._remove(ended)
+
+    def _gone(self, placement_id: str) -> bool:
+        """Whether the placement ended or was retried since it was sent."""
+        return placement_id in self._ended or placement_id in self._moved_on
 
     async def _remove(self, ended: list[str]) -> None:
         """Take ended placements out of Redis's running hash, with those it refused before
@@ -1048,7 +1066,7 @@ class SchedulingEngine:
         except Exception:
             log.exception("removing ended placements %s from Redis failed; trying again",
                           pending)
-            self._unremoved = pending
+            self._unremoved = pending + self._unremoved  # with those ended meanwhile
 
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
@@ -1057,6 +1075,7 @@ class SchedulingEngine:
         for r in gone:
             del self.running[r.placement_id]
             self.view.release(r.placement_id)
+            self._moved_on[r.placement_id] = None
             retry = r.request.model_copy(update={"attempt": r.request.attempt + 1,
                                                  "requeued": "node_lost"})
             log.warning("node %s %s: retrying %s as attempt %d", r.node_id, why,
@@ -1072,14 +1091,15 @@ class SchedulingEngine:
         a retry dropped here would leave its request waiting forever."""
         if not self._retries:
             return
-        retries, self._retries = self._retries, []
+        retries = list(self._retries)  # kept there until Kafka took them (`_undo` looks)
         try:
             await self._publish([out for _, out in retries])
         except Exception:
             log.exception("publishing %d retries failed; trying again next cycle",
                           len(retries))
-            self._retries = retries + self._retries
             return
+        taken = {id(retry) for retry in retries}
+        self._retries = [retry for retry in self._retries if id(retry) not in taken]
         for pid, _ in retries:
             if (item := self._decide_when_retried.pop(pid, None)) is not None:
                 item.decided = True
