@@ -452,6 +452,110 @@ async def test_openai_executor_fails_a_reply_that_is_no_whole_stream(ex, reason:
     await executor.close()
 
 
+def finish(text: str, reason: str) -> str:
+    """The last event of a reply the engine ended for `reason`."""
+    return json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": reason}]})
+
+
+async def test_an_engine_that_aborts_a_reply_fails_it_and_one_out_of_context_says_length(
+) -> None:
+    """vLLM's `abort` (and `error`) followed by [DONE] passed for a completed reply cut
+    short, and an engine's own `length` before max_tokens (its context ran out) for `stop`."""
+    from gpusched_common.contracts import RequestResult
+
+    aborted = engine(delta("a"), finish("b", "abort"), "[DONE]")
+    with pytest.raises(ExecutorError, match="finish reason 'abort'"):
+        await collect(aborted.generate(job("ab", max_tokens=5)))
+    await aborted.close()
+    out_of_context = engine(delta("a"), finish("b", "length"), "[DONE]")
+    sent, _ = await run_on(out_of_context, job("ctx", max_tokens=5).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.finish_reason, result.text) == ("completed", "length", "ab")
+    await out_of_context.close()
+
+
+async def test_an_engine_count_beyond_max_tokens_keeps_the_text() -> None:
+    """A count of 10**9 for one delta yielded that many empty items before the text, and
+    the runtime's cut at max_tokens dropped the text."""
+    executor = engine(delta("a", counted=10**9), "[DONE]")
+    got = await collect(executor.generate(job("huge", max_tokens=4)))
+    assert [t for t in got if isinstance(t, str)] == ["", "", "", "a"]
+    await executor.close()
+
+
+async def test_an_engine_that_trickles_holds_neither_a_request_nor_the_heartbeat() -> None:
+    """httpx's time-out bounds each read: a /v1/models, an error body or a non-stream body
+    sent a byte a second never ended, and the heartbeat (which asks /v1/models) stopped."""
+    app = FastAPI()
+
+    async def trickle():  # noqa: ANN202
+        while True:
+            yield b"x"
+            await asyncio.sleep(0.5)
+
+    @app.get("/v1/models")
+    async def models() -> StreamingResponse:
+        return StreamingResponse(trickle(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        return StreamingResponse(trickle(), status_code=500, media_type="text/plain")
+
+    async with LocalServer(app=app) as server:
+        executor = OpenAIExecutor(server.url, timeout_s=3)
+        try:
+            async with asyncio.timeout(8):
+                assert "did not answer /v1/models within 2 s" in await executor.health()
+                with pytest.raises(ExecutorError, match="answered 500: x"):
+                    await collect(executor.generate(job("t", max_tokens=3)))
+        finally:
+            await executor.close()
+
+
+async def test_an_engine_that_sends_events_without_tokens_times_out() -> None:
+    """Token-less events kept the request alive for ever: the time-out counted any event."""
+    async def idle():  # noqa: ANN202
+        yield f"data: {delta('a')}\n\n".encode()
+        while True:
+            await asyncio.sleep(0.05)
+            yield f"data: {json.dumps({'choices': []})}\n\n".encode()
+
+    executor = engine(content=idle(), timeout_s=0.3)
+    with pytest.raises(ExecutorError, match="no token for 0.3 s"):
+        async with asyncio.timeout(10):
+            await collect(executor.generate(job("idle", max_tokens=5)))
+    await executor.close()
+
+
+async def test_a_huge_event_line_fails_fast_instead_of_growing_without_end() -> None:
+    """An unfinished line was joined again with every piece (time growing with the square
+    of its length: 16 MiB took 10 s) and never bounded."""
+    async def endless_line():  # noqa: ANN202
+        yield b'data: {"choices": [{"text": "'
+        while True:
+            yield b"x" * 65536
+
+    executor = engine(content=endless_line())
+    with pytest.raises(ExecutorError, match="event line over 1,000,000 characters"):
+        async with asyncio.timeout(10):
+            await collect(executor.generate(job("long", max_tokens=5)))
+    await executor.close()
+
+
+async def test_a_reply_too_large_for_one_record_ends_failed_instead_of_never() -> None:
+    """Kafka refuses a record over 1 MB and the agent tried to publish the result forever,
+    after a restart too (its final records are filed)."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = engine(*(delta("x" * 200_000) for _ in range(6)), "[DONE]")
+    sent, _ = await run_on(executor, job("big", max_tokens=10).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert result.status == "failed" and "too large for one Kafka record" in \
+        result.finish_reason and result.completion_tokens == 6
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 6
+    await executor.close()
+
+
 async def test_openai_executor_keeps_tokens_that_hold_unicode_line_separators() -> None:
     """JSON may carry U+2028 and U+0085 raw (vLLM does); httpx's aiter_lines split the event
     there and the request failed with 'Unterminated string'."""

@@ -21,7 +21,13 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpusched_agent.adapters.executor import Executor, ExecutorUnavailable, Job, PromptTokens
+from gpusched_agent.adapters.executor import (
+    CutShort,
+    Executor,
+    ExecutorUnavailable,
+    Job,
+    PromptTokens,
+)
 from gpusched_agent.adapters.ledger import PlacementLedger
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
@@ -32,6 +38,7 @@ from gpusched_common.catalog import GPU_TYPES, ModelCatalog, ModelSpec, model_of
 from gpusched_common.contracts import (
     LAST_ATTEMPT,
     MAX_HANDBACK_BYTES,
+    MAX_RECORD_BYTES,
     MAX_USAGE_GPU_SECONDS,
     PLACEMENT,
     Cancel,
@@ -491,6 +498,7 @@ class AgentRuntime:
             stops.feed(token)
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
+        cut_short = False  # by the engine, at a limit of its own
         requeue: str | None = None  # handed back as the next attempt, requeued so
         why = ""
         last_partial_s = self._mono()
@@ -512,6 +520,9 @@ class AgentRuntime:
                 async for token in tokens:
                     if isinstance(token, PromptTokens):
                         self._engine_counted_prompt(run, token.count, request, model)
+                        continue
+                    if isinstance(token, CutShort):
+                        cut_short = True
                         continue
                     if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
                         break  # so neither kept nor billed (and a hand-back stays valid)
@@ -557,7 +568,7 @@ class AgentRuntime:
                         # The cancel may have landed inside a client that swallows it (a
                         # Kafka send): never trust it alone, stop here at the latest.
                         raise asyncio.CancelledError
-            if len(pieces) < request.max_tokens:
+            if len(pieces) < request.max_tokens and (finish_reason == "stop" or not cut_short):
                 finish_reason = "stop"  # a stop string, or the model ended its text (EOS)
         except asyncio.CancelledError:
             if run.stop_reason is None:
@@ -605,14 +616,20 @@ class AgentRuntime:
                 TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
                            token_count=len(chunk)), topics.RESULTS.name, request.request_id)
         ended_ms = self._clock()
-        await self._finish(run, [(RequestResult(
+        result = RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,
             status=status, finish_reason=finish_reason, text=text,  # type: ignore[arg-type]
             prompt_tokens=run.prompt_tokens, completion_tokens=len(pieces),
             node_id=self.node_id, gpu_indices=placement.gpu_indices,
             queued_ms=max(0.0, run.started_ms - request.created_at_ms),
-            total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms),
-            topics.RESULTS.name, request.request_id)])
+            total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms)
+        if (size := len(result.to_bytes())) > MAX_RECORD_BYTES:
+            # Kafka would refuse it, and the agent would try again forever (after a
+            # restart too: its final records are filed): it ends without its text
+            result = result.model_copy(update={"status": "failed", "text": "", "finish_reason": (
+                f"the reply is too large for one Kafka record ({size} bytes, at most "
+                f"{MAX_RECORD_BYTES}): its {len(pieces)} tokens were streamed and billed")})
+        await self._finish(run, [(result, topics.RESULTS.name, request.request_id)])
 
     @staticmethod
     def _engine_counted_prompt(run: _Running, count: int, request: InferenceRequest,

@@ -38,6 +38,12 @@ class PromptTokens:
     count: int
 
 
+@dataclass(frozen=True)
+class CutShort:
+    """The engine ended the reply at a limit of its own before `max_tokens` (the model's
+    context ran out): the result's finish reason is then `length`, not `stop`."""
+
+
 class Executor(Protocol):
     name: str
     time_scale: float
@@ -49,13 +55,14 @@ class Executor(Protocol):
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """Free the model's memory on the device (idempotent)."""
 
-    def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens, None]:
+    def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens | CutShort, None]:
         """Yield the text of each generated token, one token per item, up to max_tokens
         (fewer when the model ends its text). Closing the generator (the runtime does at a
         stop string) or cancelling its consumer stops the request promptly. The runtime
         applies `request.stop`; an executor may also pass it on to its engine. One whose
         engine counts the prompt with the model's tokenizer yields that count once, as
-        `PromptTokens`, as soon as it knows it."""
+        `PromptTokens`, as soon as it knows it; one whose engine says it stopped at its
+        own limit yields `CutShort` before it ends."""
 
     async def health(self) -> str | None:
         """Why the executor cannot run work now (its engine is down or loading), or None.

@@ -16,9 +16,13 @@ as one token, and the prompt is billed as estimated. Closing the stream closes t
 connection: engines abort there.
 
 A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
-OpenAI's shape, and an engine that sends no event for `timeout_s` fail the request instead
-of passing for a short answer. Text is passed on in whole characters (an emoji split into
-two JSON escapes across events is joined; a lone half becomes U+FFFD), as records need.
+OpenAI's shape, a finish reason other than `stop` or `length` (vLLM's `abort`), and an
+engine that sends no token for `timeout_s` fail the request instead of passing for a short
+answer; an engine's `length` before `max_tokens` (its context ran out) is the result's
+finish reason. An error body, a health answer and an event line are each read within a
+bound of time and size, so an engine that trickles cannot hold the agent. Text is passed
+on in whole characters (an emoji split into two JSON escapes across events is joined; a
+lone half becomes U+FFFD), as records need.
 
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
 a proxy without it), or drops the connection mid-stream (it crashed) is unavailable, not
@@ -28,6 +32,7 @@ at fault with the request: the runtime hands the request back. `health` asks its
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -36,6 +41,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import httpx
 
 from gpusched_agent.adapters.executor import (
+    CutShort,
     ExecutorError,
     ExecutorUnavailable,
     Job,
@@ -47,7 +53,11 @@ from gpusched_common.contracts import MAX_USAGE_TOKENS
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
 HEALTH_TIMEOUT_S = 2.0
-"""How long a heartbeat's health check waits for the engine's answer."""
+"""How long a heartbeat's health check waits for the engine's whole answer."""
+ERROR_BODY_CHARS, ERROR_BODY_WAIT_S = 1024, 5.0
+"""How much of a refusal's body is read for its message, and for how long at most."""
+MAX_EVENT_CHARS = 1_000_000
+"""The longest event line taken: no reply fits one record beyond that anyway."""
 
 
 class OpenAIExecutor:
@@ -74,7 +84,7 @@ class OpenAIExecutor:
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """The engine owns its memory; nothing to do."""
 
-    async def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens, None]:
+    async def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens | CutShort, None]:
         request = job.request
         body: dict[str, object] = {"model": self._model_override or job.model.name,
                                    "max_tokens": request.max_tokens, "stream": True}
@@ -95,33 +105,45 @@ class OpenAIExecutor:
         try:
             async with self._client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
-                    detail = (await resp.aread()).decode(errors="replace")[:500]
+                    detail = await _start_of(resp)
                     error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
                              else ExecutorError)
                     raise error(f"inference server answered {resp.status_code}: {detail}")
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
-                    detail = (await resp.aread()).decode(errors="replace")[:200]
+                    detail = (await _start_of(resp))[:200]
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
                 counted = 0  # items yielded: tokens as the runtime bills them
                 prompt_told, held = False, ""
+                progress = time.monotonic()
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
                         return
-                    text, engine_count, prompt_count = _event(data)
+                    text, engine_count, prompt_count, finish = _event(data)
                     text, held = _whole_characters(held + text)
                     if prompt_count is not None and not prompt_told:
                         prompt_told = True
                         yield PromptTokens(prompt_count)
                     tokens = 1 if text else 0
-                    if engine_count is not None:  # the engine's running count is the truth
-                        tokens = max(tokens, engine_count - counted)
+                    if engine_count is not None:  # the engine's running count is the truth,
+                        # up to what was asked: beyond, the runtime would cut the text off
+                        tokens = max(tokens, min(engine_count, request.max_tokens) - counted)
                     # the text last: a stop string the runtime finds in it ends the request
                     # with every token of the delta counted
                     for i in range(tokens):
                         yield text if i == tokens - 1 else ""
                     counted += tokens
+                    if tokens:
+                        progress = time.monotonic()
+                    elif time.monotonic() - progress > self._timeout_s:  # events, no tokens
+                        raise ExecutorError(f"inference server sent no token for "
+                                            f"{self._timeout_s:g} s")
+                    if finish == "length" and counted < request.max_tokens:
+                        yield CutShort()
+                    elif finish not in (None, "stop", "length"):
+                        raise ExecutorError(f"inference server ended the reply with finish "
+                                            f"reason {finish!r}: it may be cut short")
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
                                     "reply may be cut short")
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
@@ -133,8 +155,12 @@ class OpenAIExecutor:
                                 f"request: {exc!r}") from exc
 
     async def health(self) -> str | None:
-        try:
-            resp = await self._client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+        try:  # httpx's timeout bounds each read: one that trickles would hold the heartbeat
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                resp = await self._client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return (f"inference server at {self._client.base_url} did not answer /v1/models "
+                    f"within {HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
             return f"inference server at {self._client.base_url} unreachable: {exc!r}"
         if resp.status_code != 200:
@@ -151,26 +177,51 @@ _LINE_END = re.compile(r"\r\n|\n|\r")
 `str.splitlines` (and so httpx's `aiter_lines`) takes for a line end."""
 
 
+async def _start_of(resp: httpx.Response) -> str:
+    """The start of a refusal's body, for its message: the rest is not waited for."""
+    body = bytearray()
+    try:
+        async with asyncio.timeout(ERROR_BODY_WAIT_S):
+            async for part in resp.aiter_bytes():
+                body += part
+                if len(body) >= ERROR_BODY_CHARS:
+                    break
+    except TimeoutError:
+        pass
+    return body.decode(errors="replace")[:ERROR_BODY_CHARS // 2]
+
+
 async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
     """The data of each `data:` line, failing when none came for `timeout_s` (comments an
-    engine sends to keep the connection open do not count)."""
-    pending, last = "", time.monotonic()
+    engine sends to keep the connection open do not count) or one is over
+    MAX_EVENT_CHARS. A line's pieces are joined once it ends (joining them as they came
+    cost time growing with the square of its length)."""
+    pending: list[str] = []  # the unfinished line, in pieces
+    pending_chars, last = 0, time.monotonic()
     async for text in resp.aiter_text():
-        *lines, pending = _LINE_END.split(pending + text)
-        for line in lines:
+        *ended, rest = _LINE_END.split(text)  # a \r\n cut in two adds an empty line
+        for i, piece in enumerate(ended):
+            line = "".join(pending) + piece if i == 0 else piece
+            if i == 0:
+                pending, pending_chars = [], 0
             if line.startswith("data:"):
                 last = time.monotonic()
                 yield line[5:].strip()
+        pending.append(rest)
+        pending_chars += len(rest)
+        if pending_chars > MAX_EVENT_CHARS:
+            raise ExecutorError(f"inference server sent an event line over "
+                                f"{MAX_EVENT_CHARS:,} characters")
         if time.monotonic() - last > timeout_s:
             raise ExecutorError(f"inference server sent no event for {timeout_s:g} s")
-    if pending.startswith("data:"):
-        yield pending[5:].strip()
+    if (line := "".join(pending)).startswith("data:"):
+        yield line[5:].strip()
 
 
-def _event(data: str) -> tuple[str, int | None, int | None]:
-    """The text of the first choice in one event, and the engine's counts of completion
-    tokens so far and of prompt tokens when the event carries them; an error event
-    raises."""
+def _event(data: str) -> tuple[str, int | None, int | None, object]:
+    """The text of the first choice in one event, the engine's counts of completion tokens
+    so far and of prompt tokens when the event carries them, and the choice's finish
+    reason (None until the last); an error event raises."""
     try:
         event = json.loads(data)
     except ValueError:
@@ -185,7 +236,7 @@ def _event(data: str) -> tuple[str, int | None, int | None]:
     if not isinstance(choices, list):
         raise ExecutorError(f"inference server sent choices that are not a list: "
                             f"{data[:200]!r}")
-    text = ""
+    text, finish = "", None
     for choice in choices:
         if isinstance(choice, dict) and choice.get("index", 0) == 0:  # one was asked for
             delta = choice.get("delta") or {}
@@ -195,8 +246,10 @@ def _event(data: str) -> tuple[str, int | None, int | None]:
                 raise ExecutorError(f"inference server sent a choice of another shape than "
                                     f"OpenAI's: {data[:200]!r}")
             text += piece or ""
+            finish = choice.get("finish_reason") or finish
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
-    return text, _count(usage.get("completion_tokens"), 0), _count(usage.get("prompt_tokens"), 1)
+    return (text, _count(usage.get("completion_tokens"), 0),
+            _count(usage.get("prompt_tokens"), 1), finish)
 
 
 def _whole_characters(text: str) -> tuple[str, str]:
