@@ -304,6 +304,48 @@ async def test_waiting_on_kafka_for_the_last_records_is_no_gpu_time() -> None:
     assert a < 0.25 and b > 0.6, (a, b)  # ~0.01 and ~0.9 with Kafka answering at once
 
 
+async def test_an_agent_cut_off_from_kafka_and_redis_stops_its_work_before_it_runs_twice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A network partition: the scheduler hears no report and finds no alive mark, and
+    retries the node's work elsewhere. Before, the agent ran it on meanwhile, so the request
+    ran and was billed twice. A Kafka or a Redis outage alone stops nothing."""
+    from gpusched_agent import runtime as runtime_module
+
+    class RedisAway(MemoryLedger):
+        away = False
+
+        async def alive(self, node_id: str) -> None:
+            if self.away:
+                raise ConnectionError("Redis is away")
+            await super().alive(node_id)
+
+    monkeypatch.setattr(runtime_module, "FENCE_AFTER_S", 1.0)
+    sink, ledger = KafkaAway(), RedisAway()
+    runtime, _, _ = make(time_scale=1.0, sink=sink, ledger=ledger)
+    runtime._heartbeat_s = 0.1
+    reporter = asyncio.create_task(runtime.report_forever())
+    await runtime.command(placement("long", max_tokens=5000))
+    await until_tokens(sink, 1)
+    ledger.away = True  # Redis alone: Kafka still takes the reports
+    await asyncio.sleep(2.2)
+    assert runtime.in_flight == 1
+    ledger.away, sink.away = False, True  # Kafka alone: Redis still takes the alive mark
+    await asyncio.sleep(2.2)
+    assert runtime.in_flight == 1
+    ledger.away = True  # both
+    await asyncio.sleep(2.5)
+    assert runtime._running["long#0"].stop_reason == "drained"  # its records wait for Kafka
+    sink.away = ledger.away = False  # back: the hand-back goes out, billed for what it used
+    await settle(runtime)
+    [again] = sink.of(InferenceRequest)
+    assert (again.request_id, again.attempt, again.requeued) == ("long", 1, "node_lost")
+    assert again.resume is not None and len(again.resume.tokens) == usage_sum(sink, "long")[1]
+    assert not sink.of(RequestResult)
+    reporter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reporter
+
+
 async def test_the_agent_says_it_is_alive_while_a_node_state_send_hangs() -> None:
     """Before, the alive mark was refreshed between reports, so a send blocked on a Kafka
     that was away (aiokafka waits 40 s) let it lapse and the node's work was retried."""

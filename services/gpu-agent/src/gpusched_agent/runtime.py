@@ -53,6 +53,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
+from gpusched_common.redis_keys import NODE_ALIVE_TTL_S
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ Publish = Callable[..., Awaitable[None]]
 same key, same partition, so they stay in order before the final result)."""
 ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
+FENCE_AFTER_S = NODE_ALIVE_TTL_S - 2
+"""Cut off from Kafka and Redis this long, the agent stops its work: the scheduler retries a
+node's work once it has heard no report for its node time-out (10 s by default, keep it at
+least NODE_ALIVE_TTL_S) and the node's alive mark has expired (NODE_ALIVE_TTL_S after the
+last one Redis took)."""
 PUBLISH_RETRY_MAX_S = 5.0
 """Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
@@ -162,6 +168,9 @@ class AgentRuntime:
         self._reading: asyncio.Task[Sequence[GpuInfo]] | None = None
         """The GPU read in progress (`_reread_inventory`), and since when."""
         self._reading_since = 0.0
+        self._heard_at = self._mono()
+        """When Kafka (a node state) or Redis (the alive mark) last took something from this
+        agent: the scheduler can tell it is alive only by those (`_fence_if_cut_off`)."""
 
     # --- node state ----------------------------------------------------------------------
     async def report_forever(self) -> None:
@@ -183,9 +192,28 @@ class AgentRuntime:
         while True:
             try:
                 await self._ledger.alive(self.node_id)
+                self._heard_at = self._mono()
             except Exception:
                 log.warning("could not say in Redis that this node is alive", exc_info=True)
+            self._fence_if_cut_off()
             await asyncio.sleep(1.0)
+
+    def _fence_if_cut_off(self) -> None:
+        """Neither Kafka nor Redis has taken anything from this agent for FENCE_AFTER_S (a
+        network partition): the scheduler, hearing no report and finding no alive mark, is
+        about to retry this node's work elsewhere. The work stops here first, so it does not
+        run twice: each request goes back as its next attempt with its tokens (published,
+        and billed for what it used, once Kafka takes it; the scheduler's own retry of the
+        same attempt is the same record to it)."""
+        cut_off_s = self._mono() - self._heard_at
+        if cut_off_s < FENCE_AFTER_S:
+            return
+        for pid, run in list(self._running.items()):
+            if run.stop_reason is None:
+                log.error("stopping %s: this node has reached neither Kafka nor Redis for "
+                          "%.0f s, and the scheduler retries its work elsewhere", pid, cut_off_s)
+                self._stop(pid, "drained", f"the node was cut off from Kafka and Redis for "
+                           f"{cut_off_s:.0f} s")
 
     async def _report_forever(self) -> None:
         while True:
@@ -261,6 +289,7 @@ class AgentRuntime:
         state = self.node.state(self.node_id, self._seq, self._started_at_ms, self._clock(),
                                 self.status, self.executor.name)
         await self._publish(state, topics.NODE_STATE.name, self.node_id)
+        self._heard_at = self._mono()
 
     def now_ms(self) -> int:
         return self._clock()
