@@ -474,6 +474,15 @@ async def test_an_engine_that_aborts_a_reply_fails_it_and_one_out_of_context_say
     await out_of_context.close()
 
 
+@pytest.mark.parametrize("reason", ["eos_token", "stop_sequence", "content_filter"])
+async def test_other_finish_reasons_end_a_reply_normally(reason: str) -> None:
+    """TGI before 2.3 ends a reply with `eos_token` or `stop_sequence`: not a failure."""
+    executor = engine(delta("a"), finish("b", reason), "[DONE]")
+    got = await collect(executor.generate(job("end", max_tokens=5)))
+    assert [t for t in got if isinstance(t, str)] == ["a", "b"]
+    await executor.close()
+
+
 async def test_an_engine_count_beyond_max_tokens_keeps_the_text() -> None:
     """A count of 10**9 for one delta yielded that many empty items before the text, and
     the runtime's cut at max_tokens dropped the text."""
@@ -545,14 +554,16 @@ async def test_a_huge_event_line_fails_fast_instead_of_growing_without_end() -> 
 async def test_a_reply_too_large_for_one_record_ends_failed_instead_of_never() -> None:
     """Kafka refuses a record over 1 MB and the agent tried to publish the result forever,
     after a restart too (its final records are filed)."""
-    from gpusched_common.contracts import RequestResult, UsageRecord
+    from gpusched_common.contracts import RequestResult, TokenChunk, UsageRecord
 
-    executor = engine(*(delta("x" * 200_000) for _ in range(6)), "[DONE]")
+    executor = engine(*(delta("x" * 600_000) for _ in range(3)), "[DONE]")
     sent, _ = await run_on(executor, job("big", max_tokens=10).request)
+    # its last chunk would be too large too (the first token goes out alone): not sent
+    assert [len(c.text) for c in sent if isinstance(c, TokenChunk)] == [600_000]
     [result] = [m for m in sent if isinstance(m, RequestResult)]
     assert result.status == "failed" and "too large for one Kafka record" in \
-        result.finish_reason and result.completion_tokens == 6
-    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 6
+        result.finish_reason and result.completion_tokens == 3
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 3
     await executor.close()
 
 

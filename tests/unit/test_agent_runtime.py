@@ -346,6 +346,42 @@ async def test_an_agent_cut_off_from_kafka_and_redis_stops_its_work_before_it_ru
         await reporter
 
 
+@pytest.mark.parametrize("case", ["redis-hangs-kafka-away", "redis-away-slow-heartbeat"])
+async def test_the_fence_is_neither_late_on_a_silent_redis_nor_early_on_a_slow_heartbeat(
+        monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Cut off, Redis answers nothing for its client's whole time-out: the fence, looked at
+    only after each alive mark, came seconds after the scheduler's retry. With a heartbeat
+    slower than the fence, a Redis outage alone (Kafka taking every report) stopped all
+    work."""
+    from gpusched_agent import runtime as runtime_module
+
+    class SilentRedis(MemoryLedger):
+        async def alive(self, node_id: str) -> None:
+            if case == "redis-hangs-kafka-away":
+                await asyncio.sleep(5)  # no answer before the client's time-out
+            raise ConnectionError("Redis is away")
+
+    monkeypatch.setattr(runtime_module, "FENCE_AFTER_S", 1.0)
+    sink = KafkaAway()
+    runtime, _, _ = make(time_scale=1.0, sink=sink, ledger=SilentRedis())
+    runtime._heartbeat_s = 30.0 if case == "redis-away-slow-heartbeat" else 0.1
+    await runtime.command(placement("long", max_tokens=5000))
+    await until_tokens(sink, 1)
+    sink.away = case == "redis-hangs-kafka-away"
+    reporter = asyncio.create_task(runtime.report_forever())
+    await asyncio.sleep(2.6)
+    stopped = runtime._running["long#0"].stop_reason
+    assert stopped == ("drained" if case == "redis-hangs-kafka-away" else None)
+    reporter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reporter
+    sink.away = False
+    if stopped is None:
+        await runtime.command(Preempt(placement_id="long#0", request_id="long", node_id="n1",
+                                      scheduler_epoch=1, reason="test over"))
+    await settle(runtime)
+
+
 async def test_the_agent_says_it_is_alive_while_a_node_state_send_hangs() -> None:
     """Before, the alive mark was refreshed between reports, so a send blocked on a Kafka
     that was away (aiokafka waits 40 s) let it lapse and the node's work was retried."""

@@ -62,11 +62,13 @@ Publish = Callable[..., Awaitable[None]]
 same key, same partition, so they stay in order before the final result)."""
 ReadInventory = Callable[[], Awaitable[Sequence[GpuInfo]]]
 MAX_ATTEMPTS = 5
-FENCE_AFTER_S = NODE_ALIVE_TTL_S - 2
-"""Cut off from Kafka and Redis this long, the agent stops its work: the scheduler retries a
-node's work once it has heard no report for its node time-out (10 s by default, keep it at
-least NODE_ALIVE_TTL_S) and the node's alive mark has expired (NODE_ALIVE_TTL_S after the
-last one Redis took)."""
+FENCE_AFTER_S = NODE_ALIVE_TTL_S - 3
+"""Cut off from Kafka and Redis this long, the agent stops its work (looked at every second):
+the scheduler retries a node's work once it has heard no report for its node time-out (10 s
+by default, keep it at least NODE_ALIVE_TTL_S) and the node's alive mark has expired
+(NODE_ALIVE_TTL_S after the last one Redis took). While Redis refuses the mark, each second
+asks for a report, so Kafka alone keeps the work running whatever the heartbeat."""
+ALIVE_WAIT_S = 0.5
 PUBLISH_RETRY_MAX_S = 5.0
 """Longest pause between tries of a final record Kafka refused (it is away)."""
 REMEMBERED_CANCELS = 10_000
@@ -178,6 +180,7 @@ class AgentRuntime:
         heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and,
         in a task of its own, every second in Redis that the agent is alive (a report to a
         Kafka that is away can block for the producer's 40 s time-out)."""
+        self._heard_at = max(self._heard_at, self._mono())  # reporting from now on
         alive = asyncio.create_task(self._say_alive_forever(), name="alive")
         try:
             await self._report_forever()
@@ -188,15 +191,20 @@ class AgentRuntime:
                 self._reading = None
 
     async def _say_alive_forever(self) -> None:
-        """The scheduler does not retry the work of a node it cannot hear while this holds."""
+        """The scheduler does not retry the work of a node it cannot hear while this holds.
+        Each mark waits ALIVE_WAIT_S at most (Redis cut off answers nothing, for its client's
+        whole time-out), so the fence below is looked at every second."""
         while True:
+            sent = self._mono()  # the mark's TTL runs from about then
             try:
-                await self._ledger.alive(self.node_id)
-                self._heard_at = self._mono()
+                async with asyncio.timeout(ALIVE_WAIT_S):
+                    await self._ledger.alive(self.node_id)
+                self._heard_at = max(self._heard_at, sent)
             except Exception:
                 log.warning("could not say in Redis that this node is alive", exc_info=True)
+                self._dirty.set()  # is Kafka there? A report now tells, whatever the heartbeat
             self._fence_if_cut_off()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0 - ALIVE_WAIT_S)
 
     def _fence_if_cut_off(self) -> None:
         """Neither Kafka nor Redis has taken anything from this agent for FENCE_AFTER_S (a
@@ -288,8 +296,9 @@ class AgentRuntime:
         self._seq += 1
         state = self.node.state(self.node_id, self._seq, self._started_at_ms, self._clock(),
                                 self.status, self.executor.name)
+        sent = self._mono()
         await self._publish(state, topics.NODE_STATE.name, self.node_id)
-        self._heard_at = self._mono()
+        self._heard_at = max(self._heard_at, sent)
 
     def now_ms(self) -> int:
         return self._clock()
@@ -640,10 +649,11 @@ class AgentRuntime:
                 f"{why}; with the {len(pieces)} tokens it has, it is too large to hand back "
                 f"as one Kafka record ({size} bytes)")
         text = "".join(pieces)[:stops.end_chars]  # without the stop string and what followed
-        if chunk:
-            await self._publish_until_sent(
-                TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
-                           token_count=len(chunk)), topics.RESULTS.name, request.request_id)
+        last = TokenChunk(request_id=request.request_id, seq=seq, text=text[streamed_chars:],
+                          token_count=len(chunk))
+        if chunk and len(last.to_bytes()) <= MAX_RECORD_BYTES:  # else Kafka refuses it for
+            # ever; the result is too large then too, and ends failed (below)
+            await self._publish_until_sent(last, topics.RESULTS.name, request.request_id)
         ended_ms = self._clock()
         result = RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,

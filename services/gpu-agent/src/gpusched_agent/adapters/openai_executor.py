@@ -16,7 +16,7 @@ as one token, and the prompt is billed as estimated. Closing the stream closes t
 connection: engines abort there.
 
 A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
-OpenAI's shape, a finish reason other than `stop` or `length` (vLLM's `abort`), and an
+OpenAI's shape, a finish reason of a reply given up on (vLLM's `abort`, `error`), and an
 engine that sends no token for `timeout_s` fail the request instead of passing for a short
 answer; an engine's `length` before `max_tokens` (its context ran out) is the result's
 finish reason. An error body, a health answer and an event line are each read within a
@@ -50,6 +50,8 @@ from gpusched_agent.adapters.executor import (
 from gpusched_common.catalog import ModelSpec
 from gpusched_common.contracts import MAX_USAGE_TOKENS
 
+FAILED_FINISH = frozenset({"abort", "error"})
+"""Finish reasons of a reply the engine gave up on (vLLM's `abort`), not one that ended."""
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
 HEALTH_TIMEOUT_S = 2.0
@@ -141,7 +143,7 @@ class OpenAIExecutor:
                                             f"{self._timeout_s:g} s")
                     if finish == "length" and counted < request.max_tokens:
                         yield CutShort()
-                    elif finish not in (None, "stop", "length"):
+                    elif finish in FAILED_FINISH:  # any other is a normal end (TGI's eos_token)
                         raise ExecutorError(f"inference server ended the reply with finish "
                                             f"reason {finish!r}: it may be cut short")
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
