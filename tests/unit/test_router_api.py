@@ -458,6 +458,30 @@ async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> 
     assert cancelled == ["its stream started over: the client was told to send it again"]
 
 
+@pytest.mark.parametrize("chunks,text", [
+    (((0, "Hello"), (1, " world")), "Goodbye moon"),  # the new attempt's chunks all lost
+    (((0, "Hello"), (1, " world")), "Hello"),  # it began with the same first chunk
+    (((0, "A"), (1, "B"), (2, "Z")), "XYZ"),  # some of its chunks lost, one got through
+], ids=["chunks-lost", "same-first-chunk", "one-chunk-through"])
+async def test_a_result_whose_text_is_not_what_was_streamed_ends_with_an_error(
+        chunks, text: str) -> None:
+    """A start-over the chunks did not show: the stream ended `stop` with a text that was
+    not the request's."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for seq, piece in chunks:
+        queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=piece, token_count=1))
+    queue.put_nowait(_result("completed", "stop").model_copy(update={"text": text}))
+    cancelled: list = []
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+                                    cancelled.append)]
+    payloads = [e.decode().removeprefix("data: ").strip() for e in events]
+    assert "started over" in json.loads(payloads[-2])["error"]["message"]
+    assert payloads[-1] == "[DONE]" and cancelled == []  # it has ended: nothing to cancel
+    assert all(json.loads(p)["choices"][0]["finish_reason"] is None for p in payloads[:-2])
+
+
 @pytest.mark.parametrize("seqs", [(0, 1, 1), (0, 0, 1), (0, 1, 0, 1)])
 async def test_a_chunk_sent_twice_is_streamed_once_not_taken_for_a_start_over(seqs) -> None:
     """An agent sends a record again when Kafka's answer to it was lost: the copy voided
@@ -523,7 +547,7 @@ async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> 
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True,
                          "stream_options": {"include_usage": True}})
     queue: asyncio.Queue = asyncio.Queue()
-    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" hi", token_count=1))
+    queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
     queue.put_nowait(_result("completed", "length"))
     deadline_s = asyncio.get_running_loop().time() + 5
     events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]

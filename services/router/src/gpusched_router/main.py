@@ -609,9 +609,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                     continue
                 # Started over: its node was lost mid-run, and what was streamed is not
                 # what the new attempt generates (a preempted one goes on instead).
-                yield _data(ApiError(502, f"request {req.request_id} started over after "
-                                     "its node was lost; the text streamed so far is "
-                                     "void: send the request again").body())
+                yield _data(_started_over(req.request_id).body())
                 started_over = True  # not ended: the new attempt is cancelled
                 break
             if isinstance(ev, TokenChunk):
@@ -630,7 +628,12 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                 yield _data(err.body())
                 break
             sent = "".join(streamed)  # ev is a completed RequestResult from here
-            if len(ev.text) > len(sent) and ev.text.startswith(sent):
+            if not ev.text.startswith(sent):
+                # a start-over whose chunks Kafka dropped, or that began with the same first
+                # chunk: what was streamed is not this text
+                yield _data(_started_over(req.request_id).body())
+                break
+            if len(ev.text) > len(sent):
                 yield event(ev.text[len(sent):], None)  # what lost chunks held
             yield event(None if chat else "", ev.finish_reason)
             if parsed.include_usage:
@@ -646,6 +649,11 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
         if not ended and abandoned is not None:
             abandoned("its stream started over: the client was told to send it again"
                       if started_over else "client disconnected")
+
+
+def _started_over(request_id: str) -> ApiError:
+    return ApiError(502, f"request {request_id} started over after its node was lost; the "
+                    "text streamed so far is void: send the request again")
 
 
 def _data(payload: dict[str, Any]) -> bytes:

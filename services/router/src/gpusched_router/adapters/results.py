@@ -17,7 +17,6 @@ from gpusched_common.contracts import (
     Rejection,
     RequestResult,
     ResultEvent,
-    TokenChunk,
 )
 
 STATUS_KEY = "gpusched:request:{}"
@@ -28,6 +27,15 @@ end
 """
 """queued -> running, and nothing else: a terminal status stays, and a request this router
 never took in gets no status."""
+_FINISHED = """
+if redis.call('HEXISTS', KEYS[1], 'result') == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+"""The first terminal outcome stays (ARGV: the TTL, then field, value, ...): it is the one
+every router's clients got, since all read the partition in the same order; a request run
+twice (its node cut off, then back) or rejected after its result keeps it."""
 
 
 class ResultsHub:
@@ -37,6 +45,7 @@ class ResultsHub:
         self._redis = redis
         self._ttl_s = status_ttl_s
         self._started = redis.register_script(_STARTED)
+        self._finished = redis.register_script(_FINISHED)
         # request id -> the queue of each client waiting on it here (a retry with the same
         # Idempotency-Key waits beside the first)
         self._waiters: dict[str, list[asyncio.Queue[ResultEvent]]] = {}
@@ -76,34 +85,34 @@ class ResultsHub:
                 queue.put_nowait(event)
 
     async def store_finished(self, records: list[ConsumerRecord]) -> None:
-        """Store the terminal outcomes among `records`, and mark `running` the requests
-        whose first token chunk is among them (one pipelined round trip). Idempotent, in
-        any order (a terminal status is never marked running); raises RedisError, so that
-        the caller's batch is delivered again."""
-        finals, started = [], []
+        """Store the first terminal outcome of each request among `records`, and mark
+        `running` the requests with token chunks among them (one pipelined round trip).
+        Idempotent, in any order (a terminal status is never marked running); raises
+        RedisError, so that the caller's batch is delivered again."""
+        finals, started = [], set()
         for record in records:
             value = record.value or b""
-            first_chunk = b'"seq":0,' in value
-            if not first_chunk and b'"request_result"' not in value \
-                    and b'"rejection"' not in value:
-                continue  # a later token chunk: most records, not worth parsing here
+            if b'"request_result"' not in value and b'"rejection"' not in value:
+                # most records are token chunks, not worth parsing: their key (the request
+                # id, as agents publish them) is enough, whichever chunk Kafka dropped
+                if b'"token_chunk"' in value and isinstance(record.key, bytes):
+                    started.add(record.key.decode(errors="replace"))
+                continue
             try:
                 event = RESULT_EVENT.validate_json(value)
             except ValueError:
                 continue
             if isinstance(event, RequestResult | Rejection):
                 finals.append(event)
-            elif isinstance(event, TokenChunk) and event.seq == 0:
-                started.append(event.request_id)
         if not finals and not started:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
             for request_id in started:
                 await self._started(keys=[STATUS_KEY.format(request_id)], client=pipe)
             for event in finals:
-                key = STATUS_KEY.format(event.request_id)
-                pipe.hset(key, mapping=_status_fields(event))
-                pipe.expire(key, self._ttl_s)
+                fields = [x for pair in _status_fields(event).items() for x in pair]
+                await self._finished(keys=[STATUS_KEY.format(event.request_id)],
+                                     args=[self._ttl_s, *fields], client=pipe)
             await pipe.execute()
 
     async def status(self, request_id: str) -> dict[str, Any] | None:

@@ -1,0 +1,62 @@
+"""The router's store of request outcomes (`ResultsHub.store_finished`), against the real
+Redis: what `GET /v1/requests/{id}` and an Idempotency-Key replay read."""
+
+from __future__ import annotations
+
+import uuid
+
+from aiokafka.structs import ConsumerRecord
+
+from gpusched_common import topics
+from gpusched_common.contracts import (
+    InferenceRequest,
+    Message,
+    Rejection,
+    RequestResult,
+    TokenChunk,
+)
+from gpusched_common.redis_client import make_redis
+from gpusched_common.settings import RedisSettings
+from gpusched_router.adapters.results import ResultsHub
+
+
+def records(*messages: Message) -> list[ConsumerRecord]:
+    """Result records as agents publish them: keyed by their request id."""
+    return [ConsumerRecord(topics.RESULTS.name, 0, offset, 0, 0, m.request_id.encode(),
+                           m.to_bytes(), None, 0, 0, ()) for offset, m in enumerate(messages)]
+
+
+def result(request_id: str, text: str) -> RequestResult:
+    return RequestResult(request_id=request_id, tenant="acme", model="qwen2.5-1.5b",
+                         status="completed", finish_reason="stop", text=text, prompt_tokens=3,
+                         completion_tokens=len(text.split()), queued_ms=1, total_ms=9)
+
+
+async def test_the_first_outcome_stays_and_any_chunk_marks_a_request_running(stack) -> None:
+    """Before, the last outcome overwrote the first: a request run twice (its node cut off,
+    then back) or rejected after its result showed a text and usage other than the ones
+    its client got; and only a chunk with seq 0 (which Kafka may drop) marked it running."""
+    redis = make_redis(RedisSettings(url=stack.endpoints.redis_url))
+    hub = ResultsHub(redis, status_ttl_s=60)
+    first, second = (f"res-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    try:
+        for rid in (first, second):
+            await hub.accepted(InferenceRequest(request_id=rid, tenant="acme",
+                                                model="qwen2.5-1.5b", prompt="hi",
+                                                created_at_ms=1), None)
+        await hub.store_finished(records(
+            TokenChunk(request_id=first, seq=3, text=" late", token_count=1)))
+        assert (await hub.status(first))["status"] == "running"
+        await hub.store_finished(records(result(first, "the answer"),
+                                         result(first, "another run's answer")))
+        await hub.store_finished(records(Rejection(request_id=first, tenant="acme",
+                                                   status_code=429, reason="over quota")))
+        stored = await hub.status(first)
+        assert stored["status"] == "completed" and stored["result"]["text"] == "the answer"
+        await hub.store_finished(records(Rejection(request_id=second, tenant="acme",
+                                                   status_code=422, reason="fits nowhere")))
+        assert (await hub.status(second))["status"] == "rejected"
+        assert 0 < await redis.ttl(f"gpusched:request:{second}") <= 60
+    finally:
+        await redis.delete(f"gpusched:request:{first}", f"gpusched:request:{second}")
+        await redis.aclose()
