@@ -31,6 +31,7 @@ from gpusched_common.contracts import (
     Placement,
     Rejection,
     RequestResult,
+    Resume,
     UsageRecord,
 )
 from gpusched_common.settings import KafkaSettings
@@ -746,6 +747,24 @@ async def test_a_cancelled_request_still_waiting_ends_unplaced_whichever_came_fi
                for r in results)
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.request.request_id == "placed" and not len(engine.queue)
+
+
+async def test_a_resumed_request_cancelled_before_it_is_placed_reports_what_came_before(
+) -> None:
+    """Preempted after 3 tokens, then cancelled while it waited again: its result said 0
+    tokens and no text, though they were streamed and billed."""
+    engine, sent = leading_engine()
+    again = InferenceRequest(request_id="r", tenant="acme", model=SMALL.name, prompt="hi",
+                             max_tokens=8, created_at_ms=500, attempt=1, requeued="preempted",
+                             resume=Resume(tokens=(" a", " b", " c"), streamed_tokens=3,
+                                           next_seq=2))
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, again.to_bytes())])
+    await engine.cancels([ConsumerRecord(topics.CONTROL.name, 0, 0, 1000, 0, b"r", Cancel(
+        request_id="r", reason="user pressed stop", at_ms=1000).to_bytes(), None, 0, 0, ())])
+    await engine.cycle()
+    [result] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (result.status, result.text, result.completion_tokens, result.prompt_tokens) == (
+        "cancelled", " a b c", 3, again.prompt_token_count)
 
 
 async def test_a_request_waiting_past_its_queue_time_limit_ends_unrun_with_a_503(

@@ -180,6 +180,15 @@ class InferenceRequest(Message):
         else `count_prompt_tokens(prompt)`."""
         return self.prompt_tokens or count_prompt_tokens(self.prompt)
 
+    def so_far(self) -> dict[str, Any]:
+        """The text and tokens earlier attempts generated and billed (the resume), as the
+        result of an attempt that ends without running reports them: nothing for a first
+        one. (A stop string would have ended the request: the text holds none.)"""
+        if self.resume is None:
+            return {"text": "", "prompt_tokens": 0, "completion_tokens": 0}
+        return {"text": "".join(self.resume.tokens), "prompt_tokens": self.prompt_token_count,
+                "completion_tokens": len(self.resume.tokens)}
+
 
 MAX_GPU_MEMORY_MIB = 2**24
 """16 TiB: far beyond any one GPU, and far inside the 64-bit sums the solver adds it to."""

@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from gpusched_agent.adapters.executor import (
     CutShort,
@@ -765,7 +764,7 @@ class AgentRuntime:
                                            f"; attempt {request.attempt} was its last")
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
-                status=status, finish_reason=reason, **_so_far(request), node_id=self.node_id,
+                status=status, finish_reason=reason, **request.so_far(), node_id=self.node_id,
                 queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
         else:
             await self._finish(run, [_retry(request, "preempted" if why == "preempted"
@@ -781,7 +780,7 @@ class AgentRuntime:
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="failed", finish_reason=f"not runnable after {MAX_ATTEMPTS} attempts: "
-                f"{reason}", **_so_far(request), queued_ms=0, total_ms=0),
+                f"{reason}", **request.so_far(), queued_ms=0, total_ms=0),
                 topics.RESULTS.name, request.request_id)])
             return
         await self._finish(run, [_retry(request, why)])
@@ -797,19 +796,6 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
             break
         ready += 1
     return ready
-
-
-def _so_far(request: InferenceRequest) -> dict[str, Any]:
-    """The text and tokens a request's earlier attempts produced and billed (its resume),
-    for the result of an attempt that ends without running: nothing for a first one."""
-    if request.resume is None:
-        return {"text": "", "prompt_tokens": 0, "completion_tokens": 0}
-    tokens = request.resume.tokens
-    stops = StopScan(request.stop)
-    for token in tokens:
-        stops.feed(token)
-    return {"text": "".join(tokens)[:stops.end_chars], "completion_tokens": len(tokens),
-            "prompt_tokens": request.prompt_token_count}
 
 
 def _retry(request: InferenceRequest, why: str, resume: Resume | None = None) -> outbox.Final:

@@ -745,8 +745,8 @@ class SchedulingEngine:
                 out.append((item, Outgoing(RequestResult(
                     request_id=request_id, tenant=request.tenant, model=request.model,
                     status="cancelled", finish_reason="cancelled before it was placed: "
-                    f"{self._cancelled.get(request_id, 'no reason given')}", prompt_tokens=0,
-                    completion_tokens=0, queued_ms=waited_ms, total_ms=waited_ms),
+                    f"{self._cancelled.get(request_id, 'no reason given')}",
+                    **request.so_far(), queued_ms=waited_ms, total_ms=waited_ms),
                     topics.RESULTS.name, request_id, item.trace_carrier)))
         self._to_cancel.clear()
         return out
