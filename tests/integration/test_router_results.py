@@ -47,6 +47,9 @@ async def test_the_first_outcome_stays_and_any_chunk_marks_a_request_running(sta
         await hub.store_finished(records(
             TokenChunk(request_id=first, seq=3, text=" late", token_count=1)))
         assert (await hub.status(first))["status"] == "running"
+        await hub.store_finished(records(  # a chunk whose text names a terminal event
+            TokenChunk(request_id=second, seq=1, text="rejection", token_count=1)))
+        assert (await hub.status(second))["status"] == "running"
         await hub.store_finished(records(result(first, "the answer"),
                                          result(first, "another run's answer")))
         await hub.store_finished(records(Rejection(request_id=first, tenant="acme",

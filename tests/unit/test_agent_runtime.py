@@ -382,6 +382,69 @@ async def test_the_fence_is_neither_late_on_a_silent_redis_nor_early_on_a_slow_h
     await settle(runtime)
 
 
+async def test_a_drain_begun_while_cut_off_does_not_put_the_fence_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's heartbeat counted as contact: an agent already cut off when it was told
+    to stop ran its work on past the scheduler's retry."""
+    from gpusched_agent import runtime as runtime_module
+
+    class RedisAway(MemoryLedger):
+        async def alive(self, node_id: str) -> None:
+            raise ConnectionError("Redis is away")
+
+    monkeypatch.setattr(runtime_module, "FENCE_AFTER_S", 1.5)
+    sink = KafkaAway()
+    runtime, _, _ = make(time_scale=1.0, sink=sink, ledger=RedisAway())
+    runtime._heartbeat_s = 0.1
+    await runtime.command(placement("long", max_tokens=5000))
+    await until_tokens(sink, 1)
+    reporter = asyncio.create_task(runtime.report_forever())
+    await asyncio.sleep(0.3)  # reported once: contact
+    sink.away = True
+    await asyncio.sleep(1.0)
+    reporter.cancel()  # SIGTERM
+    with contextlib.suppress(asyncio.CancelledError):
+        await reporter
+    draining = asyncio.create_task(runtime.drain(timeout_s=30))
+    await asyncio.sleep(1.2)  # 2.2 s cut off: fenced by now, not 1.5 s after the drain began
+    assert "cut off from Kafka and Redis" in runtime._running["long#0"].detail
+    sink.away = False
+    await draining
+
+
+async def test_a_stop_that_comes_as_a_reply_ends_at_its_stop_string_changes_nothing() -> None:
+    """The stop string was found and the engine's stream was closing when a preempt came:
+    the request was handed back with every token, the stop string and what followed
+    included, instead of completing."""
+    closing = asyncio.Event()
+
+    class ClosesSlowly(SimulatedExecutor):
+        def generate(self, job):  # noqa: ANN001, ANN202
+            async def tokens():  # noqa: ANN202
+                try:
+                    for token in ["Hello", " there", "!END", " more"]:
+                        await asyncio.sleep(0.01)
+                        yield token
+                finally:
+                    closing.set()
+                    await asyncio.sleep(0.1)  # an HTTP stream's close, an abort
+            return tokens()
+
+    runtime, sink, _ = make(time_scale=1.0)
+    runtime.executor = ClosesSlowly(1.0, seed=1)
+    p = placement("s", max_tokens=20)
+    await runtime.command(p.model_copy(update={"request": p.request.model_copy(
+        update={"stop": ["END"]})}))
+    await closing.wait()
+    await runtime.command(Preempt(placement_id="s#0", request_id="s", node_id="n1",
+                                  scheduler_epoch=1, reason="interactive work"))
+    await settle(runtime)
+    assert not sink.of(InferenceRequest)
+    [result] = sink.of(RequestResult)
+    assert (result.status, result.finish_reason, result.text) == ("completed", "stop",
+                                                                  "Hello there!")
+
+
 async def test_the_agent_says_it_is_alive_while_a_node_state_send_hangs() -> None:
     """Before, the alive mark was refreshed between reports, so a send blocked on a Kafka
     that was away (aiokafka waits 40 s) let it lapse and the node's work was retried."""

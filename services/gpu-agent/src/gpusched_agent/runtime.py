@@ -179,7 +179,6 @@ class AgentRuntime:
         heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and,
         in a task of its own, every second in Redis that the agent is alive (a report to a
         Kafka that is away can block for the producer's 40 s time-out)."""
-        self._heard_at = max(self._heard_at, self._mono())  # reporting from now on
         alive = asyncio.create_task(self._say_alive_forever(), name="alive")
         try:
             await self._report_forever()
@@ -203,7 +202,7 @@ class AgentRuntime:
                 log.warning("could not say in Redis that this node is alive", exc_info=True)
                 self._dirty.set()  # is Kafka there? A report now tells, whatever the heartbeat
             self._fence_if_cut_off()
-            await asyncio.sleep(1.0 - ALIVE_WAIT_S)
+            await asyncio.sleep(max(0.0, 1.0 - (self._mono() - sent)))  # one a second
 
     def _fence_if_cut_off(self) -> None:
         """Neither Kafka nor Redis has taken anything from this agent for FENCE_AFTER_S (a
@@ -459,6 +458,7 @@ class AgentRuntime:
             else:
                 await self._finish(run, [])
             await self._release(placement.placement_id)
+        self._heard_at = max(self._heard_at, self._mono())  # reporting starts now
         return sum(placed)
 
     def _holds(self, gpu: int, model_name: str) -> bool:
@@ -611,8 +611,10 @@ class AgentRuntime:
             if run.stop_reason is None:
                 raise  # not ours (the loop is shutting down): let it propagate
             _uncancel()  # we asked for it: later awaits (publishes) must not see it again
-            status = "cancelled"
-            finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as its client sent it
+            if stops.end_chars is None:  # else it had ended at a stop string, and the stop
+                # (come while the engine's stream closed) changes nothing: it completed
+                status = "cancelled"
+                finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
         except ExecutorUnavailable as exc:  # the engine's fault, not the request's
             self._engine_down(str(exc))
             if request.attempt + 1 < MAX_ATTEMPTS:

@@ -17,6 +17,7 @@ from gpusched_common.contracts import (
     Rejection,
     RequestResult,
     ResultEvent,
+    TokenChunk,
 )
 
 STATUS_KEY = "gpusched:request:{}"
@@ -104,6 +105,8 @@ class ResultsHub:
                 continue
             if isinstance(event, RequestResult | Rejection):
                 finals.append(event)
+            elif isinstance(event, TokenChunk):  # whose text names a terminal event
+                started.add(event.request_id)
         if not finals and not started:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
