@@ -1453,6 +1453,22 @@ async def test_work_dropped_on_stepping_down_gives_its_tokens_per_minute_back() 
     assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
 
 
+async def placed_on_n1(send) -> tuple[SchedulingEngine, list[int], Commits]:  # noqa: ANN001
+    """A leading engine (its clock, `now[0]`, at 1,000 ms; nodes time out after 10 s) that
+    has sent request `r`, read at offset 7, to node n1; `send` is its seam to Kafka."""
+    now, kafka = [1000], Commits()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
+                                           commit_interval_ms=0), store=Fences(taken=set()))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
+        {"request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())], kafka.commit)
+    assert await engine.cycle() == 1
+    return engine, now, kafka
+
+
 async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_again() -> None:
     """n1 is lost while Kafka still holds the cycle that placed `r` there: `r` is fenced and
     retried as attempt 1, then Kafka refuses the cycle. Before, the undo queued attempt 0
@@ -1468,18 +1484,8 @@ async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_ag
             acks.append(asyncio.get_running_loop().create_future())
             return acks[-1]
         return asyncio.gather()
-    now = [1000]
-    fences, kafka = Fences(taken=set()), Commits()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
-                                           commit_interval_ms=0), store=fences)
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    engine, now, kafka = await placed_on_n1(send)
     standard = topics.REQUESTS["standard"].name
-    await engine.admit([request_record(standard, 7, json.dumps(
-        {"request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
-         "max_tokens": 4}).encode())], kafka.commit)
-    assert await engine.cycle() == 1
     now[0] = 12_000  # n1 silent for 11 s; n2 is up
     engine.view.apply_node_state(node("n2", [80000]), now[0], NODE_TIMEOUT_MS)
     await engine.cycle()
@@ -1535,18 +1541,8 @@ async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_t
     async def send(batch):
         acks.append(asyncio.get_running_loop().create_future())
         return acks[-1]
-    now = [1000]
-    kafka = Commits()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
-                                           commit_interval_ms=0), store=Fences(taken=set()))
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    engine, now, kafka = await placed_on_n1(send)
     standard = topics.REQUESTS["standard"].name
-    await engine.admit([request_record(standard, 7, json.dumps(
-        {"request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "x",
-         "max_tokens": 4}).encode())], kafka.commit)
-    assert await engine.cycle() == 1
     now[0] = 12_000  # n1 lost: its retry goes out
     cycle = asyncio.create_task(engine.cycle())
     await asyncio.sleep(0.01)
