@@ -482,6 +482,23 @@ async def test_a_result_whose_text_is_not_what_was_streamed_ends_with_an_error(
     assert all(json.loads(p)["choices"][0]["finish_reason"] is None for p in payloads[:-2])
 
 
+async def test_a_chunk_that_comes_late_is_streamed_and_the_stream_goes_on() -> None:
+    """Chunks 0, 2, 1, 3: the late chunk 1 was dropped as a copy and nothing more was
+    streamed until the result, which then carried the rest in one event."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for seq in (0, 2, 1, 3):
+        queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=f" w{seq}",
+                                    token_count=1))
+    queue.put_nowait(_result("completed", "length").model_copy(
+        update={"text": " w0 w1 w2 w3"}))
+    deadline_s = asyncio.get_running_loop().time() + 5
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    texts = [json.loads(e.decode().removeprefix("data: "))["choices"][0]["text"]
+             for e in events[:-1]]
+    assert texts == [" w0", " w1", " w2", " w3", ""]
+
+
 @pytest.mark.parametrize("seqs", [(0, 1, 1), (0, 0, 1), (0, 1, 0, 1)])
 async def test_a_chunk_sent_twice_is_streamed_once_not_taken_for_a_start_over(seqs) -> None:
     """An agent sends a record again when Kafka's answer to it was lost: the copy voided

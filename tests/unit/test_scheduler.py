@@ -1299,6 +1299,22 @@ async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
     assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]
 
 
+async def test_work_of_a_lost_node_on_its_last_attempt_ends_failed() -> None:
+    """At attempt 100 the retry was published as attempt 101, which no consumer reads: the
+    request was dead-lettered and never answered."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    last = req("last").model_copy(update={"attempt": 100, "requeued": "node_lost"})
+    one.engine.queue.push(Pending(last, {}, 0))
+    assert await one.engine.cycle() == 1
+    one.now = 12_000  # silent for 11 s
+    await one.engine.cycle()
+    assert not one.retries() and not one.engine.running
+    [result] = [o.message for o in one.sent if isinstance(o.message, RequestResult)]
+    assert (result.request_id, result.status) == ("last", "failed")
+    assert "on attempt 100, the last a request may have" in result.finish_reason
+    assert one.fences.removed == ["last#100"]
+
+
 async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rerun() -> None:
     """The agent of n1 filed final records and died before they all went out: for `taken`
     (usage, result) and for `earlier` (only its result was left: its final usage had

@@ -592,21 +592,18 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
         async with asyncio.timeout_at(deadline_s):
             return await queue.get()
 
-    next_seq = 0
+    next_stream = 0  # the seq of the next chunk to stream
     streamed: list[str] = []
     seen: dict[int, str] = {}  # seq -> text of every chunk come
-    gap = False  # a chunk never came: the rest is streamed from the result's text
     started_over = False
     try:
         if chat:
             yield event("", None, opening=True)
         while True:
             ev = await next_event()
-            if isinstance(ev, TokenChunk) and ev.seq < next_seq:
-                if seen.get(ev.seq, ev.text) == ev.text:
-                    # A copy: an agent sends a record again when Kafka's answer was lost
-                    # (or a hole filled late, whose text comes with the result)
-                    continue
+            if isinstance(ev, TokenChunk) and ev.seq in seen:
+                if seen[ev.seq] == ev.text:
+                    continue  # a copy: an agent sends a record again when Kafka's answer was lost
                 # Started over: its node was lost mid-run, and what was streamed is not
                 # what the new attempt generates (a preempted one goes on instead).
                 yield _data(_started_over(req.request_id).body())
@@ -614,13 +611,13 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
                 break
             if isinstance(ev, TokenChunk):
                 # Chunks are sent without waiting for Kafka's answer (the request's end
-                # is not): one Kafka dropped in an outage leaves a hole in the sequence.
-                gap = gap or ev.seq > next_seq
-                next_seq = ev.seq + 1
+                # is not): one Kafka dropped in an outage leaves a hole in the sequence,
+                # and what comes after it waits (for a late chunk, or the result's text).
                 seen[ev.seq] = ev.text
-                if not gap:
-                    streamed.append(ev.text)
-                    yield event(ev.text, None)
+                while next_stream in seen:
+                    streamed.append(seen[next_stream])
+                    yield event(seen[next_stream], None)
+                    next_stream += 1
                 continue
             ended = True  # the terminal event
             err = _error_of(ev)

@@ -23,6 +23,7 @@ from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelCatalog, TenantDirectory
 from gpusched_common.contracts import (
     CANCEL,
+    LAST_ATTEMPT,
     MAX_HANDBACK_BYTES,
     MAX_REQUEST_BYTES,
     NODE_STATE,
@@ -1071,13 +1072,26 @@ class SchedulingEngine:
     async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
         """Placements that will not run: each request goes back to its class as the next
         attempt (requeued='node_lost', served first), counted as retried; `why` says in the
-        log what happened to the node."""
+        log what happened to the node. One on the last attempt a request may have ends
+        failed instead (an attempt after it is no request anyone reads)."""
         for r in gone:
             del self.running[r.placement_id]
             self.view.release(r.placement_id)
             self._moved_on[r.placement_id] = None
-            retry = r.request.model_copy(update={"attempt": r.request.attempt + 1,
-                                                 "requeued": "node_lost"})
+            request = r.request
+            if request.attempt >= LAST_ATTEMPT:
+                log.warning("node %s %s: %s ends failed on its last attempt", r.node_id, why,
+                            request.request_id)
+                waited_ms = max(0, self._clock() - request.created_at_ms)
+                self._retries.append((r.placement_id, Outgoing(RequestResult(
+                    request_id=request.request_id, tenant=request.tenant, model=request.model,
+                    status="failed", finish_reason=f"its node {why} on attempt "
+                    f"{request.attempt}, the last a request may have", **request.so_far(),
+                    queued_ms=waited_ms, total_ms=waited_ms), topics.RESULTS.name,
+                    request.request_id, {})))
+                continue
+            retry = request.model_copy(update={"attempt": request.attempt + 1,
+                                               "requeued": "node_lost"})
             log.warning("node %s %s: retrying %s as attempt %d", r.node_id, why,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.inc()
