@@ -347,6 +347,26 @@ def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
     assert [v.placement_id for v in pre.victims] == ["v1"]  # the one that lost the least
 
 
+def test_borrowed_work_is_no_victim_of_its_own_tenant() -> None:
+    """A tenant's interactive request preempted the tenant's own borrowed interactive work,
+    whose hand-back preempted a sibling in turn, every preemption time-out: the tenant
+    gained nothing and a request never ran again. Another tenant may still take it back."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    borrowed = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
+                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
+                                 kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
+                                 estimate_gpu_s=1.0, placed_at_ms=0,
+                                 request=req(f"u{i}", "interactive", tenant="umbrella",
+                                             max_tokens=8000)) for i in range(2)]
+    own = plan(view, [req("p", "interactive", tenant="umbrella", max_tokens=100)],
+               now=10_000, running=borrowed, may_preempt={"p": 1})
+    assert not own.preemptions and not own.placed
+    other = plan(view, [req("p", "interactive", tenant="acme", max_tokens=100)],
+                 now=10_000, running=borrowed, may_preempt={"p": 1})
+    assert len(other.preemptions) == 1
+
+
 def test_quota_limits_tokens_per_minute_and_inflight() -> None:
     book = QuotaBook()
     quota = TenantQuota(tokens_per_minute=1000, max_inflight_requests=2)
@@ -1904,7 +1924,8 @@ def test_work_placed_as_aged_is_no_victim_of_class_priority() -> None:
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
                                 kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
                                 estimate_gpu_s=1.0, placed_at_ms=at, aged=aged,
-                                request=req(f"b{i}", "batch", max_tokens=8000))
+                                request=req(f"b{i}", "batch", tenant="umbrella",
+                                            max_tokens=8000))
                for i, (at, aged) in enumerate(((0, None), (9_000, True)))]
     [pre] = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
                  running=victims, may_preempt={"i": 1}).preemptions

@@ -447,8 +447,9 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     1), not already being preempted, and not placed as aged work unless borrowed and taken
     back by work that `reclaims` its tenant's guarantee; cost = GPU-seconds of progress
     lost."""
+    tenant = item.request.tenant
     candidates = [r for r in running if r.node_id in snap.node_index
-                  and r.placement_id not in taken and _victim_priority(r) <= ceiling
+                  and r.placement_id not in taken and _victim_priority(r, tenant) <= ceiling
                   and (not r.aged or (reclaims and r.borrowed))]
     if not candidates:
         return None
@@ -457,7 +458,7 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
         start = int(state.node_gpu_start[snap.node_index[r.node_id]])
         gpus[i, :len(r.gpu_indices)] = [start + g for g in r.gpu_indices]
     victims = _batch([r.request for r in candidates], catalog,
-                     [_victim_priority(r) for r in candidates])
+                     [_victim_priority(r, tenant) for r in candidates])
     # preempting frees the KV cache; the victim's model stays loaded on the GPU
     victims.gpu_mem_mib[:] = [r.kv_cache_mib for r in candidates]
     victims.model_weight_mib[:] = 0
@@ -474,8 +475,10 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
                       tuple(candidates[v] for v in plan.victims), plan.gpu_seconds_lost)
 
 
-def _victim_priority(r: RunningPlacement) -> int:
-    if r.borrowed:
+def _victim_priority(r: RunningPlacement, preemptor_tenant: str) -> int:
+    """Borrowed work is anyone's victim but its own tenant's, which gains nothing by it (its
+    hand-back preempted a sibling in turn, every preemption time-out); else its class."""
+    if r.borrowed and r.request.tenant != preemptor_tenant:
         return 0
     return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
 
