@@ -1241,20 +1241,27 @@ async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_bille
 
 
 async def test_a_request_handed_back_by_engines_too_often_ends_failed() -> None:
+    """Preemptions used the same count: a request preempted four times failed for good the
+    first time an engine was unavailable. Only attempts agents could not run count now."""
     from gpusched_agent.runtime import MAX_ATTEMPTS
     from gpusched_common.contracts import RequestResult
 
     engine_ = Engine()
     engine_.mode = "busy"
     sent, runtime = make_runtime(engine_.executor())
+    preempted = job("p").request.model_copy(update={"attempt": MAX_ATTEMPTS - 1,
+                                                    "requeued": "preempted"})
     last = job("f").request.model_copy(update={"attempt": MAX_ATTEMPTS - 1,
+                                               "refused": MAX_ATTEMPTS - 1,
                                                "requeued": "node_lost"})
-    await place(runtime, last)
+    await place(runtime, preempted, last)
     [result] = [m for m in sent if isinstance(m, RequestResult)]
-    assert result.status == "failed" and result.finish_reason.startswith(
+    assert result.request_id == "f" and result.status == "failed"
+    assert result.finish_reason.startswith(
         f"not runnable after {MAX_ATTEMPTS} attempts: executor unavailable") and (
         "503" in result.finish_reason)
-    assert not [m for m in sent if isinstance(m, InferenceRequest)]
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.request_id, again.attempt, again.refused) == ("p", MAX_ATTEMPTS, 1)
     await runtime.executor.close()
 
 

@@ -473,6 +473,7 @@ async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
      "resume is set only on a later attempt"),
     ({"attempt": 1}, "attempt 1 with requeued=None"),
     ({"requeued": "preempted"}, "attempt 0 with requeued='preempted'"),
+    ({"refused": 1}, "refused 1 on attempt 0"),
     ({"attempt": 1, "requeued": "preempted",
       "resume": {"tokens": ["a"] * 10, "streamed_tokens": 50}}, "resume has 10 tokens, 50"),
 ])

@@ -140,6 +140,10 @@ class InferenceRequest(Message):
         default=1, ge=1, le=8, description="GPUs of one node that run it together (a gang: "
         "tensor parallel; weights and KV cache are split evenly across them).")
     attempt: int = Field(default=0, ge=0, le=LAST_ATTEMPT)
+    refused: int | None = Field(
+        default=None, ge=1, le=LAST_ATTEMPT, description="How many of its attempts an agent "
+        "could not run (handed back unrun, or its engine unavailable): a limit of its own, "
+        "which preemptions, drains and lost nodes do not use up.")
     requeued: Literal["handback", "preempted", "node_lost"] | None = Field(
         default=None, description="Why this attempt was queued again; preempted and node_lost "
         "attempts go to the front of their class.")
@@ -163,6 +167,9 @@ class InferenceRequest(Message):
             raise ValueError(f"attempt {self.attempt} with requeued={self.requeued!r}: a "
                              "first attempt (0) has no requeued, a later one says why it was "
                              "queued again; clients send neither")
+        if self.refused is not None and self.refused > self.attempt:
+            raise ValueError(f"refused {self.refused} on attempt {self.attempt}: agents hand "
+                             "back a request as its next attempt; clients do not send it")
         resume = self.resume
         if resume is not None:
             if self.attempt == 0:

@@ -537,6 +537,7 @@ class AgentRuntime:
         status, finish_reason = "completed", "length"
         cut_short = False  # by the engine, at a limit of its own
         requeue: str | None = None  # handed back as the next attempt, requeued so
+        refused = False  # by this node, which could not run it
         why = ""
         last_partial_s = self._mono()
         run.interruptible = True
@@ -617,11 +618,10 @@ class AgentRuntime:
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
         except ExecutorUnavailable as exc:  # the engine's fault, not the request's
             self._engine_down(str(exc))
-            if request.attempt + 1 < MAX_ATTEMPTS:
-                requeue, why = "node_lost", str(exc)
+            if (last := _last_try(request)) is None:
+                requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
-                status, finish_reason = "failed", (f"not runnable after {MAX_ATTEMPTS} "
-                                                   f"attempts: executor unavailable: {exc}")
+                status, finish_reason = "failed", f"{last}: executor unavailable: {exc}"
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
@@ -640,7 +640,8 @@ class AgentRuntime:
             billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
                 if run.prompt_tokens != request.prompt_token_count else request
             retry = _retry(billed, requeue, Resume(
-                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq))
+                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq),
+                refused=refused)
             if (size := len(retry[0].to_bytes())) <= MAX_HANDBACK_BYTES:
                 log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
                 await self._finish(run, [retry])
@@ -774,18 +775,17 @@ class AgentRuntime:
 
     async def _handback(self, run: _Running, reason: str, why: str) -> None:
         """Return a placement this node cannot run to the scheduler as a new attempt (its
-        zero final usage releases what the scheduler reserved); after MAX_ATTEMPTS it ends
-        with a failed result instead of bouncing forever."""
+        zero final usage releases what the scheduler reserved); after MAX_ATTEMPTS that
+        agents could not run it ends with a failed result instead of bouncing forever."""
         request = run.placement.request
         log.warning("handing back %s: %s", run.placement.placement_id, reason)
-        if request.attempt + 1 >= MAX_ATTEMPTS:
+        if (last := _last_try(request)) is not None:
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
-                status="failed", finish_reason=f"not runnable after {MAX_ATTEMPTS} attempts: "
-                f"{reason}", **request.so_far(), queued_ms=0, total_ms=0),
-                topics.RESULTS.name, request.request_id)])
+                status="failed", finish_reason=f"{last}: {reason}", **request.so_far(),
+                queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
             return
-        await self._finish(run, [_retry(request, why)])
+        await self._finish(run, [_retry(request, why, refused=True)])
 
 
 def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
@@ -800,11 +800,26 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
     return ready
 
 
-def _retry(request: InferenceRequest, why: str, resume: Resume | None = None) -> outbox.Final:
+def _last_try(request: InferenceRequest) -> str | None:
+    """Why a request this node could not run may not go back for another attempt: agents
+    could not run MAX_ATTEMPTS of its attempts (preempted or drained ones do not count), or
+    this was the last attempt a request may have."""
+    if (request.refused or 0) + 1 >= MAX_ATTEMPTS:
+        return f"not runnable after {MAX_ATTEMPTS} attempts"
+    if request.attempt >= LAST_ATTEMPT:
+        return f"attempt {request.attempt} was its last"
+    return None
+
+
+def _retry(request: InferenceRequest, why: str, resume: Resume | None = None,
+           refused: bool = False) -> outbox.Final:
     """The request back on its class topic as the next attempt (going on after `resume`
-    when given)."""
-    retry = request.model_copy(update={"attempt": request.attempt + 1, "requeued": why,
-                                       "resume": resume or request.resume})
+    when given); `refused` when this node could not run it."""
+    update: dict[str, object] = {"attempt": request.attempt + 1, "requeued": why,
+                                 "resume": resume or request.resume}
+    if refused:
+        update["refused"] = (request.refused or 0) + 1
+    retry = request.model_copy(update=update)
     return retry, topics.REQUESTS[request.priority_class].name, request.request_id
 
 
