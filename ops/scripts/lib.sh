@@ -42,3 +42,17 @@ apt_install() {
   fi
   run_quiet env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@"
 }
+
+# pip_install_workspace VENV [PIP_OPTION...]: every package of the workspace into VENV,
+# editable, with the extras `make setup` needs: gpu-agent[torch], the torch executor, whose
+# tests run it on CPU (PyPI's build carries the CUDA libraries, ~3.5 GB, about 2.5 min
+# cold: the same wheel then runs on a GPU node); scheduler[bench], OR-Tools, for the
+# solver's distance-to-optimal and LP-price tests. bootstrap.sh and lock.sh install so.
+pip_install_workspace() {
+  local venv="$1"
+  shift
+  "$venv/bin/pip" install --quiet "$@" \
+    -e "$REPO_ROOT/libs/common" -e "$REPO_ROOT/services/router" \
+    -e "$REPO_ROOT/services/scheduler[bench]" -e "$REPO_ROOT/services/gpu-agent[torch]" \
+    -e "$REPO_ROOT/services/accounting" -e "$REPO_ROOT/ops[dev]"
+}

@@ -5,16 +5,16 @@
 # and commit the new pins only when the suite passes. bootstrap.sh installs with
 # `-c constraints.txt`, so a clean clone (and CI) gets exactly the tested versions.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=ops/scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+root="$REPO_ROOT"
 python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null || python=python3
 venv="$(mktemp -d)"
 trap 'rm -rf "$venv"' EXIT
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
-"$venv/bin/pip" install --quiet \
-  -e "$root/libs/common" -e "$root/services/router" -e "$root/services/scheduler[bench]" \
-  -e "$root/services/gpu-agent[torch]" -e "$root/services/accounting" -e "$root/ops[dev]"
+pip_install_workspace "$venv"
 {
   echo "# Tested versions of every third-party package \`make setup\` installs (bootstrap.sh"
   echo "# and the Dockerfile install with -c). Rewritten by ops/scripts/lock.sh on $(date -u +%F)"

@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BOOTSTRAP = REPO_ROOT / "ops" / "scripts" / "bootstrap.sh"
+INSTALLER = REPO_ROOT / "ops" / "scripts" / "lib.sh"  # pip_install_workspace
 
 
 def _pins() -> dict[str, str]:
@@ -29,9 +29,10 @@ def _pins() -> dict[str, str]:
 
 
 def _installed_extras() -> dict[str, set[str]]:
-    """Extras bootstrap.sh installs, by package folder ("services/scheduler": {"bench"})."""
+    """Extras the bootstrap installs, by package folder ("services/scheduler": {"bench"})."""
     found: dict[str, set[str]] = {}
-    for path, extras in re.findall(r'\$root/([\w/-]+)(?:\[([\w,]+)\])?"', BOOTSTRAP.read_text()):
+    for path, extras in re.findall(r'\$REPO_ROOT/([\w/-]+)(?:\[([\w,]+)\])?"',
+                                   INSTALLER.read_text()):
         if (REPO_ROOT / path / "pyproject.toml").exists():
             found[path] = set(extras.split(",")) if extras else set()
     return found

@@ -341,9 +341,9 @@ MAX_USAGE_TOKENS = 10**9
 MAX_USAGE_GPU_SECONDS = 8 * 31 * 86_400
 """Far beyond any one record (a request's prompt and output; 8 GPUs for a month, where
 agents bill every few seconds, an hour at most), and far inside the counters accounting
-adds them to, which
-are exact up to 2**53 per bucket (285 GPU-years of microseconds); at 10**9 GPU-seconds ten
-records in a day lost precision and 10,000 wrapped the counter negative."""
+adds them to, which are exact up to 2**53 per bucket (285 GPU-years of microseconds); at
+10**9 GPU-seconds ten records in a day lost precision and 10,000 wrapped the counter
+negative."""
 MAX_EPOCH_MS = 10**13
 """Year 2286: a larger timestamp is in micro- or nanoseconds, not milliseconds."""
 

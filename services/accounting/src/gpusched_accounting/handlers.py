@@ -111,22 +111,22 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         for record in records:
             try:
                 row = row_for(USAGE.validate_json(record.value), prices)
-                if (ahead_ms := row.ended_at_ms - now_ms) > MAX_END_AHEAD_MS:
-                    raise ValueError(
-                        f"it ended at {row.ended_at_ms}, {ahead_ms // 60_000} minutes after "
-                        f"accounting's clock ({now_ms}): its agent's clock is off by more than a "
-                        "day; fix it, then produce this record again")
             except Exception as exc:  # noqa: BLE001 - one record must never stop its partition
                 reason = (f"invalid usage record: {invalid_fields(exc)}"
                           if isinstance(exc, ValidationError)
-                          else f"unusable usage record: {exc}" if isinstance(exc, ValueError)
                           else f"unreadable usage record: {exc!r}")
-                outcomes.labels("invalid").inc()
-                await publish(dead_letter(record, reason, SERVICE, now_ms),
-                              topics.DEAD_LETTERS.name, record.topic)
-                continue
-            rows.append(row)
-            sources.append(record)
+            else:
+                if (ahead_ms := row.ended_at_ms - now_ms) <= MAX_END_AHEAD_MS:
+                    rows.append(row)
+                    sources.append(record)
+                    continue
+                reason = (f"unusable usage record: it ended at {row.ended_at_ms}, "
+                          f"{ahead_ms // 60_000} minutes after accounting's clock ({now_ms}): "
+                          "its agent's clock is off by more than a day; fix it, then produce "
+                          "this record again")
+            outcomes.labels("invalid").inc()
+            await publish(dead_letter(record, reason, SERVICE, now_ms),
+                          topics.DEAD_LETTERS.name, record.topic)
         return rows, sources
 
     async def settle(rows: list[UsageRow], sources: list[ConsumerRecord], statuses: list[int],

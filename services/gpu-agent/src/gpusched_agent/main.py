@@ -4,7 +4,6 @@ and telemetry; SIGTERM drains (see `AgentRuntime.drain`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -157,16 +156,13 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         await broker.start()
         await handlers.hold_command_position(placements)  # before the node is first seen
         await runtime.recover()
-        reporter = asyncio.create_task(runtime.report_forever(), name="node-state")
+        runtime.start_reporting()
         started = True
         try:
             yield
         finally:
             started = False
-            reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
-            await runtime.drain(timeout_s=settings.drain_timeout_s)
+            await runtime.drain(timeout_s=settings.drain_timeout_s)  # ends the reporting
             await broker.stop()
             await executor.close()
             await redis.aclose()

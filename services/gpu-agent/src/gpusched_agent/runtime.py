@@ -172,8 +172,16 @@ class AgentRuntime:
         self._heard_at = self._mono()
         """When Kafka (a node state) or Redis (the alive mark) last took something from this
         agent: the scheduler can tell it is alive only by those (`_fence_if_cut_off`)."""
+        self._reporter: asyncio.Task[None] | None = None
+        """`report_forever` from `start_reporting` until the end of `drain`."""
 
     # --- node state ----------------------------------------------------------------------
+    def start_reporting(self) -> None:
+        """Run `report_forever` in a task of its own (unless it runs): heartbeats and the
+        alive mark, until `drain` has published the final state."""
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.create_task(self.report_forever(), name="node-state")
+
     async def report_forever(self) -> None:
         """Publish node state at start, on every change (at most every 50 ms), and as a
         heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and,
@@ -184,7 +192,7 @@ class AgentRuntime:
             await self._report_forever()
         finally:
             alive.cancel()
-            if self._reading is not None:  # the drain's heartbeat asks for a read of its own
+            if self._reading is not None:  # a reporter started again asks for a read of its own
                 self._reading.cancel()
                 self._reading = None
 
@@ -356,13 +364,14 @@ class AgentRuntime:
         return Stopping(placement_id)
 
     async def drain(self, timeout_s: float) -> None:
-        """SIGTERM (the caller has stopped `report_forever`): stop taking work, let running
-        requests finish for up to `timeout_s`, hand back what still runs (usage so far
-        billed), publish the final state. Heartbeats and the alive mark go on meanwhile:
-        a drain outlasts the scheduler's node time-out, which would otherwise take the node
+        """SIGTERM: stop taking work, let running requests finish for up to `timeout_s`,
+        hand back what still runs (usage so far billed), publish the final state.
+        Heartbeats and the alive mark go on meanwhile (started here if they do not run): a
+        drain outlasts the scheduler's node time-out, which would otherwise take the node
         for lost and retry its work beside it."""
         self.status = "draining"
-        heartbeat = asyncio.create_task(self.report_forever(), name="node-state-draining")
+        self._dirty.set()  # reported now
+        self.start_reporting()
         try:
             tasks = [r.task for r in self._running.values() if r.task is not None]
             if tasks:
@@ -373,9 +382,10 @@ class AgentRuntime:
             if tasks:
                 await asyncio.wait(tasks, timeout=10)
         finally:
-            heartbeat.cancel()
+            assert self._reporter is not None
+            self._reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+                await self._reporter
         self.status = "stopped"
         await self._report_if_kafka_takes_it()
 
@@ -618,7 +628,7 @@ class AgentRuntime:
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
         except ExecutorUnavailable as exc:  # the engine's fault, not the request's
             self._engine_down(str(exc))
-            if (last := _last_try(request)) is None:
+            if (last := _last_try(request, refused=True)) is None:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: executor unavailable: {exc}"
@@ -633,9 +643,8 @@ class AgentRuntime:
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
             why = f"{run.stop_reason}: {run.detail}"
-            if request.attempt >= LAST_ATTEMPT:  # no attempt after it: it ends here
-                requeue, status = None, "failed"
-                finish_reason = f"{why}; attempt {request.attempt} was its last"
+            if (last := _last_try(request, refused=False)) is not None:  # it ends here
+                requeue, status, finish_reason = None, "failed", f"{why}; {last}"
         if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
             billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
                 if run.prompt_tokens != request.prompt_token_count else request
@@ -761,17 +770,17 @@ class AgentRuntime:
         """A placement stopped before it ran: a zero final usage releases the scheduler's
         reservation; then the request ends (cancelled) or goes back (preempted, drained)."""
         request = run.placement.request
-        if why == "cancelled" or request.attempt >= LAST_ATTEMPT:
-            status = "cancelled" if why == "cancelled" else "failed"
-            reason = f"{why}: {detail}" + ("" if why == "cancelled" else
-                                           f"; attempt {request.attempt} was its last")
-            await self._finish(run, [(RequestResult(
-                request_id=request.request_id, tenant=request.tenant, model=request.model,
-                status=status, finish_reason=reason, **request.so_far(), node_id=self.node_id,
-                queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
-        else:
+        last = None if why == "cancelled" else _last_try(request, refused=False)
+        if why != "cancelled" and last is None:
             await self._finish(run, [_retry(request, "preempted" if why == "preempted"
                                             else "node_lost")])
+            return
+        await self._finish(run, [(RequestResult(
+            request_id=request.request_id, tenant=request.tenant, model=request.model,
+            status="cancelled" if last is None else "failed",
+            finish_reason=f"{why}: {detail}" + ("" if last is None else f"; {last}"),
+            **request.so_far(), node_id=self.node_id, queued_ms=0, total_ms=0),
+            topics.RESULTS.name, request.request_id)])
 
     async def _handback(self, run: _Running, reason: str, why: str) -> None:
         """Return a placement this node cannot run to the scheduler as a new attempt (its
@@ -779,7 +788,7 @@ class AgentRuntime:
         agents could not run it ends with a failed result instead of bouncing forever."""
         request = run.placement.request
         log.warning("handing back %s: %s", run.placement.placement_id, reason)
-        if (last := _last_try(request)) is not None:
+        if (last := _last_try(request, refused=True)) is not None:
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="failed", finish_reason=f"{last}: {reason}", **request.so_far(),
@@ -800,11 +809,11 @@ def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
     return ready
 
 
-def _last_try(request: InferenceRequest) -> str | None:
-    """Why a request this node could not run may not go back for another attempt: agents
-    could not run MAX_ATTEMPTS of its attempts (preempted or drained ones do not count), or
-    this was the last attempt a request may have."""
-    if (request.refused or 0) + 1 >= MAX_ATTEMPTS:
+def _last_try(request: InferenceRequest, refused: bool) -> str | None:
+    """Why a request may not go back for another attempt: this was the last attempt a
+    request may have, or (`refused`: this node could not run it) agents could not run
+    MAX_ATTEMPTS of its attempts (preempted or drained ones do not count)."""
+    if refused and (request.refused or 0) + 1 >= MAX_ATTEMPTS:
         return f"not runnable after {MAX_ATTEMPTS} attempts"
     if request.attempt >= LAST_ATTEMPT:
         return f"attempt {request.attempt} was its last"

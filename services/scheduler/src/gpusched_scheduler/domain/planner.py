@@ -447,18 +447,18 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     1), not already being preempted, and not placed as aged work unless borrowed and taken
     back by work that `reclaims` its tenant's guarantee; cost = GPU-seconds of progress
     lost."""
-    tenant = item.request.tenant
-    candidates = [r for r in running if r.node_id in snap.node_index
-                  and r.placement_id not in taken and _victim_priority(r, tenant) <= ceiling
-                  and (not r.aged or (reclaims and r.borrowed))]
-    if not candidates:
+    ranked = [(r, priority) for r in running if r.node_id in snap.node_index
+              and r.placement_id not in taken
+              and (priority := _victim_priority(r, item.request.tenant)) <= ceiling
+              and (not r.aged or (reclaims and r.borrowed))]
+    if not ranked:
         return None
+    candidates = [r for r, _ in ranked]
     gpus = np.full((len(candidates), 8), -1, np.int64)
     for i, r in enumerate(candidates):
         start = int(state.node_gpu_start[snap.node_index[r.node_id]])
         gpus[i, :len(r.gpu_indices)] = [start + g for g in r.gpu_indices]
-    victims = _batch([r.request for r in candidates], catalog,
-                     [_victim_priority(r, tenant) for r in candidates])
+    victims = _batch([r.request for r in candidates], catalog, [p for _, p in ranked])
     # preempting frees the KV cache; the victim's model stays loaded on the GPU
     victims.gpu_mem_mib[:] = [r.kv_cache_mib for r in candidates]
     victims.model_weight_mib[:] = 0
