@@ -1998,3 +1998,42 @@ def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
     assert [p.request.request_id for p in decisions.waiting] == ["gang"]
     [single] = decisions.placed
     assert (single.item.request.request_id, single.gpu_indices) == ("s1", (2,))
+
+
+async def test_the_room_a_preemption_frees_is_kept_for_its_preemptor() -> None:
+    """Interactive i preempted batch b; b's hand-back, aged (it waits from its request's
+    creation), came first in line and took the room back as soon as b stopped, so i waited
+    out the preemption time-out and preempted it again, over and over."""
+    from gpusched_scheduler.domain.planner import memory_per_gpu
+
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+
+    def record(offset: int, r: InferenceRequest) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[r.priority_class].name, offset, r.to_bytes())
+
+    b = InferenceRequest(request_id="b", tenant="acme", model=SMALL.name, prompt="x",
+                         max_tokens=22000, priority_class="batch", created_at_ms=now[0])
+    kv = memory_per_gpu(b, SMALL)[0]
+    engine.view.apply_node_state(node("a", [kv + 5], models=(SMALL.name,)), now[0],
+                                 NODE_TIMEOUT_MS)
+    await engine.admit([record(0, b)])
+    assert await engine.cycle() == 1
+    engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2, active=("b#0",)),
+                                 now[0], NODE_TIMEOUT_MS)
+    now[0] = 400_000
+    i = InferenceRequest(request_id="i", tenant="globex", model=SMALL.name, prompt="x",
+                         max_tokens=22000, priority_class="interactive", created_at_ms=now[0])
+    await engine.admit([record(0, i)])
+    before = len(sent[topics.PLACEMENTS.name])
+    await engine.cycle()
+    assert [json.loads(v)["type"] for v in sent[topics.PLACEMENTS.name][before:]] == ["preempt"]
+    now[0] += 50  # b stopped and handed back
+    await engine.admit([record(1, b.model_copy(update={"attempt": 1, "requeued": "preempted"}))])
+    engine.view.apply_node_state(node("a", [kv + 5], models=(SMALL.name,), seq=3), now[0],
+                                 NODE_TIMEOUT_MS)
+    before = len(sent[topics.PLACEMENTS.name])
+    await engine.cycle()
+    [placed] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name][before:]]
+    assert placed.placement_id == "i#0"
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["b"]

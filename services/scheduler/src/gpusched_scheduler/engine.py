@@ -51,6 +51,7 @@ from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
+    Room,
     estimate_gpu_s,
     fleet_gpu_mib,
     memory_per_gpu,
@@ -279,8 +280,9 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
-        self._preempting: dict[str, int] = {}
-        """Request id -> ms until which its preemption is in progress (not planned again)."""
+        self._preempting: dict[str, tuple[int, Room]] = {}
+        """Request id -> (ms until which its preemption is in progress, not planned again;
+        the room its victims free, kept for it meanwhile)."""
         self._victims: dict[str, int] = {}
         """Placement id -> until when: running work a preempt was sent for (not chosen as a
         victim again meanwhile, by another request that would then wait for its room)."""
@@ -561,7 +563,7 @@ class SchedulingEngine:
         chunks = _first(self._ordered(now), cfg.max_units_per_cycle)
         snap = snapshot(self.view, self.view.live_nodes(now, cfg.node_timeout_ms),
                         self._node_specs)
-        self._preempting = {r: t for r, t in self._preempting.items() if t > now}
+        self._preempting = {r: p for r, p in self._preempting.items() if p[0] > now}
         self._victims = {p: t for p, t in self._victims.items() if t > now}
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
@@ -570,7 +572,8 @@ class SchedulingEngine:
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
-            now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming)
+            now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming,
+            rooms={r: room for r, (_, room) in self._preempting.items()})
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = list(ended)
@@ -610,7 +613,8 @@ class SchedulingEngine:
                 reason=reject.reason), topics.RESULTS.name, request.request_id,
                 reject.item.trace_carrier)))
         for pre in decisions.preemptions:
-            self._preempting[pre.item.request.request_id] = now + cfg.preemption_timeout_ms
+            self._preempting[pre.item.request.request_id] = (
+                now + cfg.preemption_timeout_ms, pre.room)
             for victim in pre.victims:
                 self._victims[victim.placement_id] = now + cfg.preemption_timeout_ms
                 self._metrics.preemptions.inc()
@@ -754,7 +758,8 @@ class SchedulingEngine:
 
     def _ordered(self, now_ms: int) -> list[Chunk]:
         return order_pending(self.queue.in_order(), now_ms, self.fair, self._weights,
-                             self._targets, self.config.aging_factor, self._estimate)
+                             self._targets, self.config.aging_factor, self._estimate,
+                             preempting=self._preempting)
 
     def in_line(self, now_ms: int) -> list[tuple[str, Pending]]:
         """The work waiting here in the order a cycle now would consider it, each with its

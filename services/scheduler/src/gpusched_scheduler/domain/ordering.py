@@ -1,13 +1,13 @@
-"""The order pending work is considered in: aged work first, then strict priority between
-classes; weighted fair share between tenants inside each (the aged chunk too), FIFO inside a
-tenant. Pure: time and consumption are passed in."""
+"""The order pending work is considered in: work whose preemption is under way first, then
+aged work, then strict priority between classes; weighted fair share between tenants inside
+each chunk, FIFO inside a tenant. Pure: time and consumption are passed in."""
 
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from gpusched_common.contracts import PRIORITY_CLASSES
@@ -50,26 +50,31 @@ class Chunk:
 def order_pending(
     items: Iterable[Pending], now_ms: int, fair: FairShare, weights: dict[str, float],
     class_target_ms: dict[str, float], aging_factor: float,
-    estimate_gpu_s: Callable[[Pending], float],
+    estimate_gpu_s: Callable[[Pending], float], preempting: Collection[str] = (),
 ) -> list[Chunk]:
-    """Chunks in the order to solve them: 'aged' (waited over aging_factor x its class's
-    target), then one chunk per class, interactive first. Inside each, tenants take turns
-    by weighted consumption: the tenant with the least (decayed GPU-seconds + estimates of
-    what it is given now) / weight goes next, its oldest aged work first in the aged chunk.
+    """Chunks in the order to solve them: 'preempting' (requests in `preempting`, whose
+    victims are stopping: the room they free is theirs), 'aged' (waited over aging_factor x
+    its class's target), then one chunk per class, interactive first. Inside each, tenants
+    take turns by weighted consumption: the tenant with the least (decayed GPU-seconds +
+    estimates of what it is given now) / weight goes next, its oldest aged work first in the
+    aged chunk.
     (Aged work taken oldest first across tenants gave a tenant that floods its class all
     of it: its work aged first, and an equal tenant's waited behind it without bound.)"""
+    first: list[Pending] = []
     aged: list[Pending] = []
     by_class: dict[str, list[Pending]] = {c: [] for c in PRIORITY_CLASSES}
     for item in items:
         cls = item.request.priority_class
-        if now_ms - item.aging_from_ms > aging_factor * class_target_ms[cls]:
+        if item.request.request_id in preempting:
+            first.append(item)
+        elif now_ms - item.aging_from_ms > aging_factor * class_target_ms[cls]:
             aged.append(item)
         else:
             by_class[cls].append(item)
     now_s = now_ms / 1000
     aged.sort(key=lambda p: p.aging_from_ms)
-    chunks = [Chunk("aged", _fair_interleave(aged, now_s, fair, weights, estimate_gpu_s))] \
-        if aged else []
+    chunks = [Chunk(name, _fair_interleave(part, now_s, fair, weights, estimate_gpu_s))
+              for name, part in (("preempting", first), ("aged", aged)) if part]
     for cls in PRIORITY_CLASSES:
         if by_class[cls]:
             chunks.append(Chunk(cls, _fair_interleave(by_class[cls], now_s, fair, weights,

@@ -4,7 +4,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,11 +179,25 @@ class Reject:
 
 
 @dataclass(frozen=True)
+class Room:
+    """The GPUs a preemption frees on one node: kept for its preemptor until it is placed
+    or the preemption times out."""
+
+    node_id: str
+    gpu_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Preemption:
     item: Pending
     node_id: str
     victims: tuple[RunningPlacement, ...]
     gpu_seconds_lost: float
+
+    @property
+    def room(self) -> Room:
+        return Room(self.node_id, tuple(sorted({g for v in self.victims
+                                                for g in v.gpu_indices})))
 
 
 @dataclass(frozen=True)
@@ -207,7 +221,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
-               max_preemptions: int = 4, reclaiming: Collection[str] = ()) -> CycleDecisions:
+               max_preemptions: int = 4, reclaiming: Collection[str] = (),
+               rooms: Mapping[str, Room] | None = None) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait for room to free up, later chunks wait too (they would take that
     room). Work that no live, healthy node could hold even empty (its GPUs are away or
@@ -218,6 +233,12 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     aged. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
     (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
     with the reason.
+
+    `rooms` maps a request whose preemption is under way to the room its victims free: it is
+    solved first, and while it waits the memory it needs in its room is out of reach of the
+    rest (which no longer waits behind it). Before, the victims' hand-backs (first in their
+    class, and aged) or any other work took that room as it freed, and the preemptor waited
+    out the time-out to preempt again.
 
     Work that fits nowhere while idle models hold GPU memory is solved once more on the
     state with that memory free (`Snapshot.evictable`): the agent unloads them to admit it.
@@ -240,6 +261,11 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         batch = _batch([i.request for i in items], catalog)
         shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
             else None
+        if rooms and any(i.request.request_id in rooms for i in items):
+            chunks, state = _solve_preemptors(state, snap, chunks, rooms, catalog, policy,
+                                              shapes, placed, waiting)
+            items = [item for chunk in chunks for item in chunk.items]
+            batch = _batch([i.request for i in items], catalog)
         result = solve(state, batch, policy, shapes=shapes)
         never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
         known: Collection[tuple[int, ...]] | None = None  # fleet(), read at first need
@@ -317,6 +343,40 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 taken |= {v.placement_id for v in plan.victims}
                 freed = _stopped(freed or state, snap, plan, unit, policy, shapes)
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
+                      rooms: Mapping[str, Room], catalog: ModelCatalog, policy: str,
+                      shapes: ShapeDistribution | None, placed: list[Place],
+                      waiting: list[Pending]) -> tuple[list[Chunk], ClusterState]:
+    """Place the work with a room first (into `placed`, or `waiting` with its room kept);
+    returns the other chunks and the state they are solved on, where each GPU of the room
+    of one that waits has the memory it needs there taken off (the rest of the GPU, and
+    other victims on it, stay for other work and other preemptions)."""
+    first = [i for chunk in chunks for i in chunk.items if i.request.request_id in rooms]
+    batch = _batch([i.request for i in first], catalog)
+    result = solve(state, batch, policy, shapes=shapes)
+    out = result.state
+    for u, item in enumerate(first):
+        outcome = result.outcome(u)
+        if hasattr(outcome, "gpu_indices"):
+            placed.append(_place(snap, batch, u, item, outcome))
+            continue
+        waiting.append(item)
+        room = rooms[item.request.request_id]
+        n = snap.node_index.get(room.node_id)
+        if n is None:
+            continue  # its node is away: the room is gone with it
+        start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
+        kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
+        for g in room.gpu_indices:
+            if start + g < end:
+                loaded = _loaded_on(snap, room.node_id, (g,), request_weights(item.request))
+                need = kv + (0 if loaded else weight)
+                out.gpu_mem_free_mib[start + g] = max(0, out.gpu_mem_free_mib[start + g] - need)
+    ids = {id(i) for i in first}
+    rest = [Chunk(c.name, [i for i in c.items if id(i) not in ids]) for c in chunks]
+    return [c for c in rest if c.items], out
 
 
 def _stopped(state: ClusterState, snap: Snapshot, plan: Preemption, unit: WorkBatch,
