@@ -1568,6 +1568,42 @@ async def test_a_cycle_kafka_refuses_after_leading_again_is_placed_again() -> No
     assert list(engine.running) == ["r1#0"] and kafka.offsets
 
 
+async def test_a_cycle_kafka_takes_after_leading_again_with_a_new_token_is_placed_again(
+) -> None:
+    """The lease lapsed while Kafka had not yet answered a cycle, and this instance took it
+    again with a new token: the placement went out under the old one, which agents refuse
+    as a deposed leader's. The answer then saved it and committed its record, and the new
+    term, which did not count it as running, skipped the record read again as placed: the
+    request was never placed."""
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    kafka = Commits()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    record = request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
+        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(4, [], {})
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
+    await engine.admit([record], kafka.commit)  # the consumer reads it again
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and engine.running["r1#0"].request.request_id
+    assert kafka.offsets
+
+
 async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_take_it(
 ) -> None:
     """Kafka refused the cycle while the lost node's retry was being published: the retry
@@ -2037,3 +2073,61 @@ async def test_the_room_a_preemption_frees_is_kept_for_its_preemptor() -> None:
     [placed] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name][before:]]
     assert placed.placement_id == "i#0"
     assert [p.request.request_id for p in engine.queue.in_order()] == ["b"]
+
+
+async def test_admission_waiting_for_room_sees_the_queue_a_hand_back_reordered() -> None:
+    """A full class's admission watched the dict its class had when it began to wait; a
+    hand-back put first in line (a cycle undone) replaced that dict, and the admission
+    waited on a copy that never drained: the class read nothing more until a step-down."""
+    engine, _ = leading_engine(max_pending_per_class=2)
+    batch = topics.REQUESTS["batch"].name
+
+    def record(offset: int, request_id: str, **extra) -> ConsumerRecord:
+        return request_record(batch, offset, json.dumps({
+            "request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
+            "max_tokens": 3, "priority_class": "batch"} | extra).encode())
+
+    await engine.admit([record(0, "x1"), record(1, "x2")])
+    third = asyncio.create_task(engine.admit([record(2, "x3")]))
+    await asyncio.sleep(0.01)
+    assert not third.done()
+    engine.queue.push(Pending(InferenceRequest(
+        request_id="h", tenant="acme", model=SMALL.name, prompt="x", max_tokens=3,
+        priority_class="batch", attempt=1, requeued="preempted", created_at_ms=1000), {}, 1000))
+    engine.view.apply_node_state(node("a", [80000]), 1000, NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 3
+    await asyncio.wait_for(third, 1)
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["x3"]
+
+
+async def test_work_a_cycle_undone_ended_waits_again_with_its_charge() -> None:
+    """A 422 (no node of the fleet holds its gang) gave the request's tokens back; Kafka
+    refused that cycle, so it waited again, and a node that joined meanwhile ran it with its
+    tokens-per-minute charge given back."""
+    send_ok = [False]
+
+    async def send(batch):
+        done = asyncio.get_running_loop().create_future()
+        if send_ok[0]:
+            done.set_result(None)
+        else:
+            done.set_exception(ConnectionError("Kafka away"))
+        return done
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("a", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
+        "request_id": "big", "tenant": "hooli", "model": "llama-3.1-70b", "prompt": "x",
+        "max_tokens": 2000}).encode())])
+    charged = engine.quotas.tokens_last_minute("hooli", 1000)
+    assert charged > 2000
+    with contextlib.suppress(ConnectionError):
+        await engine.cycle()  # rejected 422, refunded; Kafka refuses the cycle
+    await asyncio.sleep(0.01)
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == charged  # it waits again
+    send_ok[0] = True
+    engine.view.apply_node_state(node("big", [80000, 80000]), 1000, NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 1
+    assert [r.request.request_id for r in engine.running.values()] == ["big"]
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == charged

@@ -432,8 +432,11 @@ class SchedulingEngine:
 
     async def _wait_for_room(self, records: list[ConsumerRecord]) -> bool:
         """True once the records' class has room for them; False when not leading."""
-        queue = self.queue.by_class.get(_topic_class(records[0].topic)) if records else None
-        while self.epoch is not None and queue \
+        if not records:
+            return self.epoch is not None
+        cls = _topic_class(records[0].topic)
+        # the class's dict looked up each time: a hand-back put first in line replaces it
+        while self.epoch is not None and (queue := self.queue.by_class.get(cls)) \
                 and len(queue) + len(records) > self.config.max_pending_per_class:
             self._room.clear()
             await self._room.wait()
@@ -643,8 +646,8 @@ class SchedulingEngine:
         if finished:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
-        self._in_flight.append(asyncio.create_task(self._settle(acked, finished, new_running),
-                                                   name="settle-cycle"))
+        self._in_flight.append(asyncio.create_task(
+            self._settle(acked, finished, new_running, self.epoch), name="settle-cycle"))
         if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
             await self._in_flight.pop(0)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
@@ -654,17 +657,22 @@ class SchedulingEngine:
         return len(messages)
 
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
-                      new_running: list[RunningPlacement]) -> None:
+                      new_running: list[RunningPlacement], epoch: int | None) -> None:
         """Once Kafka acknowledged a cycle's records: save its placements, mark its work
         decided and commit the offsets that frees. If publishing failed, the cycle is undone
         and its work waits again (a placement that did reach Kafka and is sent again runs
-        once: agents claim each placement id)."""
-        epoch = self.epoch
+        once: agents claim each placement id). `epoch` is the token the cycle sent them
+        with (this task may first run after a change of leadership)."""
         try:
             await acked
         except Exception:
             log.exception("publishing a cycle's decisions failed; planning its work again")
             self._undo(finished, new_running, requeue=self.epoch is not None)
+            return
+        if self.epoch is not None and self.epoch != epoch:
+            # Led again with a new token meanwhile: agents refuse what went out under the old
+            # one as a deposed leader's, and this term does not count it as running
+            self._undo(finished, new_running, requeue=True)
             return
         # those that ended or were retried meanwhile (the agent was quicker than the ack,
         # the node was lost) are not running
@@ -727,6 +735,10 @@ class SchedulingEngine:
             self._placed.pop((item.request.request_id, item.request.attempt), None)
             item.placed_once |= pid in sent
             if requeue:
+                if item.refunded:  # it ended (rejected, cancelled, expired) in this cycle
+                    item.refunded = False
+                    self.quotas.restore(item.request.tenant, request_tokens(item.request),
+                                        item.enqueued_ms)
                 self.queue.push(item)
                 if item.request.request_id in self._cancelled:
                     self._to_cancel.add(item.request.request_id)

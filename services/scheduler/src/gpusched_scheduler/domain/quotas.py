@@ -4,6 +4,7 @@ as a 429 rejection."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -66,6 +67,11 @@ class QuotaBook:
         it has left the window)."""
         with contextlib.suppress(KeyError, ValueError):
             self._admitted[tenant].remove((admitted_ms, tokens))
+
+    def restore(self, tenant: str, tokens: int, admitted_ms: int) -> None:
+        """Put back an admission `refund` took (its work waits again), in time order."""
+        window = self._admitted.setdefault(tenant, deque())
+        window.insert(bisect.bisect(window, (admitted_ms, tokens)), (admitted_ms, tokens))
 
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
         """Record an admission; entries older than the window are dropped as it goes, so
