@@ -2131,3 +2131,28 @@ async def test_work_a_cycle_undone_ended_waits_again_with_its_charge() -> None:
     assert await engine.cycle() == 1
     assert [r.request.request_id for r in engine.running.values()] == ["big"]
     assert engine.quotas.tokens_last_minute("hooli", 1000) == charged
+
+
+async def test_a_batch_read_while_stepping_down_is_left_to_the_next_leader() -> None:
+    """The lease was lost while admission waited for Kafka to take a dead letter: the rest
+    of its batch was queued and charged on an instance no longer leading, after
+    `step_down` had emptied its queue; leading again later, it placed that stale item."""
+    held: list[asyncio.Future] = []
+
+    async def send(batch):
+        held.append(asyncio.get_running_loop().create_future())
+        return held[-1]
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    engine.lead(3, [])
+    standard = topics.REQUESTS["standard"].name
+    admitting = asyncio.create_task(engine.admit([
+        request_record(standard, 0, b"{not json"),
+        request_record(standard, 1, json.dumps({
+            "request_id": "g", "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+            "max_tokens": 1000}).encode())]))
+    await asyncio.sleep(0.01)
+    engine.step_down()
+    held[0].set_result(None)
+    await admitting
+    assert not len(engine.queue) and not engine.quotas.tokens_last_minute("hooli", 1000)

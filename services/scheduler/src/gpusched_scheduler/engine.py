@@ -351,7 +351,10 @@ class SchedulingEngine:
         if not await self._wait_for_room(records):
             return
         now = self._clock()
+        epoch = self.epoch
         for record in records:
+            if self.epoch != epoch:
+                return  # stepped down while Kafka took a refusal: the rest is not ours
             try:
                 outcome = parse_request_record(record, self.catalog, self.tenants, now)
             except Exception as exc:  # noqa: BLE001 - one record must never block its topic
