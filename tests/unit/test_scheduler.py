@@ -2156,3 +2156,32 @@ async def test_a_batch_read_while_stepping_down_is_left_to_the_next_leader() -> 
     held[0].set_result(None)
     await admitting
     assert not len(engine.queue) and not engine.quotas.tokens_last_minute("hooli", 1000)
+
+
+async def test_fair_share_keeps_a_long_jobs_measured_use_once_it_ends() -> None:
+    """The final usage took back the whole estimate charged at placement, long decayed by
+    then, and its partial records were charged on top of it: a tenant counted double while
+    its job ran had its use wiped out when it ended, and went ahead of lighter tenants."""
+    now = [1000]
+    engine, _ = leading_engine(lambda: now[0], fair_half_life_s=60.0)
+    engine.view.apply_node_state(node("a", [80000]), now[0], NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
+        "request_id": "job", "tenant": "globex", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 20000}).encode())])
+    assert await engine.cycle() == 1
+    estimate = engine.running["job#0"].estimate_gpu_s
+
+    def usage(used: float, at_ms: int, final: bool) -> ConsumerRecord:
+        return request_record(topics.USAGE.name, at_ms, UsageRecord(
+            event_id=f"job#0:{at_ms}", request_id="job", placement_id="job#0",
+            tenant="globex", model=SMALL.name, priority_class="standard", node_id="a",
+            gpu_type="H100-80GB", prompt_tokens=1, completion_tokens=10, gpu_seconds=used,
+            started_at_ms=1000, ended_at_ms=at_ms, final=final).to_bytes())
+
+    part = estimate / 4
+    now[0] = 61_000  # a half-life: the estimate counts half now
+    await engine.usage([usage(part, now[0], final=False)])
+    assert engine.fair.level("globex", 61) == pytest.approx(estimate / 2 - part / 2 + part)
+    now[0] = 121_000
+    await engine.usage([usage(part, now[0], final=True)])
+    assert engine.fair.level("globex", 121) == pytest.approx(part / 2 + part)

@@ -280,6 +280,9 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
+        self._estimated = Recent(RECENT_DECISIONS)
+        """Placement id -> GPU-seconds of the estimate charged to fair share at its placement
+        that its measured usage has not replaced yet."""
         self._preempting: dict[str, tuple[int, Room]] = {}
         """Request id -> (ms until which its preemption is in progress, not planned again;
         the room its victims free, kept for it meanwhile)."""
@@ -505,7 +508,8 @@ class SchedulingEngine:
                 if usage.placement_id in self._ended:
                     continue  # a copy: applied once already
                 self._ended[usage.placement_id] = None
-            self.fair.charge(usage.tenant, usage.gpu_seconds, now_s)
+            self.fair.charge(usage.tenant, usage.gpu_seconds - self._estimate_used(
+                usage.placement_id, usage.gpu_seconds, usage.final, now_s), now_s)
             if not usage.final:
                 continue
             self.view.release(usage.placement_id)
@@ -516,7 +520,6 @@ class SchedulingEngine:
                 old = self._gpu_s_per_token.get(usage.model, per_token)
                 self._gpu_s_per_token[usage.model] = 0.9 * old + 0.1 * per_token
             if done is not None:
-                self.fair.charge(usage.tenant, -done.estimate_gpu_s, now_s)
                 seconds = max(0.0, (usage.ended_at_ms - usage.started_at_ms) / 1000)
                 old = self._service_s.get(usage.model, seconds)
                 self._service_s[usage.model] = 0.8 * old + 0.2 * seconds
@@ -525,6 +528,21 @@ class SchedulingEngine:
             self._wake.set()
             if self.epoch is not None:
                 await self._remove(ended)
+
+    def _estimate_used(self, placement_id: str, gpu_seconds: float, final: bool,
+                       now_s: float) -> float:
+        """How much of its placement's estimate, as fair share counts it now (decayed since
+        placement), measured usage of `gpu_seconds` replaces: as much of what stands, all
+        of it once final. Before, partial usage was charged on top of the estimate, and the
+        final record took back the whole estimate, long decayed: a tenant counted double
+        while its job ran had its use wiped out when it ended."""
+        left = self._estimated.get(placement_id)
+        r = self.running.get(placement_id)
+        if not left or r is None:
+            return 0.0  # not charged by this instance (placed by an earlier leader)
+        used = left if final else min(left, gpu_seconds)
+        self._estimated[placement_id] = left - used
+        return used * self.fair.decay(now_s - r.placed_at_ms / 1000)
 
     # --- the cycle ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -605,6 +623,7 @@ class SchedulingEngine:
             self.running[pid] = running
             new_running.append(running)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
+            self._estimated[pid] = running.estimate_gpu_s
             self._preempting.pop(request.request_id, None)
             messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
                                                   place.node_id, place.item.trace_carrier)))

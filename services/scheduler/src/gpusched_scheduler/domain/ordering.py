@@ -23,12 +23,15 @@ class FairShare:
     _level: dict[str, float] = field(default_factory=dict)
     _at_s: dict[str, float] = field(default_factory=dict)
 
+    def decay(self, elapsed_s: float) -> float:
+        """What a charge made `elapsed_s` ago counts for now (1 when just made)."""
+        return math.pow(0.5, max(0.0, elapsed_s) / self.half_life_s)
+
     def _decayed(self, tenant: str, now_s: float) -> float:
         level = self._level.get(tenant, 0.0)
         if level == 0.0:
             return 0.0
-        dt = max(0.0, now_s - self._at_s.get(tenant, now_s))
-        return level * math.pow(0.5, dt / self.half_life_s)
+        return level * self.decay(now_s - self._at_s.get(tenant, now_s))
 
     def charge(self, tenant: str, gpu_seconds: float, now_s: float) -> None:
         self._level[tenant] = max(0.0, self._decayed(tenant, now_s) + gpu_seconds)
