@@ -8,6 +8,7 @@ run as local processes against either. Unit tests never touch it.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from stack_helpers import INFRA_PORTS, SERVICE_TEST_ENV, TEST_SERVICE_PORTS
 
 from gpusched_ops.services import service_specs
-from gpusched_ops.stack import LocalStack, StackEndpoints
+from gpusched_ops.stack import LocalStack, StackEndpoints, default_cache_dir
 from gpusched_ops.testing import start_test_stack
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -32,9 +33,33 @@ class RunningStack:
     accounting_url: str
 
 
+def _stop_earlier_session(run_dir: Path) -> None:
+    """A session killed before its teardown (SIGKILL, a cancelled CI job) left its stack
+    running on the test ports, and every later session failed on them: stop what the last
+    session recorded, then record this one."""
+    marker = default_cache_dir() / f"test-stack-{INFRA_PORTS.kafka}.dir"
+    earlier = Path(marker.read_text().strip()) if marker.is_file() else None
+    if earlier is not None and earlier != run_dir and earlier.is_dir():
+        LocalStack(earlier / "services").stop()
+        LocalStack(earlier).stop()
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{run_dir}\n")
+
+
+def _interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP (`timeout`, a closed terminal) end the session as Ctrl-C does, so
+    the stack's teardown runs; by default they killed pytest and left the stack up."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     run_dir = Path(os.environ.get("GPUSCHED_TEST_RUN_DIR") or tmp_path_factory.mktemp("stack"))
+    _interrupt_on_termination()
+    _stop_earlier_session(run_dir.resolve())
     endpoints, stop_infra, local = start_test_stack(run_dir, INFRA_PORTS)
     processes = local or LocalStack(run_dir / "services")
     try:

@@ -19,10 +19,16 @@ source "$root/ops/scripts/lib.sh"
 manifest="$(cat "$root"/libs/common/pyproject.toml "$root"/services/*/pyproject.toml \
   "$root"/ops/pyproject.toml "$root/constraints.txt" "$root/ops/scripts/lib.sh" \
   "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$manifest" ]]; then
+installed() { [[ -f "$stamp" && "$(cat "$stamp")" == "$manifest" ]]; }
+if ! installed; then
+  with_lock "venv-$(printf %s "$venv" | sha256sum | cut -c1-12)"  # make demo beside make test
+fi
+if ! installed; then
   echo "bootstrap: installing Python packages into $venv"
-  [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-  "$venv/bin/pip" install --quiet --upgrade pip
+  # a venv whose creation stopped half-way (no pip: python3-venv missing, an interrupt)
+  # is made again
+  "$venv/bin/python" -m pip --version >/dev/null 2>&1 || "$python" -m venv --clear "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
   # constraints.txt pins every third-party package to the versions the suite last passed
   # with (ops/scripts/lock.sh moves them), so an upstream release can't break a clean clone.
   pip_install_workspace "$venv" -c "$root/constraints.txt"

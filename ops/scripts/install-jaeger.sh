@@ -9,11 +9,14 @@ module_version="v1.76.0"
 bin="$GPUSCHED_CACHE/bin/jaeger"
 src="$GPUSCHED_CACHE/jaeger-src"
 
-[[ -x $bin ]] && exit 0
+# the binary counts only beside a stamp of the version it was built from (a version bump
+# here builds again)
+built() { [[ -x $bin && "$(cat "$bin.version" 2>/dev/null)" == "$module_version" ]]; }
+built && exit 0
 with_lock jaeger
-[[ -x $bin ]] && exit 0
+built && exit 0
 
-command -v go >/dev/null 2>&1 || die "go is not on PATH; Jaeger is built from source and needs Go >= 1.24"
+command -v go >/dev/null 2>&1 || die "go is not on PATH; Jaeger is built from source and needs Go >= 1.24.6"
 
 mkdir -p "$src" "$(dirname "$bin")"
 # (Re)write the wrapper module unless it already pins this version; `go mod tidy` fills in the rest.
@@ -42,4 +45,5 @@ export GOFLAGS=-mod=mod GOTOOLCHAIN=local
 (cd "$src" && run_quiet go mod tidy)
 (cd "$src" && run_quiet go build -o "$bin.partial" github.com/jaegertracing/jaeger/cmd/jaeger)
 mv "$bin.partial" "$bin"
+echo "$module_version" >"$bin.version"
 echo "installed jaeger $module_version (v2) in $bin"

@@ -9,10 +9,13 @@ pom="$REPO_ROOT/ops/stack/kafka/pom.xml"
 version="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$pom")"
 [[ -n $version ]] || die "no <kafka.version> property in $pom"
 dest="$GPUSCHED_CACHE/kafka-$version"
+# .complete holds the pom's hash: another pin in it (log4j, ...) installs again
+pom_hash="$(sha256sum "$pom" | cut -d' ' -f1)"
+installed() { [[ "$(cat "$dest/.complete" 2>/dev/null)" == "$pom_hash" ]]; }
 
-[[ -f $dest/.complete ]] && exit 0
+installed && exit 0
 with_lock "kafka-$version"
-[[ -f $dest/.complete ]] && exit 0
+installed && exit 0
 
 command -v java >/dev/null 2>&1 || apt_install openjdk-17-jre-headless
 command -v mvn >/dev/null 2>&1 || apt_install maven
@@ -27,6 +30,6 @@ run_quiet mvn -q -B -f "$work/pom.xml" dependency:copy-dependencies \
 rm -f "$work/pom.xml"
 rm -rf "$dest"
 mv "$work" "$dest"
-echo "$version" >"$dest/.complete"
+echo "$pom_hash" >"$dest/.complete"
 jars=("$dest"/libs/*.jar)
 echo "installed kafka $version (${#jars[@]} jars) in $dest"

@@ -51,7 +51,7 @@ apt_install() {
 pip_install_workspace() {
   local venv="$1"
   shift
-  "$venv/bin/pip" install --quiet "$@" \
+  "$venv/bin/python" -m pip install --quiet "$@" \
     -e "$REPO_ROOT/libs/common" -e "$REPO_ROOT/services/router" \
     -e "$REPO_ROOT/services/scheduler[bench]" -e "$REPO_ROOT/services/gpu-agent[torch]" \
     -e "$REPO_ROOT/services/accounting" -e "$REPO_ROOT/ops[dev]"

@@ -11,14 +11,18 @@ root="$REPO_ROOT"
 python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null || python=python3
 venv="$(mktemp -d)"
-trap 'rm -rf "$venv"' EXIT
+pins="$(mktemp)"
+trap 'rm -rf "$venv" "$pins"' EXIT
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --upgrade pip
+"$venv/bin/python" -m pip install --quiet --upgrade pip
 pip_install_workspace "$venv"
+# written aside and moved in whole: a failure leaves the old pins, never a file of comments
 {
   echo "# Tested versions of every third-party package \`make setup\` installs (bootstrap.sh"
   echo "# and the Dockerfile install with -c). Rewritten by ops/scripts/lock.sh on $(date -u +%F)"
   echo "# with $("$venv/bin/python" -c 'import platform; print("Python", platform.python_version())')."
-  "$venv/bin/pip" freeze --exclude-editable | grep -v '^#' | LC_ALL=C sort -f
-} > "$root/constraints.txt"
+  "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^#' | LC_ALL=C sort -f
+} > "$pins"
+chmod 644 "$pins"
+mv "$pins" "$root/constraints.txt"
 echo "lock: wrote $(grep -vc '^#' "$root/constraints.txt") pins to constraints.txt; now run make test"

@@ -399,3 +399,32 @@ def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
 
     assert result.exit_code == 2, result.output
     assert "answered with an error" in result.output and "Traceback" not in result.output
+
+
+def test_the_stack_knows_its_processes_after_the_wall_clock_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """psutil dates a process's start from the boot time the clock implies now: after an
+    NTP step the recorded date no longer matched, and `down` forgot the process running."""
+    import subprocess
+
+    import psutil
+
+    from gpusched_ops import stack as stack_module
+    from gpusched_ops.stack import LocalStack
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        local = LocalStack(tmp_path)
+        pid_file = tmp_path / "pids" / "redis.pid"
+        pid_file.parent.mkdir(parents=True)
+        created = psutil.Process(proc.pid).create_time()
+        pid_file.write_text(f"{proc.pid}\n{created!r}\n{created - psutil.boot_time()!r}\n")
+        assert local._process("redis") is not None
+        stepped = psutil.boot_time() + 1.0  # the wall clock stepped forward by a second
+        monkeypatch.setattr(stack_module.psutil, "boot_time", lambda: stepped)
+        monkeypatch.setattr(stack_module.psutil.Process, "create_time",
+                            lambda self, c=created: c + 1.0)
+        assert local._process("redis") is not None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -478,7 +478,8 @@ class LocalStack:
             created = psutil.Process(proc.pid).create_time()
         except psutil.NoSuchProcess:
             created = 0.0  # already gone: _wait_ready reports it with the log tail
-        pid_file.write_text(f"{proc.pid}\n{created!r}\n")
+        # also its start after boot, which a step of the wall clock does not move
+        pid_file.write_text(f"{proc.pid}\n{created!r}\n{created - psutil.boot_time()!r}\n")
         return True
 
     def _wait_ready(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
@@ -494,13 +495,19 @@ class LocalStack:
     def _process(self, name: str) -> psutil.Process | None:
         """The live process recorded in pids/<name>.pid, or None (no file, exited, pid reused)."""
         try:
-            fields = self._pid_file(name).read_text().split()
-            pid, created = int(fields[0]), float(fields[1]) if len(fields) > 1 else None
+            fields = [float(f) for f in self._pid_file(name).read_text().split()]
+            pid = int(fields[0])
         except (FileNotFoundError, ValueError, IndexError):
             return None
         try:
             proc = psutil.Process(pid)
-            if created is not None and abs(proc.create_time() - created) > 0.01:
+            # psutil dates a start from the boot time the wall clock implies now, so once the
+            # clock was stepped (NTP) the recorded date no longer matched and the stack's own
+            # processes were taken for strangers: `down` forgot them running
+            if len(fields) > 2:
+                if abs(proc.create_time() - psutil.boot_time() - fields[2]) > 0.01:
+                    return None
+            elif len(fields) > 1 and abs(proc.create_time() - fields[1]) > 0.01:
                 return None
             if proc.status() == psutil.STATUS_ZOMBIE:
                 _reap(pid)
