@@ -2185,3 +2185,27 @@ async def test_fair_share_keeps_a_long_jobs_measured_use_once_it_ends() -> None:
     now[0] = 121_000
     await engine.usage([usage(part, now[0], final=True)])
     assert engine.fair.level("globex", 121) == pytest.approx(part / 2 + part)
+
+
+async def test_a_record_refused_over_quota_and_read_again_stays_refused() -> None:
+    """A batch's later publish failed, so the consumer read the batch again: a record
+    answered 429 before was judged again, admitted once the minute had moved on, and ran
+    (billed) for a client that had its 429."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, request_id: str) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+            "max_tokens": 1999}).encode())
+
+    await engine.admit([record(0, "first"), record(1, "over")])
+    [refused] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert refused.request_id == "over" and refused.status_code == 429
+    now[0] += 61_000  # the minute moved on; the batch is read again
+    await engine.admit([record(0, "first"), record(1, "over")])
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["first"]
+    assert len(sent[topics.RESULTS.name]) == 1
+    await engine.admit([record(2, "over")])  # the client sends it again: a new record
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["first", "over"]

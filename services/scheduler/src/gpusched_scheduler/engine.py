@@ -280,6 +280,12 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
+        self._over_quota_records = Recent(RECENT_DECISIONS)
+        """(topic, partition, offset) of the request records answered 429 lately: read again
+        (the consumer seeks back when a batch's admission fails), one is not judged again,
+        which a minute later could run it for a client that had its 429. A new leader does
+        not know them (docs/ARCHITECTURE.md, known limits); a client's retry is a new
+        record, judged anew."""
         self._estimated = Recent(RECENT_DECISIONS)
         """Placement id -> GPU-seconds of the estimate charged to fair share at its placement
         that its measured usage has not replaced yet."""
@@ -358,6 +364,9 @@ class SchedulingEngine:
         for record in records:
             if self.epoch != epoch:
                 return  # stepped down while Kafka took a refusal: the rest is not ours
+            if (record.topic, record.partition, record.offset) in self._over_quota_records:
+                self.offsets.track(record, None, commit)  # read again: its 429 went out
+                continue
             try:
                 outcome = parse_request_record(record, self.catalog, self.tenants, now)
             except Exception as exc:  # noqa: BLE001 - one record must never block its topic
@@ -398,6 +407,8 @@ class SchedulingEngine:
                                   status_code=429, reason=over.reason,
                                   retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
+                    self._over_quota_records[(record.topic, record.partition,
+                                              record.offset)] = None
                     self.offsets.track(record, None, commit)
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
