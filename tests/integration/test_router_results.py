@@ -3,8 +3,10 @@ Redis: what `GET /v1/requests/{id}` and an Idempotency-Key replay read."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
+import httpx
 from aiokafka.structs import ConsumerRecord
 
 from gpusched_common import topics
@@ -17,7 +19,9 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.redis_client import make_redis
 from gpusched_common.settings import RedisSettings
+from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub
+from gpusched_router.domain.idempotency import FirstUse, request_digest
 
 
 def records(*messages: Message) -> list[ConsumerRecord]:
@@ -62,4 +66,43 @@ async def test_the_first_outcome_stays_and_any_chunk_marks_a_request_running(sta
         assert 0 < await redis.ttl(f"gpusched:request:{second}") <= 60
     finally:
         await redis.delete(f"gpusched:request:{first}", f"gpusched:request:{second}")
+        await redis.aclose()
+
+
+async def test_a_keys_retry_runs_past_a_refusal_that_may_pass_later(stack) -> None:
+    """A key's first use was refused over quota (429, or not placed within its queue limit,
+    503): nothing ran. Its retries, with the key, got that refusal back for a day (and its
+    stale Retry-After) instead of running once the quota had room; a refusal that stays
+    (422: it fits no GPU) is still what the key answers."""
+    redis = make_redis(RedisSettings(url=stack.endpoints.redis_url))
+    hub, keys = ResultsHub(redis, status_ttl_s=60), IdempotencyKeys(redis, ttl_s=60)
+    body = {"model": "qwen2.5-1.5b", "prompt": f"passes later {uuid.uuid4().hex}",
+            "max_tokens": 5}
+    refused = {status: f"req-refused-{uuid.uuid4().hex[:8]}" for status in (429, 422)}
+    key = {status: uuid.uuid4().hex for status in refused}
+    try:
+        for status, rid in refused.items():
+            assert await keys.claim("acme", key[status], FirstUse(
+                rid, request_digest("/v1/completions", body), int(time.time() * 1000))) is None
+            await hub.accepted(InferenceRequest(request_id=rid, tenant="acme",
+                                                model="qwen2.5-1.5b", prompt="x",
+                                                created_at_ms=1), None)
+            await hub.store_finished(records(Rejection(
+                request_id=rid, tenant="acme", status_code=status, reason="refused",
+                retry_after_s=1 if status == 429 else None)))
+        async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
+            async def send(status: int) -> httpx.Response:
+                return await http.post("/v1/completions", json=body, headers={
+                    "Authorization": "Bearer sk-acme-demo", "Idempotency-Key": key[status]})
+            ran = await send(429)
+            assert ran.status_code == 200, ran.text
+            assert ran.headers["x-request-id"] != refused[429]
+            again = await send(429)  # the key now stands for the request that ran
+            assert again.headers["x-request-id"] == ran.headers["x-request-id"]
+            assert again.json()["choices"][0]["text"] == ran.json()["choices"][0]["text"]
+            stays = await send(422)
+            assert stays.status_code == 422
+            assert stays.headers["x-request-id"] == refused[422]
+    finally:
+        await redis.delete(*(f"gpusched:request:{rid}" for rid in refused.values()))
         await redis.aclose()

@@ -148,3 +148,14 @@ def test_topics_with_copies_acknowledge_a_write_once_two_have_it(
         made = topics.new_topic(spec, copies)
         assert made.topic_configs["min.insync.replicas"] == min_insync
         assert made.replication_factor == copies and made.num_partitions == spec.partitions
+
+
+def test_a_requests_status_and_another_requests_cancel_never_share_a_redis_key() -> None:
+    """Request ids may hold ':', so the status hash of request 'x:cancelled' was the cancel
+    marker of request 'x': storing one failed (WRONGTYPE) and stalled the router's status
+    consumer, and the agents' claim of 'x' failed after it had taken the claim."""
+    from gpusched_common.redis_keys import CANCELLED_KEY
+    from gpusched_router.adapters.results import STATUS_KEY
+
+    assert STATUS_KEY.format("x:cancelled") != CANCELLED_KEY.format("x")
+    assert not CANCELLED_KEY.format("x").startswith(STATUS_KEY.format(""))

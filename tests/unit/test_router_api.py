@@ -728,3 +728,29 @@ async def test_answers_with_redis_away_are_counted_as_the_5xx_they_are(router_ap
     served = re.search(r'gpusched_router_requests_total\{outcome="http_503",'
                        r'priority_class="unknown"\} ([0-9.]+)', metrics)
     assert served is not None and float(served.group(1)) >= 1
+
+
+async def test_a_client_that_hangs_up_mid_upload_is_no_server_error(router_app) -> None:
+    """A client's time-out while it still sent its body was logged as an error and counted
+    as a 500, which the server-errors alert reads."""
+    body = json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi " * 10_000}).encode()
+    received = [{"type": "http.request", "body": body[:20], "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return received.pop(0) if received else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await router_app({
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "server": ("router", 80),
+        "client": ("127.0.0.1", 5000),
+        "headers": [(b"authorization", b"Bearer sk-acme-demo"),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())]}, receive, send)
+    [start] = [m for m in sent if m["type"] == "http.response.start"]
+    assert start["status"] == 499

@@ -21,7 +21,7 @@ expires after NODE_ALIVE_TTL_S. While it exists the scheduler does not declare t
 lost: a node it cannot hear (Kafka away) but that is alive keeps its work, and no retry runs
 that work a second time."""
 NODE_ALIVE_TTL_S = 10
-CANCELLED_KEY = "gpusched:request:{}:cancelled"
+CANCELLED_KEY = "gpusched:cancelled:{}"
 """Set by the router (value: the reason) when it cancels a request, before the cancel goes
 out on the control topic, and by every scheduler (if unset) as it reads a cancel there, one
 produced straight to Kafka too: an agent that was down when the cancel went out, and so

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from faststream import AckPolicy
@@ -20,6 +21,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
@@ -44,6 +46,7 @@ from gpusched_router.domain.idempotency import (
     IDEMPOTENCY_HEADER,
     FirstUse,
     check_key,
+    passes_later,
     request_digest,
     reused,
 )
@@ -145,10 +148,13 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if declared.isdigit() and int(declared) > settings.max_body_bytes:
             return too_big  # refused before reading it
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > settings.max_body_bytes:
-                return too_big
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > settings.max_body_bytes:
+                    return too_big
+        except ClientDisconnect:  # it hung up mid-upload: a client's time-out, no 500
+            return ApiError(499, "the client disconnected before its request body was read")
         return decode_body(body)
 
     def send_cancel(request_id: str, reason: str) -> asyncio.Task[bool]:
@@ -199,7 +205,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             if holder is not None:
                 if holder.digest != use.digest:
                     return error(reused(key), req.priority_class)
-                return await replay(request, parsed, kind, tenant.name, key, holder)
+                stored = (await hub.status(holder.request_id) or {}).get("result")
+                if stored is None or not passes_later(stored) or \
+                        not await idempotency.take_over(tenant.name, key, holder, use):
+                    return await replay(request, parsed, kind, tenant.name, key, holder)
+                # its first use was refused for now (429, queue limit): this one runs
 
         async def free_key() -> None:
             """The request was not taken in: a retry with its key must run."""
@@ -208,19 +218,24 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                     await idempotency.release(tenant.name, key, use)
 
         budget_key = BUDGET_EXHAUSTED_KEY.format(tenant.name)
-        spent = await redis.get(budget_key)
+        try:
+            spent = await redis.get(budget_key)
+            left_ms = await redis.pttl(budget_key) if spent is not None else 0
+        except RedisError:  # nothing was taken in: a retry with the key must run at once
+            await free_key()
+            raise
         if spent is not None:  # checked after the replay: a spent budget stops new work only
             await free_key()
             # No retry fits before the period ends (the flag's expiry): the openai SDK's own
             # retries, seconds apart, would only be refused again.
             headers = {"x-should-retry": "false"}
-            if (left_ms := await redis.pttl(budget_key)) > 0:
+            if left_ms > 0:
                 headers["retry-after"] = str(-(-left_ms // 1000))
             return error(_budget_error(spent), req.priority_class, headers)
         queue = hub.open(request_id)
         try:
             trace_id = await take_in(req, kind)
-        except TimeoutError:
+        except (TimeoutError, KafkaError):  # aiokafka gives up on its own after 40 s
             # The producer may still deliver the record once Kafka is back; its cancel,
             # queued behind it, then reaches the scheduler and the agents first, so the
             # request ends unrun and a client's retry is not run twice.
@@ -247,7 +262,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def take_in(req: InferenceRequest, kind: str) -> str:
         """Publish `req` to its priority class's topic and store its queued status; its
         trace id. Raises TimeoutError when Kafka did not take it within the publish
-        time-out."""
+        time-out (KafkaError when aiokafka gave up first)."""
         with tracer.start_as_current_span(
             f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
             attributes={"gpusched.request_id": req.request_id, "gpusched.tenant": req.tenant,
@@ -294,7 +309,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 return ApiError(503, f"request {request_id}, the first use of this "
                                 "Idempotency-Key, was refused before it ran; send it again")
             if not current.abandoned(now_ms, settings.publish_timeout_s) or \
-                    not await idempotency.take_over(tenant, key, current, now_ms):
+                    not await idempotency.take_over(tenant, key, current, FirstUse(
+                        current.request_id, current.digest, now_ms)):
                 return None
             log.warning("request %s (Idempotency-Key) has no status %.0f s after its first "
                         "use: its router died before Kafka took it in; a retry sends it "
@@ -302,7 +318,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         (now_ms - current.claimed_at_ms) / 1000)
             try:
                 trace_id = await take_in(original, kind)
-            except TimeoutError:
+            except (TimeoutError, KafkaError):
                 return _not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                      "send it again")
             return None

@@ -41,12 +41,12 @@ class IdempotencyKeys:
         held = await self._redis.get(self._name(tenant, key))
         return None if held is None else FirstUse.parse(held.decode())
 
-    async def take_over(self, tenant: str, key: str, holder: FirstUse, now_ms: int) -> bool:
-        """Claim the key afresh for `holder`'s request, if it is still the holder; of several
-        retries taking over at once, exactly one gets True."""
-        renewed = FirstUse(holder.request_id, holder.digest, now_ms)
+    async def take_over(self, tenant: str, key: str, holder: FirstUse, use: FirstUse) -> bool:
+        """Give the key to `use` (`holder`'s request claimed afresh, or a new request), if
+        `holder` still holds it; of several retries taking over at once, exactly one gets
+        True."""
         return bool(await self._replace(keys=[self._name(tenant, key)],
-                                        args=[str(holder), str(renewed)]))
+                                        args=[str(holder), str(use)]))
 
     async def release(self, tenant: str, key: str, use: FirstUse) -> None:
         """Give the key up, if `use` still holds it: its request was never taken in, so a

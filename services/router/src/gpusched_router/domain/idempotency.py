@@ -41,6 +41,14 @@ class FirstUse:
         return now_ms - self.claimed_at_ms > (publish_timeout_s + TAKE_OVER_GRACE_S) * 1000
 
 
+def passes_later(outcome: dict[str, Any]) -> bool:
+    """Whether a key's stored outcome is a refusal a retry with the key goes past and runs:
+    its request ran nothing and may be admitted later (over quota, 429; not placed within
+    its queue limit, 503). Replayed, the key's retries got that refusal for a day."""
+    return outcome.get("type") == "rejection" and (
+        outcome.get("status_code") == 429 or outcome.get("code") == "queue_time_exceeded")
+
+
 def check_key(key: str) -> ApiError | None:
     """A 400 for a key that is empty, too long or not printable ASCII; None when it is fine."""
     if not 1 <= len(key) <= MAX_KEY_CHARS or not all(" " <= c <= "~" for c in key):
