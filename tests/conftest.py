@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from stack_helpers import INFRA_PORTS, SERVICE_TEST_ENV, TEST_SERVICE_PORTS
 
@@ -36,23 +37,38 @@ class RunningStack:
 def _stop_earlier_session(run_dir: Path) -> None:
     """A session killed before its teardown (SIGKILL, a cancelled CI job) left its stack
     running on the test ports, and every later session failed on them: stop what the last
-    session recorded, then record this one."""
+    session recorded, then record this one. A session still running keeps its stack: this
+    one stops, saying so."""
     marker = default_cache_dir() / f"test-stack-{INFRA_PORTS.kafka}.dir"
-    earlier = Path(marker.read_text().strip()) if marker.is_file() else None
+    fields = marker.read_text().split("\n") if marker.is_file() else []
+    earlier = Path(fields[0]) if fields and fields[0] else None
     if earlier is not None and earlier != run_dir and earlier.is_dir():
+        pid = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+        if pid is not None and pid != os.getpid() and _is_pytest(pid):
+            pytest.exit(f"another test session (pid {pid}) runs its stack on the test ports "
+                        f"({earlier}): wait for it to end, or stop it", returncode=1)
         LocalStack(earlier / "services").stop()
         LocalStack(earlier).stop()
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{run_dir}\n")
+    marker.write_text(f"{run_dir}\n{os.getpid()}\n")
+
+
+def _is_pytest(pid: int) -> bool:
+    try:
+        return any("pytest" in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
 
 
 def _interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (`timeout`, a closed terminal) end the session as Ctrl-C does, so
-    the stack's teardown runs; by default they killed pytest and left the stack up."""
+    the stack's teardown runs; by default they killed pytest and left the stack up. A
+    signal ignored already (`nohup`) stays ignored."""
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, interrupt)
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, interrupt)
 
 
 @pytest.fixture(scope="session")

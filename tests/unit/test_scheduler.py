@@ -2209,3 +2209,244 @@ async def test_a_record_refused_over_quota_and_read_again_stays_refused() -> Non
     assert len(sent[topics.RESULTS.name]) == 1
     await engine.admit([record(2, "over")])  # the client sends it again: a new record
     assert [p.request.request_id for p in engine.queue.in_order()] == ["first", "over"]
+
+
+def _victim(pid: str, request: InferenceRequest, gpus: tuple[int, ...], mib: int,
+            kv: int) -> RunningPlacement:
+    return RunningPlacement(placement_id=pid, node_id="a", gpu_indices=gpus,
+                            memory_mib_per_gpu=mib, kv_cache_mib=kv, borrowed=False,
+                            estimate_gpu_s=1.0, placed_at_ms=0, request=request)
+
+
+def _plan_with_rooms(view: ClusterView, requests: list[InferenceRequest], now: int = 10_000,
+                     running: list | None = None, may_preempt: dict | None = None,
+                     rooms: dict | None = None):
+    items = [Pending(r, {}, now) for r in requests]
+    chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0,
+                           preempting=rooms or {})
+    snap = snapshot(view, view.live_nodes(now, 10**12))
+    return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
+                      fleet=lambda: fleet_gpu_mib(view), rooms=rooms)
+
+
+def test_a_gangs_kept_room_holds_the_free_gpu_its_plan_counts_on_too() -> None:
+    """A 2-GPU gang fits on GPU0 already and preempts the batch work on GPU1: the room kept
+    was the victim's GPU alone, so other work took GPU0 while the victim stopped and the
+    gang never fitted; the victim's progress was lost for nothing."""
+    from gpusched_scheduler.domain.planner import Room
+
+    total = 81559
+    view = ClusterView()
+    view.apply_node_state(node("a", [total - 1000, 1000]), 0, NODE_TIMEOUT_MS)
+    gang = req("g", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    victim = _victim("v#0", req("v", "batch"), (1,), total - 1000,
+                     total - 1000 - SMALL.weight_memory_mib)
+    [pre] = _plan_with_rooms(view, [gang], running=[victim],
+                             may_preempt={"g": 1}).preemptions
+    assert pre.room == Room("a", (0, 1))
+    other = req("s", "standard", model=EIGHT_B.name, max_tokens=4000)
+    stopping = _plan_with_rooms(view, [gang, other], rooms={"g": pre.room})
+    assert not stopping.placed  # GPU0's memory is the gang's
+    view.apply_node_state(node("a", [total - 1000, total - SMALL.weight_memory_mib], seq=2,
+                               models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    stopped = _plan_with_rooms(view, [gang, other], rooms={"g": pre.room})
+    assert [p.item.request.request_id for p in stopped.placed] == ["g"]
+
+
+def test_a_preemptor_whose_plan_unloads_idle_models_is_placed_once_its_victim_stops(
+) -> None:
+    """The plan was made on the state with idle models unloaded; once the victim stopped,
+    the preemptor was solved with them loaded only and waited out the time-out."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [10_000], models=(SMALL.name, "mistral-7b"),
+                               idle=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    i = req("i", "interactive", model=EIGHT_B.name, max_tokens=100)
+    victim = _victim("v#0", req("v", "batch", model="mistral-7b"), (0,), 5000, 5000)
+    [pre] = _plan_with_rooms(view, [i], running=[victim], may_preempt={"i": 1}).preemptions
+    view.apply_node_state(node("a", [15_000], models=(SMALL.name, "mistral-7b"),
+                               idle=(SMALL.name,), seq=2), 0, NODE_TIMEOUT_MS)
+    placed = _plan_with_rooms(view, [i], rooms={"i": pre.room}).placed
+    assert [p.item.request.request_id for p in placed] == ["i"]
+
+
+def test_work_that_fits_but_waits_behind_held_work_preempts_nothing() -> None:
+    """An interactive request held behind aged work waiting for room got a plan without
+    victims: recorded as preempting, it was solved first the next cycle, past the aged
+    work, and every interactive request after it did the same."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [500], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    aged = req("G", "batch", max_tokens=30_000)
+    aged = aged.model_copy(update={"created_at_ms": 0})
+    victim = _victim("v#0", req("v", "batch"), (0,), 60_000, 60_000)
+    items = [Pending(aged, {}, 0), Pending(req("i", "interactive"), {}, 400_000)]
+    chunks = order_pending(items, 400_000, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    assert [c.name for c in chunks] == ["aged", "interactive"]
+    decisions = plan_cycle(snapshot(view, view.live_nodes(400_000, 10**12)), chunks, CATALOG,
+                           "gpusched", [victim], 400_000, {"i": 1},
+                           fleet=lambda: fleet_gpu_mib(view))
+    assert [p.request.request_id for p in decisions.waiting] == ["G", "i"]
+    assert all(p.victims for p in decisions.preemptions)
+    assert "i" not in {p.item.request.request_id for p in decisions.preemptions}
+
+
+async def test_an_aged_preemptor_is_placed_as_aged() -> None:
+    """Aged work placed from the 'preempting' chunk lost its aged mark (it was read from
+    the chunk's name), and the next interactive request preempted it."""
+    from gpusched_scheduler.domain.planner import Room
+
+    now = [400_000]
+    engine, _ = leading_engine(lambda: now[0])
+    engine.view.apply_node_state(node("a", [80000]), now[0], NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["batch"].name, 0, json.dumps({
+        "request_id": "s", "tenant": "soylent", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 10, "priority_class": "batch", "created_at_ms": 1000, "attempt": 1,
+        "requeued": "preempted"}).encode())])
+    engine._preempting["s"] = (now[0] + 15_000, Room("a", (0,)))
+    assert [name for name, _ in engine.in_line(now[0])] == ["preempting"]
+    assert await engine.cycle() == 1
+    assert engine.running["s#1"].aged is True
+
+
+async def test_a_preemptor_a_cycle_later_waits_for_the_room_a_stopping_victim_frees(
+) -> None:
+    """One victim frees enough for two interactive requests; the second came a cycle
+    later, when the victim stopping was left out of the plan and its memory not counted as
+    coming free, so it stopped a second batch request for nothing."""
+    from gpusched_scheduler.domain.planner import memory_per_gpu
+
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+
+    def request(request_id: str, cls: str, max_tokens: int) -> InferenceRequest:
+        return InferenceRequest(request_id=request_id, tenant="acme", model=SMALL.name,
+                                prompt="x", max_tokens=max_tokens, priority_class=cls,
+                                created_at_ms=now[0])
+
+    def record(offset: int, r: InferenceRequest) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[r.priority_class].name, offset, r.to_bytes())
+
+    batch_kv = memory_per_gpu(request("b", "batch", 22000), SMALL)[0]
+    assert 2 * memory_per_gpu(request("i", "interactive", 10000), SMALL)[0] < batch_kv
+    engine.view.apply_node_state(node("a", [2 * batch_kv + 5], models=(SMALL.name,)),
+                                 now[0], NODE_TIMEOUT_MS)
+    await engine.admit([record(0, request("b0", "batch", 22000)),
+                        record(1, request("b1", "batch", 22000))])
+    assert await engine.cycle() == 2
+    engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2,
+                                      active=("b0#0", "b1#0")), now[0], NODE_TIMEOUT_MS)
+    preempts = []
+    for offset, request_id in enumerate(["i1", "i2"]):
+        now[0] += 100
+        before = len(sent[topics.PLACEMENTS.name])
+        await engine.admit([record(offset, request(request_id, "interactive", 10000))])
+        await engine.cycle()
+        preempts += [c["placement_id"] for c in map(json.loads, sent[topics.PLACEMENTS.name][
+            before:]) if c["type"] == "preempt"]
+    assert len(preempts) == 1
+
+
+def test_the_memory_kept_for_a_preemptor_is_out_of_reach_while_its_victim_stops() -> None:
+    """While the victim stops, a request that fits in the GPU's free memory would take part
+    of what the preemptor needs there once the victim is gone."""
+    from gpusched_scheduler.domain.planner import memory_per_gpu
+
+    view = ClusterView()
+    i = req("i", "interactive", max_tokens=20_000)
+    need = memory_per_gpu(i, SMALL)[0]
+    small = req("s", "interactive", tenant="globex", max_tokens=100)
+    view.apply_node_state(node("a", [need // 2], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    victim = _victim("v#0", req("v", "batch", max_tokens=20_000), (0,), need, need)
+    [pre] = _plan_with_rooms(view, [i], running=[victim], may_preempt={"i": 1}).preemptions
+    assert not _plan_with_rooms(view, [i, small], rooms={"i": pre.room}).placed
+    assert [p.item.request.request_id for p in _plan_with_rooms(view, [i, small]).placed] == [
+        "s"]  # what it would have done without the room kept
+
+
+def _held_engine() -> tuple[SchedulingEngine, list[asyncio.Future], Commits]:
+    """A leading engine whose publishes wait for the test to answer them (`acks`)."""
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0))
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    return engine, acks, Commits()
+
+
+def _standard_record(offset: int, request_id: str, **extra) -> ConsumerRecord:
+    return request_record(topics.REQUESTS["standard"].name, offset, json.dumps(
+        {"request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4} | extra).encode())
+
+
+async def test_a_cycle_kafka_answers_while_not_leading_is_placed_by_the_next_term() -> None:
+    """Kafka answered between the step-down and leading again with a new token (the
+    instance reads Redis in between): the work was marked decided, and the next term
+    skipped its record, read again, as placed; nothing placed it."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    engine.lead(4, [], {})
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and kafka.offsets
+
+
+async def test_a_record_the_next_term_reads_before_the_old_answer_is_placed_again() -> None:
+    """The next term's consumer read the record before Kafka answered the old term's cycle:
+    its decision, remembered from that term, had the record committed while the work only
+    waited in memory, where another step-down would lose it."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(4, [], {})
+    await engine.admit([record], kafka.commit)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and kafka.offsets
+
+
+async def test_a_rejection_kafka_answers_after_leading_again_stands() -> None:
+    """Undone like a placement, a 422 answered after a re-lead queued its request again,
+    which then ran once a node that could hold it joined, after its client had the 422."""
+    engine, acks, kafka = _held_engine()
+    await engine.admit([_standard_record(8, "big", model="llama-3.1-70b")], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(4, [], {})
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    assert not len(engine.queue)
+
+
+async def test_a_refusal_in_flight_at_a_step_down_commits_nothing_past_the_batch() -> None:
+    """[valid, garbage]: the step-down came while Kafka took the dead letter; the refused
+    record was then tracked in the emptied offsets and committed past the valid one, which
+    no leader read again."""
+    engine, acks, kafka = _held_engine()
+    admitting = asyncio.create_task(engine.admit([
+        _standard_record(0, "g"), request_record(topics.REQUESTS["standard"].name, 1,
+                                                 b"{not json")], kafka.commit))
+    await asyncio.sleep(0.01)
+    engine.step_down()
+    acks[0].set_result(None)
+    await admitting
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}

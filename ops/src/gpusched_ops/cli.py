@@ -200,7 +200,8 @@ def queue_table(data: dict) -> Table:
     for r in data["requests"]:
         limit = r["max_queue_ms"]
         _row(table, str(r["position"]), r["request_id"], r["tenant"],
-             r["priority_class"] + (" (aged)" if r["chunk"] == "aged" else ""),
+             r["priority_class"] + (f" ({r['chunk']})" if r["chunk"] in ("aged", "preempting")
+                                    else ""),
              r["model"] + (f" x{r['num_gpus']}" if r["num_gpus"] > 1 else ""),
              f"{r['waited_ms'] / 1000:.1f}", "-" if limit is None else f"{limit / 1000:g}",
              r["requeued"] or "-")

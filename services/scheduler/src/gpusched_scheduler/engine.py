@@ -48,7 +48,7 @@ from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
-from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
+from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     Room,
@@ -331,6 +331,9 @@ class SchedulingEngine:
         see `_take_over`)."""
         self.epoch = epoch
         self.running = RunningSet(running)
+        # what an earlier term decided: a cycle of it still in flight may be undone (its
+        # records read again must be placed again), and `running` knows what runs
+        self._placed.clear()
         self.view.drop_reservations()  # `_take_over` reserves what is inherited
         self._inherited = dict(claims or {})
         self._unpublished = []  # a leader finds them filed when their node is lost to it
@@ -346,6 +349,8 @@ class SchedulingEngine:
             self._refund(item)  # read and charged again by whichever instance leads next
         self.offsets.clear()
         self._decide_when_retried.clear()
+        self._preempting.clear()  # a next term plans again: its preempts go under its token
+        self._victims.clear()
         self._metrics.gpus_wanted.clear()  # a standby's last demand would outlive the leader's
         self._room.set()
 
@@ -362,8 +367,6 @@ class SchedulingEngine:
         now = self._clock()
         epoch = self.epoch
         for record in records:
-            if self.epoch != epoch:
-                return  # stepped down while Kafka took a refusal: the rest is not ours
             if (record.topic, record.partition, record.offset) in self._over_quota_records:
                 self.offsets.track(record, None, commit)  # read again: its 429 went out
                 continue
@@ -376,6 +379,8 @@ class SchedulingEngine:
                                               SERVICE, now), None)
             if isinstance(outcome, Refused):
                 await self._refuse(outcome)
+                if self.epoch != epoch:
+                    return  # stepped down meanwhile: this batch is the next leader's
                 self.offsets.track(record, None, commit)
                 continue
             request = outcome.request
@@ -391,6 +396,8 @@ class SchedulingEngine:
                     "(it asks for something else: tenant, model, class, prompt, messages, "
                     "max_tokens, num_gpus or sampling) this scheduler has taken in; this "
                     "record is ignored: give each request its own id", SERVICE, now), None))
+                if self.epoch != epoch:
+                    return
                 self.offsets.track(record, None, commit)
                 continue
             waiting = known[1] if known is not None else None
@@ -407,6 +414,8 @@ class SchedulingEngine:
                                   status_code=429, reason=over.reason,
                                   retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
+                    if self.epoch != epoch:
+                        return
                     self._over_quota_records[(record.topic, record.partition,
                                               record.offset)] = None
                     self.offsets.track(record, None, commit)
@@ -595,11 +604,14 @@ class SchedulingEngine:
         if not len(self.queue) and not ended:
             return 0
         started = time.perf_counter()
-        chunks = _first(self._ordered(now), cfg.max_units_per_cycle)
-        snap = snapshot(self.view, self.view.live_nodes(now, cfg.node_timeout_ms),
-                        self._node_specs)
-        self._preempting = {r: p for r, p in self._preempting.items() if p[0] > now}
+        live = self.view.live_nodes(now, cfg.node_timeout_ms)
+        # before ordering: a preemption timed out, or whose room's node is gone, no longer
+        # puts its request first, and it may plan another
+        self._preempting = {r: p for r, p in self._preempting.items()
+                            if p[0] > now and p[1].node_id in live}
         self._victims = {p: t for p, t in self._victims.items() if t > now}
+        chunks = _first(self._ordered(now), cfg.max_units_per_cycle)
+        snap = snapshot(self.view, live, self._node_specs)
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
@@ -608,12 +620,12 @@ class SchedulingEngine:
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
             now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming,
-            rooms={r: room for r, (_, room) in self._preempting.items()})
+            rooms={r: room for r, (_, room) in self._preempting.items()},
+            stopping=self._stopping())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
         messages: list[tuple[Pending, Outgoing]] = list(ended)
         new_running: list[RunningPlacement] = []
-        aged = {id(item) for chunk in chunks if chunk.name == "aged" for item in chunk.items}
         for place in decisions.placed:
             request = place.item.request
             pid = _placement_id(request.request_id, request.attempt)
@@ -630,7 +642,7 @@ class SchedulingEngine:
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
                 borrowed=guarantee is not None and held > guarantee,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
-                request=request, aged=True if id(place.item) in aged else None)
+                request=request, aged=True if self._aged(place.item, now) else None)
             self.running[pid] = running
             new_running.append(running)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
@@ -649,6 +661,7 @@ class SchedulingEngine:
                 reason=reject.reason), topics.RESULTS.name, request.request_id,
                 reject.item.trace_carrier)))
         for pre in decisions.preemptions:
+            assert pre.room is not None  # plan_cycle gives every plan its room
             self._preempting[pre.item.request.request_id] = (
                 now + cfg.preemption_timeout_ms, pre.room)
             for victim in pre.victims:
@@ -702,10 +715,16 @@ class SchedulingEngine:
             log.exception("publishing a cycle's decisions failed; planning its work again")
             self._undo(finished, new_running, requeue=self.epoch is not None)
             return
-        if self.epoch is not None and self.epoch != epoch:
-            # Led again with a new token meanwhile: agents refuse what went out under the old
-            # one as a deposed leader's, and this term does not count it as running
-            self._undo(finished, new_running, requeue=True)
+        if self.epoch != epoch:
+            # Stepped down, or led again with a new token, meanwhile: agents refuse what went
+            # out under the old one as a deposed leader's (once they see a newer one), and no
+            # term counts it as running; its placed work is read (or queued) again, while the
+            # results it published (rejections, ends) stand
+            sent = {r.placement_id for r in new_running}
+            for item in finished:
+                item.decided |= _placement_id(*item.key) not in sent
+            self._undo([i for i in finished if not i.decided], new_running,
+                       requeue=self.epoch is not None)
             return
         # those that ended or were retried meanwhile (the agent was quicker than the ack,
         # the node was lost) are not running
@@ -801,6 +820,20 @@ class SchedulingEngine:
         self._to_cancel.clear()
         return out
 
+    def _stopping(self) -> list[RunningPlacement]:
+        """The victims told to stop that their node still lists as running: what they hold
+        comes free soon."""
+        out = []
+        for pid in self._victims:
+            r = self.running.get(pid)
+            node = self.view.nodes.get(r.node_id) if r is not None else None
+            if node is not None and pid in node.active_placement_ids:
+                out.append(r)
+        return out
+
+    def _aged(self, item: Pending, now_ms: int) -> bool:
+        return is_aged(item, now_ms, self._targets, self.config.aging_factor)
+
     def _ordered(self, now_ms: int) -> list[Chunk]:
         return order_pending(self.queue.in_order(), now_ms, self.fair, self._weights,
                              self._targets, self.config.aging_factor, self._estimate,
@@ -808,7 +841,8 @@ class SchedulingEngine:
 
     def in_line(self, now_ms: int) -> list[tuple[str, Pending]]:
         """The work waiting here in the order a cycle now would consider it, each with its
-        chunk: 'aged' (waited past the aging threshold) or its class."""
+        chunk: 'preempting' (its victims are stopping), 'aged' (waited past the aging
+        threshold) or its class."""
         return [(chunk.name, item) for chunk in self._ordered(now_ms) for item in chunk.items]
 
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:

@@ -173,7 +173,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     @app.get("/v1/queue")
     async def queue(limit: int = Query(100, ge=1, le=10_000)) -> dict:
         """Work waiting for a GPU (leader's view), in the order the next cycle considers it:
-        aged work, then interactive, standard, batch, tenants by fair share inside a class."""
+        requests whose preemption is under way, aged work, then interactive, standard,
+        batch, tenants by fair share inside each."""
         now = clock()
         return {"leader": engine.epoch is not None, "pending": engine.queue.depth(),
                 "requests": [

@@ -50,6 +50,13 @@ class Chunk:
     items: list[Pending]
 
 
+def is_aged(item: Pending, now_ms: int, class_target_ms: dict[str, float],
+            aging_factor: float) -> bool:
+    """Whether `item` has waited past `aging_factor` x its class's target."""
+    return now_ms - item.aging_from_ms > aging_factor * class_target_ms[
+        item.request.priority_class]
+
+
 def order_pending(
     items: Iterable[Pending], now_ms: int, fair: FairShare, weights: dict[str, float],
     class_target_ms: dict[str, float], aging_factor: float,
@@ -70,7 +77,7 @@ def order_pending(
         cls = item.request.priority_class
         if item.request.request_id in preempting:
             first.append(item)
-        elif now_ms - item.aging_from_ms > aging_factor * class_target_ms[cls]:
+        elif is_aged(item, now_ms, class_target_ms, aging_factor):
             aged.append(item)
         else:
             by_class[cls].append(item)

@@ -5,7 +5,7 @@ fits nowhere. Pure: no I/O, time passed in."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from gpusched_scheduler.domain.solver import (
     RunningWork,
     ShapeDistribution,
     SolveResult,
+    Unschedulable,
     WorkBatch,
     get_policy,
     plan_preemption,
@@ -193,11 +194,9 @@ class Preemption:
     node_id: str
     victims: tuple[RunningPlacement, ...]
     gpu_seconds_lost: float
-
-    @property
-    def room(self) -> Room:
-        return Room(self.node_id, tuple(sorted({g for v in self.victims
-                                                for g in v.gpu_indices})))
+    room: Room | None = None
+    """Where the plan runs its request once the victims have stopped: every GPU it counts
+    on, those without a victim too (a gang's)."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +221,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
                max_preemptions: int = 4, reclaiming: Collection[str] = (),
-               rooms: Mapping[str, Room] | None = None) -> CycleDecisions:
+               rooms: Mapping[str, Room] | None = None,
+               stopping: Collection[RunningPlacement] = ()) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait for room to free up, later chunks wait too (they would take that
     room). Work that no live, healthy node could hold even empty (its GPUs are away or
@@ -234,11 +234,15 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
     with the reason.
 
-    `rooms` maps a request whose preemption is under way to the room its victims free: it is
-    solved first, and while it waits the memory it needs in its room is out of reach of the
-    rest (which no longer waits behind it). Before, the victims' hand-backs (first in their
-    class, and aged) or any other work took that room as it freed, and the preemptor waited
-    out the time-out to preempt again.
+    `rooms` maps a request whose preemption is under way to its room (the GPUs its plan
+    runs it on once its victims stop): it is solved first, and while it waits the memory it
+    needs in its room is out of reach of the rest (which no longer waits behind it), and so
+    are the models it counts on there (no eviction unloads them). Before, the victims'
+    hand-backs (first in their class, and aged) or any other work took that room as it
+    freed, and the preemptor waited out the time-out to preempt again. `stopping` are the
+    victims still running that were told to stop: later plans count their memory as coming
+    free (less what the waiting preemptors need), so a request that fits in what is left
+    waits for it instead of stopping other work.
 
     Work that fits nowhere while idle models hold GPU memory is solved once more on the
     state with that memory free (`Snapshot.evictable`): the agent unloads them to admit it.
@@ -257,13 +261,15 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     state = snap.state
     items = [item for chunk in chunks for item in chunk.items]
     blocked: list[int] = []  # units of the first chunk with work that waits, that fit nowhere
+    kept = Kept()
+    shapes: ShapeDistribution | None = None
     if items:
         batch = _batch([i.request for i in items], catalog)
         shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
             else None
         if rooms and any(i.request.request_id in rooms for i in items):
-            chunks, state = _solve_preemptors(state, snap, chunks, rooms, catalog, policy,
-                                              shapes, placed, waiting)
+            chunks, state, kept = _solve_preemptors(state, snap, chunks, rooms, catalog,
+                                                    policy, shapes, placed, waiting)
             items = [item for chunk in chunks for item in chunk.items]
             batch = _batch([i.request for i in items], catalog)
         result = solve(state, batch, policy, shapes=shapes)
@@ -272,7 +278,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         fits_live: dict[tuple[int, int], bool] = {}  # on a live, healthy node, were it empty
         live: list[tuple[int, ...]] | None = None  # _live_gpu_mib, read at first need
         holding = False  # an earlier chunk has work waiting for room that can free up
-        kept: tuple[int, SolveResult] | None = None  # (first unit, its solve) past a node kept
+        aged_kept: tuple[int, SolveResult] | None = None  # (first unit, its solve) past a node kept
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -281,7 +287,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 continue
             for u in range(end - len(chunk.items), end):
                 item = items[u]
-                outcome = result.outcome(u) if kept is None else kept[1].outcome(u - kept[0])
+                outcome = result.outcome(u) if aged_kept is None else \
+                    aged_kept[1].outcome(u - aged_kept[0])
                 if hasattr(outcome, "gpu_indices"):
                     placed.append(_place(snap, batch, u, item, outcome))
                     continue
@@ -301,12 +308,14 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                         live = _live_gpu_mib(snap.state) if live is None else live
                         fits_live[size] = not _never_fits(live, *size)
                     holding |= fits_live[size]
-                    if chunk.name == "aged" and fits_live[size] and kept is None and u + 1 < end:
-                        kept = _keep_node_for(state, batch, u, end, policy, shapes, *size)
-            if holding and kept is None and end < len(items):
+                    if chunk.name == "aged" and fits_live[size] and aged_kept is None \
+                            and u + 1 < end:
+                        aged_kept = _keep_node_for(state, batch, u, end, policy, shapes, *size)
+            if holding and aged_kept is None and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
-        state = result.state if kept is None else kept[1].state
-        room = _evicting(state, snap, placed) if blocked and snap.evictable else None
+        state = result.state if aged_kept is None else aged_kept[1].state
+        room = _evicting(state, snap, placed, kept.models) if blocked and snap.evictable \
+            else None
         if room is not None:
             units = np.array(blocked, np.int64)
             evicting = solve(room, batch.take(units), policy, shapes=shapes)
@@ -320,10 +329,10 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             state = evicting.state
     if running and may_preempt:
         taken: set[str] = set()
-        # the state once this cycle's victims have stopped and their preemptors run: work
-        # that fits in what is left of the room they free waits for it, and the next plan
-        # needs only the victims that room lacks
-        freed: ClusterState | None = None
+        # the state once this cycle's victims (and those stopping already) have stopped and
+        # their preemptors run: work that fits in what is left of the room they free waits
+        # for it, and the next plan needs only the victims that room lacks
+        freed = _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None
         for item in waiting:
             if len(preemptions) >= max_preemptions:
                 break
@@ -339,26 +348,39 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             plan = _plan(freed or state, snap, item, catalog, running, now_ms, ceiling, taken,
                          item.request.request_id in reclaiming)
             if plan is not None:
-                preemptions.append(plan)
                 taken |= {v.placement_id for v in plan.victims}
-                freed = _stopped(freed or state, snap, plan, unit, policy, shapes)
+                freed, room = _stopped(freed or state, snap, plan, unit, policy, shapes)
+                preemptions.append(replace(plan, room=room))
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+@dataclass
+class Kept:
+    """What the preemptors still waiting for their rooms hold there: per GPU row, the
+    memory they need beyond what is free now (`debt`: it comes free as their victims stop),
+    and per (node id, GPU index) the weights they count on being loaded (`models`)."""
+
+    debt: dict[int, int] = field(default_factory=dict)
+    models: dict[tuple[str, int], set[str]] = field(default_factory=dict)
 
 
 def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
                       rooms: Mapping[str, Room], catalog: ModelCatalog, policy: str,
                       shapes: ShapeDistribution | None, placed: list[Place],
-                      waiting: list[Pending]) -> tuple[list[Chunk], ClusterState]:
+                      waiting: list[Pending]) -> tuple[list[Chunk], ClusterState, Kept]:
     """Place the work with a room first (into `placed`, or `waiting` with its room kept);
-    returns the other chunks and the state they are solved on, where each GPU of the room
-    of one that waits has the memory it needs there taken off (the rest of the GPU, and
-    other victims on it, stay for other work and other preemptions)."""
+    returns the other chunks, the state they are solved on, where each GPU of the room of
+    one that waits has the memory it needs there taken off (the rest of the GPU, and other
+    victims on it, stay for other work and other preemptions), and what those hold."""
     first = [i for chunk in chunks for i in chunk.items if i.request.request_id in rooms]
     batch = _batch([i.request for i in first], catalog)
     result = solve(state, batch, policy, shapes=shapes)
     out = result.state
+    outcomes = [result.outcome(u) for u in range(len(first))]
+    _place_evicting(out, snap, batch, outcomes, policy, shapes)
+    kept = Kept()
     for u, item in enumerate(first):
-        outcome = result.outcome(u)
+        outcome = outcomes[u]
         if hasattr(outcome, "gpu_indices"):
             placed.append(_place(snap, batch, u, item, outcome))
             continue
@@ -369,25 +391,83 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
             continue  # its node is away: the room is gone with it
         start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
         kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
+        weights = request_weights(item.request)
         for g in room.gpu_indices:
-            if start + g < end:
-                loaded = _loaded_on(snap, room.node_id, (g,), request_weights(item.request))
-                need = kv + (0 if loaded else weight)
-                out.gpu_mem_free_mib[start + g] = max(0, out.gpu_mem_free_mib[start + g] - need)
+            if start + g >= end:
+                continue
+            row = start + g
+            need = kv + (0 if _loaded_on(snap, room.node_id, (g,), weights) else weight)
+            free = int(out.gpu_mem_free_mib[row])
+            out.gpu_mem_free_mib[row] = max(0, free - need)
+            if need > free:
+                kept.debt[row] = kept.debt.get(row, 0) + need - free
+            kept.models.setdefault((room.node_id, g), set()).add(weights)
     ids = {id(i) for i in first}
     rest = [Chunk(c.name, [i for i in c.items if id(i) not in ids]) for c in chunks]
-    return [c for c in rest if c.items], out
+    return [c for c in rest if c.items], out, kept
+
+
+def _place_evicting(state: ClusterState, snap: Snapshot, batch: WorkBatch,
+                    outcomes: list[Placed | Unschedulable], policy: str,
+                    shapes: ShapeDistribution | None) -> None:
+    """The units of `batch` that `outcomes` leaves unplaced, solved again with idle models
+    unloaded (a preemption is planned on that state, so its plan may count on it); each
+    that fits now gets its outcome, and `state` its GPUs as they are then (idle models
+    there unloaded, its memory taken)."""
+    unplaced = [u for u, o in enumerate(outcomes) if not hasattr(o, "gpu_indices")]
+    evicted = _evicting(state, snap, [], {}) if unplaced and snap.evictable else None
+    if evicted is None:
+        return
+    again = solve(evicted, batch.take(np.array(unplaced, np.int64)), policy, shapes=shapes)
+    for j, u in enumerate(unplaced):
+        outcome = again.outcome(j)
+        if not hasattr(outcome, "gpu_indices"):
+            continue
+        outcomes[u] = outcome
+        start = int(state.node_gpu_start[snap.node_index[outcome.node_id]])
+        idle = {index: models for index, _, models in snap.evictable.get(outcome.node_id, ())}
+        for g in outcome.gpu_indices:
+            for model in idle.get(g, ()):
+                unload_model(state, start + g, model, 0, inplace=True)
+            state.gpu_mem_free_mib[start + g] = again.state.gpu_mem_free_mib[start + g]
 
 
 def _stopped(state: ClusterState, snap: Snapshot, plan: Preemption, unit: WorkBatch,
-             policy: str, shapes: ShapeDistribution | None) -> ClusterState:
-    """`state` once `plan`'s victims have freed their KV caches and its request runs."""
+             policy: str, shapes: ShapeDistribution | None) -> tuple[ClusterState, Room]:
+    """`state` once `plan`'s victims have freed their KV caches and its request runs, and
+    the GPUs it runs on there."""
+    result = solve(_with_stopped(state, snap, plan.victims), unit, policy, shapes=shapes)
+    outcome = result.outcome(0)
+    if hasattr(outcome, "gpu_indices"):
+        return result.state, Room(outcome.node_id, outcome.gpu_indices)
+    # not expected (the plan made it fit): keep at least the victims' GPUs
+    return result.state, Room(plan.node_id, tuple(sorted({g for v in plan.victims
+                                                           for g in v.gpu_indices})))
+
+
+def _with_stopped(state: ClusterState, snap: Snapshot,
+                  victims: Collection[RunningPlacement]) -> ClusterState:
+    """A copy of `state` with the KV caches of `victims` free (their models stay loaded)."""
     out = state.copy()
-    for victim in plan.victims:
-        start = int(out.node_gpu_start[snap.node_index[victim.node_id]])
+    for victim in victims:
+        n = snap.node_index.get(victim.node_id)
+        if n is None:
+            continue
+        start = int(out.node_gpu_start[n])
         for g in victim.gpu_indices:
             out.gpu_mem_free_mib[start + g] += victim.kv_cache_mib
-    return solve(out, unit, policy, shapes=shapes).state
+    return out
+
+
+def _coming_free(state: ClusterState, snap: Snapshot, stopping: Collection[RunningPlacement],
+                 kept: Kept) -> ClusterState:
+    """`state` once the victims told to stop have stopped and the preemptors waiting for
+    them run: their needs were taken off `state` only down to nothing (`kept.debt` holds
+    the rest), so a victim's memory coming free goes to them first."""
+    out = _with_stopped(state, snap, stopping)
+    for row, debt in kept.debt.items():
+        out.gpu_mem_free_mib[row] = max(0, int(out.gpu_mem_free_mib[row]) - debt)
+    return out
 
 
 def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Placed) -> Place:
@@ -426,13 +506,13 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, poli
     return u + 1, later
 
 
-def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place]
-              ) -> ClusterState | None:
+def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
+              kept: Mapping[tuple[str, int], set[str]]) -> ClusterState | None:
     """`state` with the memory of idle models free and those models no longer loaded (a
     unit of one of them is charged its weights again, against memory that holds them), or
-    None when no GPU has any. GPUs where this cycle placed work of one of their idle models
-    are left as they are."""
-    busy: dict[tuple[str, int], set[str]] = {}
+    None when no GPU has any. GPUs where this cycle placed work of one of their idle models,
+    or where a waiting preemptor counts on one (`kept`), are left as they are."""
+    busy: dict[tuple[str, int], set[str]] = {k: set(v) for k, v in kept.items()}
     for p in placed:
         for g in p.gpu_indices:
             busy.setdefault((p.node_id, g), set()).add(request_weights(p.item.request))
@@ -529,8 +609,8 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
             r.gpu_indices) for r in candidates], np.float64))
     unit = _batch([item.request], catalog, [ceiling + 1])
     plan = plan_preemption(state, work, unit)
-    if not plan.feasible:
-        return None
+    if not plan.feasible or not len(plan.victims):
+        return None  # none, or it fits already (held behind work that waits for room)
     return Preemption(item, state.node_ids[plan.node],
                       tuple(candidates[v] for v in plan.victims), plan.gpu_seconds_lost)
 
