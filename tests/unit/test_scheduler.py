@@ -2450,3 +2450,22 @@ async def test_a_refusal_in_flight_at_a_step_down_commits_nothing_past_the_batch
     await admitting
     await asyncio.sleep(0.01)
     assert kafka.offsets == {}
+
+
+async def test_work_only_an_away_node_could_hold_does_not_fill_every_cycle() -> None:
+    """More gangs than a cycle takes waited for an 8-GPU node gone silent: every cycle took
+    only them, and a request that fitted at once behind them was never solved."""
+    now = [1000]
+    engine, _ = leading_engine(lambda: now[0], node_timeout_ms=10_000, max_units_per_cycle=4)
+    engine.view.apply_node_state(node("big", [80000] * 8), now[0], NODE_TIMEOUT_MS)
+    now[0] = 20_000  # big is silent past the time-out; small reports
+    engine.view.apply_node_state(node("small", [80000]), now[0], NODE_TIMEOUT_MS)
+    standard = topics.REQUESTS["standard"].name
+    await engine.admit([request_record(standard, offset, json.dumps({
+        "request_id": f"gang{offset}", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 10, "num_gpus": 8}).encode()) for offset in range(6)])
+    await engine.admit([request_record(standard, 6, json.dumps({
+        "request_id": "fits", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 10}).encode())])
+    await engine.cycle()
+    assert list(engine.running) == ["fits#0"]

@@ -55,6 +55,7 @@ from gpusched_scheduler.domain.planner import (
     estimate_gpu_s,
     fleet_gpu_mib,
     memory_per_gpu,
+    out_of_reach,
     plan_cycle,
     request_tokens,
     request_weights,
@@ -610,8 +611,15 @@ class SchedulingEngine:
         self._preempting = {r: p for r, p in self._preempting.items()
                             if p[0] > now and p[1].node_id in live}
         self._victims = {p: t for p, t in self._victims.items() if t > now}
-        chunks = _first(self._ordered(now), cfg.max_units_per_cycle)
         snap = snapshot(self.view, live, self._node_specs)
+        ordered = self._ordered(now)
+        if sum(len(c.items) for c in ordered) > cfg.max_units_per_cycle:
+            # More waits than a cycle takes: work only nodes that are away could hold is
+            # left out, or a flood of it ahead kept every later unit out of every cycle
+            away = out_of_reach(snap, fleet_gpu_mib(self.view), self.catalog)
+            ordered = [Chunk(c.name, [i for i in c.items if not away(i.request)])
+                       for c in ordered]
+        chunks = _first(ordered, cfg.max_units_per_cycle)
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)

@@ -557,6 +557,23 @@ def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str
     return all(code in state.gpu_models[start + g] for g in gpus)
 
 
+def out_of_reach(snap: Snapshot, fleet: Collection[tuple[int, ...]], catalog: ModelCatalog
+                 ) -> Callable[[InferenceRequest], bool]:
+    """A test of whether a request waits for nodes that are away: no live, healthy node of
+    `snap` could hold it even empty, while one of `fleet` could (so it is not rejected
+    either). A cycle can do nothing for it."""
+    live = _live_gpu_mib(snap.state)
+    known: dict[tuple[int, int], bool] = {}
+
+    def away(request: InferenceRequest) -> bool:
+        kv, weight = memory_per_gpu(request, catalog.get(request.model))
+        size = (kv + weight, request.num_gpus)
+        if size not in known:
+            known[size] = _never_fits(live, *size) and not _never_fits(fleet, *size)
+        return known[size]
+    return away
+
+
 def _live_gpu_mib(state: ClusterState) -> list[tuple[int, ...]]:
     """The memory of each healthy GPU of every node in the snapshot (the live ones)."""
     starts = state.node_gpu_start.tolist()
