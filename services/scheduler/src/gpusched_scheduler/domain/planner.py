@@ -181,8 +181,8 @@ class Reject:
 
 @dataclass(frozen=True)
 class Room:
-    """The GPUs a preemption frees on one node: kept for its preemptor until it is placed
-    or the preemption times out."""
+    """The GPUs of one node a preempting request's plan runs it on once its victims have
+    stopped: kept for it until it is placed or the preemption times out."""
 
     node_id: str
     gpu_indices: tuple[int, ...]
@@ -377,7 +377,9 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
     result = solve(state, batch, policy, shapes=shapes)
     out = result.state
     outcomes = [result.outcome(u) for u in range(len(first))]
-    _place_evicting(out, snap, batch, outcomes, policy, shapes)
+    _place_evicting(out, snap, batch, outcomes, policy, shapes, [
+        _place(snap, batch, u, first[u], o) for u, o in enumerate(outcomes)
+        if hasattr(o, "gpu_indices")])
     kept = Kept()
     for u, item in enumerate(first):
         outcome = outcomes[u]
@@ -409,13 +411,13 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
 
 def _place_evicting(state: ClusterState, snap: Snapshot, batch: WorkBatch,
                     outcomes: list[Placed | Unschedulable], policy: str,
-                    shapes: ShapeDistribution | None) -> None:
+                    shapes: ShapeDistribution | None, placed: list[Place]) -> None:
     """The units of `batch` that `outcomes` leaves unplaced, solved again with idle models
-    unloaded (a preemption is planned on that state, so its plan may count on it); each
-    that fits now gets its outcome, and `state` its GPUs as they are then (idle models
-    there unloaded, its memory taken)."""
+    unloaded (a preemption is planned on that state, so its plan may count on it) but those
+    `placed` work uses; each that fits now gets its outcome, and `state` its GPUs as they
+    are then (idle models there unloaded, its memory taken)."""
     unplaced = [u for u, o in enumerate(outcomes) if not hasattr(o, "gpu_indices")]
-    evicted = _evicting(state, snap, [], {}) if unplaced and snap.evictable else None
+    evicted = _evicting(state, snap, placed, {}) if unplaced and snap.evictable else None
     if evicted is None:
         return
     again = solve(evicted, batch.take(np.array(unplaced, np.int64)), policy, shapes=shapes)
@@ -427,9 +429,11 @@ def _place_evicting(state: ClusterState, snap: Snapshot, batch: WorkBatch,
         start = int(state.node_gpu_start[snap.node_index[outcome.node_id]])
         idle = {index: models for index, _, models in snap.evictable.get(outcome.node_id, ())}
         for g in outcome.gpu_indices:
-            for model in idle.get(g, ()):
-                unload_model(state, start + g, model, 0, inplace=True)
-            state.gpu_mem_free_mib[start + g] = again.state.gpu_mem_free_mib[start + g]
+            row = start + g
+            if not np.array_equal(evicted.gpu_models[row], state.gpu_models[row]):
+                for model in idle.get(g, ()):  # unloaded there (not kept for placed work)
+                    unload_model(state, row, model, 0, inplace=True)
+            state.gpu_mem_free_mib[row] = again.state.gpu_mem_free_mib[row]
 
 
 def _stopped(state: ClusterState, snap: Snapshot, plan: Preemption, unit: WorkBatch,
