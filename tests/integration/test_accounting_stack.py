@@ -5,6 +5,8 @@ usage. Totals are compared with `recompute`, the reference the reconciliation us
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import random
@@ -384,6 +386,9 @@ async def test_a_tenant_reads_only_its_own_usage(stack) -> None:
         csv_text = (await http.get("/v1/usage/export.csv", params={"tenant": other, "start": "0"},
                                    headers=ADMIN)).text
         assert csv_text.startswith("bucket_start,") and f",{other},total," in csv_text
+        rows = list(csv.DictReader(io.StringIO(csv_text)))
+        assert all(len(r["gpu_seconds"].split(".")[1]) == 6 and "e" not in r["cost_usd"]
+                   for r in rows)  # fixed point, not 4e-06 (spreadsheets, diffs)
         top = (await http.get("/v1/usage/top", params={"by": "tokens"}, headers=ADMIN)).json()
         assert top["tenants"] and top["by"] == "tokens"
         schema = (await http.get("/openapi.json")).json()

@@ -397,3 +397,41 @@ async def test_a_redis_that_could_lose_applied_ids_is_named_at_start(
             raise ResponseError("unknown command 'INFO'")
 
     assert await durability_problems(Refusing()) == []  # type: ignore[arg-type]
+
+
+def test_a_name_that_starts_like_a_formula_is_text_in_the_csv_export() -> None:
+    """A node named '-A1' reached a spreadsheet as the formula =-A1."""
+    from gpusched_accounting.api import _cell
+
+    assert [_cell(v) for v in ("-A1", "@x", "=1", "+1", "h100-0", "")] == [
+        "'-A1", "'@x", "'=1", "'+1", "h100-0", ""]
+
+
+async def test_an_eight_digit_date_that_is_none_is_a_400_quoting_what_was_sent() -> None:
+    """20261399 was quoted back as '2026-13-99', a string the caller never sent."""
+    app = create_app(AccountingSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://accounting") as client:
+        reply = await client.get("/v1/usage", params={"start": "20261399"},
+                                 headers={"authorization": "Bearer sk-acme-demo"})
+    assert reply.status_code == 400 and "start='20261399'" in reply.json()["detail"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d["tenants"][1]["api_keys"].append(d["tenants"][0]["api_keys"][0]),
+     "is listed for acme and again for globex"),
+    (lambda d: d["tenants"][1]["api_keys"].append(d["admin_api_keys"][0]),
+     "again for the admin keys"),
+    (lambda d: d["tenants"].append(dict(d["tenants"][0], api_keys=["sk-other"])),
+     "tenant name(s) listed twice: acme"),
+    (lambda d: d["tenants"][0]["api_keys"].append(" sk-spaced"), "has spaces around it"),
+], ids=["two-tenants", "tenant-and-admin", "name-twice", "spaces"])
+def test_a_key_with_two_owners_stops_the_start(tmp_path, change, needle) -> None:
+    """A key listed twice went to the tenant listed last (one tenant's requests billed to
+    another, its usage read by another); a tenant's key that is also an admin key read
+    every tenant's usage."""
+    tenants = yaml.safe_load((CONFIG / "tenants.yaml").read_text())
+    change(tenants)
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_tenants(tmp_path)

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpusched_common.contracts import Name, PriorityClass
 
@@ -100,6 +100,27 @@ class TenantDirectory(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tenants: tuple[Tenant, ...]
     admin_api_keys: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_owner_per_key(self) -> TenantDirectory:
+        """A key listed twice went silently to the tenant listed last (one tenant's requests
+        billed to another, its usage read by another), and a tenant's key that is also an
+        admin key read every tenant's usage: refused at start, naming it."""
+        names = [t.name for t in self.tenants]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tenant name(s) listed twice: {', '.join(twice)}")
+        owners: dict[str, str] = {}
+        for owner, keys in [*((t.name, t.api_keys) for t in self.tenants),
+                            ("the admin keys", self.admin_api_keys)]:
+            for key in keys:
+                if not key or key != key.strip():
+                    raise ValueError(f"an API key of {owner} is empty or has spaces around it")
+                if key in owners:
+                    raise ValueError(f"API key {key[:6]}... is listed for {owners[key]} and "
+                                     f"again for {owner}: give each key one owner")
+                owners[key] = owner
+        return self
 
     def by_api_key(self, key: str) -> Tenant | None:
         return self._by_key.get(key)

@@ -4,10 +4,9 @@ tenant; an admin key reads every tenant."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -31,6 +30,12 @@ from gpusched_common.kafka_records import WallClockMs
 
 DEFAULT_WINDOW_MS = 86_400_000
 MAX_CSV_BUCKETS = 100_000
+CSV_PAGE_BUCKETS = 500
+"""Buckets an export reads from Redis at once."""
+CSV_CHUNK_CHARS = 64 * 1024
+"""About how much of an export goes out at once."""
+FORMULA_SIGNS = frozenset("=+-@\t\r")
+"""A CSV cell starting with one of these is a formula to a spreadsheet."""
 SECONDS_LOOK = (10**9, 10**11)
 """Epoch values in this range are seconds (2001-5138), not milliseconds (1970-1973)."""
 MAX_EPOCH_MS_DIGITS = 19
@@ -84,6 +89,12 @@ class RequestUsage(UsageTotals):
                         "record arrived); a preempted request may still run again.")
 
 
+def _cell(text: str) -> str:
+    """A name as a CSV cell a spreadsheet shows as text: one starting with a formula sign
+    (a node named '-A1' reached Excel as the formula =-A1) gets a leading quote."""
+    return f"'{text}" if text[:1] in FORMULA_SIGNS else text
+
+
 def _parse_time(value: str | None, default_ms: int, name: str) -> int:
     """Epoch milliseconds or an ISO 8601 time (UTC unless it says otherwise), its basic
     date form (20261130) included."""
@@ -91,8 +102,10 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
         return default_ms
     # ISO 8601's basic date, 20261130: as epoch milliseconds it would be January 1970
     if len(value) == 8 and value.isascii() and value.isdigit() and value[:2] in ("19", "20"):
-        with contextlib.suppress(ValueError):
+        try:
             return _parse_time(f"{value[:4]}-{value[4:6]}-{value[6:]}", default_ms, name)
+        except HTTPException:  # no date: say so of what was sent
+            raise _not_a_time(name, value) from None
     if value.isascii() and value.isdigit():
         if len(value) > MAX_EPOCH_MS_DIGITS:  # and int() refuses over 4,300 digits
             raise _not_a_time(name, value)
@@ -285,29 +298,36 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                                 "granularity")
         starts = range(plan.start_s, plan.end_s, span)
         codes = {f"{c}:": d for d, c in DIMENSION_CODE.items()}
-        out = io.StringIO()
-        writer = csv.writer(out)
-        writer.writerow(["bucket_start", "granularity", "tenant", "dimension", "value",
-                         "prompt_tokens", "completion_tokens", "requests", "gpu_seconds",
-                         "cost_usd"])
-        lines: list[str] = [out.getvalue()]
-        for name in names:
-            buckets = await store.buckets(name, [(granularity, s) for s in starts])
-            for s, fields in zip(starts, buckets):
-                stamp = datetime.fromtimestamp(s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                for field, totals in sorted(fields.items()):
-                    dim, value = ("total", "") if field == "t" else (
-                        codes.get(field[:2], field[:1]), field[2:])
-                    out.seek(0)
-                    out.truncate()
-                    p = totals.public()
-                    writer.writerow([stamp, granularity, name, dim, value, p["prompt_tokens"],
-                                     p["completion_tokens"], p["requests"], p["gpu_seconds"],
-                                     p["cost_usd"]])
-                    lines.append(out.getvalue())
 
-        def body() -> Iterator[str]:
-            yield from lines
+        async def body() -> AsyncIterator[str]:
+            # Read a page of buckets at a time and send about CSV_CHUNK_CHARS at once: the
+            # whole file was built in memory first (about three times its size) and then
+            # sent a row per chunk, which took minutes for a large export and held the
+            # event loop (and the usage consumer on it) meanwhile.
+            out = io.StringIO()
+            writer = csv.writer(out)
+            writer.writerow(["bucket_start", "granularity", "tenant", "dimension", "value",
+                             "prompt_tokens", "completion_tokens", "requests", "gpu_seconds",
+                             "cost_usd"])
+            for name in names:
+                for page in range(0, len(starts), CSV_PAGE_BUCKETS):
+                    part = starts[page:page + CSV_PAGE_BUCKETS]
+                    buckets = await store.buckets(name, [(granularity, s) for s in part])
+                    for s, fields in zip(part, buckets):
+                        stamp = datetime.fromtimestamp(s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                        for field, totals in sorted(fields.items()):
+                            dim, value = ("total", "") if field == "t" else (
+                                codes.get(field[:2], field[:1]), field[2:])
+                            writer.writerow([
+                                stamp, granularity, _cell(name), dim, _cell(value),
+                                totals.prompt_tokens, totals.completion_tokens,
+                                totals.requests, f"{totals.gpu_seconds:.6f}",
+                                f"{totals.cost_usd:.9f}"])
+                    if out.tell() >= CSV_CHUNK_CHARS:
+                        yield out.getvalue()
+                        out.seek(0)
+                        out.truncate()
+            yield out.getvalue()
 
         return StreamingResponse(body(), media_type="text/csv", headers={
             "content-disposition": 'attachment; filename="usage.csv"'})
