@@ -42,6 +42,7 @@ from gpusched_scheduler.domain.ordering import FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     fleet_gpu_mib,
+    memory_per_gpu,
     plan_cycle,
     snapshot,
 )
@@ -2469,3 +2470,149 @@ async def test_work_only_an_away_node_could_hold_does_not_fill_every_cycle() -> 
         "max_tokens": 10}).encode())])
     await engine.cycle()
     assert list(engine.running) == ["fits#0"]
+
+
+def test_idle_memory_a_preemptor_took_is_not_counted_free_again() -> None:
+    """A preemptor placed with a GPU's idle model unloaded had that memory; the work that
+    fitted nowhere after it was solved with the same GPU's idle memory added once more."""
+    from gpusched_scheduler.domain.planner import Room
+
+    free = 16_000
+    view = ClusterView()
+    view.apply_node_state(node("a", [free], models=(SMALL.name,), idle=(SMALL.name,)), 0,
+                          NODE_TIMEOUT_MS)
+    preemptor = req("P", "interactive", model="mistral-7b", max_tokens=20_000)
+    other = req("U", "batch", model=SMALL.name, tenant="globex")
+    decisions = _plan_with_rooms(view, [preemptor, other], rooms={"P": Room("a", (0,))})
+    assert [p.item.request.request_id for p in decisions.placed] == ["P"]
+    assert sum(p.memory_mib_per_gpu for p in decisions.placed) <= \
+        free + SMALL.weight_memory_mib
+
+
+def test_idle_memory_a_waiting_preemptors_plan_counts_on_stays_for_it() -> None:
+    """The plan counted on the room's idle models unloaded; while the victim stopped, other
+    work was given that memory, and the preemptor no longer fitted once it stopped."""
+    mistral = CATALOG.get("mistral-7b")
+    preemptor = req("P", "interactive", model=EIGHT_B.name, max_tokens=20_000)
+    kv, weights = memory_per_gpu(preemptor, EIGHT_B)
+    gain, victim_kv = SMALL.weight_memory_mib + mistral.weight_memory_mib, 500
+    free = kv + weights - gain - victim_kv + 10
+    idle = (SMALL.name, mistral.name)
+    view = ClusterView()
+    view.apply_node_state(node("a", [free], models=idle, idle=idle, active=("v#0",)), 0,
+                          NODE_TIMEOUT_MS)
+    victim = _victim("v#0", req("v", "batch"), (0,), victim_kv, victim_kv)
+    [pre] = _plan_with_rooms(view, [preemptor], running=[victim],
+                             may_preempt={"P": 1}).preemptions
+    other = req("U", "batch", model=SMALL.name, tenant="globex")
+    assert not _plan_with_rooms(view, [preemptor, other], rooms={"P": pre.room}).placed
+    view.apply_node_state(node("a", [free + victim_kv], models=idle, idle=idle, seq=2), 0,
+                          NODE_TIMEOUT_MS)
+    placed = _plan_with_rooms(view, [preemptor], rooms={"P": pre.room}).placed
+    assert [p.item.request.request_id for p in placed] == ["P"]
+
+
+async def test_an_old_terms_late_answer_leaves_the_new_terms_placement_alone() -> None:
+    """The new term placed the request again (its record read again) before Kafka answered
+    the old term's cycle; that answer's undo took the new placement out of running and its
+    reservation off the node, and queued the request a third time."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(4, [], {})
+    engine.view.apply_node_state(node("n1", [80000], seq=2), 0, NODE_TIMEOUT_MS)
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    charged = engine.quotas.tokens_last_minute("acme", 1000)
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
+    assert not len(engine.queue)
+    assert engine.quotas.tokens_last_minute("acme", 1000) < charged  # charged once now
+
+
+async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None:
+    """The cycle's token was read after the send: a step-down during it gave the settle the
+    same None as the instance, which saved the placement to Redis after the next leader
+    had read it and kept it as running."""
+    class Store:
+        saved: list[str] = []
+
+        async def save(self, placements) -> None:
+            self.saved += [p.placement_id for p in placements]
+
+    store = Store()
+
+    async def send(batch):
+        engine.step_down()  # the lease lapses while the producer waits
+        return asyncio.gather()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0), store=store)
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(7, "r1")], Commits().commit)
+    await engine.cycle()
+    await asyncio.sleep(0.01)
+    assert store.saved == [] and not engine.running
+
+
+async def test_a_429_that_went_out_stays_refused_across_a_step_down() -> None:
+    """The step-down came while Kafka took the 429: the note that it went out was skipped,
+    and the same instance leading again admitted the record read again."""
+    held: list[asyncio.Future] = []
+
+    async def send(batch):
+        held.append(asyncio.get_running_loop().create_future())
+        return held[-1]
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
+    engine.lead(3, [])
+    standard = topics.REQUESTS["standard"].name
+    record = request_record(standard, 1, json.dumps({
+        "request_id": "over", "tenant": "hooli", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 2500}).encode())
+    engine.quotas.admit("hooli", 2000, 1000)  # most of the minute taken
+    admitting = asyncio.create_task(engine.admit([record]))
+    await asyncio.sleep(0.01)
+    engine.step_down()
+    held[0].set_result(None)
+    await admitting
+    engine.lead(3, [])
+    engine.quotas = type(engine.quotas)()  # a fresh minute
+    await engine.admit([record])
+    assert not len(engine.queue)
+
+
+async def test_leading_again_under_the_same_token_keeps_its_decisions() -> None:
+    """A lease check failed once and the next led again with the same token: the decisions
+    were forgotten, and the record read again was placed (and charged) a second time."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    engine.step_down()
+    engine.lead(3, [], {})  # (no Redis here: its decisions are all it knows)
+    await engine.admit([record], kafka.commit)
+    assert not len(engine.queue)
+
+
+def test_a_stopping_victim_on_a_node_reporting_fewer_gpus_is_no_crash() -> None:
+    """A victim on GPU 2 of a node whose report lists two GPUs indexed past the arrays (an
+    IndexError every cycle) or gave its memory to the next node's GPU."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [100, 100], models=(SMALL.name,), active=("v#0",)), 0,
+                          NODE_TIMEOUT_MS)
+    stopping = _victim("v#0", req("v", "batch"), (2,), 5000, 5000)
+    items = [Pending(req("q", "interactive", max_tokens=30_000), {}, 0)]
+    chunks = order_pending(items, 0, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    decisions = plan_cycle(snapshot(view, view.live_nodes(0, 10**12)), chunks, CATALOG,
+                           "gpusched", [_victim("w#0", req("w", "batch"), (0,), 50, 50)], 0,
+                           {"q": 1}, fleet=lambda: fleet_gpu_mib(view), stopping=[stopping])
+    assert [p.request.request_id for p in decisions.waiting] == ["q"]

@@ -281,6 +281,8 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
+        self._led_with: int | None = None
+        """The token of the latest term this instance led (`epoch` is None between)."""
         self._over_quota_records = Recent(RECENT_DECISIONS)
         """(topic, partition, offset) of the request records answered 429 lately: read again
         (the consumer seeks back when a batch's admission fails), one is not judged again,
@@ -330,11 +332,13 @@ class SchedulingEngine:
         """Start leading with fencing token `epoch`, taking over the placements in flight;
         `claims` says where each stands in the agents' ledger (its first cycle settles them,
         see `_take_over`)."""
-        self.epoch = epoch
+        if epoch != self._led_with:
+            # what a term under another token decided: a cycle of it still in flight is
+            # undone (its records read again must be placed again), and `running` knows
+            # what runs; under the same token its cycles settle as this term's
+            self._placed.clear()
+        self.epoch = self._led_with = epoch
         self.running = RunningSet(running)
-        # what an earlier term decided: a cycle of it still in flight may be undone (its
-        # records read again must be placed again), and `running` knows what runs
-        self._placed.clear()
         self.view.drop_reservations()  # `_take_over` reserves what is inherited
         self._inherited = dict(claims or {})
         self._unpublished = []  # a leader finds them filed when their node is lost to it
@@ -415,10 +419,10 @@ class SchedulingEngine:
                                   status_code=429, reason=over.reason,
                                   retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
+                    self._over_quota_records[(record.topic, record.partition,
+                                              record.offset)] = None  # its 429 went out
                     if self.epoch != epoch:
                         return
-                    self._over_quota_records[(record.topic, record.partition,
-                                              record.offset)] = None
                     self.offsets.track(record, None, commit)
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
@@ -601,6 +605,9 @@ class SchedulingEngine:
         await self._remove([])
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
+        epoch = self.epoch  # the token this cycle's commands go with (the awaits are behind)
+        if epoch is None:
+            return 0  # stepped down meanwhile
         ended = self._take_cancelled(now) + self._take_expired(now)
         if not len(self.queue) and not ended:
             return 0
@@ -639,7 +646,7 @@ class SchedulingEngine:
             pid = _placement_id(request.request_id, request.attempt)
             placement = Placement(placement_id=pid, node_id=place.node_id,
                                   gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
-                                  scheduler_epoch=self.epoch, placed_at_ms=now, request=request)
+                                  scheduler_epoch=epoch, placed_at_ms=now, request=request)
             self.view.reserve(Reservation(pid, place.node_id, place.gpu_indices,
                                           place.memory_mib_per_gpu, request_weights(request)))
             held = self.running.memory_mib(request.tenant) + \
@@ -677,7 +684,7 @@ class SchedulingEngine:
                 self._metrics.preemptions.inc()
                 messages.append((pre.item, Outgoing(Preempt(
                     placement_id=victim.placement_id, request_id=victim.request.request_id,
-                    node_id=victim.node_id, scheduler_epoch=self.epoch,
+                    node_id=victim.node_id, scheduler_epoch=epoch,
                     reason=f"preempted for {pre.item.request.priority_class} request "
                     f"{pre.item.request.request_id} of tenant {pre.item.request.tenant}"),
                     topics.PLACEMENTS.name, victim.node_id, pre.item.trace_carrier)))
@@ -686,7 +693,7 @@ class SchedulingEngine:
             "scheduling cycle",
             links=[trace.Link(trace.get_current_span(extract(p.trace_carrier)).get_span_context())
                    for p, _ in messages],
-            attributes={"gpusched.epoch": self.epoch, "gpusched.placed": len(decisions.placed),
+            attributes={"gpusched.epoch": epoch, "gpusched.placed": len(decisions.placed),
                         "gpusched.waiting": len(decisions.waiting),
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
@@ -701,7 +708,7 @@ class SchedulingEngine:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
         self._in_flight.append(asyncio.create_task(
-            self._settle(acked, finished, new_running, self.epoch), name="settle-cycle"))
+            self._settle(acked, finished, new_running, epoch), name="settle-cycle"))
         if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
             await self._in_flight.pop(0)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
@@ -732,7 +739,7 @@ class SchedulingEngine:
             for item in finished:
                 item.decided |= _placement_id(*item.key) not in sent
             self._undo([i for i in finished if not i.decided], new_running,
-                       requeue=self.epoch is not None)
+                       requeue=self.epoch is not None, later_term=self.epoch is not None)
             return
         # those that ended or were retried meanwhile (the agent was quicker than the ack,
         # the node was lost) are not running
@@ -773,17 +780,20 @@ class SchedulingEngine:
             await asyncio.sleep(SAVE_RETRY_S)
 
     def _undo(self, finished: list[Pending], new_running: list[RunningPlacement],
-              requeue: bool) -> None:
+              requeue: bool, later_term: bool = False) -> None:
         """Forget a cycle's placements; with `requeue` its work waits again here, else the
-        next leader reads it again (its offsets are not committed)."""
+        next leader reads it again (its offsets are not committed). With `later_term` (the
+        cycle went out under an earlier token), work the term leading now has taken in
+        again (placed, decided or waiting) is left to it, and the earlier charge refunded."""
         sent = {r.placement_id for r in new_running}
         # Ended (its final usage came) or retried (its node was lost) since it was sent: the
         # work went on without this cycle, and placing it again would run it beside its retry
         moved_on = {pid for pid in sent if self._gone(pid)}
         retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
         for r in new_running:
-            self.running.pop(r.placement_id, None)
-            self.view.release(r.placement_id)
+            if self.running.get(r.placement_id) is r:  # not a later term's placement of it
+                self.running.pop(r.placement_id)
+                self.view.release(r.placement_id)
         for item in finished:
             pid = _placement_id(*item.key)
             if pid in moved_on:
@@ -791,6 +801,9 @@ class SchedulingEngine:
                     self._decide_when_retried[pid] = item
                 else:
                     item.decided = True
+                continue
+            if later_term and self._known(item.key) is not None:
+                self._refund(item)  # its record, read again, was charged again
                 continue
             self._placed.pop((item.request.request_id, item.request.attempt), None)
             item.placed_once |= pid in sent

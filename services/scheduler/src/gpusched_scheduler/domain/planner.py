@@ -333,14 +333,23 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         # their preemptors run: work that fits in what is left of the room they free waits
         # for it, and the next plan needs only the victims that room lacks
         freed = _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None
-        for item in waiting:
+        eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
+        waits: set[int] = set()  # ids of those that fit in what stopping victims free
+        if freed is not None and eligible:  # one solve for all of them, in order
+            trial = solve(freed, _batch([i.request for i in eligible], catalog), policy,
+                          shapes=shapes)
+            waits = {id(i) for u, i in enumerate(eligible)
+                     if hasattr(trial.outcome(u), "gpu_indices")}
+            freed = trial.state
+        planned = False
+        for item in eligible:
             if len(preemptions) >= max_preemptions:
                 break
-            ceiling = may_preempt.get(item.request.request_id)
-            if ceiling is None:
+            if id(item) in waits:
                 continue
+            ceiling = may_preempt[item.request.request_id]
             unit = _batch([item.request], catalog)
-            if freed is not None:
+            if planned:  # what this cycle's plans free, left over
                 trial = solve(freed, unit, policy, shapes=shapes)
                 if hasattr(trial.outcome(0), "gpu_indices"):
                     freed = trial.state
@@ -351,6 +360,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 taken |= {v.placement_id for v in plan.victims}
                 freed, room = _stopped(freed or state, snap, plan, unit, policy, shapes)
                 preemptions.append(replace(plan, room=room))
+                planned = True
     return CycleDecisions(placed, rejected, waiting, preemptions)
 
 
@@ -394,16 +404,19 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
         start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
         kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
         weights = request_weights(item.request)
+        idle = {index: models for index, _, models in snap.evictable.get(room.node_id, ())}
         for g in room.gpu_indices:
             if start + g >= end:
                 continue
             row = start + g
-            need = kv + (0 if _loaded_on(snap, room.node_id, (g,), weights) else weight)
+            need = kv + (0 if _loaded_on_row(out, row, weights) else weight)
             free = int(out.gpu_mem_free_mib[row])
             out.gpu_mem_free_mib[row] = max(0, free - need)
             if need > free:
                 kept.debt[row] = kept.debt.get(row, 0) + need - free
-            kept.models.setdefault((room.node_id, g), set()).add(weights)
+            # its weights, and the idle models there: its plan may count on their memory
+            kept.models.setdefault((room.node_id, g), set()).update(
+                {weights} | idle.get(g, frozenset()))
     ids = {id(i) for i in first}
     rest = [Chunk(c.name, [i for i in c.items if id(i) not in ids]) for c in chunks]
     return [c for c in rest if c.items], out, kept
@@ -457,9 +470,10 @@ def _with_stopped(state: ClusterState, snap: Snapshot,
         n = snap.node_index.get(victim.node_id)
         if n is None:
             continue
-        start = int(out.node_gpu_start[n])
+        start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
         for g in victim.gpu_indices:
-            out.gpu_mem_free_mib[start + g] += victim.kv_cache_mib
+            if start + g < end:  # a report of fewer GPUs than it runs on
+                out.gpu_mem_free_mib[start + g] += victim.kv_cache_mib
     return out
 
 
@@ -524,8 +538,9 @@ def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
     for node_id, gpus in snap.evictable.items():
         start = int(state.node_gpu_start[snap.node_index[node_id]])
         for index, gain, idle in gpus:
-            if idle & busy.get((node_id, index), set()):
-                continue
+            if idle & busy.get((node_id, index), set()) or not any(
+                    _loaded_on_row(state, start + index, m) for m in idle):
+                continue  # kept, or unloaded already (its memory counted free then)
             room = room if room is not None else state.copy()
             for model in idle:  # their weights are in `gain`, net of reservations
                 unload_model(room, start + index, model, 0, inplace=True)
@@ -576,6 +591,11 @@ def out_of_reach(snap: Snapshot, fleet: Collection[tuple[int, ...]], catalog: Mo
             known[size] = _never_fits(live, *size) and not _never_fits(fleet, *size)
         return known[size]
     return away
+
+
+def _loaded_on_row(state: ClusterState, row: int, weights: str) -> bool:
+    return weights in state.model_names and \
+        state.model_names.index(weights) in state.gpu_models[row]
 
 
 def _live_gpu_mib(state: ClusterState) -> list[tuple[int, ...]]:
