@@ -1537,72 +1537,61 @@ async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_ag
     assert kafka.offsets == {TopicPartition(standard, 0): 8}
 
 
-async def test_a_cycle_kafka_refuses_after_leading_again_is_placed_again() -> None:
-    """A lease check failed once and the next one led again (Redis, which holds only what a
-    cycle's ack saved, did not have its placement): the undo took the placement for one that
-    had moved on, marked the work decided, and its record, read again, was skipped as a
-    redelivery. The request was never placed."""
+def _held_engine(send=None, store=None  # noqa: ANN001
+                 ) -> tuple[SchedulingEngine, list[asyncio.Future], Commits]:
+    """A leading engine whose publishes wait for the test to answer them (`acks`), unless
+    it gives its own `send`."""
     acks: list[asyncio.Future] = []
 
-    async def send(batch):
+    async def held(batch):
         acks.append(asyncio.get_running_loop().create_future())
         return acks[-1]
-    kafka = Commits()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           commit_interval_ms=0))
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send or held, lambda: 1000,
+                              NoOpTracer(), EngineConfig(cycle_window_ms=0,
+                                                         node_timeout_ms=10**12,
+                                                         commit_interval_ms=0), store=store)
     engine.lead(3, [])
     engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
-    record = request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
-        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
-         "max_tokens": 4}).encode())
+    return engine, acks, Commits()
+
+
+def _standard_record(offset: int, request_id: str, **extra) -> ConsumerRecord:
+    return request_record(topics.REQUESTS["standard"].name, offset, json.dumps(
+        {"request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4} | extra).encode())
+
+
+@pytest.mark.parametrize("token,refused,lead_first", [
+    (3, True, True), (4, False, True), (4, False, False)],
+    ids=["refused-after-leading-again", "taken-after-a-new-token", "taken-while-not-leading"])
+async def test_a_cycle_answered_across_a_change_of_term_is_placed_again(
+        token: int, refused: bool, lead_first: bool) -> None:
+    """Kafka answered a cycle after its instance stepped down. Refused after it led again
+    under the same token (Redis, which holds only what an answer saved, did not have it),
+    the undo took the placement for one that had moved on and marked the work decided.
+    Taken after it led again under a new token, or while it did not lead, the placement
+    (which agents refuse under the old token) was saved and its work marked decided. Each
+    time the record, read again, was skipped as placed: the request was never placed."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
     assert await engine.cycle() == 1
     engine.step_down()
-    engine.lead(3, [], {})
-    acks[0].set_exception(ConnectionError("broker gone"))
+    if lead_first:
+        engine.lead(token, [], {})
+    if refused:
+        acks[0].set_exception(ConnectionError("broker gone"))
+    else:
+        acks[0].set_result(None)
     await asyncio.sleep(0.01)
-    await engine.admit([record], kafka.commit)  # the consumer reads it again
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
-    await asyncio.sleep(0.01)
-    assert list(engine.running) == ["r1#0"] and kafka.offsets
-
-
-async def test_a_cycle_kafka_takes_after_leading_again_with_a_new_token_is_placed_again(
-) -> None:
-    """The lease lapsed while Kafka had not yet answered a cycle, and this instance took it
-    again with a new token: the placement went out under the old one, which agents refuse
-    as a deposed leader's. The answer then saved it and committed its record, and the new
-    term, which did not count it as running, skipped the record read again as placed: the
-    request was never placed."""
-    acks: list[asyncio.Future] = []
-
-    async def send(batch):
-        acks.append(asyncio.get_running_loop().create_future())
-        return acks[-1]
-    kafka = Commits()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           commit_interval_ms=0))
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
-    record = request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
-        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
-         "max_tokens": 4}).encode())
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    engine.step_down()
-    engine.lead(4, [], {})
-    acks[0].set_result(None)
-    await asyncio.sleep(0.01)
+    if not lead_first:
+        engine.lead(token, [], {})
     assert kafka.offsets == {}
     await engine.admit([record], kafka.commit)  # the consumer reads it again
     assert await engine.cycle() == 1
     acks[1].set_result(None)
     await asyncio.sleep(0.01)
-    assert list(engine.running) == ["r1#0"] and engine.running["r1#0"].request.request_id
-    assert kafka.offsets
+    assert list(engine.running) == ["r1#0"] and kafka.offsets
 
 
 async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_take_it(
@@ -1820,12 +1809,12 @@ async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
     assert sorted(victims) == ["b0#0", "b1#0"]
 
 
-async def test_requests_waiting_in_one_cycle_preempt_only_the_victims_they_need() -> None:
-    """One batch victim frees room for both interactive requests; each was planned on the
-    state before any preemption, so each got a victim of its own, and the second victim's
-    progress was thrown away for nothing."""
-    from gpusched_scheduler.domain.planner import memory_per_gpu
-
+@pytest.mark.parametrize("apart", [False, True], ids=["one-cycle", "a-cycle-later"])
+async def test_requests_that_fit_in_one_victims_room_stop_one_victim(apart: bool) -> None:
+    """One batch victim frees room for both interactive requests. In one cycle each was
+    planned on the state before any preemption, so each got a victim of its own; a cycle
+    later, the victim stopping was left out of the plan and its memory not counted as
+    coming free. Either way the second victim's progress was thrown away for nothing."""
     now = [1000]
     engine, sent = leading_engine(lambda: now[0])
 
@@ -1846,11 +1835,13 @@ async def test_requests_waiting_in_one_cycle_preempt_only_the_victims_they_need(
     assert await engine.cycle() == 2
     engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2,
                                       active=("b0#0", "b1#0")), now[0], NODE_TIMEOUT_MS)
-    now[0] = 10_000
     before = len(sent[topics.PLACEMENTS.name])
-    await engine.admit([record(0, request("i1", "interactive", 10000)),
-                        record(1, request("i2", "interactive", 10000))])
-    await engine.cycle()
+    arrivals = [["i1"], ["i2"]] if apart else [["i1", "i2"]]
+    for offset, ids in enumerate(arrivals):
+        now[0] += 100
+        await engine.admit([record(2 * offset + k, request(rid, "interactive", 10000))
+                            for k, rid in enumerate(ids)])
+        await engine.cycle()
     commands = [json.loads(v) for v in sent[topics.PLACEMENTS.name][before:]]
     assert [c["type"] for c in commands] == ["preempt"]
 
@@ -2138,14 +2129,7 @@ async def test_a_batch_read_while_stepping_down_is_left_to_the_next_leader() -> 
     """The lease was lost while admission waited for Kafka to take a dead letter: the rest
     of its batch was queued and charged on an instance no longer leading, after
     `step_down` had emptied its queue; leading again later, it placed that stale item."""
-    held: list[asyncio.Future] = []
-
-    async def send(batch):
-        held.append(asyncio.get_running_loop().create_future())
-        return held[-1]
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
-    engine.lead(3, [])
+    engine, held, _ = _held_engine()
     standard = topics.REQUESTS["standard"].name
     admitting = asyncio.create_task(engine.admit([
         request_record(standard, 0, b"{not json"),
@@ -2194,12 +2178,9 @@ async def test_a_record_refused_over_quota_and_read_again_stays_refused() -> Non
     (billed) for a client that had its 429."""
     now = [1000]
     engine, sent = leading_engine(lambda: now[0])
-    standard = topics.REQUESTS["standard"].name
 
     def record(offset: int, request_id: str) -> ConsumerRecord:
-        return request_record(standard, offset, json.dumps({
-            "request_id": request_id, "tenant": "hooli", "model": SMALL.name, "prompt": "x",
-            "max_tokens": 1999}).encode())
+        return _standard_record(offset, request_id, tenant="hooli", max_tokens=1999)
 
     await engine.admit([record(0, "first"), record(1, "over")])
     [refused] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
@@ -2308,44 +2289,6 @@ async def test_an_aged_preemptor_is_placed_as_aged() -> None:
     assert engine.running["s#1"].aged is True
 
 
-async def test_a_preemptor_a_cycle_later_waits_for_the_room_a_stopping_victim_frees(
-) -> None:
-    """One victim frees enough for two interactive requests; the second came a cycle
-    later, when the victim stopping was left out of the plan and its memory not counted as
-    coming free, so it stopped a second batch request for nothing."""
-    from gpusched_scheduler.domain.planner import memory_per_gpu
-
-    now = [1000]
-    engine, sent = leading_engine(lambda: now[0])
-
-    def request(request_id: str, cls: str, max_tokens: int) -> InferenceRequest:
-        return InferenceRequest(request_id=request_id, tenant="acme", model=SMALL.name,
-                                prompt="x", max_tokens=max_tokens, priority_class=cls,
-                                created_at_ms=now[0])
-
-    def record(offset: int, r: InferenceRequest) -> ConsumerRecord:
-        return request_record(topics.REQUESTS[r.priority_class].name, offset, r.to_bytes())
-
-    batch_kv = memory_per_gpu(request("b", "batch", 22000), SMALL)[0]
-    assert 2 * memory_per_gpu(request("i", "interactive", 10000), SMALL)[0] < batch_kv
-    engine.view.apply_node_state(node("a", [2 * batch_kv + 5], models=(SMALL.name,)),
-                                 now[0], NODE_TIMEOUT_MS)
-    await engine.admit([record(0, request("b0", "batch", 22000)),
-                        record(1, request("b1", "batch", 22000))])
-    assert await engine.cycle() == 2
-    engine.view.apply_node_state(node("a", [5], models=(SMALL.name,), seq=2,
-                                      active=("b0#0", "b1#0")), now[0], NODE_TIMEOUT_MS)
-    preempts = []
-    for offset, request_id in enumerate(["i1", "i2"]):
-        now[0] += 100
-        before = len(sent[topics.PLACEMENTS.name])
-        await engine.admit([record(offset, request(request_id, "interactive", 10000))])
-        await engine.cycle()
-        preempts += [c["placement_id"] for c in map(json.loads, sent[topics.PLACEMENTS.name][
-            before:]) if c["type"] == "preempt"]
-    assert len(preempts) == 1
-
-
 def test_the_memory_kept_for_a_preemptor_is_out_of_reach_while_its_victim_stops() -> None:
     """While the victim stops, a request that fits in the GPU's free memory would take part
     of what the preemptor needs there once the victim is gone."""
@@ -2361,67 +2304,6 @@ def test_the_memory_kept_for_a_preemptor_is_out_of_reach_while_its_victim_stops(
     assert not _plan_with_rooms(view, [i, small], rooms={"i": pre.room}).placed
     assert [p.item.request.request_id for p in _plan_with_rooms(view, [i, small]).placed] == [
         "s"]  # what it would have done without the room kept
-
-
-def _held_engine() -> tuple[SchedulingEngine, list[asyncio.Future], Commits]:
-    """A leading engine whose publishes wait for the test to answer them (`acks`)."""
-    acks: list[asyncio.Future] = []
-
-    async def send(batch):
-        acks.append(asyncio.get_running_loop().create_future())
-        return acks[-1]
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           commit_interval_ms=0))
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
-    return engine, acks, Commits()
-
-
-def _standard_record(offset: int, request_id: str, **extra) -> ConsumerRecord:
-    return request_record(topics.REQUESTS["standard"].name, offset, json.dumps(
-        {"request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
-         "max_tokens": 4} | extra).encode())
-
-
-async def test_a_cycle_kafka_answers_while_not_leading_is_placed_by_the_next_term() -> None:
-    """Kafka answered between the step-down and leading again with a new token (the
-    instance reads Redis in between): the work was marked decided, and the next term
-    skipped its record, read again, as placed; nothing placed it."""
-    engine, acks, kafka = _held_engine()
-    record = _standard_record(7, "r1")
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    engine.step_down()
-    acks[0].set_result(None)
-    await asyncio.sleep(0.01)
-    engine.lead(4, [], {})
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
-    await asyncio.sleep(0.01)
-    assert list(engine.running) == ["r1#0"] and kafka.offsets
-
-
-async def test_a_record_the_next_term_reads_before_the_old_answer_is_placed_again() -> None:
-    """The next term's consumer read the record before Kafka answered the old term's cycle:
-    its decision, remembered from that term, had the record committed while the work only
-    waited in memory, where another step-down would lose it."""
-    engine, acks, kafka = _held_engine()
-    record = _standard_record(7, "r1")
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    engine.step_down()
-    engine.lead(4, [], {})
-    await engine.admit([record], kafka.commit)
-    await asyncio.sleep(0.01)
-    assert kafka.offsets == {}
-    acks[0].set_result(None)
-    await asyncio.sleep(0.01)
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
-    await asyncio.sleep(0.01)
-    assert list(engine.running) == ["r1#0"] and kafka.offsets
 
 
 async def test_a_rejection_kafka_answers_after_leading_again_stands() -> None:
@@ -2512,10 +2394,14 @@ def test_idle_memory_a_waiting_preemptors_plan_counts_on_stays_for_it() -> None:
     assert [p.item.request.request_id for p in placed] == ["P"]
 
 
-async def test_an_old_terms_late_answer_leaves_the_new_terms_placement_alone() -> None:
-    """The new term placed the request again (its record read again) before Kafka answered
-    the old term's cycle; that answer's undo took the new placement out of running and its
-    reservation off the node, and queued the request a third time."""
+@pytest.mark.parametrize("placed_first", [False, True], ids=["answer-first", "placed-first"])
+async def test_a_record_the_next_term_reads_before_the_old_answer_runs_once(
+        placed_first: bool) -> None:
+    """The next term read the record again before Kafka answered the old term's cycle. Its
+    decision, remembered from the old term, had the record committed while the work only
+    waited in memory (another step-down lost it). Placed by the new term before the
+    answer, the answer's undo took the new placement out of running and its reservation
+    off the node, and queued the request a third time (charged twice)."""
     engine, acks, kafka = _held_engine()
     record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
@@ -2524,14 +2410,21 @@ async def test_an_old_terms_late_answer_leaves_the_new_terms_placement_alone() -
     engine.lead(4, [], {})
     engine.view.apply_node_state(node("n1", [80000], seq=2), 0, NODE_TIMEOUT_MS)
     await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
     await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
     charged = engine.quotas.tokens_last_minute("acme", 1000)
+    if placed_first:
+        assert await engine.cycle() == 1
+        acks[1].set_result(None)
+        await asyncio.sleep(0.01)
     acks[0].set_result(None)
     await asyncio.sleep(0.01)
+    if not placed_first:
+        assert await engine.cycle() == 1
+        acks[1].set_result(None)
+        await asyncio.sleep(0.01)
     assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
-    assert not len(engine.queue)
+    assert not len(engine.queue) and kafka.offsets
     assert engine.quotas.tokens_last_minute("acme", 1000) < charged  # charged once now
 
 
@@ -2539,23 +2432,14 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
     """The cycle's token was read after the send: a step-down during it gave the settle the
     same None as the instance, which saved the placement to Redis after the next leader
     had read it and kept it as running."""
-    class Store:
-        saved: list[str] = []
-
-        async def save(self, placements) -> None:
-            self.saved += [p.placement_id for p in placements]
-
-    store = Store()
+    store = FlakyStore()
+    store.up = True
 
     async def send(batch):
         engine.step_down()  # the lease lapses while the producer waits
         return asyncio.gather()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           commit_interval_ms=0), store=store)
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
-    await engine.admit([_standard_record(7, "r1")], Commits().commit)
+    engine, _, kafka = _held_engine(send, store)
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
     await engine.cycle()
     await asyncio.sleep(0.01)
     assert store.saved == [] and not engine.running
@@ -2564,14 +2448,7 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
 async def test_a_429_that_went_out_stays_refused_across_a_step_down() -> None:
     """The step-down came while Kafka took the 429: the note that it went out was skipped,
     and the same instance leading again admitted the record read again."""
-    held: list[asyncio.Future] = []
-
-    async def send(batch):
-        held.append(asyncio.get_running_loop().create_future())
-        return held[-1]
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
-    engine.lead(3, [])
+    engine, held, _ = _held_engine()
     standard = topics.REQUESTS["standard"].name
     record = request_record(standard, 1, json.dumps({
         "request_id": "over", "tenant": "hooli", "model": SMALL.name, "prompt": "x",
