@@ -294,7 +294,8 @@ class SchedulingEngine:
         that its measured usage has not replaced yet."""
         self._preempting: dict[str, tuple[int, Room]] = {}
         """Request id -> (ms until which its preemption is in progress, not planned again;
-        the room its victims free, kept for it meanwhile)."""
+        its room, the GPUs its plan runs it on once the victims stop, kept for it
+        meanwhile)."""
         self._victims: dict[str, int] = {}
         """Placement id -> until when: running work a preempt was sent for (not chosen as a
         victim again meanwhile, by another request that would then wait for its room)."""
