@@ -2493,3 +2493,20 @@ def test_a_stopping_victim_on_a_node_reporting_fewer_gpus_is_no_crash() -> None:
                            "gpusched", [_victim("w#0", req("w", "batch"), (0,), 50, 50)], 0,
                            {"q": 1}, fleet=lambda: fleet_gpu_mib(view), stopping=[stopping])
     assert [p.request.request_id for p in decisions.waiting] == ["q"]
+
+
+async def test_a_preemption_whose_room_is_on_a_draining_node_lets_its_request_go() -> None:
+    """A draining node is live but takes no work: its preemptor stayed first in line with
+    nothing kept for it and no right to plan again until the 15 s time-out."""
+    from gpusched_scheduler.domain.planner import Room
+
+    engine, _ = leading_engine()
+    engine.view.apply_node_state(node("a", [100]), 1000, NODE_TIMEOUT_MS)
+    draining = node("b", [100]).model_copy(update={"status": "draining"})
+    engine.view.apply_node_state(draining, 1000, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, json.dumps({
+        "request_id": "i", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 30_000, "priority_class": "interactive"}).encode())])
+    engine._preempting["i"] = (16_000, Room("b", (0,)))
+    await engine.cycle()
+    assert "i" not in engine._preempting

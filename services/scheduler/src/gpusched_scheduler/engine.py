@@ -614,12 +614,12 @@ class SchedulingEngine:
             return 0
         started = time.perf_counter()
         live = self.view.live_nodes(now, cfg.node_timeout_ms)
-        # before ordering: a preemption timed out, or whose room's node is gone, no longer
-        # puts its request first, and it may plan another
-        self._preempting = {r: p for r, p in self._preempting.items()
-                            if p[0] > now and p[1].node_id in live}
-        self._victims = {p: t for p, t in self._victims.items() if t > now}
         snap = snapshot(self.view, live, self._node_specs)
+        # before ordering: a preemption timed out, or whose room's node is gone (lost or
+        # draining), no longer puts its request first, and it may plan another
+        self._preempting = {r: p for r, p in self._preempting.items()
+                            if p[0] > now and p[1].node_id in snap.node_index}
+        self._victims = {p: t for p, t in self._victims.items() if t > now}
         ordered = self._ordered(now)
         if sum(len(c.items) for c in ordered) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
