@@ -2510,3 +2510,32 @@ async def test_a_preemption_whose_room_is_on_a_draining_node_lets_its_request_go
     engine._preempting["i"] = (16_000, Room("b", (0,)))
     await engine.cycle()
     assert "i" not in engine._preempting
+
+
+async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> None:
+    """Its preemption ended when the cycle placed it: undone, it waited again without its
+    room, and the victims' hand-backs could take that room back once more."""
+    from gpusched_scheduler.domain.planner import Room
+
+    send_ok = [False]
+
+    async def send(batch):
+        done = asyncio.get_running_loop().create_future()
+        if send_ok[0]:
+            done.set_result(None)
+        else:
+            done.set_exception(ConnectionError("Kafka away"))
+        return done
+    engine, _, _ = _held_engine(send)
+    await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, json.dumps({
+        "request_id": "i", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+        "max_tokens": 10, "priority_class": "interactive"}).encode())])
+    engine._preempting["i"] = (16_000, Room("n1", (0,)))
+    with contextlib.suppress(ConnectionError):
+        await engine.cycle()
+    await asyncio.sleep(0.01)
+    assert [name for name, _ in engine.in_line(1000)] == ["preempting"]
+    send_ok[0] = True
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.01)
+    assert "i" not in engine._preempting

@@ -663,7 +663,6 @@ class SchedulingEngine:
             new_running.append(running)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
             self._estimated[pid] = running.estimate_gpu_s
-            self._preempting.pop(request.request_id, None)
             messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
                                                   place.node_id, place.item.trace_carrier)))
             self._metrics.placement_latency[request.priority_class].observe(
@@ -763,6 +762,9 @@ class SchedulingEngine:
             return
         for item in finished:
             item.decided = True
+            # its preemption is over once Kafka took its placement: a cycle undone keeps
+            # it first in line, with its room
+            self._preempting.pop(item.request.request_id, None)
         self._commit_decided()
 
     async def _save(self, new_running: list[RunningPlacement], epoch: int | None) -> bool:
