@@ -38,7 +38,7 @@ from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
-from gpusched_scheduler.domain.ordering import FairShare, order_pending
+from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     fleet_gpu_mib,
@@ -2539,3 +2539,101 @@ async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> N
     assert await engine.cycle() == 1
     await asyncio.sleep(0.01)
     assert "i" not in engine._preempting
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["taken", "refused"])
+async def test_a_new_term_begun_while_kafka_takes_a_cycle_places_its_work_again(
+        refused: bool) -> None:
+    """The lease lapsed and this instance led again under a new token while the producer
+    took a cycle: the cycle then noted its placement as decided in the new term, which
+    took that note for its own and dropped the request (never placed under the new token;
+    agents refuse the old one's)."""
+    engine: SchedulingEngine
+
+    async def send(batch):
+        if not acks:
+            engine.step_down()
+            engine.lead(4, [], {})
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    engine, acks, kafka = _held_engine(send)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    await engine.cycle()
+    if refused:
+        acks[0].set_exception(ConnectionError("broker gone"))
+    else:
+        acks[0].set_result(None)
+    await asyncio.sleep(0.01)
+    await engine.admit([record], kafka.commit)  # the new term's consumer reads it again
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert engine.running["r1#0"].request.request_id == "r1" and kafka.offsets
+
+
+async def test_an_old_terms_refused_cycle_leaves_the_new_terms_placement_alone() -> None:
+    """Kafka refused the old term's cycle after the new term had placed the request again:
+    the undo put the old item back in the queue, and the same placement went out a third
+    time (charged twice)."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    engine.step_down()
+    engine.lead(4, [], {})
+    engine.view.apply_node_state(node("n1", [80000], seq=2), 0, NODE_TIMEOUT_MS)
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    charged = engine.quotas.tokens_last_minute("acme", 1000)
+    acks[0].set_exception(ConnectionError("broker gone"))
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and not len(engine.queue)
+    assert engine.quotas.tokens_last_minute("acme", 1000) < charged
+
+
+async def test_a_record_read_again_while_its_cycle_is_in_flight_waits_for_its_answer() -> None:
+    """Read again (a re-lead under the same token, a seek-back) while its cycle waited for
+    Kafka, the record was committed as decided; Kafka then refused the cycle, its work
+    waited in memory only, and the next step-down lost it."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    await engine.cycle()
+    engine.step_down()
+    engine.lead(3, [], {})
+    await engine.admit([record], kafka.commit)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
+    acks[0].set_exception(ConnectionError("broker gone"))
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {} and [p.key for p in engine.queue.in_order()] == [("r1", 0)]
+
+
+def test_an_earlier_preemptor_is_planned_before_later_work_takes_the_room_coming_free(
+) -> None:
+    """One solve of all waiting requests on what a stopping victim frees let a later one
+    that fits take that room first; the earlier one, planned on what was left, found no
+    plan, and the later one took the room for good."""
+    mistral = CATALOG.get("mistral-7b")
+
+    def sized(rid: str, kv: int, tenant: str) -> InferenceRequest:
+        tokens = next(t for t in range(1, 32_768, 16)
+                      if memory_per_gpu(req("x", model=mistral.name, max_tokens=t),
+                                        mistral)[0] >= kv)
+        return req(rid, "interactive", model=mistral.name, max_tokens=tokens, tenant=tenant)
+
+    earlier, later = sized("E", 4000, "acme"), sized("L", 1000, "globex")
+    view = ClusterView()
+    view.apply_node_state(node("a", [500], models=(mistral.name,), active=("S#0", "V#0")), 0,
+                          NODE_TIMEOUT_MS)
+    stopping = _victim("S#0", req("S", "batch"), (0,), 2000, 2000)
+    running = _victim("V#0", req("V", "batch"), (0,), 2000, 2000)
+    chunks = [Chunk("interactive", [Pending(earlier, {}, 0), Pending(later, {}, 0)])]
+    decisions = plan_cycle(snapshot(view, view.live_nodes(0, 10**12)), chunks, CATALOG,
+                           "gpusched", [running], 0, {"E": 1, "L": 1},
+                           fleet=lambda: fleet_gpu_mib(view), stopping=[stopping])
+    assert [(p.item.request.request_id, [v.placement_id for v in p.victims])
+            for p in decisions.preemptions] == [("E", ["V#0"])]

@@ -281,6 +281,9 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
+        self._in_cycle: dict[tuple[str, int], Pending] = {}
+        """(request id, attempt) -> its item, decided in a cycle whose answer from Kafka has
+        not come yet: a record of it read again commits once that decision stands."""
         self._led_with: int | None = None
         """The token of the latest term this instance led (`epoch` is None between)."""
         self._over_quota_records = Recent(RECENT_DECISIONS)
@@ -408,8 +411,9 @@ class SchedulingEngine:
                 continue
             waiting = known[1] if known is not None else None
             if known is not None and waiting is None:
-                # redelivered after its placement was published: nothing to do
-                self.offsets.track(record, None, commit)
+                # redelivered after its placement was published: nothing to do, but wait
+                # for its cycle's answer (Kafka may refuse it) before committing past it
+                self.offsets.track(record, self._in_cycle.get(key), commit)
                 continue
             if waiting is None and self._charges_quota(request, now):
                 over = self._over_quota(request, now)
@@ -700,10 +704,14 @@ class SchedulingEngine:
             acked = await self._send([out for _, out in messages])
         finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected] \
             + [item for item, _ in ended]
+        # led again under another token during the send: that term places them again
+        stale = {id(p.item) for p in decisions.placed} if self.epoch != epoch else set()
         for item in finished:
             self.queue.remove(item)
-            self._placed[(item.request.request_id, item.request.attempt)] = \
-                _identity(item.request)
+            self._in_cycle[item.key] = item
+            if id(item) not in stale:
+                self._placed[(item.request.request_id, item.request.attempt)] = \
+                    _identity(item.request)
         if finished:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
@@ -728,7 +736,8 @@ class SchedulingEngine:
             await acked
         except Exception:
             log.exception("publishing a cycle's decisions failed; planning its work again")
-            self._undo(finished, new_running, requeue=self.epoch is not None)
+            self._undo(finished, new_running, requeue=self.epoch is not None,
+                       later_term=self.epoch is not None and self.epoch != epoch)
             return
         if self.epoch != epoch:
             # Stepped down, or led again with a new token, meanwhile: agents refuse what went
@@ -738,6 +747,8 @@ class SchedulingEngine:
             sent = {r.placement_id for r in new_running}
             for item in finished:
                 item.decided |= _placement_id(*item.key) not in sent
+                if self._in_cycle.get(item.key) is item:
+                    del self._in_cycle[item.key]
             self._undo([i for i in finished if not i.decided], new_running,
                        requeue=self.epoch is not None, later_term=self.epoch is not None)
             return
@@ -762,6 +773,7 @@ class SchedulingEngine:
             return
         for item in finished:
             item.decided = True
+            self._in_cycle.pop(item.key, None)
             # its preemption is over once Kafka took its placement: a cycle undone keeps
             # it first in line, with its room
             self._preempting.pop(item.request.request_id, None)
@@ -793,6 +805,9 @@ class SchedulingEngine:
         # work went on without this cycle, and placing it again would run it beside its retry
         moved_on = {pid for pid in sent if self._gone(pid)}
         retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
+        for item in finished:
+            if self._in_cycle.get(item.key) is item:
+                del self._in_cycle[item.key]
         for r in new_running:
             if self.running.get(r.placement_id) is r:  # not a later term's placement of it
                 self.running.pop(r.placement_id)

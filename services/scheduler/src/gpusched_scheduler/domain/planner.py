@@ -328,40 +328,60 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             waiting = [item for item in waiting if id(item) not in now_placed]
             state = evicting.state
     if running and may_preempt:
-        taken: set[str] = set()
-        # the state once this cycle's victims (and those stopping already) have stopped and
-        # their preemptors run: work that fits in what is left of the room they free waits
-        # for it, and the next plan needs only the victims that room lacks
-        freed = _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
-        waits: set[int] = set()  # ids of those that fit in what stopping victims free
-        if freed is not None and eligible:  # one solve for all of them, in order
-            trial = solve(freed, _batch([i.request for i in eligible], catalog), policy,
-                          shapes=shapes)
-            waits = {id(i) for u, i in enumerate(eligible)
-                     if hasattr(trial.outcome(u), "gpu_indices")}
-            freed = trial.state
-        planned = False
-        for item in eligible:
-            if len(preemptions) >= max_preemptions:
-                break
-            if id(item) in waits:
-                continue
-            ceiling = may_preempt[item.request.request_id]
-            unit = _batch([item.request], catalog)
-            if planned:  # what this cycle's plans free, left over
-                trial = solve(freed, unit, policy, shapes=shapes)
-                if hasattr(trial.outcome(0), "gpu_indices"):
-                    freed = trial.state
-                    continue
-            plan = _plan(freed or state, snap, item, catalog, running, now_ms, ceiling, taken,
-                         item.request.request_id in reclaiming)
-            if plan is not None:
-                taken |= {v.placement_id for v in plan.victims}
-                freed, room = _stopped(freed or state, snap, plan, unit, policy, shapes)
-                preemptions.append(replace(plan, room=room))
-                planned = True
+        preemptions += _plan_preemptions(
+            eligible, state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
+            reclaiming, max_preemptions,
+            # the state once the victims stopping already have stopped and their
+            # preemptors run
+            _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None)
     return CycleDecisions(placed, rejected, waiting, preemptions)
+
+
+def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapshot,
+                      catalog: ModelCatalog, policy: str, shapes: ShapeDistribution | None,
+                      running: Collection[RunningPlacement], now_ms: int,
+                      may_preempt: dict[str, int], reclaiming: Collection[str],
+                      most: int, freed: ClusterState | None) -> list[Preemption]:
+    """Plans for `eligible` (waiting work that may preempt), in order. `freed` is the state
+    once what is being stopped has stopped (None: nothing is): work that fits in what is
+    left of it waits for it, and a plan needs only the victims that room lacks; each plan
+    made adds its own. Work is tried in runs: one solve of all the rest finds the leading
+    ones that fit (they wait, their share taken), and the first that does not is planned
+    on what is left before them; a plan that fails takes nothing, so that solve holds for
+    the rest until a plan succeeds. A solve per waiting request, every cycle while a victim
+    stopped, made cycles 5x longer; one for all of them let later requests take the room
+    an earlier one needed before it was planned."""
+    out: list[Preemption] = []
+    taken: set[str] = set()
+    i = 0
+    trial: tuple[int, SolveResult] | None = None  # (first unit, its solve on `freed`)
+    while i < len(eligible) and len(out) < most:
+        if freed is not None:
+            if trial is None:
+                trial = i, solve(freed, _batch([e.request for e in eligible[i:]], catalog),
+                                 policy, shapes=shapes)
+            first, result = trial
+            j = i
+            while j < len(eligible) and hasattr(result.outcome(j - first), "gpu_indices"):
+                j += 1
+            if j > i:  # they wait for room coming free: their share of it is taken
+                freed = solve(freed, _batch([e.request for e in eligible[i:j]], catalog),
+                              policy, shapes=shapes).state
+                i = j
+                continue
+        item = eligible[i]
+        i += 1
+        plan = _plan(freed or state, snap, item, catalog, running, now_ms,
+                     may_preempt[item.request.request_id], taken,
+                     item.request.request_id in reclaiming)
+        if plan is not None:
+            taken |= {v.placement_id for v in plan.victims}
+            freed, room = _stopped(freed or state, snap, plan, _batch([item.request], catalog),
+                                   policy, shapes)
+            out.append(replace(plan, room=room))
+            trial = None  # the rest is tried again on what this plan frees
+    return out
 
 
 @dataclass
