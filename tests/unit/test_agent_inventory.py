@@ -109,6 +109,10 @@ def test_nvml_discovery_reads_every_field_and_versions() -> None:
     assert gpu.healthy and gpu.ecc_uncorrected_errors == 0 and gpu.memory_reserved_mib == 500
     node = NodeModel.from_inventory([gpu])
     assert node.gpus[0].free_mib() == 81559 - 500  # memory others use is never ours to give
+    # nor reported as the GPU's total: the scheduler judges what can ever fit by it (it
+    # waited for good, holding lower classes back, for a request only the whole GPU holds)
+    [reported] = node.state("n", 1, 0, 0).gpus
+    assert reported.memory_total_mib == 81559 - 500
 
 
 def test_nvml_not_available_gives_none() -> None:

@@ -208,7 +208,9 @@ class GpuState(BaseModel):
     index: int = Field(ge=0)
     uuid: str
     gpu_type: str = Field(description="Catalog name, e.g. 'H100-80GB'.")
-    memory_total_mib: int = Field(ge=0, le=MAX_GPU_MEMORY_MIB)
+    memory_total_mib: int = Field(ge=0, le=MAX_GPU_MEMORY_MIB, description="What gpusched "
+                                  "may use: the GPU's memory less what other processes held "
+                                  "when the agent started.")
     memory_free_mib: int = Field(le=MAX_GPU_MEMORY_MIB, description="Total minus loaded "
                                  "weights minus reserved KV cache.")
     healthy: bool = True

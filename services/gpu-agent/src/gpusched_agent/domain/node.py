@@ -168,7 +168,10 @@ class NodeModel:
             cuda_version=self.cuda_version, executor=executor,
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
-                         memory_total_mib=s.info.memory_total_mib, memory_free_mib=s.free_mib(),
+                         # what gpusched may ever use: the scheduler rejects, or waits
+                         # for, work by it (memory others held at start never frees)
+                         memory_total_mib=s.info.memory_total_mib - s.info.memory_reserved_mib,
+                         memory_free_mib=s.free_mib(),
                          healthy=s.info.healthy and self.down is None,
                          loaded_models=_reported(s.loaded_mib),
                          running_requests=len(s.active), name=s.info.name,
