@@ -2637,3 +2637,21 @@ def test_an_earlier_preemptor_is_planned_before_later_work_takes_the_room_coming
                            fleet=lambda: fleet_gpu_mib(view), stopping=[stopping])
     assert [(p.item.request.request_id, [v.placement_id for v in p.victims])
             for p in decisions.preemptions] == [("E", ["V#0"])]
+
+
+def test_an_ended_placement_no_report_listed_keeps_its_memory_until_one_shows_it() -> None:
+    """Its final usage came before any report listed it: released at once, the GPU looked
+    as free as the last report, before the weights it loaded, and the agent refused every
+    placement that counted on that memory until its next report."""
+    view = ClusterView()
+    empty = node("a", [80000]).model_copy(update={"reported_at_ms": 1000})
+    view.apply_node_state(empty, 1000, NODE_TIMEOUT_MS)
+    view.reserve(Reservation("p#0", "a", (0,), 15_000, EIGHT_B.name))
+    view.release_ended("p#0", 1500)
+    assert list(view.reservations) == ["p#0"]
+    view.apply_node_state(empty.model_copy(update={"seq": 2, "reported_at_ms": 1400}), 1400,
+                          NODE_TIMEOUT_MS)  # from before its end: not yet
+    assert list(view.reservations) == ["p#0"]
+    view.apply_node_state(node("a", [66000], seq=3).model_copy(
+        update={"reported_at_ms": 1600}), 1600, NODE_TIMEOUT_MS)
+    assert not view.reservations

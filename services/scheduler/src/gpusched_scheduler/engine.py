@@ -542,7 +542,7 @@ class SchedulingEngine:
                 usage.placement_id, usage.gpu_seconds, usage.final, now_s), now_s)
             if not usage.final:
                 continue
-            self.view.release(usage.placement_id)
+            self.view.release_ended(usage.placement_id, usage.ended_at_ms)
             done = self.running.pop(usage.placement_id, None)
             if usage.completion_tokens > 0:
                 per_token = usage.gpu_seconds / _weighted_tokens(usage.prompt_tokens,

@@ -23,7 +23,8 @@ class ClusterView:
     """Mutable between cycles only; a cycle works on a snapshot of it.
 
     Invariant: a reservation is counted until the agent's node state lists its placement
-    as active (the agent's free memory then includes it) or its final usage arrives.
+    as active (the agent's free memory then includes it), or its final usage arrives and a
+    report from after its end shows what it loaded.
     """
 
     nodes: dict[str, NodeState] = field(default_factory=dict)
@@ -35,6 +36,10 @@ class ClusterView:
     """Per node, bumped whenever its GPUs or its reservations change: what a snapshot is
     built from (a report of the same GPUs leaves it alone)."""
     _by_node: dict[str, dict[str, Reservation]] = field(default_factory=dict)
+    _ending: dict[str, int] = field(default_factory=dict)
+    """Placement id -> when it ended (its agent's clock): its final usage came before any
+    report listed it, so the weights it loaded show in no report yet; its reservation
+    stays until a report from after that."""
 
     def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one. Once
@@ -56,6 +61,9 @@ class ClusterView:
         mine = self._by_node.get(node_id)
         if mine:
             for pid in [p for p in state.active_placement_ids if p in mine]:
+                self.release(pid)
+            for pid in [p for p in mine if self._ending.get(p, state.reported_at_ms + 1)
+                        <= state.reported_at_ms]:
                 self.release(pid)
         return True
 
@@ -93,7 +101,20 @@ class ClusterView:
             self.last_seen_ms[node_id] = min(self.last_seen_ms.get(node_id, 0), 0)
             self._bump(node_id)
 
+    def release_ended(self, placement_id: str, ended_at_ms: int) -> None:
+        """Its final usage came: release it, unless no report since its end shows what it
+        loaded (it ended before a report listed it). Released at once, the scheduler saw
+        the GPU as free as the last report, before the weights: every placement counting on
+        that memory until the next report was refused by the agent."""
+        r = self.reservations.get(placement_id)
+        state = self.nodes.get(r.node_id) if r is not None else None
+        if state is None or state.reported_at_ms >= ended_at_ms:
+            self.release(placement_id)
+        else:
+            self._ending[placement_id] = ended_at_ms
+
     def release(self, placement_id: str) -> None:
+        self._ending.pop(placement_id, None)
         r = self.reservations.pop(placement_id, None)
         if r is not None:
             del self._by_node[r.node_id][placement_id]
