@@ -2655,3 +2655,22 @@ def test_an_ended_placement_no_report_listed_keeps_its_memory_until_one_shows_it
     view.apply_node_state(node("a", [66000], seq=3).model_copy(
         update={"reported_at_ms": 1600}), 1600, NODE_TIMEOUT_MS)
     assert not view.reservations
+
+
+def test_a_gang_an_agent_refused_counts_on_no_shards_it_finds_loaded() -> None:
+    """Two 70B gangs run on GPUs (0, 1) and (2, 3); GPUs 1 and 2 each hold a shard (of a
+    different gang) and room for a KV cache: a third gang was placed on (1, 2) as if its
+    shards were loaded, the agent (which needs its own) refused it, and every next cycle
+    chose the same pair until it failed after five refusals."""
+    shard = weights_name(SEVENTY_B.name, 2)
+    view = ClusterView()
+    view.apply_node_state(NodeState(
+        node_id="a", seq=1, started_at_ms=0, reported_at_ms=0,
+        gpus=tuple(GpuState(index=i, uuid=f"a-{i}", gpu_type="H100-80GB",
+                            memory_total_mib=81559, memory_free_mib=free,
+                            loaded_models=(shard,), kv_cache_free_mib=free)
+                   for i, free in enumerate([0, 13_605, 13_605, 0]))), 0, NODE_TIMEOUT_MS)
+    gang = req("g", "interactive", model=SEVENTY_B.name, num_gpus=2)
+    assert [p.gpu_indices for p in plan(view, [gang]).placed] == [(1, 2)]  # as it was
+    refused = gang.model_copy(update={"attempt": 1, "refused": 1})
+    assert not plan(view, [refused]).placed  # no room for shards of its own: it waits

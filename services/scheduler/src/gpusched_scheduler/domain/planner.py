@@ -423,7 +423,7 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
             continue  # its node is away: the room is gone with it
         start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
         kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
-        weights = request_weights(item.request)
+        weights = _loads(item.request)
         idle = {index: models for index, _, models in snap.evictable.get(room.node_id, ())}
         for g in room.gpu_indices:
             if start + g >= end:
@@ -511,8 +511,7 @@ def _coming_free(state: ClusterState, snap: Snapshot, stopping: Collection[Runni
 def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Placed) -> Place:
     """Unit `u` placed: it reserves its KV cache, and its weights where they are not loaded."""
     kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
-    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices,
-                        request_weights(item.request))
+    loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices, _loads(item.request))
     return Place(item, outcome.node_id, outcome.gpu_indices, kv, kv + (0 if loaded else weight))
 
 
@@ -574,7 +573,7 @@ def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
     return WorkBatch.from_units(
         num_gpu=[r.num_gpus for r in requests], gpu_milli=[GPU_SHARE_MILLI] * len(requests),
         cpu_milli=[0] * len(requests), mem_mib=[0] * len(requests),
-        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[request_weights(r) for r in requests],
+        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[_loads(r) for r in requests],
         model_weight_mib=[w for _, w in sizes],
         priority=priority or [CLASS_PRIORITY[r.priority_class] for r in requests],
         tenant=[r.tenant for r in requests], unit_ids=[r.request_id for r in requests])
@@ -585,6 +584,16 @@ def request_weights(request: InferenceRequest) -> str:
     Only GPUs that hold those count as having its model loaded (a shard of another gang
     size is of no use to it)."""
     return weights_name(request.model, request.num_gpus)
+
+
+def _loads(request: InferenceRequest) -> str:
+    """The weights a placement of `request` counts as loaded where GPUs hold them. A gang
+    an agent refused before counts on none: agents report a gang's shards without the GPUs
+    they belong together with, so the shards of two other gangs on a pair of GPUs looked
+    like its own, the agent (which needs its own) refused it there, and the next cycle chose
+    the same pair until the request failed."""
+    weights = request_weights(request)
+    return f"{weights}@own" if request.num_gpus > 1 and request.refused else weights
 
 
 def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str) -> bool:
