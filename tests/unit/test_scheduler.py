@@ -1555,6 +1555,26 @@ def _held_engine(send=None, store=None  # noqa: ANN001
     return engine, acks, Commits()
 
 
+def _answer(ack: asyncio.Future, refused: bool) -> None:
+    """Kafka's answer to a cycle: taken, or refused."""
+    if refused:
+        ack.set_exception(ConnectionError("broker gone"))
+    else:
+        ack.set_result(None)
+
+
+def _kafka_away_until(back: list[bool]):  # noqa: ANN202
+    """A send that Kafka refuses until `back[0]` is set."""
+    async def send(batch):
+        done = asyncio.get_running_loop().create_future()
+        if back[0]:
+            done.set_result(None)
+        else:
+            done.set_exception(ConnectionError("Kafka away"))
+        return done
+    return send
+
+
 def _standard_record(offset: int, request_id: str, **extra) -> ConsumerRecord:
     return request_record(topics.REQUESTS["standard"].name, offset, json.dumps(
         {"request_id": request_id, "tenant": "acme", "model": SMALL.name, "prompt": "x",
@@ -1579,10 +1599,7 @@ async def test_a_cycle_answered_across_a_change_of_term_is_placed_again(
     engine.step_down()
     if lead_first:
         engine.lead(token, [], {})
-    if refused:
-        acks[0].set_exception(ConnectionError("broker gone"))
-    else:
-        acks[0].set_result(None)
+    _answer(acks[0], refused)
     await asyncio.sleep(0.01)
     if not lead_first:
         engine.lead(token, [], {})
@@ -2097,17 +2114,7 @@ async def test_work_a_cycle_undone_ended_waits_again_with_its_charge() -> None:
     refused that cycle, so it waited again, and a node that joined meanwhile ran it with its
     tokens-per-minute charge given back."""
     send_ok = [False]
-
-    async def send(batch):
-        done = asyncio.get_running_loop().create_future()
-        if send_ok[0]:
-            done.set_result(None)
-        else:
-            done.set_exception(ConnectionError("Kafka away"))
-        return done
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12))
-    engine.lead(3, [])
+    engine, _, _ = _held_engine(_kafka_away_until(send_ok))
     engine.view.apply_node_state(node("a", [80000]), 1000, NODE_TIMEOUT_MS)
     await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
         "request_id": "big", "tenant": "hooli", "model": "llama-3.1-70b", "prompt": "x",
@@ -2394,14 +2401,16 @@ def test_idle_memory_a_waiting_preemptors_plan_counts_on_stays_for_it() -> None:
     assert [p.item.request.request_id for p in placed] == ["P"]
 
 
-@pytest.mark.parametrize("placed_first", [False, True], ids=["answer-first", "placed-first"])
+@pytest.mark.parametrize("placed_first,refused", [(False, False), (True, False), (True, True)],
+                         ids=["answer-first", "placed-first", "placed-first-refused"])
 async def test_a_record_the_next_term_reads_before_the_old_answer_runs_once(
-        placed_first: bool) -> None:
+        placed_first: bool, refused: bool) -> None:
     """The next term read the record again before Kafka answered the old term's cycle. Its
     decision, remembered from the old term, had the record committed while the work only
     waited in memory (another step-down lost it). Placed by the new term before the
-    answer, the answer's undo took the new placement out of running and its reservation
-    off the node, and queued the request a third time (charged twice)."""
+    answer, the answer's undo (Kafka took the cycle, or refused it) took the new placement
+    out of running and its reservation off the node, and queued the request a third time
+    (charged twice)."""
     engine, acks, kafka = _held_engine()
     record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
@@ -2417,7 +2426,7 @@ async def test_a_record_the_next_term_reads_before_the_old_answer_runs_once(
         assert await engine.cycle() == 1
         acks[1].set_result(None)
         await asyncio.sleep(0.01)
-    acks[0].set_result(None)
+    _answer(acks[0], refused)
     await asyncio.sleep(0.01)
     if not placed_first:
         assert await engine.cycle() == 1
@@ -2518,15 +2527,7 @@ async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> N
     from gpusched_scheduler.domain.planner import Room
 
     send_ok = [False]
-
-    async def send(batch):
-        done = asyncio.get_running_loop().create_future()
-        if send_ok[0]:
-            done.set_result(None)
-        else:
-            done.set_exception(ConnectionError("Kafka away"))
-        return done
-    engine, _, _ = _held_engine(send)
+    engine, _, _ = _held_engine(_kafka_away_until(send_ok))
     await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, json.dumps({
         "request_id": "i", "tenant": "acme", "model": SMALL.name, "prompt": "x",
         "max_tokens": 10, "priority_class": "interactive"}).encode())])
@@ -2560,38 +2561,13 @@ async def test_a_new_term_begun_while_kafka_takes_a_cycle_places_its_work_again(
     record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
     await engine.cycle()
-    if refused:
-        acks[0].set_exception(ConnectionError("broker gone"))
-    else:
-        acks[0].set_result(None)
+    _answer(acks[0], refused)
     await asyncio.sleep(0.01)
     await engine.admit([record], kafka.commit)  # the new term's consumer reads it again
     assert await engine.cycle() == 1
     acks[1].set_result(None)
     await asyncio.sleep(0.01)
     assert engine.running["r1#0"].request.request_id == "r1" and kafka.offsets
-
-
-async def test_an_old_terms_refused_cycle_leaves_the_new_terms_placement_alone() -> None:
-    """Kafka refused the old term's cycle after the new term had placed the request again:
-    the undo put the old item back in the queue, and the same placement went out a third
-    time (charged twice)."""
-    engine, acks, kafka = _held_engine()
-    record = _standard_record(7, "r1")
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    engine.step_down()
-    engine.lead(4, [], {})
-    engine.view.apply_node_state(node("n1", [80000], seq=2), 0, NODE_TIMEOUT_MS)
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
-    await asyncio.sleep(0.01)
-    charged = engine.quotas.tokens_last_minute("acme", 1000)
-    acks[0].set_exception(ConnectionError("broker gone"))
-    await asyncio.sleep(0.01)
-    assert list(engine.running) == ["r1#0"] and not len(engine.queue)
-    assert engine.quotas.tokens_last_minute("acme", 1000) < charged
 
 
 async def test_a_record_read_again_while_its_cycle_is_in_flight_waits_for_its_answer() -> None:
