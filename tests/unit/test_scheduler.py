@@ -2542,32 +2542,69 @@ async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> N
     assert "i" not in engine._preempting
 
 
-@pytest.mark.parametrize("refused", [False, True], ids=["taken", "refused"])
-async def test_a_new_term_begun_while_kafka_takes_a_cycle_places_its_work_again(
-        refused: bool) -> None:
-    """The lease lapsed and this instance led again under a new token while the producer
-    took a cycle: the cycle then noted its placement as decided in the new term, which
-    took that note for its own and dropped the request (never placed under the new token;
-    agents refuse the old one's)."""
+@pytest.mark.parametrize("token,refused,model", [
+    (4, False, SMALL.name), (4, True, SMALL.name), (4, True, SEVENTY_B.name),
+    (3, False, SMALL.name)],
+    ids=["new-token-taken", "new-token-refused", "new-token-rejection-refused", "same-token"])
+async def test_a_term_begun_while_kafka_takes_a_cycle_decides_its_work_once(
+        token: int, refused: bool, model: str) -> None:
+    """The lease lapsed and this instance led again while the producer took a cycle. Under
+    a new token, the cycle noted its decision in the new term, which took the note for its
+    own: a placement was dropped (never placed under the new token; agents refuse the old
+    one's), a 422 whose cycle Kafka refused was never sent again and its record never
+    committed. Under the same token, the placement was not noted, the record read again
+    was queued as new work, and the request was placed (and charged) twice."""
     engine: SchedulingEngine
 
     async def send(batch):
         if not acks:
             engine.step_down()
-            engine.lead(4, [], {})
+            if token != 3:
+                engine.lead(token, [], {})
         acks.append(asyncio.get_running_loop().create_future())
         return acks[-1]
     engine, acks, kafka = _held_engine(send)
-    record = _standard_record(7, "r1")
+    record = _standard_record(7, "r1", model=model)
     await engine.admit([record], kafka.commit)
     await engine.cycle()
+    if token == 3:
+        engine.lead(3, [], {})
+    await engine.admit([record], kafka.commit)  # the consumer reads it again
     _answer(acks[0], refused)
     await asyncio.sleep(0.01)
-    await engine.admit([record], kafka.commit)  # the new term's consumer reads it again
-    assert await engine.cycle() == 1
-    acks[1].set_result(None)
+    decided = await engine.cycle()
+    for ack in acks[1:]:
+        ack.set_result(None)
     await asyncio.sleep(0.01)
-    assert engine.running["r1#0"].request.request_id == "r1" and kafka.offsets
+    assert kafka.offsets and not len(engine.queue)
+    if model == SEVENTY_B.name:
+        assert decided == 1  # its 422 again
+    else:
+        assert list(engine.running) == ["r1#0"] and len(acks) == (1 if token == 3 else 2)
+
+
+async def test_a_record_read_again_while_its_lost_nodes_retry_waits_for_kafka_waits_too(
+) -> None:
+    """Kafka refused both the cycle that placed the request and its lost node's retry; a
+    record of it read again (a seek-back) was committed before Kafka took the retry (the
+    placement never saved: a crash then lost the request)."""
+    acks: list[asyncio.Future] = []
+
+    async def send(batch):
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    engine, now, kafka = await placed_on_n1(send)
+    now[0] = 12_000  # n1 lost: its retry goes out
+    cycle = asyncio.create_task(engine.cycle())
+    await asyncio.sleep(0.01)
+    _answer(acks[0], refused=True)  # the cycle that placed r
+    await asyncio.sleep(0.01)
+    _answer(acks[1], refused=True)  # the retry
+    await cycle
+    assert [pid for pid, _ in engine._retries] == ["r#0"]
+    await engine.admit([_standard_record(7, "r")], kafka.commit)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
 
 
 async def test_a_record_read_again_while_its_cycle_is_in_flight_waits_for_its_answer() -> None:

@@ -413,7 +413,8 @@ class SchedulingEngine:
             if known is not None and waiting is None:
                 # redelivered after its placement was published: nothing to do, but wait
                 # for its cycle's answer (Kafka may refuse it) before committing past it
-                self.offsets.track(record, self._in_cycle.get(key), commit)
+                self.offsets.track(record, self._in_cycle.get(key) or
+                                   self._decide_when_retried.get(_placement_id(*key)), commit)
                 continue
             if waiting is None and self._charges_quota(request, now):
                 over = self._over_quota(request, now)
@@ -704,12 +705,13 @@ class SchedulingEngine:
             acked = await self._send([out for _, out in messages])
         finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected] \
             + [item for item, _ in ended]
-        # led again under another token during the send: that term places them again
-        stale = {id(p.item) for p in decisions.placed} if self.epoch != epoch else set()
+        # led again under another token during the send: no decision is noted, that term
+        # decides its records read again afresh (a note made now would pass for its own)
+        stale = self._led_with != epoch
         for item in finished:
             self.queue.remove(item)
             self._in_cycle[item.key] = item
-            if id(item) not in stale:
+            if not stale:
                 self._placed[(item.request.request_id, item.request.attempt)] = \
                     _identity(item.request)
         if finished:
