@@ -626,7 +626,7 @@ class SchedulingEngine:
                             if p[0] > now and p[1].node_id in snap.node_index}
         self._victims = {p: t for p, t in self._victims.items() if t > now}
         ordered = self._ordered(now)
-        if sum(len(c.items) for c in ordered) > cfg.max_units_per_cycle:
+        if len(self.queue) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
             # left out, or a flood of it ahead kept every later unit out of every cycle
             away = out_of_reach(snap, fleet_gpu_mib(self.view), self.catalog)
@@ -749,8 +749,7 @@ class SchedulingEngine:
             sent = {r.placement_id for r in new_running}
             for item in finished:
                 item.decided |= _placement_id(*item.key) not in sent
-                if self._in_cycle.get(item.key) is item:
-                    del self._in_cycle[item.key]
+                self._out_of_cycle(item)
             self._undo([i for i in finished if not i.decided], new_running,
                        requeue=self.epoch is not None, later_term=self.epoch is not None)
             return
@@ -775,7 +774,7 @@ class SchedulingEngine:
             return
         for item in finished:
             item.decided = True
-            self._in_cycle.pop(item.key, None)
+            self._out_of_cycle(item)
             # its preemption is over once Kafka took its placement: a cycle undone keeps
             # it first in line, with its room
             self._preempting.pop(item.request.request_id, None)
@@ -808,8 +807,7 @@ class SchedulingEngine:
         moved_on = {pid for pid in sent if self._gone(pid)}
         retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
         for item in finished:
-            if self._in_cycle.get(item.key) is item:
-                del self._in_cycle[item.key]
+            self._out_of_cycle(item)
         for r in new_running:
             if self.running.get(r.placement_id) is r:  # not a later term's placement of it
                 self.running.pop(r.placement_id)
@@ -860,6 +858,11 @@ class SchedulingEngine:
                     topics.RESULTS.name, request_id, item.trace_carrier)))
         self._to_cancel.clear()
         return out
+
+    def _out_of_cycle(self, item: Pending) -> None:
+        """`item`'s cycle has its answer from Kafka (a later cycle's item of it stays)."""
+        if self._in_cycle.get(item.key) is item:
+            del self._in_cycle[item.key]
 
     def _stopping(self) -> list[RunningPlacement]:
         """The victims told to stop that their node still lists as running: what they hold

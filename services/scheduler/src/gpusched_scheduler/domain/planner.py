@@ -424,7 +424,7 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
         start, end = int(out.node_gpu_start[n]), int(out.node_gpu_start[n + 1])
         kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
         weights = _loads(item.request)
-        idle = {index: models for index, _, models in snap.evictable.get(room.node_id, ())}
+        idle = _idle_models(snap, room.node_id)
         for g in room.gpu_indices:
             if start + g >= end:
                 continue
@@ -460,7 +460,7 @@ def _place_evicting(state: ClusterState, snap: Snapshot, batch: WorkBatch,
             continue
         outcomes[u] = outcome
         start = int(state.node_gpu_start[snap.node_index[outcome.node_id]])
-        idle = {index: models for index, _, models in snap.evictable.get(outcome.node_id, ())}
+        idle = _idle_models(snap, outcome.node_id)
         for g in outcome.gpu_indices:
             row = start + g
             if not np.array_equal(evicted.gpu_models[row], state.gpu_models[row]):
@@ -597,12 +597,8 @@ def _loads(request: InferenceRequest) -> str:
 
 
 def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str) -> bool:
-    state = snap.state
-    start = int(state.node_gpu_start[snap.node_index[node_id]])
-    if weights not in state.model_names:
-        return False
-    code = state.model_names.index(weights)
-    return all(code in state.gpu_models[start + g] for g in gpus)
+    start = int(snap.state.node_gpu_start[snap.node_index[node_id]])
+    return all(_loaded_on_row(snap.state, start + g, weights) for g in gpus)
 
 
 def out_of_reach(snap: Snapshot, fleet: Collection[tuple[int, ...]], catalog: ModelCatalog
@@ -620,6 +616,11 @@ def out_of_reach(snap: Snapshot, fleet: Collection[tuple[int, ...]], catalog: Mo
             known[size] = _never_fits(live, *size) and not _never_fits(fleet, *size)
         return known[size]
     return away
+
+
+def _idle_models(snap: Snapshot, node_id: str) -> dict[int, frozenset[str]]:
+    """The idle models on each GPU of a node that has any (GPU index -> models)."""
+    return {index: models for index, _, models in snap.evictable.get(node_id, ())}
 
 
 def _loaded_on_row(state: ClusterState, row: int, weights: str) -> bool:
