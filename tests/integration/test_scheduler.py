@@ -41,6 +41,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.redis_keys import NODE_CLAIMS_KEY
 from gpusched_ops.services import AGENT_NODES, service_specs
+from gpusched_scheduler.adapters.redis_state import RunningStore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "llama-3.1-8b"  # 15 GB of weights: one L4 holds ~7 requests of 1,000 tokens
@@ -432,6 +433,8 @@ async def test_two_tenants_share_by_weight_of_gpu_seconds(stack, small_fleet) ->
 
 
 async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    noted_before = set(await RunningStore(redis).over_quota())
     async with httpx.AsyncClient(base_url=stack.router_url, timeout=60) as http:
         async def one(tokens: int, stream: bool = False) -> httpx.Response:
             return await http.post("/v1/completions", headers={
@@ -451,6 +454,11 @@ async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
         # once the first 901 tokens leave the minute (the openai SDK waits this long)
         assert 60 - elapsed_s - 1 <= int(refused.headers["retry-after"]) <= 60
     assert never.status_code == 400 and "never admitted" in never.json()["error"]["message"]
+    # the records answered 429 are kept where the next leader reads them (as refused)
+    noted = set(await RunningStore(redis).over_quota()) - noted_before
+    await redis.aclose()
+    assert len(noted) == 2 and {t for t, _p, _o in noted} <= {
+        t.name for t in topics.REQUESTS.values()}
 
 
 async def test_borrowed_capacity_is_reclaimed_for_a_tenant_within_its_guarantee(

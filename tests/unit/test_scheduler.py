@@ -2454,6 +2454,62 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
     assert store.saved == [] and not engine.running
 
 
+class QuotaNotes:
+    """Redis's notes of the request records answered 429, which every instance reads when
+    it leads; taking one fails while `down`."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[str, int, int]] = []
+        self.down = False
+
+    async def note_over_quota(self, position, answered_ms: int, keep: int) -> None:  # noqa: ANN001
+        if self.down:
+            raise ConnectionError("Redis is away")
+        self.kept = [*self.kept, position][-keep:]
+
+    async def over_quota(self) -> list[tuple[str, int, int]]:
+        return list(self.kept)
+
+
+def _records_behind_waiting_work() -> list[ConsumerRecord]:
+    """A request that waits (no cycle runs here), then one of 2,500 tokens from a tenant
+    allowed 3,000 a minute."""
+    return [_standard_record(0, "first"),
+            _standard_record(1, "over", tenant="hooli", max_tokens=2499)]
+
+
+@pytest.mark.parametrize("redis_up", [True, False])
+async def test_a_record_answered_429_stays_refused_when_a_new_leader_reads_it_again(
+        caplog, redis_up: bool) -> None:
+    """The request in front, still waiting, held its partition's offset back; the leader
+    answered the record behind it 429 and died. The next leader read both again and judged
+    the refused one anew against its own, empty minute: it ran for a client that had its
+    429. Redis away when the 429 went out, the leader still knows it and says so."""
+    notes, answers = QuotaNotes(), []
+    notes.down = not redis_up
+
+    async def send(batch):
+        answers.extend(o.message for o in batch if isinstance(o.message, Rejection))
+        return asyncio.gather()
+    old, _, kafka = _held_engine(send, notes)
+    old.quotas.admit("hooli", 2000, 1000)  # most of its minute taken
+    await old.admit(_records_behind_waiting_work(), kafka.commit)
+    assert [(r.request_id, r.status_code) for r in answers] == [("over", 429)]
+    assert kafka.offsets == {}  # "first" waits: both are read again
+    if redis_up:
+        new, _, _ = _held_engine(send, notes)  # the next leader, another instance
+        new.lead(4, [], {}, await notes.over_quota())
+        await new.admit(_records_behind_waiting_work(), kafka.commit)
+        assert [p.request.request_id for p in new.queue.in_order()] == ["first"]
+        assert len(answers) == 1
+    else:
+        assert "not kept in Redis" in caplog.text
+        old.step_down()
+        old.lead(4, [], {}, await notes.over_quota())
+        await old.admit(_records_behind_waiting_work(), kafka.commit)
+        assert [p.request.request_id for p in old.queue.in_order()] == ["first"]
+
+
 async def test_a_429_that_went_out_stays_refused_across_a_step_down() -> None:
     """The step-down came while Kafka took the 429: the note that it went out was skipped,
     and the same instance leading again admitted the record read again."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from aiokafka.structs import ConsumerRecord
@@ -46,7 +46,7 @@ from gpusched_common.recent import Recent
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
-from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
+from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -288,10 +288,10 @@ class SchedulingEngine:
         """The token of the latest term this instance led (`epoch` is None between)."""
         self._over_quota_records = Recent(RECENT_DECISIONS)
         """(topic, partition, offset) of the request records answered 429 lately: read again
-        (the consumer seeks back when a batch's admission fails), one is not judged again,
-        which a minute later could run it for a client that had its 429. A new leader does
-        not know them (docs/ARCHITECTURE.md, known limits); a client's retry is a new
-        record, judged anew."""
+        (the consumer seeks back when a batch's admission fails, or a new leader reads from
+        an offset an earlier request held back), one is not judged again, which a minute
+        later could run it for a client that had its 429. Kept in Redis too, for the next
+        leader (`lead`); a client's retry is a new record, judged anew."""
         self._estimated = Recent(RECENT_DECISIONS)
         """Placement id -> GPU-seconds of the estimate charged to fair share at its placement
         that its measured usage has not replaced yet."""
@@ -332,10 +332,14 @@ class SchedulingEngine:
 
     # --- leadership ---------------------------------------------------------------------
     def lead(self, epoch: int, running: list[RunningPlacement],
-             claims: dict[str, ClaimState] | None = None) -> None:
+             claims: dict[str, ClaimState] | None = None,
+             over_quota: Iterable[Position] = ()) -> None:
         """Start leading with fencing token `epoch`, taking over the placements in flight;
         `claims` says where each stands in the agents' ledger (its first cycle settles them,
-        see `_take_over`)."""
+        see `_take_over`); `over_quota`, the request records answered 429 that Redis keeps
+        (by any leader: read again, they stay refused)."""
+        for position in over_quota:
+            self._over_quota_records[position] = None
         if epoch != self._led_with:
             # what a term under another token decided: a cycle of it still in flight is
             # undone (its records read again must be placed again), and `running` knows
@@ -425,8 +429,8 @@ class SchedulingEngine:
                                   status_code=429, reason=over.reason,
                                   retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
-                    self._over_quota_records[(record.topic, record.partition,
-                                              record.offset)] = None  # its 429 went out
+                    await self._remember_over_quota((record.topic, record.partition,
+                                                     record.offset), now)
                     if self.epoch != epoch:
                         return
                     self.offsets.track(record, None, commit)
@@ -443,6 +447,18 @@ class SchedulingEngine:
             self.offsets.track(record, item, commit)
         self._wake.set()
         self._commit_decided()
+
+    async def _remember_over_quota(self, position: Position, answered_ms: int) -> None:
+        """Note that the record at `position` was answered 429 (Kafka took the answer), here
+        and in Redis for a next leader."""
+        self._over_quota_records[position] = None
+        if self._store is None:
+            return
+        try:
+            await self._store.note_over_quota(position, answered_ms, RECENT_DECISIONS)
+        except Exception:  # this instance still knows; a next leader may judge it again
+            log.warning("the 429 of request record %s-%d@%d not kept in Redis", *position,
+                        exc_info=True)
 
     async def cancels(self, records: list[ConsumerRecord]) -> None:
         """Note the cancels among control records: the next cycle ends their requests that

@@ -82,7 +82,8 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             if epoch is not None:
                 log.info("leading with fencing token %d", epoch)
                 running = await store.load()
-                engine.lead(epoch, running, await store.claims(running))
+                engine.lead(epoch, running, await store.claims(running),
+                            await store.over_quota())
                 leader.set(1)
                 await requests.start()
 

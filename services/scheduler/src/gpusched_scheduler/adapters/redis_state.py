@@ -1,5 +1,5 @@
-"""Scheduler state in Redis: the leader lease with its fencing token, and the placements in
-flight (so a new leader knows what runs where)."""
+"""Scheduler state in Redis: the leader lease with its fencing token, the placements in
+flight (so a new leader knows what runs where) and the request records answered 429."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
 log = logging.getLogger(__name__)
 
 LEADER_KEY = "gpusched:scheduler:leader"
+OVER_QUOTA_KEY = "gpusched:scheduler:over-quota"
+"""Sorted set: '<topic>:<partition>:<offset>' of each request record answered 429 (over
+quota), scored by when; a leader that reads one again, the same one or the next, keeps it
+refused. The latest `keep` (see `note_over_quota`) are kept."""
+
+Position = tuple[str, int, int]
+"""A Kafka record's (topic, partition, offset)."""
 
 # KEYS: leader, epoch. ARGV: instance id, ttl ms. Returns the epoch held, or -1.
 _ACQUIRE_OR_RENEW = """
@@ -110,6 +117,22 @@ class RunningStore:
             for request_id, reason in reasons.items():
                 pipe.set(CANCELLED_KEY.format(request_id), reason, nx=True, ex=CANCELLED_TTL_S)
             await pipe.execute()
+
+    async def note_over_quota(self, position: Position, answered_ms: int, keep: int) -> None:
+        """Remember that the record at `position` was answered 429 (Kafka took the answer),
+        forgetting all but the latest `keep` such records."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(OVER_QUOTA_KEY, {":".join(map(str, position)): answered_ms})
+            pipe.zremrangebyrank(OVER_QUOTA_KEY, 0, -keep - 1)
+            await pipe.execute()
+
+    async def over_quota(self) -> list[Position]:
+        """The request records answered 429 that `note_over_quota` keeps, oldest first."""
+        out = []
+        for member in await self._redis.zrange(OVER_QUOTA_KEY, 0, -1):
+            topic, partition, offset = member.decode().rsplit(":", 2)
+            out.append((topic, int(partition), int(offset)))
+        return out
 
     async def alive(self, node_ids: list[str]) -> list[bool]:
         """For each node, whether its agent said lately (in Redis) that it is alive."""
