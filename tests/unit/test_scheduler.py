@@ -2454,6 +2454,21 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
     assert store.saved == [] and not engine.running
 
 
+async def test_a_cycle_kafka_refused_gives_back_its_fair_share_estimate() -> None:
+    """Kafka refused the cycle and its request was placed again by the next: its tenant was
+    charged the estimate twice, and weighed as if it had run twice as long."""
+    engine, acks, kafka = _held_engine()
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    assert await engine.cycle() == 1
+    charged = engine.fair.level("acme", 1)
+    assert charged > 0
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    assert engine.fair.level("acme", 1) == 0
+    assert await engine.cycle() == 1  # placed again
+    assert engine.fair.level("acme", 1) == pytest.approx(charged)
+
+
 class QuotaNotes:
     """Redis's notes of the request records answered 429, which every instance reads when
     it leads; taking one fails while `down`."""

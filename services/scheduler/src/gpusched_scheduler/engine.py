@@ -824,8 +824,12 @@ class SchedulingEngine:
         retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
         for item in finished:
             self._out_of_cycle(item)
+        now_s = self._clock() / 1000
         for r in new_running:
             if self.running.get(r.placement_id) is r:  # not a later term's placement of it
+                # its fair-share estimate too: placed again, it is charged again
+                self.fair.charge(r.request.tenant, -self._estimate_used(
+                    r.placement_id, 0.0, True, now_s), now_s)
                 self.running.pop(r.placement_id)
                 self.view.release(r.placement_id)
         for item in finished:
