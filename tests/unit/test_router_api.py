@@ -5,12 +5,15 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NoReturn
 
 import httpx
 import pytest
+from redis.exceptions import RedisError
 
 from gpusched_common.catalog import load_models, load_tenants
-from gpusched_common.contracts import Rejection, RequestResult, TokenChunk
+from gpusched_common.contracts import InferenceRequest, Rejection, RequestResult, TokenChunk
 from gpusched_common.settings import RedisSettings, TelemetrySettings
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
@@ -52,6 +55,39 @@ async def post(app, path: str, body: str | bytes, **headers: str) -> httpx.Respo
         return await client.post(path, content=body, headers={
             "authorization": "Bearer sk-acme-demo", "content-type": "application/json",
             **headers})
+
+
+class NoBudgetSpent:
+    """Redis as a request's way in reads it: no tenant's budget is spent. Nothing is kept:
+    a request's queued status is not stored (the router logs that and goes on)."""
+
+    def register_script(self, script: str) -> None:
+        return None
+
+    async def get(self, key: str) -> None:
+        return None
+
+    def pipeline(self, **options: object) -> NoReturn:
+        raise RedisError("nothing is kept in this test")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def refused(monkeypatch, **refusal: object) -> httpx.Response:
+    """The router's reply to a completion that Kafka takes in and the scheduler refuses with
+    a rejection of `refusal`'s fields."""
+    monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+
+    async def publish(message: bytes, topic: str, **options: object) -> None:
+        request = InferenceRequest.model_validate_json(message)
+        rejection = Rejection(request_id=request.request_id, tenant=request.tenant, **refusal)
+        app.state.hub.dispatch([SimpleNamespace(value=rejection.to_bytes())])
+
+    monkeypatch.setattr(app.state.broker, "publish", publish)
+    return await post(app, "/v1/completions",
+                      json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
 
 
 def completion(body: object, priority: str | None = None, **headers: str):
@@ -669,6 +705,24 @@ def test_a_request_past_its_queue_time_limit_is_not_retried_by_the_sdk_on_its_ow
                                   code="queue_time_exceeded"))
     assert expired.body()["error"]["code"] == "queue_time_exceeded"
     assert not _worth_retrying(expired, keyed=False)
+
+
+@pytest.mark.parametrize("refusal,retry_after", [
+    ({"status_code": 429, "reason": "tenant 'acme' has 3 requests in flight, its limit is 3; "
+      "retry when some have finished"}, "1"),
+    ({"status_code": 429, "reason": "tenant 'acme' is over its limit of 1000 tokens per "
+      "minute (900 used, this request needs 200); retry in 40 s", "retry_after_s": 40}, "40"),
+    ({"status_code": 422, "reason": "no node of the fleet could ever hold it"}, None),
+], ids=["requests-in-flight", "tokens-per-minute", "fits-nowhere"])
+async def test_every_429_over_a_quota_says_when_to_retry(monkeypatch, refusal: dict,
+                                                         retry_after: str | None) -> None:
+    """At its limit of requests in flight the scheduler cannot tell when one ends: that 429
+    came with no Retry-After, while the tokens-per-minute one, the spent budget's and
+    Redis-away's 503 had one. A refusal that no wait lifts still has none."""
+    reply = await refused(monkeypatch, **refusal)
+    assert reply.status_code == refusal["status_code"]
+    assert reply.json()["error"]["message"] == refusal["reason"]
+    assert reply.headers.get("retry-after") == retry_after
 
 
 async def test_a_rejection_is_readable_only_by_its_own_tenant(router_app, monkeypatch) -> None:

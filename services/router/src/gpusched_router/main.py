@@ -63,6 +63,11 @@ SERVICE = "router"
 STATUS_GROUP = "gpusched-router-status"
 STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
+BUSY_RETRY_AFTER_S = 1
+"""Retry-After of a 429 at a tenant's limit of requests in flight. A guess, as Redis-away's
+503 guesses 1 s: about the openai SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so
+a client that honours it retries no faster than the SDK did without it, and none waits long
+for room that one request's end gives."""
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
 
@@ -393,8 +398,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         failed = first if isinstance(first, ApiError) else _error_of(first)
         if failed is not None:
             observe()
-            if isinstance(first, Rejection) and first.retry_after_s is not None:
-                headers["retry-after"] = str(first.retry_after_s)  # the openai SDK waits it
+            if isinstance(first, Rejection) and (wait_s := _retry_after_s(first)) is not None:
+                headers["retry-after"] = str(wait_s)  # the openai SDK waits it
             if not _worth_retrying(failed, keyed=IDEMPOTENCY_HEADER in request.headers):
                 headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
@@ -502,6 +507,16 @@ async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
             event = getter.result()
             if not isinstance(event, TokenChunk) or stop_at_chunk:
                 return event
+
+
+def _retry_after_s(rejection: Rejection) -> int | None:
+    """A rejection's Retry-After in seconds: the scheduler's, where it can tell (a
+    tokens-per-minute window); for a 429 that names none (the tenant's requests in flight
+    are at its limit: room comes when one ends, which nobody can tell) BUSY_RETRY_AFTER_S;
+    None for the rest."""
+    if rejection.retry_after_s is None and rejection.status_code == 429:
+        return BUSY_RETRY_AFTER_S
+    return rejection.retry_after_s
 
 
 def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
