@@ -757,6 +757,28 @@ async def test_a_rejection_is_readable_only_by_its_own_tenant(router_app, monkey
         assert (await read("sk-acme-demo"), await read("sk-globex-demo")) == (404, 200)
 
 
+@pytest.mark.parametrize("path,status", [
+    ("/v1/models", 200), ("/v1/models/qwen2.5-1.5b", 200), ("/v1/models/nope", 404),
+    ("/v1/requests/r-42", 200), ("/v1/requests/r-43", 404),
+])
+async def test_head_answers_as_get_does_without_the_body(router_app, monkeypatch, path: str,
+                                                         status: int) -> None:
+    """OpenAI clients and load balancers probe with HEAD: every read answered 405. The
+    schema still names each read once (HEAD beside GET would repeat its operation id)."""
+    async def stored(request_id: str) -> dict | None:
+        return {"status": "queued", "tenant": "acme"} if request_id == "r-42" else None
+
+    monkeypatch.setattr(router_app.state.hub, "status", stored)
+    transport = httpx.ASGITransport(router_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router",
+                                 headers={"authorization": "Bearer sk-acme-demo"}) as client:
+        got, head = await client.get(path), await client.head(path)
+        schema = (await client.get("/openapi.json")).json()
+    assert (got.status_code, head.status_code, head.content) == (status, status, b"")
+    assert head.headers == got.headers  # content-length too: what GET's body weighs
+    assert not any("head" in operations for operations in schema["paths"].values())
+
+
 async def test_reply_ids_are_prefixed_as_openai_prefixes_them() -> None:
     """cmpl- for completions, chatcmpl- for chat, streamed or not (chat said cmpl-)."""
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})

@@ -68,6 +68,7 @@ BUSY_RETRY_AFTER_S = 1
 503 guesses 1 s: about the openai SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so
 a client that honours it retries no faster than the SDK did without it, and none waits long
 for room that one request's end gives."""
+Endpoint = Callable[..., Awaitable[Any]]
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
 
@@ -410,6 +411,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         observe()
         return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
+    def read(path: str) -> Callable[[Endpoint], Endpoint]:
+        """Route GET `path` to the endpoint, and HEAD too (OpenAI clients and load balancers
+        probe with it): the same status and headers, no body (the server sends none). HEAD
+        stays out of the OpenAPI schema, where two operations would share one id."""
+        def route(endpoint: Endpoint) -> Endpoint:
+            app.add_api_route(path, endpoint, methods=["GET"])  # first: a 405 names GET
+            app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+            return endpoint
+        return route
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, parse_completion, "completions")
@@ -418,7 +429,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, parse_chat, "chat/completions")
 
-    @app.get("/v1/models")
+    @read("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "gpusched",
@@ -427,7 +438,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
              "context_limit_tokens": m.context_limit_tokens}
             for m in catalog.models]}
 
-    @app.get("/v1/models/{name:path}")
+    @read("/v1/models/{name:path}")
     async def get_model(name: str) -> Response:
         m = catalog.get(name)
         if m is None:
@@ -436,7 +447,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         return JSONResponse({"id": m.name, "object": "model", "created": 0,
                              "owned_by": "gpusched"})
 
-    @app.get("/v1/requests/{request_id}")
+    @read("/v1/requests/{request_id}")
     async def request_status(request_id: str, request: Request) -> Response:
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
