@@ -249,12 +249,15 @@ def parse_chat(
             where = f"messages.{i}.{'tool_calls' if message.tool_calls else 'function_call'}"
             return ApiError(400, f"{where}: tool calls are not supported, so a conversation "
                             "that holds them cannot go on here", param=where)
+        content_at = f"messages.{i}.content"
         if message.content is None:  # as OpenAI: only a message of tool calls has none
-            where = f"messages.{i}.content"
-            return ApiError(400, f"{where}: a {message.role} message needs its content",
-                            param=where)
+            return ApiError(400, f"{content_at}: a {message.role} message needs its content",
+                            param=content_at)
+        if message.content == []:  # as OpenAI; an empty string passes, as an empty prompt
+            return ApiError(400, f"{content_at}: the list of content parts is empty; send one "
+                            "text part at least, or the content as a string", param=content_at)
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-            where = f"messages.{i}.content.{j}"
+            where = f"{content_at}.{j}"
             if part.get("type") != "text":
                 return ApiError(400, f"{where}: a content part of type '{part.get('type')}' "
                                 "is not supported; send text parts ({\"type\": \"text\", "
