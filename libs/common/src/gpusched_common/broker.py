@@ -4,11 +4,13 @@ a producer that is replaced once Kafka refuses it for good."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import OutOfOrderSequenceNumber, ProducerClosed
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
@@ -119,19 +121,51 @@ def make_broker(
         linger_ms=1,
         middlewares=middlewares,
         apply_types=False,
+        parser=readable_parser,
         decoder=_the_message,
         logger=None,
         **kwargs,
     )
 
 
+def _is_text(value: object) -> bool:
+    if not isinstance(value, bytes):
+        return False
+    try:
+        value.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _readable(record: ConsumerRecord) -> ConsumerRecord:
+    """`record` without the headers FastStream cannot read: a value that is not UTF-8 text,
+    or none. FastStream decodes every header of the record it makes the message of, and one
+    it cannot fails the parse, and with it the message's ack or nack: the fetch was then
+    neither handled nor read again, and the next one committed past it. gpusched's own
+    headers are text; a producer's others are of no use to it."""
+    if all(_is_text(value) for _, value in record.headers):
+        return record
+    return dataclasses.replace(record, headers=tuple(
+        (key, value) for key, value in record.headers if _is_text(value)))
+
+
+async def readable_parser(msg: Any, original: Any) -> Any:
+    """FastStream's parsing of a record (or a batch of them) without the headers it cannot
+    read (see `_readable`); every subscriber's, unless it has its own."""
+    if isinstance(msg, ConsumerRecord):
+        return await original(_readable(msg))
+    return await original(tuple(_readable(record) for record in msg))
+
+
 async def lean_batch_parser(records: Any, original: Any) -> Any:
     """FastStream's batch parsing without the per-record work its handlers here never read:
     decoding every record's headers into a dict, and its telemetry's per-record baggage
     (together about as costly as handling the record). The message is FastStream's own, made
-    from the first record and then given the whole batch; batch handlers read each record's
-    own trace context (`telemetry.record_carrier`)."""
-    msg = await original(records[:1])
+    from the first record (its headers readable, see `_readable`) and then given the whole
+    batch; batch handlers read each record's own trace context
+    (`telemetry.record_carrier`)."""
+    msg = await original((_readable(records[0]),))
     first, last = records[0], records[-1]
     msg.raw_message = records
     msg.body = [r.value or b"" for r in records]
