@@ -457,7 +457,7 @@ async def test_hard_quotas_answer_429_with_the_reason(stack) -> None:
     # the records answered 429 are kept where the next leader reads them (as refused)
     noted = set(await RunningStore(redis).over_quota()) - noted_before
     await redis.aclose()
-    assert len(noted) == 2 and {t for t, _p, _o in noted} <= {
+    assert len(noted) == 2 and {topic for (topic, _p, _o), _ts in noted} <= {
         t.name for t in topics.REQUESTS.values()}
 
 

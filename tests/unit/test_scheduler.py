@@ -5,6 +5,7 @@ consumer hands them: valid requests are placed, bad records are dead-lettered.""
 import asyncio
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -1555,6 +1556,11 @@ def _held_engine(send=None, store=None  # noqa: ANN001
     return engine, acks, Commits()
 
 
+async def _acked_at_once(batch) -> asyncio.Future:  # noqa: ANN001
+    """A send Kafka takes at once."""
+    return asyncio.gather()
+
+
 def _answer(ack: asyncio.Future, refused: bool) -> None:
     """Kafka's answer to a cycle: taken, or refused."""
     if refused:
@@ -2469,20 +2475,57 @@ async def test_a_cycle_kafka_refused_gives_back_its_fair_share_estimate() -> Non
     assert engine.fair.level("acme", 1) == pytest.approx(charged)
 
 
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "taken"])
+async def test_a_cycle_of_an_earlier_term_gives_back_its_fair_share_estimate(
+        refused: bool) -> None:
+    """The instance led again under a new token while Kafka answered a cycle of its earlier
+    term, whose placement Redis never had (`lead` replaced `running`): its estimate stayed
+    charged, and the request placed again by the new term was charged a second time."""
+    engine, acks, kafka = _held_engine()
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    assert await engine.cycle() == 1
+    charged = engine.fair.level("acme", 1)
+    engine.step_down()
+    engine.lead(4, [], {})
+    _answer(acks[0], refused)
+    await asyncio.sleep(0.01)
+    assert await engine.cycle() == 1  # placed again under token 4
+    assert engine.fair.level("acme", 1) == pytest.approx(charged)
+
+
+async def test_a_later_term_placing_it_first_leaves_one_fair_share_charge() -> None:
+    """The same, the new term having read and placed the record again before Kafka refused
+    the earlier term's cycle."""
+    engine, acks, kafka = _held_engine()
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    charged = engine.fair.level("acme", 1)
+    engine.step_down()
+    engine.lead(4, [], {})
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    _answer(acks[0], refused=True)
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"]
+    assert engine.fair.level("acme", 1) == pytest.approx(charged)
+
+
 class QuotaNotes:
     """Redis's notes of the request records answered 429, which every instance reads when
     it leads; taking one fails while `down`."""
 
     def __init__(self) -> None:
-        self.kept: list[tuple[str, int, int]] = []
+        self.kept: list[tuple[tuple[str, int, int], int]] = []
         self.down = False
 
-    async def note_over_quota(self, position, answered_ms: int, keep: int) -> None:  # noqa: ANN001
+    async def note_over_quota(self, position, timestamp_ms: int, keep: int) -> None:  # noqa: ANN001
         if self.down:
             raise ConnectionError("Redis is away")
-        self.kept = [*self.kept, position][-keep:]
+        self.kept = [*self.kept, (position, timestamp_ms)][-keep:]
 
-    async def over_quota(self) -> list[tuple[str, int, int]]:
+    async def over_quota(self) -> list[tuple[tuple[str, int, int], int]]:
         return list(self.kept)
 
 
@@ -2523,6 +2566,59 @@ async def test_a_record_answered_429_stays_refused_when_a_new_leader_reads_it_ag
         old.lead(4, [], {}, await notes.over_quota())
         await old.admit(_records_behind_waiting_work(), kafka.commit)
         assert [p.request.request_id for p in old.queue.in_order()] == ["first"]
+
+
+async def test_a_note_of_a_429_does_not_refuse_another_record_at_its_position() -> None:
+    """The request topic was deleted and made again (offsets start at 0 again) while Redis
+    kept its notes: a new request at a noted position was committed unanswered, neither
+    queued nor refused, and its client waited for ever."""
+    notes = QuotaNotes()
+    old, _, kafka = _held_engine(_acked_at_once, notes)
+    old.quotas.admit("hooli", 2000, 1000)
+    await old.admit([_records_behind_waiting_work()[1]], kafka.commit)  # a 429 at offset 1
+    assert notes.kept
+    new, _, kafka = _held_engine(_acked_at_once, notes)
+    new.lead(4, [], {}, await notes.over_quota())
+    fresh = replace(_standard_record(1, "fresh"), timestamp=5_000)  # the same position
+    await new.admit([fresh], kafka.commit)
+    assert [p.request.request_id for p in new.queue.in_order()] == ["fresh"]
+
+
+async def test_a_note_this_release_cannot_read_is_left_out(caplog) -> None:
+    """As with the placements in flight: one note of a 429 this release cannot read (a
+    newer release's, a hand edit) failed every take-over: the instance held the lease and
+    never led."""
+    class SortedSet:
+        async def zrange(self, key, start, end, withscores=False):  # noqa: ANN001, ANN202
+            return [(f"{topics.REQUESTS['standard'].name}:0:7".encode(), 1000.0),
+                    (b"from-a-newer-release", 1000.0)]
+    kept = await RunningStore(SortedSet()).over_quota()  # type: ignore[arg-type]
+    assert kept == [((topics.REQUESTS["standard"].name, 0, 7), 1000)]
+    assert "unreadable note of a 429" in caplog.text
+
+
+async def test_a_429_whose_note_a_step_down_cuts_short_stays_refused() -> None:
+    """The step-down stops the request consumer (cancelling its admission) while Redis
+    takes the note of a 429 that went out: the note was lost, and the next leader ran the
+    request for a client that had its 429."""
+    class SlowNotes(QuotaNotes):
+        async def note_over_quota(self, position, timestamp_ms, keep):  # noqa: ANN001
+            await asyncio.sleep(0.05)  # one Redis round trip
+            await super().note_over_quota(position, timestamp_ms, keep)
+
+    notes = SlowNotes()
+    old, _, kafka = _held_engine(_acked_at_once, notes)
+    old.quotas.admit("hooli", 2000, 1000)
+    admitting = asyncio.create_task(old.admit(_records_behind_waiting_work(), kafka.commit))
+    await asyncio.sleep(0.01)  # the 429 went out; its note is on its way
+    old.step_down()
+    admitting.cancel()
+    await asyncio.gather(admitting, return_exceptions=True)
+    await asyncio.sleep(0.1)
+    new, _, _ = _held_engine(_acked_at_once, notes)
+    new.lead(4, [], {}, await notes.over_quota())
+    await new.admit(_records_behind_waiting_work(), kafka.commit)
+    assert [p.request.request_id for p in new.queue.in_order()] == ["first"]
 
 
 async def test_a_429_that_went_out_stays_refused_across_a_step_down() -> None:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
@@ -101,6 +101,18 @@ class Refused:
     dead_letter: DeadLetter
     rejection: Rejection | None
     """Sent to the results topic when the record names a request id a client may wait on."""
+
+
+@dataclass(frozen=True)
+class Estimated:
+    """The fair-share estimate charged for one placement, that its measured usage has not
+    replaced yet."""
+
+    placement: int
+    """`id()` of the RunningPlacement charged (not a later placement under its id); the
+    object itself is not kept, its request may hold a large prompt."""
+    placed_at_ms: int
+    left_gpu_s: float
 
 
 @dataclass(frozen=True)
@@ -287,14 +299,14 @@ class SchedulingEngine:
         self._led_with: int | None = None
         """The token of the latest term this instance led (`epoch` is None between)."""
         self._over_quota_records = Recent(RECENT_DECISIONS)
-        """(topic, partition, offset) of the request records answered 429 lately: read again
-        (the consumer seeks back when a batch's admission fails, or a new leader reads from
-        an offset an earlier request held back), one is not judged again, which a minute
-        later could run it for a client that had its 429. Kept in Redis too, for the next
-        leader (`lead`); a client's retry is a new record, judged anew."""
+        """(topic, partition, offset) -> timestamp of the request records answered 429
+        lately: read again (the consumer seeks back when a batch's admission fails, or a new
+        leader reads from an offset an earlier request held back), one is not judged again,
+        which a minute later could run it for a client that had its 429. Kept in Redis too,
+        for the next leader (`lead`). The timestamp tells the record from another at its
+        position (a topic deleted and made again); a client's retry is a new record."""
         self._estimated = Recent(RECENT_DECISIONS)
-        """Placement id -> GPU-seconds of the estimate charged to fair share at its placement
-        that its measured usage has not replaced yet."""
+        """Placement id -> the fair-share estimate charged at its placement (`Estimated`)."""
         self._preempting: dict[str, tuple[int, Room]] = {}
         """Request id -> (ms until which its preemption is in progress, not planned again;
         its room, the GPUs its plan runs it on once the victims stop, kept for it
@@ -333,13 +345,13 @@ class SchedulingEngine:
     # --- leadership ---------------------------------------------------------------------
     def lead(self, epoch: int, running: list[RunningPlacement],
              claims: dict[str, ClaimState] | None = None,
-             over_quota: Iterable[Position] = ()) -> None:
+             over_quota: Iterable[tuple[Position, int]] = ()) -> None:
         """Start leading with fencing token `epoch`, taking over the placements in flight;
         `claims` says where each stands in the agents' ledger (its first cycle settles them,
         see `_take_over`); `over_quota`, the request records answered 429 that Redis keeps
         (by any leader: read again, they stay refused)."""
-        for position in over_quota:
-            self._over_quota_records[position] = None
+        for position, timestamp_ms in over_quota:
+            self._over_quota_records[position] = timestamp_ms
         if epoch != self._led_with:
             # what a term under another token decided: a cycle of it still in flight is
             # undone (its records read again must be placed again), and `running` knows
@@ -380,7 +392,8 @@ class SchedulingEngine:
         now = self._clock()
         epoch = self.epoch
         for record in records:
-            if (record.topic, record.partition, record.offset) in self._over_quota_records:
+            if self._over_quota_records.get((record.topic, record.partition,
+                                             record.offset)) == record.timestamp:
                 self.offsets.track(record, None, commit)  # read again: its 429 went out
                 continue
             try:
@@ -429,8 +442,7 @@ class SchedulingEngine:
                                   status_code=429, reason=over.reason,
                                   retry_after_s=over.retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
-                    await self._remember_over_quota((record.topic, record.partition,
-                                                     record.offset), now)
+                    await self._remember_over_quota(record)
                     if self.epoch != epoch:
                         return
                     self.offsets.track(record, None, commit)
@@ -448,14 +460,16 @@ class SchedulingEngine:
         self._wake.set()
         self._commit_decided()
 
-    async def _remember_over_quota(self, position: Position, answered_ms: int) -> None:
-        """Note that the record at `position` was answered 429 (Kafka took the answer), here
-        and in Redis for a next leader."""
-        self._over_quota_records[position] = None
+    async def _remember_over_quota(self, record: ConsumerRecord) -> None:
+        """Note that `record` was answered 429 (Kafka took the answer), here and in Redis for
+        a next leader."""
+        position = (record.topic, record.partition, record.offset)
+        self._over_quota_records[position] = record.timestamp
         if self._store is None:
             return
-        try:
-            await self._store.note_over_quota(position, answered_ms, RECENT_DECISIONS)
+        try:  # shielded: a step-down stops the consumer mid-batch, and the 429 went out
+            await asyncio.shield(self._store.note_over_quota(position, record.timestamp,
+                                                             RECENT_DECISIONS))
         except Exception:  # this instance still knows; a next leader may judge it again
             log.warning("the 429 of request record %s-%d@%d not kept in Redis", *position,
                         exc_info=True)
@@ -583,13 +597,17 @@ class SchedulingEngine:
         of it once final. Before, partial usage was charged on top of the estimate, and the
         final record took back the whole estimate, long decayed: a tenant counted double
         while its job ran had its use wiped out when it ended."""
-        left = self._estimated.get(placement_id)
-        r = self.running.get(placement_id)
-        if not left or r is None:
+        charged = self._estimated.get(placement_id)
+        if charged is None or not charged.left_gpu_s:
             return 0.0  # not charged by this instance (placed by an earlier leader)
-        used = left if final else min(left, gpu_seconds)
-        self._estimated[placement_id] = left - used
-        return used * self.fair.decay(now_s - r.placed_at_ms / 1000)
+        used = charged.left_gpu_s if final else min(charged.left_gpu_s, gpu_seconds)
+        self._estimated[placement_id] = replace(charged, left_gpu_s=charged.left_gpu_s - used)
+        return used * self.fair.decay(now_s - charged.placed_at_ms / 1000)
+
+    def _give_back_estimate(self, placement_id: str, tenant: str, now_s: float) -> None:
+        """Give back what is left of the fair-share estimate charged for `placement_id`: a
+        placement of it that will not run."""
+        self.fair.charge(tenant, -self._estimate_used(placement_id, 0.0, True, now_s), now_s)
 
     # --- the cycle ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -682,8 +700,11 @@ class SchedulingEngine:
                 request=request, aged=True if self._aged(place.item, now) else None)
             self.running[pid] = running
             new_running.append(running)
+            # an earlier term's placement of it, in a cycle Kafka has not answered, will not
+            # run (agents refuse its token): one charge stands
+            self._give_back_estimate(pid, request.tenant, now / 1000)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
-            self._estimated[pid] = running.estimate_gpu_s
+            self._estimated[pid] = Estimated(id(running), now, running.estimate_gpu_s)
             messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
                                                   place.node_id, place.item.trace_carrier)))
             self._metrics.placement_latency[request.priority_class].observe(
@@ -826,10 +847,11 @@ class SchedulingEngine:
             self._out_of_cycle(item)
         now_s = self._clock() / 1000
         for r in new_running:
+            charged = self._estimated.get(r.placement_id)
+            if charged is not None and charged.placement == id(r):  # (`lead` may have
+                # replaced `running` since): placed again, it is charged again
+                self._give_back_estimate(r.placement_id, r.request.tenant, now_s)
             if self.running.get(r.placement_id) is r:  # not a later term's placement of it
-                # its fair-share estimate too: placed again, it is charged again
-                self.fair.charge(r.request.tenant, -self._estimate_used(
-                    r.placement_id, 0.0, True, now_s), now_s)
                 self.running.pop(r.placement_id)
                 self.view.release(r.placement_id)
         for item in finished:

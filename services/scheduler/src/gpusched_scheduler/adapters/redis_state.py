@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 LEADER_KEY = "gpusched:scheduler:leader"
 OVER_QUOTA_KEY = "gpusched:scheduler:over-quota"
 """Sorted set: '<topic>:<partition>:<offset>' of each request record answered 429 (over
-quota), scored by when; a leader that reads one again, the same one or the next, keeps it
-refused. The latest `keep` (see `note_over_quota`) are kept."""
+quota), scored by the record's timestamp (which tells it from another record at its
+position, a topic deleted and made again); a leader that reads one again, the same one or
+the next, keeps it refused. The latest `keep` (see `note_over_quota`) are kept."""
 
 Position = tuple[str, int, int]
 """A Kafka record's (topic, partition, offset)."""
@@ -118,20 +119,25 @@ class RunningStore:
                 pipe.set(CANCELLED_KEY.format(request_id), reason, nx=True, ex=CANCELLED_TTL_S)
             await pipe.execute()
 
-    async def note_over_quota(self, position: Position, answered_ms: int, keep: int) -> None:
-        """Remember that the record at `position` was answered 429 (Kafka took the answer),
-        forgetting all but the latest `keep` such records."""
+    async def note_over_quota(self, position: Position, timestamp_ms: int, keep: int) -> None:
+        """Remember that the record at `position`, of that timestamp, was answered 429 (Kafka
+        took the answer), forgetting all but the `keep` latest such records."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(OVER_QUOTA_KEY, {":".join(map(str, position)): answered_ms})
+            pipe.zadd(OVER_QUOTA_KEY, {":".join(map(str, position)): timestamp_ms})
             pipe.zremrangebyrank(OVER_QUOTA_KEY, 0, -keep - 1)
             await pipe.execute()
 
-    async def over_quota(self) -> list[Position]:
-        """The request records answered 429 that `note_over_quota` keeps, oldest first."""
+    async def over_quota(self) -> list[tuple[Position, int]]:
+        """The request records answered 429 that `note_over_quota` keeps, each with its
+        timestamp; one this release cannot read is left out with a warning (raising would
+        keep every instance from leading)."""
         out = []
-        for member in await self._redis.zrange(OVER_QUOTA_KEY, 0, -1):
-            topic, partition, offset = member.decode().rsplit(":", 2)
-            out.append((topic, int(partition), int(offset)))
+        for member, score in await self._redis.zrange(OVER_QUOTA_KEY, 0, -1, withscores=True):
+            try:
+                topic, partition, offset = member.decode().rsplit(":", 2)
+                out.append(((topic, int(partition), int(offset)), int(score)))
+            except ValueError:
+                log.warning("ignoring the unreadable note of a 429 %r", member)
         return out
 
     async def alive(self, node_ids: list[str]) -> list[bool]:
