@@ -277,11 +277,14 @@ def test_usage_records_that_would_overflow_the_counters_are_invalid(field, value
 
 @pytest.mark.parametrize("field,value", [
     ("prompt_tokens", "true"), ("prompt_tokens", '"10"'), ("completion_tokens", "10.0"),
-    ("final", '"no"'),
+    ("final", '"no"'), ("gpu_seconds", "true"), ("gpu_seconds", '"3600"'),
+    ("ended_at_ms", '"1800000001000"'), ("ended_at_ms", "1800000001000.0"),
+    ("ended_at_ms", "true"), ("started_at_ms", '"0"'),
 ])
 def test_usage_records_whose_counts_are_not_plain_numbers_are_invalid(field, value) -> None:
-    """They were billed as coerced: `true` as 1 token, "10" and 10.0 as 10, "no" as not
-    final."""
+    """They were billed as coerced: `true` as 1 token or 1 GPU-second, "10" and 10.0 as 10,
+    "3600" as a GPU-hour, "no" as not final; a time as text, a float or `true` (1 ms after
+    1970) picked the record's bucket and whether it was too old to apply."""
     raw = usage().model_dump_json()
     raw = raw.replace(f'"{field}":{json.dumps(getattr(usage(), field))}', f'"{field}":{value}')
     assert value in raw

@@ -100,8 +100,7 @@ def test_decode_json_object_says_what_is_wrong(raw: bytes) -> None:
      "at_ms: Field required"),
     (REQUEST, b'{"request_id": "r", "tenant": "t", "model": "m", "prompt": "x", '
      b'"created_at_ms": 1, "max_tokens": "many", "rack": 7}',
-     "max_tokens: Input should be a valid integer, unable to parse string as an integer; "
-     "rack: Extra inputs are not permitted"),
+     "max_tokens: Input should be a valid integer; rack: Extra inputs are not permitted"),
     (CANCEL, b"{oops", "value: Invalid JSON: key must be a string at line 1 column 2"),
 ])
 def test_a_refused_record_names_every_bad_field_on_one_line(adapter, raw: bytes,
@@ -109,6 +108,33 @@ def test_a_refused_record_names_every_bad_field_on_one_line(adapter, raw: bytes,
     with pytest.raises(ValidationError) as refused:
         adapter.validate_json(raw)
     assert invalid_fields(refused.value) == reason
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt_tokens", "true"), ("prompt_tokens", '"10"'), ("prompt_tokens", "10.0"),
+    ("max_tokens", "true"), ("max_tokens", '"8"'), ("max_tokens", "8.0"),
+])
+def test_a_request_whose_token_counts_are_not_plain_numbers_is_invalid(field, value) -> None:
+    """A request with `"prompt_tokens": true` was billed as 1 prompt token whatever its
+    prompt (its agent bills `prompt_token_count`), "10" as 10."""
+    base = {"request_id": "r", "tenant": "t", "model": "m", "prompt": "x" * 400,
+            "created_at_ms": 1}
+    raw = json.dumps(base)[:-1] + f', "{field}": {value}}}'
+    with pytest.raises(ValidationError, match=field):
+        REQUEST.validate_json(raw)
+
+
+def test_a_request_whose_prompt_its_agent_could_not_bill_is_invalid() -> None:
+    """prompt_tokens 10**9 + 1 was taken, placed and run, and then its usage record (at most
+    10**9 tokens) failed to validate inside the agent: no bill."""
+    base = {"request_id": "r", "tenant": "t", "model": "m", "prompt": "p", "created_at_ms": 1}
+    largest = REQUEST.validate_python(base | {"prompt_tokens": 10**9})
+    UsageRecord(event_id="r#0:final", request_id="r", placement_id="r#0", tenant="t",
+                model="m", priority_class="standard", node_id="n", gpu_type="H100-80GB",
+                prompt_tokens=largest.prompt_token_count, completion_tokens=0,
+                gpu_seconds=0.0, started_at_ms=0, ended_at_ms=0)
+    with pytest.raises(ValidationError, match="prompt_tokens"):
+        REQUEST.validate_python(base | {"prompt_tokens": 10**9 + 1})
 
 
 def test_prompt_tokens_are_four_bytes_each_rounded_up() -> None:

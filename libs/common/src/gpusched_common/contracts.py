@@ -78,6 +78,10 @@ the scheduler wraps it in a placement, and a preempted one goes back with the to
 MAX_QUEUE_MS = 7 * 24 * 3600 * 1000
 """Longest queue time limit a request or a class may set: a week."""
 
+MAX_USAGE_TOKENS = 10**9
+"""Most tokens of each kind one usage record bills (see `UsageRecord`); a request's
+`prompt_tokens` override stays within it, or its agent could not bill the request."""
+
 
 class Message(BaseModel):
     """Base of every contract: immutable, strict about unknown fields, versioned."""
@@ -128,10 +132,12 @@ class InferenceRequest(Message):
     priority_class: PriorityClass = "standard"
     model: Name
     prompt: str = Field(max_length=MAX_PROMPT_CHARS)
-    max_tokens: int = Field(default=64, ge=1, le=32_768)
+    # strict, as the usage record's counts: agents bill these, and `true` or "10" is no
+    # number of tokens to bill
+    max_tokens: int = Field(default=64, ge=1, le=32_768, strict=True)
     prompt_tokens: int | None = Field(
-        default=None, ge=1, description="Override the counted prompt length (trace replays)."
-    )
+        default=None, ge=1, le=MAX_USAGE_TOKENS, strict=True,
+        description="Override the counted prompt length (trace replays).")
     seed: Seed | None = None
     temperature: Temperature | None = None  # None: the executor's own setting
     top_p: TopP | None = None
@@ -339,13 +345,12 @@ class Rejection(Message):
         "scheduler can tell (a tokens-per-minute quota); the router's Retry-After.")
 
 
-MAX_USAGE_TOKENS = 10**9
 MAX_USAGE_GPU_SECONDS = 8 * 31 * 86_400
-"""Far beyond any one record (a request's prompt and output; 8 GPUs for a month, where
-agents bill every few seconds, an hour at most), and far inside the counters accounting
-adds them to, which are exact up to 2**53 per bucket (285 GPU-years of microseconds); at
-10**9 GPU-seconds ten records in a day lost precision and 10,000 wrapped the counter
-negative."""
+"""With MAX_USAGE_TOKENS: far beyond any one record (a request's prompt and output; 8 GPUs
+for a month, where agents bill every few seconds, an hour at most), and far inside the
+counters accounting adds them to, which are exact up to 2**53 per bucket (285 GPU-years of
+microseconds); at 10**9 GPU-seconds ten records in a day lost precision and 10,000 wrapped
+the counter negative."""
 MAX_EPOCH_MS = 10**13
 """Year 2286: a larger timestamp is in micro- or nanoseconds, not milliseconds."""
 
@@ -366,14 +371,16 @@ class UsageRecord(Message):
     priority_class: PriorityClass
     node_id: Name
     gpu_type: Name
-    # strict: a bill is not guessed from `true`, "10" or "no"
+    # strict: a bill, its bucket or its staleness is not guessed from `true`, "10", 1.5e12
+    # or "no" (a JSON integer is a valid gpu_seconds)
     prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS, strict=True)
     completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS, strict=True)
     gpu_seconds: float = Field(ge=0, le=MAX_USAGE_GPU_SECONDS, allow_inf_nan=False,
-                               description="Share of one GPU integrated over the run.")
+                               strict=True, description="Share of one GPU integrated over the "
+                               "run.")
     final: bool = Field(default=True, strict=True)
-    started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
-    ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS)
+    started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
+    ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
 
 
 class BudgetExhausted(Message):
