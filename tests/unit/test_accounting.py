@@ -76,6 +76,23 @@ def test_shipped_price_table_loads() -> None:
     assert load_prices(CONFIG).gpu_hour_usd["H100-80GB"] > 0
 
 
+@pytest.mark.parametrize("prices,needle", [
+    ("gpu_hour_usd: {H100-80GB: -3.6}", "greater than or equal to 0"),
+    ("gpu_hour_usd: {default: .nan}", "finite number"),
+    ("gpu_hour_usd: {H100-80GB: .inf}", "finite number"),
+    ("gpu_hour_usd: {H100-80GB: 1.0e6}", "less than or equal to 1000"),
+    ("model_usd_per_million_tokens: {m: {prompt: .inf}}", "finite number"),
+    ("model_usd_per_million_tokens: {m: {completion: 1.0e12}}", "less than or equal to 1000"),
+])
+def test_a_price_that_cannot_bill_stops_the_start(tmp_path, prices, needle) -> None:
+    """They loaded: a negative GPU price made USD budgets never trip, NaN or infinity made
+    every record's cost unroundable (each one dead-lettered), a huge one overflowed the
+    nano-USD counters."""
+    (tmp_path / "prices.yaml").write_text(prices + "\n")
+    with pytest.raises(ValueError, match=f"prices.yaml is invalid: (.|\n)*{needle}"):
+        load_prices(tmp_path)
+
+
 def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() -> None:
     """What the apply adds (Python's sums of the guessed outcomes) equals the reconciliation's
     recomputation, with repeats in the batch, a request run twice and a stale record."""

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -93,11 +93,21 @@ def pack(totals: Totals) -> bytes:
     return _COUNTERS.pack(*totals.as_tuple())
 
 
+MAX_GPU_HOUR_USD = 1000.0
+MAX_USD_PER_MILLION_TOKENS = 1000.0
+"""Far above any real price, and low enough that one record's cost (at most 8 GPUs for a
+month and 10**9 tokens of each kind: under $8M) stays exact in a bucket's nano-USD counter
+(2**53: $9M)."""
+GpuHourUsd = Annotated[float, Field(ge=0, le=MAX_GPU_HOUR_USD, allow_inf_nan=False)]
+TokenUsd = Annotated[float, Field(ge=0, le=MAX_USD_PER_MILLION_TOKENS, allow_inf_nan=False)]
+# A negative price made USD budgets never trip, NaN or infinity dead-lettered every record
+# (its cost cannot be rounded to nano-USD): refused when prices.yaml is read, at start
+
+
 class ModelPrice(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    prompt: float = Field(default=0.0, ge=0, description="USD per million prompt tokens.")
-    completion: float = Field(default=0.0, ge=0,
-                              description="USD per million completion tokens.")
+    prompt: TokenUsd = Field(default=0.0, description="USD per million prompt tokens.")
+    completion: TokenUsd = Field(default=0.0, description="USD per million completion tokens.")
 
 
 _FREE = ModelPrice()
@@ -108,7 +118,7 @@ class PriceTable(BaseModel):
     million. A type or model missing from the table costs the `default` entry."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    gpu_hour_usd: dict[str, float] = Field(default_factory=dict)
+    gpu_hour_usd: dict[str, GpuHourUsd] = Field(default_factory=dict)
     model_usd_per_million_tokens: dict[str, ModelPrice] = Field(default_factory=dict)
 
     def cost_nusd(self, gpu_type: str, gpu_us: int, model: str, prompt_tokens: int,
