@@ -202,6 +202,66 @@ async def test_a_bad_usage_record_is_dead_lettered_with_the_field_and_bills_noth
         public(expected([good]))
 
 
+async def test_a_record_under_a_reused_event_id_is_dead_lettered_and_bills_nobody(
+        stack) -> None:
+    """A second request under a used request id has the same event ids ('<rid>#0:final'):
+    its record was taken for a redelivery of the first one's, billed to nobody and
+    dead-lettered nowhere. A redelivery of the first is still a silent duplicate."""
+    first, second = tenants_named("reused", 2)
+    [original] = [r for r in make_usage([first], 1) if r.final][:1]
+    want = public(expected([original]))
+    await produce(stack, [original])
+
+    async def billed():
+        return await drained(stack, "gpusched-accounting") and \
+            await totals_of(stack.accounting_url, [first])
+
+    assert await eventually(billed, timeout_s=30, what="the first record applied") == want
+    reused = original.model_copy(update={"tenant": second,
+                                         "completion_tokens": original.completion_tokens + 7})
+    await produce(stack, [original, reused])  # a redelivery, and the reuse, in later batches
+
+    async def letters():
+        return await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
+                                lambda k, v: original.request_id.encode() in v, timeout_s=2)
+
+    [(_, raw)] = await eventually(letters, timeout_s=30, what="the reused id dead-lettered")
+    letter = DEAD_LETTER.validate_json(raw)
+    assert letter.reason.startswith(f"event id {original.event_id} reused with other content: "
+                                    "not billed")
+    assert json.loads(letter.payload)["tenant"] == second
+    assert await eventually(billed, timeout_s=30, what="both consumed") == want
+    async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+        r = await http.get("/v1/usage", params={"tenant": second, "start": "0"}, headers=ADMIN)
+    assert r.status_code == 404, r.text  # never billed
+
+
+async def test_an_event_id_applied_before_digests_were_kept_is_a_duplicate(stack) -> None:
+    """A rolling upgrade: a request record written by a release that kept no content digests
+    lists its ids bare; a record under one of them is a duplicate, as that release took it,
+    never a conflict."""
+    [tenant] = tenants_named("undigested", 1)
+    [record] = [r for r in make_usage([tenant], 1) if r.final][:1]
+    owner = f"{tenant} {record.model}".encode()
+    redis = Redis.from_url(stack.endpoints.redis_url)
+    try:  # as the release before wrote it: counters, flags, "tenant model", the ids
+        await redis.set(f"gpusched:usage:req:{record.request_id}", pack(Totals(
+            prompt_tokens=1)) + bytes([1, 1]) + len(owner).to_bytes(2, "little") + owner
+            + f"\n~{record.event_id[len(record.request_id):]}\n".encode(), ex=3600)
+        other = record.model_copy(update={"completion_tokens": record.completion_tokens + 7})
+        await produce(stack, [other])
+
+        async def consumed():
+            return await drained(stack, "gpusched-accounting")
+
+        await eventually(consumed, timeout_s=30, what="the record consumed")
+        assert await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
+                                lambda k, v: record.request_id.encode() in v, timeout_s=2) == []
+        assert not await redis.sismember("gpusched:usage:tenants", tenant)  # not billed
+    finally:
+        await redis.aclose()
+
+
 async def test_a_record_from_an_agent_clock_ahead_keeps_its_id_as_long_as_it_is_redeliverable(
         stack) -> None:
     """A record is applied until its end + the dedup window; its id used to expire one

@@ -9,19 +9,27 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from faststream.kafka import TestKafkaBroker
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from gpusched_accounting import handlers
+from gpusched_accounting.adapters.store import APPLIED
 from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
+    CONFLICT,
     COUNTED,
     DUPLICATE,
     GRANULARITY_S,
+    NEW,
     STALE,
     TOTAL_FIELD,
     ModelPrice,
     PriceTable,
     Totals,
     bucket_deltas,
+    content_digest,
     cover,
     fields_of,
     finest_kept,
@@ -35,9 +43,11 @@ from gpusched_accounting.domain.usage import (
 from gpusched_accounting.handlers import enforce_budgets
 from gpusched_accounting.main import create_app
 from gpusched_accounting.settings import AccountingSettings
+from gpusched_common import topics
+from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
-from gpusched_common.contracts import USAGE, UsageRecord
-from gpusched_common.settings import TelemetrySettings
+from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
+from gpusched_common.settings import KafkaSettings, TelemetrySettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -95,15 +105,18 @@ def test_a_price_that_cannot_bill_stops_the_start(tmp_path, prices, needle) -> N
 
 def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() -> None:
     """What the apply adds (Python's sums of the guessed outcomes) equals the reconciliation's
-    recomputation, with repeats in the batch, a request run twice and a stale record."""
+    recomputation, with repeats in the batch, a request run twice, a reused event id and a
+    stale record."""
     rows = [row_for(usage(event_id=f"r{i % 7}#{i % 2}:final", request_id=f"r{i % 7}",
-                          placement_id=f"r{i % 7}#{i % 2}", tenant=f"t{i % 3}",
-                          node_id=f"n{i % 4}", ended_at_ms=D + i * 50_000), PRICES)
+                          placement_id=f"r{i % 7}#{i % 2}", tenant=f"t{i % 14 % 3}",
+                          node_id=f"n{i % 14 % 4}", ended_at_ms=D + i % 14 * 50_000), PRICES)
             for i in range(40)]
+    rows.append(row_for(usage(event_id="r0#0:final", request_id="r0", placement_id="r0#0",
+                              tenant="t9", ended_at_ms=D), PRICES))
     rows.append(row_for(usage(event_id="old", request_id="old", ended_at_ms=0), PRICES))
     outcomes = guess_outcomes(rows, oldest_ms=1)
-    assert outcomes[-1] == STALE and outcomes.count(COUNTED) == 7
-    assert DUPLICATE in outcomes
+    assert outcomes[-1] == STALE and outcomes[-2] == CONFLICT
+    assert outcomes.count(COUNTED) == 7 and DUPLICATE in outcomes
     retention = {"minute": 0, "hour": 0, "day": 0}
     buckets, tenants = bucket_deltas(rows, outcomes, retention)
     assert tenants == ["t0", "t1", "t2"]
@@ -170,6 +183,68 @@ def test_recompute_ignores_repeats_and_counts_a_request_once() -> None:
     assert totals[("acme", 0)].requests == 1 and totals[("acme", 86_400)].requests == 0
     assert sum(t.completion_tokens for t in totals.values()) == 15
     assert recompute(list(reversed(rows)))[("acme", 86_400)].completion_tokens == 10
+
+
+def test_a_reused_event_id_with_other_content_is_a_conflict_not_a_duplicate() -> None:
+    """A second request under a used request id has the same event ids ('<rid>#0:final'):
+    its usage was dropped as a duplicate of the first one's, billed to nobody. The same
+    record again, even costed at a price changed since, is a duplicate as before."""
+    first = row_for(usage(), PRICES)
+    again = row_for(usage(), PriceTable(gpu_hour_usd={"H100-80GB": 9.0}))
+    reused = row_for(usage(tenant="globex", prompt_tokens=50_000), PRICES)
+    assert guess_outcomes([first, again, reused], 0) == [COUNTED, DUPLICATE, CONFLICT]
+    assert content_digest(first) == content_digest(again) != content_digest(reused)
+
+
+class FreshRedisStore:
+    """`UsageStore.send_apply` as an empty Redis answers it: the apply script takes the
+    guessed outcomes when they are the true ones, as they are with nothing applied before."""
+
+    dedup_ttl_s = 7 * 86_400
+
+    def __init__(self) -> None:
+        self.applied: list = []
+
+    async def send_apply(self, rows, now_ms: int):  # noqa: ANN201 - a PendingApply
+        store = self
+
+        class Pending:
+            async def result(self) -> list[int]:
+                out = guess_outcomes(rows, now_ms - store.dedup_ttl_s * 1000)
+                store.applied += [r for r, o in zip(rows, out) if o >= NEW]
+                return [APPLIED if o >= NEW else o for o in out]
+
+            async def abandon(self) -> None:
+                pass
+
+        return Pending()
+
+
+async def test_usage_under_a_reused_event_id_is_dead_lettered_not_billed() -> None:
+    """It went nowhere: no bill, no dead letter, counted as a duplicate. A redelivery of the
+    first record is still a duplicate, silently."""
+    broker = make_broker(KafkaSettings(), "accounting", None, None)
+    store, registry, letters = FreshRedisStore(), CollectorRegistry(), []
+
+    @broker.subscriber(topics.DEAD_LETTERS.name)
+    async def dead_letter(msg) -> None:  # noqa: ANN001
+        letters.append(DEAD_LETTER.validate_json(msg.body))
+
+    handlers.register(broker, store, PRICES, b.BudgetTable(), lambda: D, "g", 100, 100,
+                      trace.get_tracer("test"), registry)
+    first = usage()
+    reused = usage(tenant="globex", prompt_tokens=50_000, gpu_seconds=900.0)
+    async with TestKafkaBroker(broker) as br:
+        await br.publish_batch(first.to_bytes(), first.to_bytes(), reused.to_bytes(),
+                               topic=topics.USAGE.name)
+    assert [r.tenant for r in store.applied] == ["acme"]
+    [letter] = letters
+    assert letter.payload == reused.to_bytes().decode()
+    assert letter.reason.startswith(f"event id {first.event_id} reused with other content: "
+                                    "not billed")
+    counted = {o: registry.get_sample_value("gpusched_accounting_usage_records_total",
+                                            {"outcome": o}) for o in ("duplicate", "conflict")}
+    assert counted == {"duplicate": 1, "conflict": 1}
 
 
 def test_day_and_month_periods() -> None:

@@ -18,6 +18,7 @@ from gpusched_accounting.adapters.store import APPLIED, PendingApply, UsageStore
 from gpusched_accounting.domain import budgets as budget_rules
 from gpusched_accounting.domain.budgets import BudgetTable
 from gpusched_accounting.domain.usage import (
+    CONFLICT,
     DUPLICATE,
     MAX_END_AHEAD_MS,
     STALE,
@@ -95,9 +96,9 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     """Subscribe the usage consumer; returns `recheck_budgets` bound to this service, to run
     once the broker has started."""
     outcomes = Counter("gpusched_accounting_usage_records_total",
-                       "Usage records by outcome (applied, duplicate, stale, invalid).",
-                       ["outcome"], registry=registry)
-    for outcome in ("applied", "duplicate", "stale", "invalid"):
+                       "Usage records by outcome (applied, duplicate, stale, conflict, "
+                       "invalid).", ["outcome"], registry=registry)
+    for outcome in ("applied", "duplicate", "stale", "conflict", "invalid"):
         outcomes.labels(outcome)  # at 0: a series first seen at 1 is no increase() to alert on
 
     async def publish(message: Message, topic: str, key: str) -> None:
@@ -131,8 +132,10 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
 
     async def settle(rows: list[UsageRow], sources: list[ConsumerRecord], statuses: list[int],
                      now_ms: int) -> None:
-        """Count outcomes, dead-letter stale rows, and end a span per traced record."""
-        for status, name in ((APPLIED, "applied"), (DUPLICATE, "duplicate"), (STALE, "stale")):
+        """Count outcomes, dead-letter stale and conflicting rows, and end a span per traced
+        record."""
+        for status, name in ((APPLIED, "applied"), (DUPLICATE, "duplicate"), (STALE, "stale"),
+                             (CONFLICT, "conflict")):
             if n := statuses.count(status):
                 outcomes.labels(name).inc(n)
         for row, record, status in zip(rows, sources, statuses):
@@ -141,6 +144,15 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                     record, f"usage record ended at {row.ended_at_ms}, before the dedup window "
                     f"({store.dedup_ttl_s} s): not applied, since it cannot be told apart from a "
                     "duplicate; check it with `gpusched reconcile`", SERVICE, now_ms),
+                    topics.DEAD_LETTERS.name, record.topic)
+            elif status == CONFLICT:
+                await publish(dead_letter(
+                    record, f"event id {row.event_id} reused with other content: not billed. "
+                    "A record with this id and another tenant, model, node, count or end was "
+                    f"applied within the dedup window ({store.dedup_ttl_s} s); request ids "
+                    f"must be unique, so was request id {row.request_id} used again? GET "
+                    f"/v1/usage/requests/{row.request_id} shows what was billed under it",
+                    SERVICE, now_ms),
                     topics.DEAD_LETTERS.name, record.topic)
             # one span per traced record, in the trace of the request it bills
             carrier = record_carrier(record.headers)

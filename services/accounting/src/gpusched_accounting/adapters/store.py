@@ -7,21 +7,27 @@ requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
   gpusched:usage:req:<request_id>      string: the request's counters, a final record seen
                                        (byte), request counted (byte), "tenant model" (length
                                        uint16, then text), then the applied event ids, each
-                                       followed by a newline; TTL dedup_ttl_s
+                                       followed by a newline, then its content digest as a
+                                       line of its own: byte 0xFF, 16 hex digits, a newline
+                                       (absent for ids applied before digests were kept);
+                                       TTL dedup_ttl_s
   gpusched:usage:t:<tenant>:<g>:<s>    hash per tenant and bucket (g = m|h|d, s = start, epoch
                                        seconds): t, m:<model>, n:<node>, g:<gpu>, c:<class>
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
   gpusched:usage:tenants               set of tenants ever billed
 Buckets expire `retention` after their end; request records `dedup_ttl_s` after their last
 record. Rows older than the dedup window are refused (-1): they could be duplicates that
-can no longer be recognised.
+can no longer be recognised. A row whose event id was applied with another content digest
+is refused too (-2, a conflict): it is another record under a reused id, not a redelivery.
+A digest line starts with a byte UTF-8 never holds, so no id ever matches it, and a
+release that keeps no digests still finds every id (a rolling upgrade).
 
 Speed: Redis runs scripts one at a time, so the script does as little as it can. Python
-guesses each row's outcome (new and counting its request, new, duplicate, stale) and sums
-the bucket deltas of that guess; the script checks the guess against the request records and
-applies it only if every row matches, else changes nothing and answers the true outcomes, and
-Python sums again. Redelivered or concurrent batches cost one more round trip, never a
-wrong count.
+guesses each row's outcome (new and counting its request, new, duplicate, stale, conflict)
+and sums the bucket deltas of that guess; the script checks the guess against the request
+records and applies it only if every row matches, else changes nothing and answers the true
+outcomes, and Python sums again. Redelivered or concurrent batches cost one more round
+trip, never a wrong count.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from gpusched_accounting.domain.usage import (
     Totals,
     UsageRow,
     bucket_deltas,
+    content_digest,
     guess_outcomes,
     unpack,
 )
@@ -57,7 +64,7 @@ REQUEST_KEY = "gpusched:usage:req:{}"
 _REQUEST_PREFIX = REQUEST_KEY.format("")
 APPLIED = NEW
 """Status `apply` gives a row it added (counting its request or not); the others are
-`domain.usage.DUPLICATE` and `STALE`."""
+`domain.usage.DUPLICATE`, `STALE` and `CONFLICT`."""
 _MAX_ATTEMPTS = 5
 
 _APPLY = r"""
@@ -68,8 +75,8 @@ local dedup_ttl = tonumber(ARGV[4])
 local oldest_ms = now_ms - dedup_ttl * 1000
 local HEAD = '<lllllBBH'
 
--- 1. the true outcome of every row: -1 stale, 0 duplicate, 1 new, 2 new and first to
--- count its request; reads only, so a wrong guess leaves Redis untouched
+-- 1. the true outcome of every row: -2 conflict, -1 stale, 0 duplicate, 1 new, 2 new and
+-- first to count its request; reads only, so a wrong guess leaves Redis untouched
 local outcome, req, same = {}, {}, true
 for i, e in ipairs(rows) do
   local s
@@ -89,10 +96,19 @@ for i, e in ipairs(rows) do
       end
       req[rkey] = q
     end
-    if string.find(q[9], '\n' .. e[1] .. '\n', 1, true) then
-      s = 0
+    local id = '\n' .. e[1] .. '\n'
+    local at = string.find(q[9], id, 1, true)
+    if at then
+      -- applied before: a duplicate, unless its digest (the line after it) is another
+      -- one's; an id kept without a digest (an older release's) is a duplicate
+      local d = at + #id
+      if string.byte(q[9], d) == 255 and string.sub(q[9], d + 1, d + #e[11]) ~= e[11] then
+        s = -2
+      else
+        s = 0
+      end
     else
-      q[9] = q[9] .. e[1] .. '\n'
+      q[9] = q[9] .. e[1] .. '\n\255' .. e[11] .. '\n'
       s = 1
       if e[9] == 1 and q[7] == 0 then s = 2; q[7] = 1 end
       q[1] = q[1] + e[4]; q[2] = q[2] + e[5]; q[3] = q[3] + (s == 2 and 1 or 0)
@@ -227,10 +243,10 @@ def _dedup_field(row: UsageRow) -> str:
 def _lua_row(row: UsageRow) -> list[str | int]:
     """What the Lua apply reads of a row (1-based there): 1 dedup field, 2 request key,
     3 "tenant model", 4-7 prompt, completion, gpu_us, cost_nusd, 8 final, 9 counts the
-    request, 10 ended_at_ms."""
+    request, 10 ended_at_ms, 11 content digest."""
     return [_dedup_field(row), _REQUEST_PREFIX + row.request_id, row.tenant + " " + row.model,
             row.prompt_tokens, row.completion_tokens, row.gpu_us, row.cost_nusd, int(row.final),
-            int(row.counts_request), row.ended_at_ms]
+            int(row.counts_request), row.ended_at_ms, content_digest(row)]
 
 
 def bucket_key(tenant: str | None, granularity: Granularity, start_s: int) -> str:
@@ -277,7 +293,8 @@ class PendingApply:
             pydantic_core.to_json(deltas), pydantic_core.to_json(tenants))
 
     async def result(self) -> list[int]:
-        """Statuses per row (APPLIED, DUPLICATE, STALE), once the rows are applied."""
+        """Statuses per row (APPLIED, DUPLICATE, STALE, CONFLICT), once the rows are
+        applied."""
         assert self._conn is not None, "send() first"
         try:
             for _ in range(_MAX_ATTEMPTS):
@@ -333,8 +350,8 @@ class UsageStore:
 
     async def apply(self, rows: Sequence[UsageRow], now_ms: int) -> list[int]:
         """Apply rows in one atomic script (one round trip, two when a row was seen before);
-        returns a status per row (APPLIED, DUPLICATE, STALE). Safe to repeat: applied event
-        ids change nothing."""
+        returns a status per row (APPLIED, DUPLICATE, STALE, CONFLICT). Safe to repeat:
+        applied event ids change nothing."""
         if not rows:
             return []
         return await (await self.send_apply(rows, now_ms)).result()

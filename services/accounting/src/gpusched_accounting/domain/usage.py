@@ -7,6 +7,7 @@ exact sums whatever the order in which records are applied.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -175,6 +176,16 @@ def row_for(usage: UsageRecord, prices: PriceTable) -> UsageRow:
         usage.final, usage.final and usage.gpu_type != NO_GPU, usage.ended_at_ms)
 
 
+def content_digest(row: UsageRow) -> str:
+    """16 hex digits of what a record bills (everything but its ids and its cost, which
+    follows the price table of the day): the same record delivered again has the same
+    digest, another record under a reused event id almost surely not."""
+    billed = (f"{row.tenant} {row.model} {row.node_id} {row.gpu_type} {row.priority_class} "
+              f"{row.prompt_tokens} {row.completion_tokens} {row.gpu_us} {int(row.final)} "
+              f"{row.ended_at_ms}")  # names hold no space: one text per content
+    return hashlib.blake2b(billed.encode(), digest_size=8).hexdigest()
+
+
 def bucket_start_s(at_ms: int, granularity: Granularity) -> int:
     """Start (epoch seconds, UTC) of the bucket holding `at_ms`; records bucket by ended_at."""
     span = GRANULARITY_S[granularity]
@@ -197,25 +208,29 @@ def fields_of(row: UsageRow, all_tenants: bool) -> list[str]:
 
 # ---- the apply's outcome of each row, and the bucket deltas of a batch -------------------
 
-STALE, DUPLICATE, NEW, COUNTED = -1, 0, 1, 2
-"""Outcome of a row in an apply: older than the dedup window (refused), an event id applied
-before, new, or new and the first to count its request."""
+CONFLICT, STALE, DUPLICATE, NEW, COUNTED = -2, -1, 0, 1, 2
+"""Outcome of a row in an apply: an event id applied before with other content (refused:
+not billed to either), older than the dedup window (refused), an event id applied before
+with the same content (or before digests were kept), new, or new and the first to count
+its request."""
 
 
 def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
     """The outcomes if nothing in the batch was seen before: stale when it ended before
-    `oldest_ms`, a duplicate when the batch repeats an event, COUNTED for the first final
-    record of a request in the batch that counts it."""
-    seen: set[tuple[str, str]] = set()
+    `oldest_ms`, a duplicate when the batch repeats an event (a conflict when with other
+    content: `content_digest`), COUNTED for the first final record of a request in the
+    batch that counts it."""
+    first: dict[tuple[str, str], UsageRow] = {}
     counted: set[str] = set()
     out = []
     for row in rows:
         if row.ended_at_ms < oldest_ms:
             out.append(STALE)
-        elif (row.request_id, row.event_id) in seen:
-            out.append(DUPLICATE)
+        elif (seen := first.get((row.request_id, row.event_id))) is not None:
+            # digests only for a repeat: the common batch has none
+            out.append(DUPLICATE if content_digest(seen) == content_digest(row) else CONFLICT)
         else:
-            seen.add((row.request_id, row.event_id))
+            first[(row.request_id, row.event_id)] = row
             if row.counts_request and row.request_id not in counted:
                 counted.add(row.request_id)
                 out.append(COUNTED)
@@ -321,7 +336,9 @@ def finest_kept(start_ms: int, now_ms: int, retention_s: dict[Granularity, int]
 def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day"
               ) -> dict[tuple[str, int], Totals]:
     """Totals per (tenant, bucket start) from raw rows, with the same dedup (event id) and
-    request-counting rules as the live apply: what the live counters must equal."""
+    request-counting rules as the live apply: what the live counters must equal. Of records
+    that share an event id, the first counts (the live apply dead-letters a later one
+    with other content)."""
     seen: set[tuple[str, str]] = set()
     counted: set[str] = set()
     out: dict[tuple[str, int], Totals] = {}
