@@ -56,7 +56,7 @@ H, D = 3_600_000, 86_400_000
 
 
 def usage(**kw) -> UsageRecord:
-    base = dict(event_id="p#0:final", request_id="r", placement_id="p#0", tenant="acme",
+    base = dict(event_id="r#0:final", request_id="r", placement_id="r#0", tenant="acme",
                 model="m", priority_class="batch", node_id="n", gpu_type="H100-80GB",
                 prompt_tokens=10, completion_tokens=5, gpu_seconds=0.1234567, final=True,
                 started_at_ms=0, ended_at_ms=1)
@@ -113,7 +113,8 @@ def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() ->
             for i in range(40)]
     rows.append(row_for(usage(event_id="r0#0:final", request_id="r0", placement_id="r0#0",
                               tenant="t9", ended_at_ms=D), PRICES))
-    rows.append(row_for(usage(event_id="old", request_id="old", ended_at_ms=0), PRICES))
+    rows.append(row_for(usage(event_id="old#0:final", request_id="old", placement_id="old#0",
+                              ended_at_ms=0), PRICES))
     outcomes = guess_outcomes(rows, oldest_ms=1)
     assert outcomes[-1] == STALE and outcomes[-2] == CONFLICT
     assert outcomes.count(COUNTED) == 7 and DUPLICATE in outcomes
@@ -177,7 +178,8 @@ def test_recompute_ignores_repeats_and_counts_a_request_once() -> None:
     first = row_for(usage(event_id="r#0:final", placement_id="r#0"), PRICES)
     preempted_rerun = row_for(usage(event_id="r#1:final", placement_id="r#1",
                                     ended_at_ms=D + 5), PRICES)
-    partial = row_for(usage(event_id="r#1:p1", final=False, ended_at_ms=D + 1), PRICES)
+    partial = row_for(usage(event_id="r#1:p1", placement_id="r#1", final=False,
+                            ended_at_ms=D + 1), PRICES)
     rows = [first, partial, preempted_rerun, first, partial]
     totals = recompute(rows)
     assert totals[("acme", 0)].requests == 1 and totals[("acme", 86_400)].requests == 0

@@ -22,7 +22,7 @@ SMALL, BIG = CATALOG.get("qwen2.5-1.5b"), CATALOG.get("llama-3.1-8b")
 def placement(pid: str, gpu: int, kv_mib: int, model: str) -> Placement:
     req = InferenceRequest(request_id=pid, tenant="t", model=model, prompt="x",
                            created_at_ms=0)
-    return Placement(placement_id=pid, node_id="n", gpu_indices=(gpu,), kv_cache_mib=kv_mib,
+    return Placement(placement_id=f"{pid}#0", node_id="n", gpu_indices=(gpu,), kv_cache_mib=kv_mib,
                      scheduler_epoch=1, placed_at_ms=0, request=req)
 
 

@@ -188,5 +188,5 @@ def test_refresh_takes_new_health_and_reports_the_change() -> None:
 def placement(pid: str, gpu: int) -> Placement:
     req = InferenceRequest(request_id=pid, tenant="t", model=SMALL.name, prompt="x",
                            created_at_ms=0)
-    return Placement(placement_id=pid, node_id="n", gpu_indices=(gpu,), kv_cache_mib=10,
+    return Placement(placement_id=f"{pid}#0", node_id="n", gpu_indices=(gpu,), kv_cache_mib=10,
                      scheduler_epoch=1, placed_at_ms=0, request=req)

@@ -69,6 +69,39 @@ def test_every_placement_id_leaves_room_for_its_usage_records_ids() -> None:
         PLACEMENT.validate_python(too_long)
 
 
+@pytest.mark.parametrize("ids,field", [
+    ({"event_id": "evt-1"}, "event_id"),  # the same id under two requests was billed twice
+    ({"event_id": "r#1:final"}, "event_id"),  # another placement's
+    ({"event_id": "r#0final"}, "event_id"),
+    ({"placement_id": "other#7", "event_id": "other#7:final"}, "placement_id"),
+    ({"placement_id": "r#x", "event_id": "r#x:final"}, "placement_id"),
+    ({"placement_id": "r", "event_id": "r:final"}, "placement_id"),
+])
+def test_a_usage_record_whose_ids_are_not_its_placements_is_invalid(ids, field) -> None:
+    """Accounting keeps a request's applied event ids under its request id: an event id
+    that came with two request ids was billed twice, once under each."""
+    base = {"event_id": "r#0:final", "request_id": "r", "placement_id": "r#0", "tenant": "t",
+            "model": "m", "priority_class": "standard", "node_id": "n", "gpu_type": "H100",
+            "prompt_tokens": 1, "completion_tokens": 0, "gpu_seconds": 0.0,
+            "started_at_ms": 0, "ended_at_ms": 0}
+    UsageRecord.model_validate(base)
+    UsageRecord.model_validate(base | {"event_id": "r#0:12"})
+    with pytest.raises(ValidationError, match=f"{field} '"):
+        UsageRecord.model_validate(base | ids)
+
+
+def test_a_placement_its_agent_could_not_bill_is_invalid_on_the_wire() -> None:
+    """An agent names its usage records after the placement: one whose id was not its
+    request's would have run and then failed to bill (its usage record invalid)."""
+    request = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p",
+                               created_at_ms=5)
+    placed = Placement(placement_id="r#0", node_id="n", gpu_indices=(0,), kv_cache_mib=1,
+                       scheduler_epoch=1, placed_at_ms=0, request=request)
+    for other in ("other#0", "r", "r#", "r#1:2"):
+        with pytest.raises(ValidationError, match="placement_id"):
+            PLACEMENT.validate_python(placed.model_dump(mode="json") | {"placement_id": other})
+
+
 def test_messages_round_trip_unchanged() -> None:
     request = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p",
                                created_at_ms=5)

@@ -33,6 +33,15 @@ PlacementId = Annotated[str, Field(min_length=1, max_length=140)]
 """'<request_id>#<attempt>' (a request id is 128 characters at most, an attempt 100), so
 that its usage records' ids ('<placement_id>:final', ':<n>') stay within theirs."""
 
+
+def check_placement_id(placement_id: str, request_id: str) -> None:
+    """Raise ValueError unless `placement_id` is '<request_id>#<attempt>'."""
+    attempt = placement_id.removeprefix(request_id + "#")
+    if attempt == placement_id or not (attempt.isascii() and attempt.isdigit()):
+        raise ValueError(f"placement_id {placement_id!r} must be its request_id, '#' and the "
+                         f"attempt number ('{request_id}#0')")
+
+
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
 Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="Sampling seed: a 64-bit "
@@ -276,6 +285,13 @@ class Placement(Message):
     placed_at_ms: int
     request: InferenceRequest
 
+    @model_validator(mode="after")
+    def _id_is_the_requests(self) -> Placement:
+        """Its agent names its usage records after it, which must be the request's (see
+        `UsageRecord`): a placement it could not bill is refused on the wire, not run."""
+        check_placement_id(self.placement_id, self.request.request_id)
+        return self
+
 
 class Preempt(Message):
     """A scheduler's command to stop a running placement so that higher-priority work fits;
@@ -381,6 +397,17 @@ class UsageRecord(Message):
     final: bool = Field(default=True, strict=True)
     started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
     ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
+
+    @model_validator(mode="after")
+    def _ids_agree(self) -> UsageRecord:
+        """Ids are the placement's, as agents build them: accounting keeps a request's
+        applied event ids under its request id, so an event id of another request or
+        placement was billed again under each request id it came with."""
+        check_placement_id(self.placement_id, self.request_id)
+        if not self.event_id.startswith(self.placement_id + ":"):
+            raise ValueError(f"event_id {self.event_id!r} must start with its placement_id "
+                             f"and ':' ('{self.placement_id}:final', '{self.placement_id}:1')")
+        return self
 
 
 class BudgetExhausted(Message):
