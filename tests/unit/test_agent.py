@@ -96,6 +96,16 @@ def test_partial_takes_are_deltas_that_sum_to_the_total() -> None:
     assert sum(parts) == pytest.approx(4.0)
 
 
+def test_a_clock_that_steps_back_bills_no_interval_twice() -> None:
+    """The meter's clock is injected: one stepping back 5 s used to bill those 5 s again
+    once it caught up (10 GPU-seconds billed 15)."""
+    meter = ShareMeter()
+    meter.start("a", 0.0)
+    parts = [meter.take("a", 10.0), meter.take("a", 5.0), meter.take("a", 10.0),
+             meter.stop("a", 12.0)]
+    assert parts == pytest.approx([10.0, 0.0, 0.0, 2.0])
+
+
 def test_performance_model_orders_gpus_and_models_sensibly() -> None:
     h100, l4 = GPU_TYPES["H100-80GB"], GPU_TYPES["L4-24GB"]
     assert perf_model.decode_step_s(SMALL, h100, 0) < perf_model.decode_step_s(SMALL, l4, 0)

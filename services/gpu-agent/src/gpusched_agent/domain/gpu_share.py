@@ -17,7 +17,9 @@ class ShareMeter:
 
     def _advance(self, now_s: float) -> None:
         if self.accrued_s:
-            share = max(0.0, now_s - self.last_s) / len(self.accrued_s)
+            if now_s <= self.last_s:  # a clock stepped back: up to last_s is accrued already,
+                return  # and accrues again from there only, not from now_s
+            share = (now_s - self.last_s) / len(self.accrued_s)
             for key in self.accrued_s:
                 self.accrued_s[key] += share
         self.last_s = now_s
