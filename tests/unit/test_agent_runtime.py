@@ -669,6 +669,33 @@ async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_i
     assert await restarted.recover() == 0 and ledger.held == {"n1": {}}
 
 
+async def crash_while_running(runtime: AgentRuntime, sink: Sink, cmd: Placement) -> None:
+    """Start `cmd` and kill its run after its first token, as a crash of the process
+    would: no final records, its claim stays filed."""
+    await runtime.command(cmd)
+    await until_tokens(sink, 1)
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == cmd.placement_id]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_crash_does_not_use_up_the_attempts_agents_may_refuse() -> None:
+    """A request agents could not run 4 times was running when its agent crashed. The
+    restart handed it back as a fifth refusal, so it ended failed; a crash is a lost node,
+    which `refused` does not count (nor does the scheduler's own retry of a lost node)."""
+    crashed, sink, ledger = make(time_scale=1.0)
+    cut = placement("cut", max_tokens=5000, attempt=4)
+    await crash_while_running(crashed, sink, cut.model_copy(update={
+        "request": cut.request.model_copy(update={"refused": 4})}))
+
+    restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
+    assert await restarted.recover() == 1
+    assert not sink.of(RequestResult)
+    [again] = sink.of(InferenceRequest)
+    assert (again.attempt, again.requeued, again.refused) == (5, "node_lost", 4)
+
+
 class DiesPublishingTheResult(Sink):
     """Kafka refuses the result after the final usage went out (the process then dies)."""
 

@@ -462,9 +462,9 @@ class AgentRuntime:
         placed = await self._ledger.still_placed([p.placement_id for p in left])
         for placement, still in zip(left, placed, strict=True):
             run = _Running(placement)
-            if still:
+            if still:  # a lost node's work: it does not use up the request's `refused`
                 await self._handback(run, "an earlier run of the agent ended without it",
-                                     "node_lost")
+                                     "node_lost", refused=False)
             else:
                 await self._finish(run, [])
             await self._release(placement.placement_id)
@@ -782,19 +782,21 @@ class AgentRuntime:
             **request.so_far(), node_id=self.node_id, queued_ms=0, total_ms=0),
             topics.RESULTS.name, request.request_id)])
 
-    async def _handback(self, run: _Running, reason: str, why: str) -> None:
-        """Return a placement this node cannot run to the scheduler as a new attempt (its
-        zero final usage releases what the scheduler reserved); after MAX_ATTEMPTS that
-        agents could not run it ends with a failed result instead of bouncing forever."""
+    async def _handback(self, run: _Running, reason: str, why: str, refused: bool = True
+                        ) -> None:
+        """Return a placement this node cannot run (`refused`; else one it lost: it crashed)
+        to the scheduler as a new attempt (its zero final usage releases what the scheduler
+        reserved); after MAX_ATTEMPTS that agents could not run, or on its last attempt, it
+        ends with a failed result instead of bouncing forever."""
         request = run.placement.request
         log.warning("handing back %s: %s", run.placement.placement_id, reason)
-        if (last := _last_try(request, refused=True)) is not None:
+        if (last := _last_try(request, refused=refused)) is not None:
             await self._finish(run, [(RequestResult(
                 request_id=request.request_id, tenant=request.tenant, model=request.model,
                 status="failed", finish_reason=f"{last}: {reason}", **request.so_far(),
                 queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
             return
-        await self._finish(run, [_retry(request, why, refused=True)])
+        await self._finish(run, [_retry(request, why, refused=refused)])
 
 
 def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
