@@ -132,6 +132,21 @@ async def test_stale_and_future_scheduler_epochs_are_rejected() -> None:
     assert "old#0" not in ledger.claims  # a stale placement claims nothing
 
 
+async def test_a_forged_epoch_while_redis_has_none_does_not_fence_off_the_next_leader(
+) -> None:
+    """With no leader epoch in Redis (none written yet, or Redis lost its data), a command
+    carrying a huge epoch raised the highest epoch seen: the real leader's commands were
+    then all refused as stale until the agent restarted."""
+    runtime, sink, ledger = make(epoch=None)
+    forged = Preempt(placement_id="x#0", request_id="x", node_id="n1", scheduler_epoch=2**62,
+                     reason="x")
+    assert isinstance(await runtime.command(forged), Ignored)  # nothing of that id runs
+    ledger.epoch = 3  # the real leader writes its token
+    assert isinstance(await runtime.command(placement("legit", epoch=3)), Started)
+    await settle(runtime)
+    assert [r.request_id for r in sink.of(RequestResult)] == ["legit"]
+
+
 async def test_cancel_mid_stream_stops_promptly_and_bills_what_was_produced() -> None:
     runtime, sink, _ = make(time_scale=1.0)
     await runtime.command(placement("c1", max_tokens=2000))

@@ -319,11 +319,14 @@ class AgentRuntime:
         twice runs once; a stale one (deposed scheduler) is returned as `Stale`."""
         if cmd.node_id != self.node_id:
             return Ignored(f"for node {cmd.node_id}")
-        reason = stale_reason(cmd.scheduler_epoch, await self._ledger.leader_epoch(),
-                              self.highest_epoch)
+        leader_epoch = await self._ledger.leader_epoch()
+        reason = stale_reason(cmd.scheduler_epoch, leader_epoch, self.highest_epoch)
         if reason is not None:
             return Stale(reason)
-        self.highest_epoch = max(self.highest_epoch, cmd.scheduler_epoch)
+        if leader_epoch is not None:  # then equal to the command's: a leader's for sure.
+            # Without one in Redis, any Kafka client could send an epoch: taking it would
+            # fence the agent off from the real leader until it restarts.
+            self.highest_epoch = max(self.highest_epoch, leader_epoch)
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         claim = None if cmd.placement_id in self._running else await self._ledger.claim(

@@ -8,8 +8,8 @@ def stale_reason(command_epoch: int, leader_epoch: int | None, highest_seen: int
 
     `leader_epoch` is the current leader's fencing token (Redis `gpusched:scheduler:epoch`,
     None when no leader has written one yet); `highest_seen` the highest epoch this agent has
-    already accepted. Equal epochs are the same leader and pass; one beyond the leader's
-    was never a leader's.
+    already accepted while Redis held it as the leader's. Equal epochs are the same leader
+    and pass; one beyond the leader's was never a leader's.
     """
     if leader_epoch is not None and command_epoch < leader_epoch:
         return (f"scheduler epoch {command_epoch} is older than the current leader's "
