@@ -771,6 +771,56 @@ async def test_placement_that_does_not_fit_is_handed_back_with_a_zero_final_usag
     assert again.requeued == "handback" and again.attempt == 1
 
 
+class LoadsNothing(SimulatedExecutor):
+    """Runs out of GPU memory loading any model, after `load_s`."""
+
+    load_s = 0.0
+
+    async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+        await asyncio.sleep(self.load_s)
+        raise RuntimeError("CUDA out of memory")
+
+
+def on_gpus(p: Placement, gpus: tuple[int, ...]) -> Placement:
+    return p.model_copy(update={"gpu_indices": gpus, "request": p.request.model_copy(
+        update={"num_gpus": len(gpus)})})
+
+
+@pytest.mark.parametrize("gpus", [(0,), (0, 1)])
+async def test_a_model_that_failed_to_load_is_not_reported_loaded_and_its_work_goes_back(
+        gpus) -> None:
+    """A load that failed (CUDA out of memory) left the model's weights counted and
+    reported loaded: the scheduler sent that model's work on here, and every request ended
+    failed. The engine is at fault, not the request: it goes back, as a refusal."""
+    runtime, sink, _ = make()
+    runtime.executor = LoadsNothing(0.01, seed=7)
+    free_mib = [g.memory_free_mib for g in runtime.node.state("n1", 1, 0, 0).gpus]
+    await runtime.command(on_gpus(placement("a"), gpus))
+    await runtime.command(on_gpus(placement("b"), gpus))  # waits for the same load
+    await settle(runtime)
+    assert not sink.of(RequestResult)
+    assert sorted((r.request_id, r.attempt, r.requeued, r.refused)
+                  for r in sink.of(InferenceRequest)) == [("a", 1, "node_lost", 1),
+                                                          ("b", 1, "node_lost", 1)]
+    state = runtime.node.state("n1", 2, 0, 0)
+    assert [g.loaded_models for g in state.gpus] == [(), ()]
+    assert [g.memory_free_mib for g in state.gpus] == free_mib
+
+
+async def test_a_load_that_fails_after_its_request_was_cancelled_is_not_reported_loaded(
+) -> None:
+    runtime, sink, _ = make()
+    runtime.executor = LoadsNothing(0.01, seed=7)
+    runtime.executor.load_s = 0.1
+    await runtime.command(placement("gone"))
+    await asyncio.sleep(0.02)  # loading
+    runtime.cancel(Cancel(request_id="gone", reason="client_gone", at_ms=0))
+    await settle(runtime)
+    assert runtime.node.gpus[0].loaded_mib  # the load goes on without its request
+    await asyncio.sleep(0.15)
+    assert runtime.node.state("n1", 1, 0, 0).gpus[0].loaded_models == ()
+
+
 @pytest.mark.parametrize("stop", ["preempt", "cancel"])
 async def test_stop_in_the_same_tick_as_the_placement_still_ends_it_cleanly(stop) -> None:
     runtime, sink, _ = make()

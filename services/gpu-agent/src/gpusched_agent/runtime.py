@@ -128,6 +128,11 @@ class _Running:
     stopped there: waiting on Kafka for its last records is no GPU time)."""
 
 
+class _LoadFailed(Exception):
+    """The executor could not load a placement's model (CUDA out of memory, say): the
+    engine's fault, not the request's. Its cause is the executor's error."""
+
+
 def _failed(task: asyncio.Task[None] | None) -> bool:
     """Whether `task` ended without doing its work (its error counts as seen)."""
     return task is not None and task.done() and (
@@ -431,7 +436,7 @@ class AgentRuntime:
         if isinstance(admitted, Refused) or model is None:
             await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
             return
-        await self._execute(run, self._prepare(admitted, model, placement.gpu_indices[0]), model)
+        await self._execute(run, self._prepare(admitted, model, placement.gpu_indices), model)
 
     async def _release(self, placement_id: str) -> None:
         try:
@@ -483,44 +488,60 @@ class AgentRuntime:
         return any(model_of(w) == model_name and executor_gpu(w, gpu) == gpu
                    for w in self.node.gpus[gpu].loaded_mib)
 
-    def _prepare(self, admitted: Admitted, model: ModelSpec, gpu: int
+    def _prepare(self, admitted: Admitted, model: ModelSpec, gpus: tuple[int, ...]
                  ) -> asyncio.Task[None] | None:
-        """What the placement just admitted waits for before it runs: the executor freeing
-        what admission evicted and loading `model` on `gpu` (a gang runs on its first GPU).
+        """What the placement just admitted on `gpus` waits for before it runs: the executor
+        freeing what admission evicted and loading `model` on the first (a gang runs there).
         Called at admission with no await in between, because the node model counts the
         weights loaded from then on: a placement admitted later finds the task under
         (GPU, model) and waits for the same load. The task runs on its own, so a request
         cancelled meanwhile does not cut an unload or a load short; one that failed is
         tried again by the next placement."""
-        key = (gpu, model.name)
+        key = (gpus[0], model.name)
         before = self._loads.get(key)
         failed = _failed(before)
         if not (admitted.needs_load or admitted.evicted or failed):
             return before
         task = self._loads[key] = asyncio.create_task(self._make_room_and_load(
-            admitted.evicted, model, gpu, admitted.needs_load or failed, before))
+            admitted.evicted, model, gpus, admitted.needs_load or failed, before))
+        task.add_done_callback(_failed)  # its error is logged there, and its waiters see it
         return task
 
     async def _make_room_and_load(self, evicted: tuple[tuple[int, str], ...],
-                                  model: ModelSpec, gpu: int, load: bool,
+                                  model: ModelSpec, gpus: tuple[int, ...], load: bool,
                                   before: asyncio.Task[None] | None) -> None:
+        """A failed load raises _LoadFailed: the model's weights then no longer count on
+        `gpus` where nothing runs on them, and each placement that waited for them forgets
+        them as it ends (`_execute`), so the node does not report them loaded. Any failure
+        is logged here (its waiters may all have been stopped)."""
+        gpu, at_load = gpus[0], False
         if before is not None and not before.done():  # one load of a model on a GPU at once
             await asyncio.wait([before])
             load = load or _failed(before)
-        for index, weights in evicted:
-            name = model_of(weights)  # executors hold models, whatever their gang size
-            if self._holds(index, name):
-                continue
-            loading = self._loads.pop((index, name), None)
-            if loading is not None and not loading.done():  # a cancelled request's load
-                await asyncio.wait([loading])
-                _failed(loading)  # its waiters have seen any error; nobody else will
-            if not self._holds(index, name):  # nothing admitted it again meanwhile
-                await self.executor.unload(name, index)
-        if load:
-            await self.executor.load(model, gpu)
+        try:
+            for index, weights in evicted:
+                name = model_of(weights)  # executors hold models, whatever their gang size
+                if self._holds(index, name):
+                    continue
+                loading = self._loads.pop((index, name), None)
+                if loading is not None and not loading.done():  # a cancelled request's load
+                    await asyncio.wait([loading])
+                    _failed(loading)  # its waiters have seen any error; nobody else will
+                if not self._holds(index, name):  # nothing admitted it again meanwhile
+                    await self.executor.unload(name, index)
+            if load:
+                at_load = True
+                await self.executor.load(model, gpu)
+        except Exception as exc:
+            log.error("%s %s on GPU %d failed", "loading" if at_load else "making room for",
+                      model.name, gpu, exc_info=True)
+            if not at_load:
+                raise
+            if self.node.forget_weights(model.name, gpus):
+                self._dirty.set()
+            raise _LoadFailed(f"loading {model.name} on GPU {gpu} failed: {exc}") from exc
 
-    async def _execute(self, run: _Running, ready: asyncio.Task[None] | None,
+    async def _execute(self, run: _Running, load: asyncio.Task[None] | None,
                        model: ModelSpec) -> None:
         placement, request = run.placement, run.placement.request
         pid = placement.placement_id
@@ -551,14 +572,15 @@ class AgentRuntime:
         cut_short = False  # by the engine, at a limit of its own
         requeue: str | None = None  # handed back as the next attempt, requeued so
         refused = False  # by this node, which could not run it
+        weights_lost = False  # its model's load failed
         why = ""
         last_partial_s = self._mono()
         run.interruptible = True
         try:
             if run.stop_reason is not None:  # stopped between its start and now
                 raise asyncio.CancelledError
-            if ready is not None:
-                await asyncio.shield(ready)
+            if load is not None:
+                await asyncio.shield(load)
             # a resumed engine continues the text: the prompt is all that came before
             prefix, left = "".join(pieces), request.max_tokens - len(pieces)
             asked = request.model_copy(update={
@@ -589,19 +611,19 @@ class AgentRuntime:
                     # The first token goes out alone: its arrival is the client's time to
                     # first token. Then chunks of `chunk_tokens`, one Kafka record each.
                     if seq == 0 or len(chunk) >= self._chunk_tokens:
-                        ready = _streamable(chunk, streamed_chars, stops.final_chars)
-                        if ready:
-                            text = "".join(chunk[:ready])
+                        streamable = _streamable(chunk, streamed_chars, stops.final_chars)
+                        if streamable:
+                            text = "".join(chunk[:streamable])
                             try:
                                 await self._publish(
                                     TokenChunk(request_id=request.request_id, seq=seq,
-                                               text=text, token_count=ready),
+                                               text=text, token_count=streamable),
                                     topics.RESULTS.name, request.request_id, wait=False)
                             except Exception:  # Kafka away (buffer full, no metadata): as
                                 # a chunk it drops, its text goes with the result
                                 log.warning("token chunk %d of %s not sent", seq,
                                             request.request_id, exc_info=True)
-                            seq, chunk = seq + 1, chunk[ready:]
+                            seq, chunk = seq + 1, chunk[streamable:]
                             streamed_chars += len(text)
                     if self._mono() - last_partial_s >= self._usage_interval_s:
                         last_partial_s = self._mono()
@@ -629,18 +651,24 @@ class AgentRuntime:
                 # (come while the engine's stream closed) changes nothing: it completed
                 status = "cancelled"
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
-        except ExecutorUnavailable as exc:  # the engine's fault, not the request's
-            self._engine_down(str(exc))
+        except (ExecutorUnavailable, _LoadFailed) as exc:  # the engine's fault, not the
+            weights_lost = isinstance(exc, _LoadFailed)  # request's
+            problem = str(exc)
+            if isinstance(exc.__cause__ if weights_lost else exc, ExecutorUnavailable):
+                self._engine_down(problem)
+                problem = f"executor unavailable: {exc}"
             if (last := _last_try(request, refused=True)) is None:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
-                status, finish_reason = "failed", f"{last}: executor unavailable: {exc}"
+                status, finish_reason = "failed", f"{last}: {problem}"
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
         finally:
             run.interruptible = False
             self.node.finish(placement)
+            if weights_lost:  # the last placement on weights that never loaded forgets them
+                self.node.forget_weights(model.name, placement.gpu_indices)
             run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):

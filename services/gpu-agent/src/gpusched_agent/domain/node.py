@@ -160,6 +160,19 @@ class NodeModel:
         for i in placement.gpu_indices:
             self.gpus[i].active.pop(placement.placement_id, None)
 
+    def forget_weights(self, model: str, indices: Sequence[int]) -> bool:
+        """The executor failed to load `model` for a placement on GPUs `indices`: stop
+        counting (and reporting) its weights there (`held_weights`) on each of those GPUs
+        where no running placement uses them. True when any went."""
+        weights = held_weights(model, indices)
+        forgotten = False
+        for i in indices:
+            slot = self.gpus[i]
+            if weights in slot.loaded_mib and all(w != weights for w, _ in slot.active.values()):
+                del slot.loaded_mib[weights]
+                forgotten = True
+        return forgotten
+
     def state(self, node_id: str, seq: int, started_at_ms: int, now_ms: int,
               status: str = "ready", executor: str | None = None) -> NodeState:
         return NodeState(
