@@ -1004,7 +1004,8 @@ async def test_a_preempted_request_too_large_to_hand_back_ends_failed_not_stuck(
 
     executor = SimulatedExecutor(time_scale=0.001, seed=0)
     sent, runtime = make_runtime(executor)
-    request = job("big", max_tokens=30_000, prompt="\x01" * 165_000).request
+    request = job("big", max_tokens=30_000, prompt="\x01" * 165_000,
+                  prompt_tokens=1_000).request  # within the model's context
     assert len(request.to_bytes()) < MAX_RECORD_BYTES  # it came in as one record
     running = asyncio.create_task(place(runtime, request))
     async with asyncio.timeout(10):

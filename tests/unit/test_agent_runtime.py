@@ -821,6 +821,66 @@ async def test_a_load_that_fails_after_its_request_was_cancelled_is_not_reported
     assert runtime.node.state("n1", 1, 0, 0).gpus[0].loaded_models == ()
 
 
+@pytest.mark.parametrize("change", [{"prompt_tokens": 1_000_000_001}, {"max_tokens": 32_768}])
+async def test_a_placement_beyond_its_models_context_is_handed_back_unrun(change) -> None:
+    """The scheduler refuses such a request; a placement of one (from any Kafka client)
+    ran here, and one claiming a billion prompt tokens ended with no result, no usage and
+    its claim held: its usage record could not be written. Handed back, the scheduler
+    answers it with the reason."""
+    runtime, sink, ledger = make()
+    p = placement("long")
+    await runtime.command(p.model_copy(update={"request": p.request.model_copy(update=change)}))
+    await settle(runtime)
+    [usage] = sink.of(UsageRecord)
+    assert usage.final and (usage.prompt_tokens, usage.completion_tokens) == (0, 0)
+    [again] = sink.of(InferenceRequest)
+    assert (again.attempt, again.requeued) == (1, "handback")
+    assert not sink.of(TokenChunk) and not ledger.held["n1"]
+
+
+async def test_an_executor_yielding_bytes_fails_its_request_billed_for_its_text() -> None:
+    """bytes passed as a token until the result's text was joined, which raised: the run
+    ended with no result, no usage and its claim held until the agent restarted."""
+    class YieldsBytes(SimulatedExecutor):
+        def generate(self, job):  # noqa: ANN001, ANN202
+            async def tokens():  # noqa: ANN202
+                for token in [" a", " b", b" c"]:
+                    yield token
+            return tokens()
+
+    runtime, sink, ledger = make()
+    runtime.executor = YieldsBytes(0.01, seed=7)
+    await runtime.command(placement("b"))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "failed" and "yielded bytes, not text" in result.finish_reason
+    assert usage_sum(sink, "b")[:2] == (result.prompt_tokens, result.completion_tokens) == (3, 2)
+    assert not ledger.held["n1"]
+
+
+async def test_a_fault_in_the_agent_itself_ends_the_request_failed_billed_and_released(
+) -> None:
+    """An exception the run did not expect (here from the node model) ended its task
+    silently: no result, no usage, no hand-back, and its claim stayed filed until the
+    agent restarted."""
+    runtime, sink, ledger = make()
+    finish = runtime.node.finish
+
+    def fails_once(placement: Placement) -> None:
+        runtime.node.finish = finish  # type: ignore[method-assign]
+        raise RuntimeError("a bug")
+
+    runtime.node.finish = fails_once  # type: ignore[method-assign]
+    await runtime.command(placement("r", max_tokens=8))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert (result.status, result.finish_reason) == ("failed", "agent error: RuntimeError('a bug')")
+    prompt, completion, gpu_seconds = usage_sum(sink, "r")
+    assert (prompt, completion) == (result.prompt_tokens, result.completion_tokens) == (3, 8)
+    assert gpu_seconds > 0 and [u.final for u in sink.of(UsageRecord)] == [True]
+    assert not ledger.held["n1"] and not runtime.node.gpus[0].active
+
+
 @pytest.mark.parametrize("stop", ["preempt", "cancel"])
 async def test_stop_in_the_same_tick_as_the_placement_still_ends_it_cleanly(stop) -> None:
     runtime, sink, _ = make()

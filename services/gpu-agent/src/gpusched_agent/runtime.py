@@ -410,9 +410,18 @@ class AgentRuntime:
     async def _run(self, run: _Running) -> None:
         pid = run.placement.placement_id
         try:
-            await self._attempt(run)
-            await self._release(pid)  # not when the loop shuts down mid-run: the next run
-        finally:                      # of this node hands it back (`recover`)
+            try:
+                await self._attempt(run)
+            except Exception as exc:  # a fault of the agent's own: the run ends all the same
+                log.exception("placement %s failed in the agent; it ends failed", pid)
+                await self._end_failed(run, exc)
+            # not when the loop shuts down mid-run: the next run of this node hands it back
+            # (`recover`), as it does when even the last resort failed
+            await self._release(pid)
+        except Exception:
+            log.exception("placement %s could not end; the next run of the agent hands it "
+                          "back", pid)
+        finally:
             self._running.pop(pid, None)
             self._dirty.set()
 
@@ -797,6 +806,28 @@ class AgentRuntime:
             gpu_seconds += (meter.stop(pid, now_s) if final else meter.take(pid, now_s))
         return gpu_seconds / self.executor.time_scale
 
+    async def _end_failed(self, run: _Running, exc: Exception) -> None:
+        """The last resort for a fault of the agent's own that `_execute` does not handle as
+        the executor's: the request ends failed, billed for what ran (its final usage holds
+        what no record has), so the scheduler frees what it reserved and the claim goes."""
+        placement, request = run.placement, run.placement.request
+        run.interruptible = False
+        self.node.finish(placement)
+        if run.unbilled_gpu_s is None:
+            run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
+        ran = bool(run.gpu_slots)  # `_execute` began: its counts hold the earlier attempts'
+        so_far = request.so_far()
+        now_ms = self._clock()
+        await self._finish(run, [(RequestResult(
+            request_id=request.request_id, tenant=request.tenant, model=request.model,
+            status="failed", finish_reason=f"agent error: {exc!r}"[:500], text="",
+            prompt_tokens=run.prompt_tokens if ran else so_far["prompt_tokens"],
+            completion_tokens=run.completion_tokens if ran else so_far["completion_tokens"],
+            node_id=self.node_id, gpu_indices=placement.gpu_indices,
+            queued_ms=max(0.0, run.started_ms - request.created_at_ms) if ran else 0,
+            total_ms=max(0.0, now_ms - request.created_at_ms)),
+            topics.RESULTS.name, request.request_id)])
+
     async def _end_unstarted(self, run: _Running, why: str, detail: str) -> None:
         """A placement stopped before it ran: a zero final usage releases the scheduler's
         reservation; then the request ends (cancelled) or goes back (preempted, drained)."""
@@ -873,7 +904,10 @@ async def _no_tokens() -> AsyncGenerator[str, None]:
 
 def _writable(token: str) -> str:
     """`token` as UTF-8 can carry it: a lone surrogate (an executor's fault) becomes '?'.
-    Records holding one cannot be written, and their request would never end."""
+    Records holding one cannot be written, and their request would never end. Anything but
+    text (bytes, say) is an executor's fault too: TypeError, which fails the request."""
+    if not isinstance(token, str):
+        raise TypeError(f"the executor yielded {type(token).__name__}, not text")
     if token.isascii():
         return token
     try:

@@ -112,7 +112,14 @@ class NodeModel:
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
         """Reserve the placement on every GPU of its gang, or on none (all or nothing).
         A gang of n GPUs holds 1/n of the weights on each (tensor parallel), which only a
-        gang of the same model on the same GPUs uses (`held_weights`)."""
+        gang of the same model on the same GPUs uses (`held_weights`). A request longer than
+        the model's context is refused as the scheduler refuses it (it never reaches an
+        agent from there: a placement does, from any Kafka client)."""
+        request = placement.request
+        if (tokens := request.prompt_token_count + request.max_tokens) \
+                > model.context_limit_tokens:
+            return Refused(f"prompt plus max_tokens ({tokens} tokens) exceeds {model.name}'s "
+                           f"context limit of {model.context_limit_tokens}")
         indices = placement.gpu_indices
         if len(set(indices)) != len(indices):
             return Refused(f"GPU indices {indices} repeat")
