@@ -247,6 +247,56 @@ async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
     assert records[0].prompt_tokens == result.prompt_tokens  # the prompt is billed once
 
 
+class SlowFirstToken(SimulatedExecutor):
+    """Its first token comes `first_token_s` after the start: loading the model (`load`),
+    or prefilling a long prompt (`prefill`)."""
+
+    def __init__(self, where: str, first_token_s: float) -> None:
+        super().__init__(1.0, seed=7)
+        self.where, self.first_token_s = where, first_token_s
+
+    async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+        if self.where == "load":
+            await asyncio.sleep(self.first_token_s)
+
+    def generate(self, job):  # noqa: ANN001, ANN202
+        async def tokens():  # noqa: ANN202
+            if self.where == "prefill":
+                await asyncio.sleep(self.first_token_s)
+            for _ in range(job.request.max_tokens):
+                await asyncio.sleep(0.001)
+                yield " x"
+        return tokens()
+
+
+@pytest.mark.parametrize("where", ["load", "prefill"])
+async def test_a_crash_before_the_first_token_loses_at_most_one_usage_interval(where) -> None:
+    """Partial usage records were made only as tokens came: a crash while the model loaded
+    or the prompt prefilled lost all the GPU time since the start, not one interval."""
+    runtime, sink, ledger = make(usage_interval_s=0.05)
+    runtime.executor = SlowFirstToken(where, first_token_s=10.0)
+    await runtime.command(placement("slow"))
+    await asyncio.sleep(0.5)
+    await crash("slow#0")
+    restarted, _, _ = make(ledger=ledger, now_ms=2_000, sink=sink)
+    await restarted.recover()
+    prompt, completion, gpu_seconds = usage_sum(sink, "slow")
+    assert gpu_seconds >= 0.5 - 2 * 0.05 and (prompt, completion) == (3, 0)
+
+
+async def test_partial_records_before_the_first_token_and_the_final_sum_exactly() -> None:
+    runtime, sink, _ = make(usage_interval_s=0.05)
+    runtime.executor = SlowFirstToken("load", first_token_s=0.3)
+    await runtime.command(placement("slow", max_tokens=50))
+    await settle(runtime)
+    await asyncio.sleep(0.1)  # no partial record comes after the final one
+    records = sink.of(UsageRecord)
+    assert [r.final for r in records] == [False] * (len(records) - 1) + [True]
+    assert records[0].completion_tokens == 0 and records[0].gpu_seconds > 0
+    [result] = sink.of(RequestResult)
+    assert usage_sum(sink, "slow")[:2] == (result.prompt_tokens, result.completion_tokens)
+
+
 class KafkaAway(Sink):
     """Refuses confirmed sends while `away`, as aiokafka does once its request time-out
     passes with no broker."""
@@ -684,12 +734,10 @@ async def test_a_restarted_agent_hands_back_what_its_crashed_run_left_and_ends_i
     assert await restarted.recover() == 0 and ledger.held == {"n1": {}}
 
 
-async def crash_while_running(runtime: AgentRuntime, sink: Sink, cmd: Placement) -> None:
-    """Start `cmd` and kill its run after its first token, as a crash of the process
-    would: no final records, its claim stays filed."""
-    await runtime.command(cmd)
-    await until_tokens(sink, 1)
-    [task] = [t for t in asyncio.all_tasks() if t.get_name() == cmd.placement_id]
+async def crash(placement_id: str) -> None:
+    """Kill the run of `placement_id` as a crash of the process would: no final records,
+    its claim stays filed."""
+    [task] = [t for t in asyncio.all_tasks() if t.get_name() == placement_id]
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -701,8 +749,10 @@ async def test_a_crash_does_not_use_up_the_attempts_agents_may_refuse() -> None:
     which `refused` does not count (nor does the scheduler's own retry of a lost node)."""
     crashed, sink, ledger = make(time_scale=1.0)
     cut = placement("cut", max_tokens=5000, attempt=4)
-    await crash_while_running(crashed, sink, cut.model_copy(update={
+    await crashed.command(cut.model_copy(update={
         "request": cut.request.model_copy(update={"refused": 4})}))
+    await until_tokens(sink, 1)
+    await crash("cut#4")
 
     restarted, sink, _ = make(ledger=ledger, now_ms=2_000)
     assert await restarted.recover() == 1

@@ -583,8 +583,8 @@ class AgentRuntime:
         refused = False  # by this node, which could not run it
         weights_lost = False  # its model's load failed
         why = ""
-        last_partial_s = self._mono()
         run.interruptible = True
+        partials = asyncio.create_task(self._bill_partials(run), name=f"{pid}:usage")
         try:
             if run.stop_reason is not None:  # stopped between its start and now
                 raise asyncio.CancelledError
@@ -634,18 +634,6 @@ class AgentRuntime:
                                             request.request_id, exc_info=True)
                             seq, chunk = seq + 1, chunk[streamable:]
                             streamed_chars += len(text)
-                    if self._mono() - last_partial_s >= self._usage_interval_s:
-                        last_partial_s = self._mono()
-                        partial = self._usage(run, final=False)
-                        try:
-                            await self._publish(*partial)
-                        except asyncio.CancelledError:  # a stop cut the send: it may not
-                            run.unsent.append(partial)  # have gone; an event counts once
-                            raise
-                        except Exception:  # its deltas are counted: bill them at the end
-                            log.warning("partial usage %s not published; it goes with the "
-                                        "final records", partial[0].event_id, exc_info=True)
-                            run.unsent.append(partial)
                     if run.stop_reason is not None:
                         # The cancel may have landed inside a client that swallows it (a
                         # Kafka send): never trust it alone, stop here at the latest.
@@ -675,6 +663,8 @@ class AgentRuntime:
             status, finish_reason = "failed", f"executor error: {exc}"
         finally:
             run.interruptible = False
+            partials.cancel()  # before the final record: none comes after it
+            await asyncio.wait([partials])
             self.node.finish(placement)
             if weights_lost:  # the last placement on weights that never loaded forgets them
                 self.node.forget_weights(model.name, placement.gpu_indices)
@@ -750,6 +740,27 @@ class AgentRuntime:
                           run.placement.placement_id)
         for message, topic, key in finals:
             await self._publish_until_sent(message, topic, key)
+
+    async def _bill_partials(self, run: _Running) -> None:
+        """While `run` loads and generates (`interruptible`), a partial usage record every
+        usage interval of what it used since the previous one, tokens or not (loading its
+        model, a long prefill), so a crash loses at most one interval. Cancelled before the
+        final record is made: a partial the stop or Kafka cut off goes with that one."""
+        try:
+            while run.interruptible:  # not once ended, though a Kafka client swallowed the
+                await asyncio.sleep(self._usage_interval_s)  # cancel of the send below
+                partial = self._usage(run, final=False)
+                try:
+                    await self._publish(*partial)
+                except asyncio.CancelledError:  # it may not have gone; an event counts once
+                    run.unsent.append(partial)
+                    raise
+                except Exception:  # its deltas are counted: bill them at the end
+                    log.warning("partial usage %s not published; it goes with the final "
+                                "records", partial[0].event_id, exc_info=True)
+                    run.unsent.append(partial)
+        except Exception:  # the final record bills what the partials would have
+            log.exception("partial usage records of %s stopped", run.placement.placement_id)
 
     async def _publish_until_sent(self, message: Message, topic: str, key: str) -> None:
         """Publish a record the request's end needs, trying again while Kafka refuses it: the
