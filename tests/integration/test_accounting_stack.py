@@ -219,17 +219,23 @@ async def test_a_record_under_a_reused_event_id_is_dead_lettered_and_bills_nobod
     assert await eventually(billed, timeout_s=30, what="the first record applied") == want
     reused = original.model_copy(update={"tenant": second,
                                          "completion_tokens": original.completion_tokens + 7})
-    await produce(stack, [original, reused])  # a redelivery, and the reuse, in later batches
+    # its next attempt: no id of it was applied, the request id is another tenant's
+    retried = reused.model_copy(update={"placement_id": f"{reused.request_id}#1",
+                                        "event_id": f"{reused.request_id}#1:final"})
+    await produce(stack, [original, reused, retried])  # a redelivery, and the reuse
 
     async def letters():
         return await read_topic(stack.endpoints.kafka_bootstrap, topics.DEAD_LETTERS.name,
                                 lambda k, v: original.request_id.encode() in v, timeout_s=2)
 
-    [(_, raw)] = await eventually(letters, timeout_s=30, what="the reused id dead-lettered")
-    letter = DEAD_LETTER.validate_json(raw)
-    assert letter.reason.startswith(f"event id {original.event_id} reused with other content: "
-                                    "not billed")
-    assert json.loads(letter.payload)["tenant"] == second
+    async def both_letters():
+        return len(found := await letters()) == 2 and found
+    found = await eventually(both_letters, timeout_s=30, what="the reused ids dead-lettered")
+    for (_, raw), record in zip(found, (reused, retried), strict=True):
+        letter = DEAD_LETTER.validate_json(raw)
+        assert letter.reason.startswith(f"event id {record.event_id} reused with other "
+                                        "content: not billed")
+        assert json.loads(letter.payload)["event_id"] == record.event_id
     assert await eventually(billed, timeout_s=30, what="both consumed") == want
     async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
         r = await http.get("/v1/usage", params={"tenant": second, "start": "0"}, headers=ADMIN)

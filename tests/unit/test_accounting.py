@@ -198,6 +198,28 @@ def test_a_reused_event_id_with_other_content_is_a_conflict_not_a_duplicate() ->
     assert content_digest(first) == content_digest(again) != content_digest(reused)
 
 
+def test_a_zero_final_made_again_is_a_duplicate_not_a_conflict() -> None:
+    """Redis away while a run ended: its agent could neither file its final records nor
+    release its claim, and, started again, ended the placement once more with a zero final
+    under the same event id. It was dead-lettered as a reused id (an alert naming a request
+    id used once); it bills nothing, so dropping it as a duplicate loses nothing."""
+    first = row_for(usage(), PRICES)
+    again = row_for(usage(gpu_type="none", prompt_tokens=0, completion_tokens=0,
+                          gpu_seconds=0.0, ended_at_ms=5), PRICES)
+    assert guess_outcomes([first, again], 0) == [COUNTED, DUPLICATE]
+
+
+def test_every_record_of_another_request_under_a_used_request_id_is_a_conflict() -> None:
+    """Only the records whose event ids collided were refused: the second request's other
+    partials and attempts were billed, to its tenant, under the first one's request id."""
+    first = row_for(usage(), PRICES)
+    others = [row_for(usage(tenant="globex", event_id=event, placement_id=event.split(":")[0],
+                            final=event.endswith("final")), PRICES)
+              for event in ("r#0:1", "r#0:final", "r#1:final")]
+    assert guess_outcomes([first, *others], 0) == [COUNTED, CONFLICT, CONFLICT, CONFLICT]
+    assert recompute([first, *others]) == recompute([first])
+
+
 class FreshRedisStore:
     """`UsageStore.send_apply` as an empty Redis answers it: the apply script takes the
     guessed outcomes when they are the true ones, as they are with nothing applied before."""

@@ -148,9 +148,10 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
             elif status == CONFLICT:
                 await publish(dead_letter(
                     record, f"event id {row.event_id} reused with other content: not billed. "
-                    "A record with this id and another tenant, model, node, count or end was "
-                    f"applied within the dedup window ({store.dedup_ttl_s} s); request ids "
-                    f"must be unique, so was request id {row.request_id} used again? GET "
+                    "A record with this id and another tenant, model, node, count or end, or "
+                    "one of this request id with another tenant or model, was applied within "
+                    f"the dedup window ({store.dedup_ttl_s} s); request ids must be unique, so "
+                    f"was request id {row.request_id} used again? GET "
                     f"/v1/usage/requests/{row.request_id} shows what was billed under it",
                     SERVICE, now_ms),
                     topics.DEAD_LETTERS.name, record.topic)

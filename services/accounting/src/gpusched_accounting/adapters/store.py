@@ -98,11 +98,14 @@ for i, e in ipairs(rows) do
     end
     local id = '\n' .. e[1] .. '\n'
     local at = string.find(q[9], id, 1, true)
-    if at then
+    if q[8] ~= e[3] then
+      s = -2  -- another tenant's or model's record under this request id: a reused id
+    elseif at then
       -- applied before: a duplicate, unless its digest (the line after it) is another
       -- one's; an id kept without a digest (an older release's) is a duplicate
       local d = at + #id
-      if string.byte(q[9], d) == 255 and string.sub(q[9], d + 1, d + #e[11]) ~= e[11] then
+      if string.byte(q[9], d) == 255 and string.sub(q[9], d + 1, d + #e[11]) ~= e[11]
+         and (e[4] ~= 0 or e[5] ~= 0 or e[6] ~= 0 or e[9] == 1) then
         s = -2
       else
         s = 0

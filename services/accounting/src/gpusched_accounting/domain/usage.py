@@ -186,6 +186,13 @@ def content_digest(row: UsageRow) -> str:
     return hashlib.blake2b(billed.encode(), digest_size=8).hexdigest()
 
 
+def bills_nothing(row: UsageRow) -> bool:
+    """No tokens, no GPU time, no request counted: never a conflict (an agent's zero final
+    made again at recover), since dropping it loses nothing."""
+    return not (row.prompt_tokens or row.completion_tokens or row.gpu_us
+                or row.counts_request)
+
+
 def bucket_start_s(at_ms: int, granularity: Granularity) -> int:
     """Start (epoch seconds, UTC) of the bucket holding `at_ms`; records bucket by ended_at."""
     span = GRANULARITY_S[granularity]
@@ -221,14 +228,19 @@ def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
     content: `content_digest`), COUNTED for the first final record of a request in the
     batch that counts it."""
     first: dict[tuple[str, str], UsageRow] = {}
+    owner: dict[str, tuple[str, str]] = {}
     counted: set[str] = set()
     out = []
     for row in rows:
         if row.ended_at_ms < oldest_ms:
             out.append(STALE)
+        elif owner.setdefault(row.request_id, (row.tenant, row.model)) != (row.tenant,
+                                                                         row.model):
+            out.append(CONFLICT)
         elif (seen := first.get((row.request_id, row.event_id))) is not None:
             # digests only for a repeat: the common batch has none
-            out.append(DUPLICATE if content_digest(seen) == content_digest(row) else CONFLICT)
+            out.append(DUPLICATE if bills_nothing(row)
+                       or content_digest(seen) == content_digest(row) else CONFLICT)
         else:
             first[(row.request_id, row.event_id)] = row
             if row.counts_request and row.request_id not in counted:
@@ -340,10 +352,12 @@ def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day"
     that share an event id, the first counts (the live apply dead-letters a later one
     with other content)."""
     seen: set[tuple[str, str]] = set()
+    owner: dict[str, tuple[str, str]] = {}
     counted: set[str] = set()
     out: dict[tuple[str, int], Totals] = {}
     for row in rows:
-        if (row.request_id, row.event_id) in seen:
+        if (row.request_id, row.event_id) in seen or owner.setdefault(
+                row.request_id, (row.tenant, row.model)) != (row.tenant, row.model):
             continue
         seen.add((row.request_id, row.event_id))
         request = 1 if row.counts_request and row.request_id not in counted else 0
