@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpusched_agent.adapters.executor import PromptTokens
 from gpusched_agent.adapters.ledger import MemoryLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_agent.domain.inventory import parse_simulated
@@ -1095,3 +1096,180 @@ async def test_a_gpu_read_that_never_answers_marks_the_gpus_unhealthy_not_the_he
         answer.set()
         await runtime._reread_inventory()  # it answers at last: healthy again
     assert all(g.info.healthy for g in runtime.node.gpus)
+
+# --- 1. fencing: a leader elected after Redis lost its data ----------------------------------
+async def test_a_leader_elected_after_redis_lost_its_data_is_not_fenced_off_for_good() -> None:
+    """Redis held epoch 7 and the agent took its commands (highest_epoch 7). Redis restarts
+    empty; the next leader INCRs gpusched:scheduler:epoch to 1 and sends with epoch 1, which
+    equals what Redis holds. The agent refuses it as 'older than epoch 7 this agent already
+    took commands from', and every later command too, until the agent restarts."""
+    runtime, sink, ledger = make(epoch=7)
+    assert isinstance(await runtime.command(placement("before", epoch=7)), Started)
+    await settle(runtime)
+    ledger.epoch = 1  # Redis came back empty; the new leader took the lease: INCR -> 1
+    out = await runtime.command(placement("after", epoch=1))
+    assert isinstance(out, Started), out
+    await settle(runtime)
+
+
+# --- 2. context limit vs a hand-back carrying the engine's prompt count ----------------------
+class CountsALongerPrompt(SimulatedExecutor):
+    """An engine whose tokenizer/chat template counts 1,000 prompt tokens where gpusched
+    estimated 3 (within the model's context, so the agent bills it and carries it on)."""
+
+    def generate(self, job):  # noqa: ANN001, ANN202
+        async def tokens():  # noqa: ANN202
+            if not job.prefix:
+                yield PromptTokens(1_000)
+            for _ in range(job.request.max_tokens):
+                await asyncio.sleep(0.002)
+                yield " x"
+        return tokens()
+
+
+async def test_a_preempted_request_near_its_context_limit_is_not_refused_when_resumed(
+) -> None:
+    """3 (estimate) + 32,000 max_tokens fits qwen2.5-1.5b's 32,768, so it was admitted and
+    ran. The hand-back carries prompt_tokens=1,000 (the engine's count): 33,000 > 32,768, so
+    the next agent's admission (and the scheduler's parse) refuses the resumed attempt as
+    too long for the context, after its client already streamed text."""
+    first, sink, _ = make(time_scale=1.0)
+    first.executor = CountsALongerPrompt(1.0, seed=7)
+    await first.command(placement("near", max_tokens=32_000))
+    await until_tokens(sink, 4)
+    await first.command(Preempt(placement_id="near#0", request_id="near", node_id="n1",
+                                scheduler_epoch=1, reason="interactive work"))
+    await settle(first)
+    [again] = sink.of(InferenceRequest)
+    assert again.prompt_tokens == 1_000 and again.resume is not None  # the engine's count
+    # fixed hand-back: assert again.prompt_token_count + again.max_tokens <= 32_768
+
+    second, sink2, _ = make(time_scale=1.0, now_ms=2_000)
+    second.executor = CountsALongerPrompt(1.0, seed=7)
+    await second.command(placement("near", attempt=1).model_copy(update={"request": again}))
+    await asyncio.sleep(0.1)
+    assert not sink2.of(InferenceRequest)  # not handed back unrun
+    second.cancel(Cancel(request_id="near", reason="test over", at_ms=0))
+    await settle(second)
+
+
+# --- 3. a failed load whose last waiter ended for another reason ------------------------------
+class SlowPartials(Sink):
+    """A Kafka client that, once cancelled mid-send of a partial usage record, still waits
+    for Kafka's answer (it swallows the cancel, as the runtime's comments allow for)."""
+
+    async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
+        if isinstance(message, UsageRecord) and not message.final:
+            try:
+                await asyncio.sleep(0.3)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.3)
+        await super().__call__(message, topic, key, wait)
+
+
+@pytest.mark.parametrize("race", ["same-tick", "slow-partial"])
+async def test_a_load_that_fails_as_its_last_waiter_stops_is_not_reported_loaded(race) -> None:
+    """The load task forgets the weights only where no placement is active; a waiter forgets
+    them only if it saw _LoadFailed. A waiter stopped (cancel, preempt, drain) that is still
+    active when the load fails -- in the same tick, or while `_execute` awaits its partial
+    task (a send in flight) -- does neither: the model stays counted and reported loaded."""
+    if race == "same-tick":
+        runtime, sink, _ = make()
+
+        class FailsAsCancelled(SimulatedExecutor):
+            async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+                await asyncio.sleep(0.05)
+                runtime.cancel(Cancel(request_id="gone", reason="client_gone", at_ms=0))
+                raise RuntimeError("CUDA out of memory")
+
+        runtime.executor = FailsAsCancelled(0.01, seed=7)
+        await runtime.command(placement("gone"))
+    else:
+        runtime, sink, _ = make(usage_interval_s=0.05, sink=SlowPartials())
+        runtime.executor = LoadsNothing(0.01, seed=7)
+        runtime.executor.load_s = 0.2
+        await runtime.command(placement("gone"))
+        await asyncio.sleep(0.1)  # loading; its first partial is being sent
+        runtime.cancel(Cancel(request_id="gone", reason="client_gone", at_ms=0))
+    await settle(runtime)
+    await asyncio.sleep(0.1)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled"
+    assert runtime.node.state("n1", 1, 0, 0).gpus[0].loaded_models == ()
+
+
+# --- checks that hold (kept as regression tests) ---------------------------------------------
+class SwallowsCancel(Sink):
+    """Swallows a cancel landing in a partial's send and reports it sent."""
+
+    async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
+        if isinstance(message, UsageRecord) and not message.final:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.05)
+        await super().__call__(message, topic, key, wait)
+
+
+@pytest.mark.parametrize("stop", ["none", "preempt", "cancel"])
+async def test_partials_and_final_sum_exactly_with_a_client_that_swallows_cancels(stop) -> None:
+    runtime, sink, _ = make(time_scale=1.0, usage_interval_s=0.01, sink=SwallowsCancel())
+    await runtime.command(placement("sw", max_tokens=300))
+    await until_tokens(sink, 20)
+    if stop == "preempt":
+        await runtime.command(Preempt(placement_id="sw#0", request_id="sw", node_id="n1",
+                                      scheduler_epoch=1, reason="x"))
+    elif stop == "cancel":
+        runtime.cancel(Cancel(request_id="sw", reason="x", at_ms=0))
+    await settle(runtime)
+    await asyncio.sleep(0.2)
+    records = [u for u in sink.of(UsageRecord) if u.request_id == "sw"]
+    assert records[-1].final and sum(u.final for u in records) == 1  # none after the final
+    partial_ids = [int(u.event_id.rsplit(":", 1)[1]) for u in records if not u.final]
+    assert partial_ids == sorted(set(partial_ids))
+    _, completion, _ = usage_sum(sink, "sw")
+    handed = sink.of(InferenceRequest)
+    billed_tokens = len(handed[0].resume.tokens) if handed else sink.of(
+        RequestResult)[0].completion_tokens
+    assert completion == billed_tokens
+
+
+async def test_a_fault_in_the_agent_after_partials_bills_only_what_they_did_not() -> None:
+    runtime, sink, ledger = make(time_scale=1.0, usage_interval_s=0.01)
+    finish = runtime.node.finish
+
+    def fails_once(p: Placement) -> None:
+        runtime.node.finish = finish  # type: ignore[method-assign]
+        raise RuntimeError("a bug")
+
+    runtime.node.finish = fails_once  # type: ignore[method-assign]
+    await runtime.command(placement("r", max_tokens=100))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    records = sink.of(UsageRecord)
+    assert len(records) > 2 and records[-1].final and sum(u.final for u in records) == 1
+    assert usage_sum(sink, "r")[:2] == (result.prompt_tokens, result.completion_tokens)
+    assert not ledger.held["n1"]
+
+
+# --- 4. a partial send that outlives the run keeps its meter (and KV cache) running ----------
+async def test_waiting_on_a_partial_send_after_the_run_ended_is_no_gpu_time() -> None:
+    """As test_waiting_on_kafka_for_the_last_records_is_no_gpu_time, for the partial task:
+    `_execute` awaits it (a send in flight, its cancel swallowed by the client) before
+    node.finish and the meters stop, so `a` is billed Kafka's wait as GPU time and `b`,
+    sharing the GPU, only part of its own."""
+    class SlowPartialOfA(Sink):
+        async def __call__(self, message, topic, key, wait=True) -> None:  # noqa: ANN001
+            if isinstance(message, UsageRecord) and not message.final and message.request_id == "a":
+                try:
+                    await asyncio.sleep(1.0)
+                except asyncio.CancelledError:
+                    await asyncio.sleep(1.0)
+            await super().__call__(message, topic, key, wait)
+
+    runtime, sink, _ = make(time_scale=1.0, usage_interval_s=0.01, sink=SlowPartialOfA())
+    await runtime.command(placement("warm", max_tokens=1))
+    await settle(runtime)
+    await runtime.command(placement("a", max_tokens=30))  # ~0.05 s
+    await runtime.command(placement("b", max_tokens=400))
+    await settle(runtime)
+    a, b = usage_sum(sink, "a")[2], usage_sum(sink, "b")[2]
+    assert a < 0.25 and b > 0.6, (a, b)

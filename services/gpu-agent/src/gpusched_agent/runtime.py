@@ -331,7 +331,7 @@ class AgentRuntime:
         if leader_epoch is not None:  # then equal to the command's: a leader's for sure.
             # Without one in Redis, any Kafka client could send an epoch: taking it would
             # fence the agent off from the real leader until it restarts.
-            self.highest_epoch = max(self.highest_epoch, leader_epoch)
+            self.highest_epoch = leader_epoch
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         claim = None if cmd.placement_id in self._running else await self._ledger.claim(
@@ -663,12 +663,20 @@ class AgentRuntime:
             status, finish_reason = "failed", f"executor error: {exc}"
         finally:
             run.interruptible = False
-            partials.cancel()  # before the final record: none comes after it
-            await asyncio.wait([partials])
-            self.node.finish(placement)
-            if weights_lost:  # the last placement on weights that never loaded forgets them
-                self.node.forget_weights(model.name, placement.gpu_indices)
-            run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
+            partials.cancel()  # before the final record: none comes after it. Once
+            # cancelled it makes no record (it sleeps, or sends the one it made), so the
+            # run leaves its GPUs now, not once a send the client would not cut short ends
+            try:
+                self.node.finish(placement)
+                if weights_lost or (load is not None and load.done() and not load.cancelled()
+                                    and isinstance(load.exception(), _LoadFailed)):
+                    # the last placement on weights that never loaded forgets them, whatever
+                    # ended it (a stop that came as the load failed included)
+                    if self.node.forget_weights(model.name, placement.gpu_indices):
+                        self._dirty.set()
+                run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
+            finally:
+                await asyncio.wait([partials])
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
@@ -676,8 +684,18 @@ class AgentRuntime:
             if (last := _last_try(request, refused=False)) is not None:  # it ends here
                 requeue, status, finish_reason = None, "failed", f"{why}; {last}"
         if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
-            billed = request.model_copy(update={"prompt_tokens": run.prompt_tokens}) \
-                if run.prompt_tokens != request.prompt_token_count else request
+            update: dict[str, object] = {}
+            if run.prompt_tokens != request.prompt_token_count:
+                update["prompt_tokens"] = run.prompt_tokens
+                room = model.context_limit_tokens - run.prompt_tokens
+                if request.max_tokens > room:  # the engine's count leaves less room than the
+                    # estimate: no engine generates past it, and a resumed attempt sized
+                    # beyond the context is refused (here and by the scheduler)
+                    if room >= max(1, len(pieces)):
+                        update["max_tokens"] = room
+                    else:
+                        del update["prompt_tokens"]
+            billed = request.model_copy(update=update) if update else request
             retry = _retry(billed, requeue, Resume(
                 tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq),
                 refused=refused)

@@ -19,6 +19,8 @@ def stale_reason(command_epoch: int, leader_epoch: int | None, highest_seen: int
         # this, and taking it would fence the agent off from the real leader
         return (f"scheduler epoch {command_epoch} is newer than the current leader's "
                 f"{leader_epoch}: no scheduler has led with it")
+    if leader_epoch is not None:  # Redis names the leader: an epoch seen before it lost
+        return None  # its data (the new leader counts from 1 again) does not fence it off
     if command_epoch < highest_seen:
         return (f"scheduler epoch {command_epoch} is older than epoch {highest_seen} this agent "
                 "already took commands from")
