@@ -1794,9 +1794,34 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "request_id": request_id, "tenant": "umbrella", "model": model, "prompt": "hi",
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
-    may_preempt, reclaiming = engine._preemption_rights()
+    may_preempt, reclaiming, _ = engine._preemption_rights()
     assert may_preempt == {"inside": 0}
     assert reclaiming == {"inside"}
+
+
+async def test_work_that_would_be_borrowed_preempts_no_work_a_guarantee_keeps() -> None:
+    """umbrella, past its guarantee, preempted soylent's batch work (inside soylent's
+    guarantee) for an interactive request; placed, that request was borrowed, and the
+    batch hand-back reclaimed its room, whose hand-back preempted the batch work again, and
+    so on (a probe: 16 preempts in 8 s, the attempts climbing towards the last). A tenant
+    whose work is never borrowed (no guarantee) still preempts it by class."""
+    engine, sent = leading_engine()
+    batch = req("S", "batch", model=EIGHT_B.name, tenant="soylent", max_tokens=7990)
+    kv = memory_per_gpu(batch, EIGHT_B)[0]
+    engine.view.apply_node_state(node("a", [300], models=(EIGHT_B.name,), active=("S#0",)),
+                                 1000, NODE_TIMEOUT_MS)
+    engine.running["S#0"] = _victim("S#0", batch, (0,), kv, kv)
+    mistral = req("W", model="mistral-7b", tenant="umbrella")  # past its 4,000 MiB
+    engine.running["W#0"] = _victim("W#0", mistral, (0,), 13_826, 2).model_copy(
+        update={"node_id": "b", "borrowed": True})
+    interactive = topics.REQUESTS["interactive"].name
+    for offset, tenant in enumerate(["umbrella", "acme"]):
+        await engine.admit([request_record(interactive, offset, req(
+            tenant, "interactive", model=EIGHT_B.name, tenant=tenant,
+            max_tokens=7990).to_bytes())])
+        await engine.cycle()
+    [preempt] = [json.loads(v) for v in sent[topics.PLACEMENTS.name]]
+    assert preempt["placement_id"] == "S#0" and "request acme " in preempt["reason"]
 
 
 async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:

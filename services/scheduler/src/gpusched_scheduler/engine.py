@@ -670,11 +670,12 @@ class SchedulingEngine:
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
-        may_preempt, reclaiming = self._preemption_rights()
+        may_preempt, reclaiming, borrowing = self._preemption_rights()
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
             now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming,
+            borrowing=borrowing, guarded=self._guarded() if borrowing else (),
             rooms={r: room for r, (_, room) in self._preempting.items()},
             stopping=self._stopping())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
@@ -1028,16 +1029,18 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _preemption_rights(self) -> tuple[dict[str, int], set[str]]:
+    def _preemption_rights(self) -> tuple[dict[str, int], set[str], set[str]]:
         """In one look through the queue, what each waiting request may preempt: its ceiling
         (interactive work may preempt batch and borrowed work, 1; work of a tenant that stays
         inside its GPU memory guarantee once placed may reclaim borrowed work, 0; work that
         would itself be borrowed may not: its victim, handed back inside its own tenant's
-        guarantee, would preempt it in turn, and so on forever), and which requests stay
-        inside their guarantee, interactive ones too: they alone may take back borrowed work
-        placed as aged."""
+        guarantee, would preempt it in turn, and so on forever); which requests stay inside
+        their guarantee, interactive ones too: they alone may take back borrowed work placed
+        as aged; and which interactive requests would be borrowed once placed: for the same
+        reason they may not take the work `_guarded` by its tenant's guarantee."""
         ceilings: dict[str, int] = {}
         reclaiming: set[str] = set()
+        borrowing: set[str] = set()
         for item in self.queue.in_order():
             request = item.request
             if request.request_id in self._preempting:
@@ -1047,17 +1050,28 @@ class SchedulingEngine:
                 reclaiming.add(request.request_id)
             if request.priority_class == "interactive":
                 ceilings[request.request_id] = 1
+                if not inside and self._guarantee(request.tenant) is not None:
+                    borrowing.add(request.request_id)
             elif inside:
                 ceilings[request.request_id] = 0
-        return ceilings, reclaiming
+        return ceilings, reclaiming, borrowing
 
-    def _stays_inside_guarantee(self, request: InferenceRequest) -> bool:
+    def _guarded(self) -> set[str]:
+        """The running work a request that would itself be borrowed may not preempt: not
+        borrowed, and handed back it stays inside its tenant's guarantee (the guarantee is
+        what a tenant keeps under contention, and the hand-back would reclaim its room)."""
+        return {r.placement_id for r in self.running.values() if not r.borrowed
+                and self._stays_inside_guarantee(r.request, freed_mib=r.memory_mib)}
+
+    def _stays_inside_guarantee(self, request: InferenceRequest, freed_mib: int = 0) -> bool:
+        """Whether `request`, placed, leaves its tenant inside its GPU memory guarantee
+        (weights counted), once `freed_mib` of what the tenant holds now is free."""
         guarantee = self._guarantee(request.tenant)
         model = self.catalog.get(request.model)
         if guarantee is None or model is None:
             return False
         need = sum(memory_per_gpu(request, model)) * request.num_gpus  # weights counted
-        return self.running.memory_mib(request.tenant) + need <= guarantee
+        return self.running.memory_mib(request.tenant) - freed_mib + need <= guarantee
 
     async def _take_over(self) -> None:
         """Settle the placements inherited from the previous leader by what the agents'

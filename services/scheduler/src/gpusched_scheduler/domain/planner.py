@@ -221,6 +221,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[tuple[int, ...]]],
                max_preemptions: int = 4, reclaiming: Collection[str] = (),
+               borrowing: Collection[str] = (), guarded: Collection[str] = (),
                rooms: Mapping[str, Room] | None = None,
                stopping: Collection[RunningPlacement] = ()) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
@@ -230,7 +231,10 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
     and borrowed work, 0: borrowed work only); `reclaiming` holds those that stay inside
     their tenant's guarantee once placed, which alone may preempt borrowed work placed as
-    aged. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
+    aged. `borrowing` holds those that would be borrowed once placed: they may not preempt
+    `guarded` work (placement ids: not borrowed, and handed back it stays inside its
+    tenant's guarantee), whose hand-back would reclaim its room from them, and so on
+    forever. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
     (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
     with the reason.
 
@@ -331,7 +335,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
         preemptions += _plan_preemptions(
             eligible, state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
-            reclaiming, max_preemptions,
+            reclaiming, borrowing, guarded, max_preemptions,
             # the state once the victims stopping already have stopped and their
             # preemptors run
             _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None)
@@ -342,7 +346,8 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                       catalog: ModelCatalog, policy: str, shapes: ShapeDistribution | None,
                       running: Collection[RunningPlacement], now_ms: int,
                       may_preempt: dict[str, int], reclaiming: Collection[str],
-                      most: int, freed: ClusterState | None) -> list[Preemption]:
+                      borrowing: Collection[str], guarded: Collection[str], most: int,
+                      freed: ClusterState | None) -> list[Preemption]:
     """Plans for `eligible` (waiting work that may preempt), in order. `freed` is the state
     once what is being stopped has stopped (None: nothing is): work that fits in what is
     left of it waits for it, and a plan needs only the victims that room lacks; each plan
@@ -372,9 +377,10 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                 continue
         item = eligible[i]
         i += 1
+        request_id = item.request.request_id
         plan = _plan(freed or state, snap, item, catalog, running, now_ms,
-                     may_preempt[item.request.request_id], taken,
-                     item.request.request_id in reclaiming)
+                     may_preempt[request_id], taken, request_id in reclaiming,
+                     guarded if request_id in borrowing else ())
         if plan is not None:
             taken |= {v.placement_id for v in plan.victims}
             freed, room = _stopped(freed or state, snap, plan, _batch([item.request], catalog),
@@ -653,13 +659,13 @@ def _never_reason(request: InferenceRequest, kv: int, weight: int) -> str:
 
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
           running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str],
-          reclaims: bool) -> Preemption | None:
+          reclaims: bool, guarded: Collection[str]) -> Preemption | None:
     """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
-    1), not already being preempted, and not placed as aged work unless borrowed and taken
-    back by work that `reclaims` its tenant's guarantee; cost = GPU-seconds of progress
-    lost."""
+    1), not already being preempted, not `guarded` (kept from a preemptor that would be
+    borrowed), and not placed as aged work unless borrowed and taken back by work that
+    `reclaims` its tenant's guarantee; cost = GPU-seconds of progress lost."""
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
-              and r.placement_id not in taken
+              and r.placement_id not in taken and r.placement_id not in guarded
               and (priority := _victim_priority(r, item.request.tenant)) <= ceiling
               and (not r.aged or (reclaims and r.borrowed))]
     if not ranked:
