@@ -1857,12 +1857,16 @@ async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
     assert sorted(victims) == ["b0#0", "b1#0"]
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one-cycle", "a-cycle-later"])
-async def test_requests_that_fit_in_one_victims_room_stop_one_victim(apart: bool) -> None:
+@pytest.mark.parametrize("apart,usage_first", [(False, False), (True, False), (True, True)],
+                         ids=["one-cycle", "a-cycle-later", "its-final-usage-before-the-report"])
+async def test_requests_that_fit_in_one_victims_room_stop_one_victim(apart: bool,
+                                                                     usage_first: bool) -> None:
     """One batch victim frees room for both interactive requests. In one cycle each was
     planned on the state before any preemption, so each got a victim of its own; a cycle
     later, the victim stopping was left out of the plan and its memory not counted as
-    coming free. Either way the second victim's progress was thrown away for nothing."""
+    coming free; and once its final usage was read, which usually comes before its node's
+    next report, it was no longer counted (the view still showed its memory used). Each
+    time the second victim's progress was thrown away for nothing."""
     now = [1000]
     engine, sent = leading_engine(lambda: now[0])
 
@@ -1890,8 +1894,22 @@ async def test_requests_that_fit_in_one_victims_room_stop_one_victim(apart: bool
         await engine.admit([record(2 * offset + k, request(rid, "interactive", 10000))
                             for k, rid in enumerate(ids)])
         await engine.cycle()
+        if usage_first and offset == 0:  # the agent stopped it; no report since
+            [victim] = [json.loads(v)["placement_id"]
+                        for v in sent[topics.PLACEMENTS.name][before:]]
+            await engine.usage([request_record(topics.USAGE.name, 0, UsageRecord(
+                event_id=f"{victim}:final", request_id=victim.split("#")[0],
+                placement_id=victim, tenant="acme", model=SMALL.name, priority_class="batch",
+                node_id="a", gpu_type="H100-80GB", prompt_tokens=1, completion_tokens=10,
+                gpu_seconds=1.0, started_at_ms=1000, ended_at_ms=now[0] + 50).to_bytes())])
+            assert victim not in engine.running
     commands = [json.loads(v) for v in sent[topics.PLACEMENTS.name][before:]]
     assert [c["type"] for c in commands] == ["preempt"]
+    if usage_first:  # a report without it counts its memory free: no longer coming free
+        engine.view.apply_node_state(node("a", [batch_kv + 5], models=(SMALL.name,), seq=3,
+                                          active=tuple({"b0#0", "b1#0"} - {victim})),
+                                     now[0], NODE_TIMEOUT_MS)
+        assert not engine._stopping()
 
 
 async def test_a_cycle_undone_gives_back_a_cancelled_requests_charge_once() -> None:

@@ -311,9 +311,10 @@ class SchedulingEngine:
         """Request id -> (ms until which its preemption is in progress, not planned again;
         its room, the GPUs its plan runs it on once the victims stop, kept for it
         meanwhile)."""
-        self._victims: dict[str, int] = {}
-        """Placement id -> until when: running work a preempt was sent for (not chosen as a
-        victim again meanwhile, by another request that would then wait for its room)."""
+        self._victims: dict[str, tuple[int, RunningPlacement]] = {}
+        """Placement id -> (until when, the victim): running work a preempt was sent for (not
+        chosen as a victim again meanwhile, by another request that would then wait for its
+        room). Kept after its final usage while its node still lists it (`_stopping`)."""
         self._node_specs = NodeSpecCache()
         self._untaken_checked_ms = 0
         self._inherited: dict[str, ClaimState] = {}
@@ -658,7 +659,8 @@ class SchedulingEngine:
         # draining), no longer puts its request first, and it may plan another
         self._preempting = {r: p for r, p in self._preempting.items()
                             if p[0] > now and p[1].node_id in snap.node_index}
-        self._victims = {p: t for p, t in self._victims.items() if t > now}
+        self._victims = {p: v for p, v in self._victims.items() if v[0] > now
+                         and (p in self.running or self._listed(v[1]))}
         ordered = self._ordered(now)
         if len(self.queue) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
@@ -723,7 +725,7 @@ class SchedulingEngine:
             self._preempting[pre.item.request.request_id] = (
                 now + cfg.preemption_timeout_ms, pre.room)
             for victim in pre.victims:
-                self._victims[victim.placement_id] = now + cfg.preemption_timeout_ms
+                self._victims[victim.placement_id] = (now + cfg.preemption_timeout_ms, victim)
                 self._metrics.preemptions.inc()
                 messages.append((pre.item, Outgoing(Preempt(
                     placement_id=victim.placement_id, request_id=victim.request.request_id,
@@ -909,14 +911,16 @@ class SchedulingEngine:
 
     def _stopping(self) -> list[RunningPlacement]:
         """The victims told to stop that their node still lists as running: what they hold
-        comes free soon."""
-        out = []
-        for pid in self._victims:
-            r = self.running.get(pid)
-            node = self.view.nodes.get(r.node_id) if r is not None else None
-            if node is not None and pid in node.active_placement_ids:
-                out.append(r)
-        return out
+        there comes free soon, their final usage read or not (it usually comes before the
+        node's next report, and a victim counted only while running left its memory used
+        in the view until then: a second preemptor stopped other work for room already
+        free). Once a report no longer lists one, that report counts its memory free."""
+        return [victim for _, victim in self._victims.values() if self._listed(victim)]
+
+    def _listed(self, placement: RunningPlacement) -> bool:
+        """Whether the latest report of the placement's node lists it as active."""
+        node = self.view.nodes.get(placement.node_id)
+        return node is not None and placement.placement_id in node.active_placement_ids
 
     def _aged(self, item: Pending, now_ms: int) -> bool:
         return is_aged(item, now_ms, self._targets, self.config.aging_factor)
