@@ -2051,15 +2051,24 @@ async def test_work_rejected_as_unschedulable_gives_its_tokens_back() -> None:
     assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
 
 
-def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work() -> None:
+@pytest.mark.parametrize("idle_elsewhere", [False, True],
+                         ids=["no-idle-model", "an-idle-model-elsewhere"])
+def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work(
+        idle_elsewhere: bool) -> None:
     """An aged gang waiting for two free GPUs on one node: later aged work goes elsewhere
     or waits, and no longer takes the GPU that freed there. Before, in an overloaded class
     whose single-GPU work had aged too, that work took each GPU as it freed and the gang
-    never saw two at once (a probe: never placed in 600 s; 10.8 s with the node kept)."""
+    never saw two at once (a probe: never placed in 600 s; 10.8 s with the node kept). An
+    idle model on any GPU of the fleet, even one that frees too little for anyone, then
+    gave that GPU away anyway: the eviction pass solved the waiting work again without it
+    kept."""
     view = ClusterView()
     view.apply_node_state(node("a", [80000, 0]), 100_000, NODE_TIMEOUT_MS)  # one GPU of two free
     view.apply_node_state(node("b", [SMALL.weight_memory_mib + 4]),
                           100_000, NODE_TIMEOUT_MS)  # room for one
+    if idle_elsewhere:
+        view.apply_node_state(node("c", [0], models=(SMALL.name,), idle=(SMALL.name,)),
+                              100_000, NODE_TIMEOUT_MS)
     decisions = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=100_000)
     assert [(p.item.request.request_id, p.node_id) for p in decisions.placed] == [("s1", "b")]
     assert [p.request.request_id for p in decisions.waiting] == ["gang", "s2"]

@@ -282,7 +282,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         fits_live: dict[tuple[int, int], bool] = {}  # on a live, healthy node, were it empty
         live: list[tuple[int, ...]] | None = None  # _live_gpu_mib, read at first need
         holding = False  # an earlier chunk has work waiting for room that can free up
-        aged_kept: tuple[int, SolveResult] | None = None  # (first unit, its solve) past a node kept
+        # (first unit, its solve, the GPU rows kept from it) past an aged unit that waits
+        aged_kept: tuple[int, SolveResult, list[int]] | None = None
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -321,11 +322,20 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         room = _evicting(state, snap, placed, kept.models) if blocked and snap.evictable \
             else None
         if room is not None:
-            units = np.array(blocked, np.int64)
-            evicting = solve(room, batch.take(units), policy, shapes=shapes)
+            # the aged units after one that keeps GPUs are kept from them, unless it fits now
+            first = aged_kept[0] if aged_kept is not None else len(items)
+            head, tail = [u for u in blocked if u < first], [u for u in blocked if u >= first]
+            evicting = solve(room, batch.take(np.array(head, np.int64)), policy, shapes=shapes)
+            outcomes = {u: evicting.outcome(j) for j, u in enumerate(head)}
+            if tail:
+                assert aged_kept is not None
+                evicting = _solve_keeping(
+                    evicting.state, batch.take(np.array(tail, np.int64)), policy, shapes,
+                    [] if hasattr(outcomes[first - 1], "gpu_indices") else aged_kept[2])
+                outcomes.update((u, evicting.outcome(j)) for j, u in enumerate(tail))
             now_placed: set[int] = set()  # ids of their items
-            for j, u in enumerate(blocked):
-                outcome = evicting.outcome(j)
+            for u in blocked:
+                outcome = outcomes[u]
                 if hasattr(outcome, "gpu_indices"):
                     placed.append(_place(snap, batch, u, items[u], outcome))
                     now_placed.add(id(items[u]))
@@ -523,13 +533,14 @@ def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Pla
 
 def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, policy: str,
                    shapes: ShapeDistribution | None, mib_per_gpu: int, num_gpus: int
-                   ) -> tuple[int, SolveResult]:
+                   ) -> tuple[int, SolveResult, list[int]]:
     """Aged unit `u` waits for room: keep the GPUs closest to holding it (of the live nodes
     that could, empty: the `num_gpus` such GPUs of one node with the most memory free now)
     out of reach of the later aged units `u + 1 .. end - 1`, which are solved again on the
     rest, the node's other GPUs included. Before, they took each GPU that freed there, and
     an aged gang of an overloaded class never saw two free at once (a probe: never placed
-    in 600 s). Returns (u + 1, their solve), whose state holds those GPUs as they are."""
+    in 600 s). Returns (u + 1, their solve, whose state holds those GPUs as they are, the
+    GPU rows kept): the idle-model eviction pass keeps them from those units too."""
     head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
     at = head.state
     best: list[int] = []  # GPU rows
@@ -542,11 +553,20 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, poli
         free = sum(int(at.gpu_mem_free_mib[g]) for g in rows)
         if len(rows) == num_gpus and free > best_free:
             best, best_free = rows, free
-    kept = at.copy()
-    kept.gpu_healthy[best] = False
-    later = solve(kept, batch.take(slice(u + 1, end)), policy, shapes=shapes)
-    later.state.gpu_healthy[best] = at.gpu_healthy[best]
-    return u + 1, later
+    return u + 1, _solve_keeping(at, batch.take(slice(u + 1, end)), policy, shapes, best), best
+
+
+def _solve_keeping(state: ClusterState, batch: WorkBatch, policy: str,
+                   shapes: ShapeDistribution | None, rows: list[int]) -> SolveResult:
+    """`batch` solved on `state` with the GPU `rows` out of its reach; the result's state
+    has them as `state` has."""
+    if not rows:
+        return solve(state, batch, policy, shapes=shapes)
+    kept = state.copy()
+    kept.gpu_healthy[rows] = False
+    out = solve(kept, batch, policy, shapes=shapes)
+    out.state.gpu_healthy[rows] = state.gpu_healthy[rows]
+    return out
 
 
 def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
