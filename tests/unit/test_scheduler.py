@@ -1824,6 +1824,25 @@ async def test_work_that_would_be_borrowed_preempts_no_work_a_guarantee_keeps() 
     assert preempt["placement_id"] == "S#0" and "request acme " in preempt["reason"]
 
 
+async def test_placements_loading_one_model_on_a_gpu_in_one_cycle_reserve_its_weights_once(
+) -> None:
+    """x and y, the first 8B work on an empty GPU, placed in one cycle: each reserved the
+    weights the agent loads once, and kept them in what soylent holds while it ran. The
+    next cycles saw 15 GB less free than there was, and y was marked borrowed (soylent
+    held twice the weights by that count, past its 20,000 MiB guarantee)."""
+    engine, _ = leading_engine()
+    engine.view.apply_node_state(node("a", [40_000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["batch"].name, offset, req(
+        rid, "batch", model=EIGHT_B.name, tenant="soylent").to_bytes())
+        for offset, rid in enumerate(["x", "y"])])
+    assert await engine.cycle() == 2
+    x, y = engine.running["x#0"], engine.running["y#0"]
+    assert x.memory_mib_per_gpu == x.kv_cache_mib + EIGHT_B.weight_memory_mib
+    assert y.memory_mib_per_gpu == y.kv_cache_mib and not y.borrowed
+    assert snapshot(engine.view, {"a"}).state.gpu_mem_free_mib[0] == \
+        40_000 - EIGHT_B.weight_memory_mib - x.kv_cache_mib - y.kv_cache_mib
+
+
 async def test_work_told_to_stop_is_not_chosen_as_a_victim_again() -> None:
     """i1 preempts b1; i2, a cycle later, chose b1 again (the engine forgot its preempts
     between cycles), so b0 ran on and i2 waited for the preemption time-out, 15 s."""

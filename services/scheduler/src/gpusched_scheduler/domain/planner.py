@@ -349,7 +349,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             # the state once the victims stopping already have stopped and their
             # preemptors run
             _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None)
-    return CycleDecisions(placed, rejected, waiting, preemptions)
+    return CycleDecisions(_weights_once(placed), rejected, waiting, preemptions)
 
 
 def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapshot,
@@ -529,6 +529,24 @@ def _place(snap: Snapshot, batch: WorkBatch, u: int, item: Pending, outcome: Pla
     kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
     loaded = _loaded_on(snap, outcome.node_id, outcome.gpu_indices, _loads(item.request))
     return Place(item, outcome.node_id, outcome.gpu_indices, kv, kv + (0 if loaded else weight))
+
+
+def _weights_once(placed: list[Place]) -> list[Place]:
+    """`placed` (in the order they were solved) with each one's weights reserved once: a
+    placement on the GPUs where an earlier one of this cycle loads the same weights (a
+    gang's shards: on the same GPUs) reserves its KV cache alone, as the solver and the
+    agent load them once. Before, each reserved them, and its RunningPlacement kept them
+    for life: the next cycles saw the GPU fuller than it was, and the tenant held more
+    than it did (its work could be marked borrowed)."""
+    loading: set[tuple[str, tuple[int, ...], str]] = set()
+    out: list[Place] = []
+    for p in placed:
+        key = (p.node_id, tuple(sorted(p.gpu_indices)), _loads(p.item.request))
+        if key in loading and p.memory_mib_per_gpu != p.kv_cache_mib:
+            p = replace(p, memory_mib_per_gpu=p.kv_cache_mib)
+        loading.add(key)
+        out.append(p)
+    return out
 
 
 def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, policy: str,
