@@ -2908,6 +2908,23 @@ def test_an_ended_placement_no_report_listed_keeps_its_memory_until_one_shows_it
     assert not view.reservations
 
 
+def test_an_ended_placement_no_report_listed_frees_its_memory_once_another_agent_run_reports(
+) -> None:
+    """Then its agent started again with its clock set back an hour (NTP fixed it): every
+    report of the new run was stamped before the end, so the 15 GB stayed reserved for an
+    hour, though the new run never held those weights (they went with the old process).
+    It no longer ran, so the untaken check never looked at it."""
+    view = ClusterView()
+    old_run = node("a", [80000]).model_copy(
+        update={"started_at_ms": 3_000_000, "reported_at_ms": 3_500_000})
+    view.apply_node_state(old_run, 1000, NODE_TIMEOUT_MS)
+    view.reserve(Reservation("p#0", "a", (0,), 15_000, EIGHT_B.name))
+    view.release_ended("p#0", 3_600_000)
+    new_run = old_run.model_copy(update={"started_at_ms": 100_000, "reported_at_ms": 160_000})
+    assert view.apply_node_state(new_run, 20_000, NODE_TIMEOUT_MS)  # silent past the time-out
+    assert not view.reservations
+
+
 def test_a_gang_an_agent_refused_counts_on_no_shards_it_finds_loaded() -> None:
     """Two 70B gangs run on GPUs (0, 1) and (2, 3); GPUs 1 and 2 each hold a shard (of a
     different gang) and room for a KV cache: a third gang was placed on (1, 2) as if its

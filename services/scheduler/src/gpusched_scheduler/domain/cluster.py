@@ -24,7 +24,7 @@ class ClusterView:
 
     Invariant: a reservation is counted until the agent's node state lists its placement
     as active (the agent's free memory then includes it), or its final usage arrives and a
-    report from after its end shows what it loaded.
+    report from after its end, or one of another agent run, shows what it loaded.
     """
 
     nodes: dict[str, NodeState] = field(default_factory=dict)
@@ -39,7 +39,7 @@ class ClusterView:
     _ending: dict[str, int] = field(default_factory=dict)
     """Placement id -> when it ended (its agent's clock): its final usage came before any
     report listed it, so the weights it loaded show in no report yet; its reservation
-    stays until a report from after that."""
+    stays until a report from after that, or one of another agent run."""
 
     def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one. Once
@@ -62,8 +62,13 @@ class ClusterView:
         if mine:
             for pid in [p for p in state.active_placement_ids if p in mine]:
                 self.release(pid)
-            for pid in [p for p in mine if self._ending.get(p, state.reported_at_ms + 1)
-                        <= state.reported_at_ms]:
+            # An ended placement's weights show in a report from after its end, or in none
+            # of another run: they went with the process that loaded them, and a run's own
+            # report shows what it holds. Waiting for a later report time alone held them
+            # for as long as a restarted agent's clock, set back, lagged behind the end.
+            new_run = old is not None and state.started_at_ms != old.started_at_ms
+            for pid in [p for p in mine if p in self._ending
+                        and (new_run or self._ending[p] <= state.reported_at_ms)]:
                 self.release(pid)
         return True
 
