@@ -2913,7 +2913,8 @@ def test_an_ended_placement_no_report_listed_frees_its_memory_once_another_agent
     """Then its agent started again with its clock set back an hour (NTP fixed it): every
     report of the new run was stamped before the end, so the 15 GB stayed reserved for an
     hour, though the new run never held those weights (they went with the old process).
-    It no longer ran, so the untaken check never looked at it."""
+    It no longer ran, so the untaken check never looked at it. Now the new run's next
+    report frees it (its first may be from before the placement loaded anything)."""
     view = ClusterView()
     old_run = node("a", [80000]).model_copy(
         update={"started_at_ms": 3_000_000, "reported_at_ms": 3_500_000})
@@ -2922,6 +2923,8 @@ def test_an_ended_placement_no_report_listed_frees_its_memory_once_another_agent
     view.release_ended("p#0", 3_600_000)
     new_run = old_run.model_copy(update={"started_at_ms": 100_000, "reported_at_ms": 160_000})
     assert view.apply_node_state(new_run, 20_000, NODE_TIMEOUT_MS)  # silent past the time-out
+    assert view.apply_node_state(new_run.model_copy(update={
+        "seq": new_run.seq + 1, "reported_at_ms": 161_000}), 21_000, NODE_TIMEOUT_MS)
     assert not view.reservations
 
 
@@ -2942,3 +2945,68 @@ def test_a_gang_an_agent_refused_counts_on_no_shards_it_finds_loaded() -> None:
     assert [p.gpu_indices for p in plan(view, [gang]).placed] == [(1, 2)]  # as it was
     refused = gang.model_copy(update={"attempt": 1, "refused": 1})
     assert not plan(view, [refused]).placed  # no room for shards of its own: it waits
+
+
+async def test_an_interactive_request_past_its_guarantee_still_preempts_its_own_batch_work(
+) -> None:
+    """soylent's batch job S loaded the 8B (16,315 MiB, inside soylent's 20,000); soylent's
+    interactive request would take soylent past it, so it counts as `borrowing`, and S is
+    `_guarded`: it waits behind its own tenant's batch work. No loop is possible: S's
+    hand-back may not preempt its own tenant's work, borrowed or not (`_victim_priority`),
+    and the docs keep a tenant's batch work a victim of its own interactive work by class."""
+    engine, sent = leading_engine()
+    batch = req("S", "batch", model=EIGHT_B.name, tenant="soylent", max_tokens=7990)
+    kv, weights = memory_per_gpu(batch, EIGHT_B)
+    engine.view.apply_node_state(node("a", [300], models=(EIGHT_B.name,), active=("S#0",)),
+                                 1000, NODE_TIMEOUT_MS)
+    engine.running["S#0"] = _victim("S#0", batch, (0,), kv + weights, kv)
+    await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, req(
+        "I", "interactive", model=EIGHT_B.name, tenant="soylent", max_tokens=7990).to_bytes())])
+    await engine.cycle()
+    commands = [json.loads(v) for v in sent.get(topics.PLACEMENTS.name, [])]
+    # observed: [] (I waits until S ends)
+    assert [(c["type"], c["placement_id"]) for c in commands] == [("preempt", "S#0")]
+
+
+async def test_a_placement_counting_on_a_siblings_weights_keeps_them_reserved_once_it_goes(
+) -> None:
+    """x and y (8B, one cycle, one GPU): y reserves its KV cache alone, counting on x's
+    weights. The agent took x (loading the 8B) and was restarted before it took y; its new
+    run reports the GPU empty (x's weights went with the old process), and takes y now,
+    loading the 8B again for it. The view has 15,316 MiB more free than the agent until
+    that run lists y; a placement sent meanwhile on that memory is refused (`refused`
+    used up). Before c52b501, y's own reservation held the weights."""
+    engine, _ = leading_engine()
+    engine.view.apply_node_state(node("a", [40_000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["batch"].name, offset, req(
+        rid, "batch", model=EIGHT_B.name, tenant="soylent").to_bytes())
+        for offset, rid in enumerate(["x", "y"])])
+    assert await engine.cycle() == 2
+    x, y = engine.running["x#0"], engine.running["y#0"]
+    w = EIGHT_B.weight_memory_mib
+    engine.view.apply_node_state(node("a", [40_000 - w - x.kv_cache_mib], models=(
+        EIGHT_B.name,), seq=2, active=("x#0",)), 1100, NODE_TIMEOUT_MS)  # run 1 took x only
+    new_run = node("a", [40_000]).model_copy(update={"started_at_ms": 5_000,
+                                                     "reported_at_ms": 5_000})
+    assert engine.view.apply_node_state(new_run, 5_100, NODE_TIMEOUT_MS)
+    # what the agent has free once it took y, as its next report will say
+    assert snapshot(engine.view, {"a"}).state.gpu_mem_free_mib[0] == 40_000 - w - y.kv_cache_mib
+
+
+def test_a_new_runs_report_from_before_an_ended_placements_end_keeps_its_reservation(
+) -> None:
+    """p was sent on run 1's reports; run 1 died, run 2 (started at 3,000) reported at
+    3,100, then took p, loaded the 8B, and p ended at 3,500 before any report listed it.
+    Its final usage was read before that 3,100 report (another topic): the report is of
+    another run, so p's reservation went, though the report was stamped before p loaded
+    anything; the 15 GB it left loaded show in no report yet."""
+    view = ClusterView()
+    run1 = node("a", [80_000]).model_copy(update={"started_at_ms": 1_000,
+                                                  "reported_at_ms": 2_000})
+    view.apply_node_state(run1, 2_000, NODE_TIMEOUT_MS)
+    view.reserve(Reservation("p#0", "a", (0,), 15_316, EIGHT_B.name))
+    view.release_ended("p#0", 3_500)
+    assert view.reservations
+    run2 = run1.model_copy(update={"started_at_ms": 3_000, "reported_at_ms": 3_100})
+    assert view.apply_node_state(run2, 3_600, NODE_TIMEOUT_MS)
+    assert view.reservations  # observed: released

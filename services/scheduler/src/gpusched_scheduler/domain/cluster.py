@@ -16,6 +16,10 @@ class Reservation:
     memory_mib_per_gpu: int
     weights: str
     """What it loads on each of its GPUs (`request_weights`: its model or a gang's shard)."""
+    relies_mib: int = 0
+    """Its weights' MiB per GPU when it reserves its KV cache alone, counting on them being
+    loaded (reported, or loaded by another placement of its cycle): counted once per GPU
+    while no report shows them there and no reservation holds them."""
 
 
 @dataclass
@@ -67,9 +71,11 @@ class ClusterView:
             # report shows what it holds. Waiting for a later report time alone held them
             # for as long as a restarted agent's clock, set back, lagged behind the end.
             new_run = old is not None and state.started_at_ms != old.started_at_ms
-            for pid in [p for p in mine if p in self._ending
-                        and (new_run or self._ending[p] <= state.reported_at_ms)]:
-                self.release(pid)
+            for pid in [p for p in mine if p in self._ending]:
+                if self._ending[pid] <= state.reported_at_ms:
+                    self.release(pid)
+                elif new_run:  # its end on another clock: the run's next report shows it
+                    self._ending[pid] = state.reported_at_ms + 1
         return True
 
     def reserve(self, reservation: Reservation) -> None:
@@ -146,10 +152,23 @@ class ClusterView:
         will load per GPU index (they count as loaded for affinity)."""
         mib: dict[int, int] = {}
         models: dict[int, set[str]] = {}
+        held: set[tuple[int, str]] = set()
+        relied: dict[tuple[int, str], int] = {}
         for r in self._by_node.get(node_id, {}).values():
             for g in r.gpu_indices:
                 mib[g] = mib.get(g, 0) + r.memory_mib_per_gpu
                 models.setdefault(g, set()).add(r.weights)
+                if r.relies_mib:
+                    relied[g, r.weights] = max(relied.get((g, r.weights), 0), r.relies_mib)
+                else:
+                    held.add((g, r.weights))
+        if relied:
+            state = self.nodes.get(node_id)
+            shown = {(gpu.index, m) for gpu in state.gpus for m in gpu.loaded_models} \
+                if state is not None else set()
+            for (g, weights), extra in relied.items():
+                if (g, weights) not in held and (g, weights) not in shown:
+                    mib[g] = mib.get(g, 0) + extra
         return mib, models
 
     def gpu_states(self, live: set[str]) -> dict[tuple[str, str], int]:

@@ -703,7 +703,8 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     borrowed), and not placed as aged work unless borrowed and taken back by work that
     `reclaims` its tenant's guarantee; cost = GPU-seconds of progress lost."""
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
-              and r.placement_id not in taken and r.placement_id not in guarded
+              and r.placement_id not in taken
+              and (r.placement_id not in guarded or r.request.tenant == item.request.tenant)
               and (priority := _victim_priority(r, item.request.tenant)) <= ceiling
               and (not r.aged or (reclaims and r.borrowed))]
     if not ranked:
