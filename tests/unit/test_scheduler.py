@@ -1824,6 +1824,17 @@ async def test_work_that_would_be_borrowed_preempts_no_work_a_guarantee_keeps() 
     assert preempt["placement_id"] == "S#0" and "request acme " in preempt["reason"]
 
 
+async def _two_placements_loading_the_8b(engine: SchedulingEngine
+                                        ) -> tuple[RunningPlacement, RunningPlacement]:
+    """soylent's x and y, 8B work placed in one cycle on node a's empty 40,000 MiB GPU."""
+    engine.view.apply_node_state(node("a", [40_000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["batch"].name, offset, req(
+        rid, "batch", model=EIGHT_B.name, tenant="soylent").to_bytes())
+        for offset, rid in enumerate(["x", "y"])])
+    assert await engine.cycle() == 2
+    return engine.running["x#0"], engine.running["y#0"]
+
+
 async def test_placements_loading_one_model_on_a_gpu_in_one_cycle_reserve_its_weights_once(
 ) -> None:
     """x and y, the first 8B work on an empty GPU, placed in one cycle: each reserved the
@@ -1831,12 +1842,7 @@ async def test_placements_loading_one_model_on_a_gpu_in_one_cycle_reserve_its_we
     next cycles saw 15 GB less free than there was, and y was marked borrowed (soylent
     held twice the weights by that count, past its 20,000 MiB guarantee)."""
     engine, _ = leading_engine()
-    engine.view.apply_node_state(node("a", [40_000]), 1000, NODE_TIMEOUT_MS)
-    await engine.admit([request_record(topics.REQUESTS["batch"].name, offset, req(
-        rid, "batch", model=EIGHT_B.name, tenant="soylent").to_bytes())
-        for offset, rid in enumerate(["x", "y"])])
-    assert await engine.cycle() == 2
-    x, y = engine.running["x#0"], engine.running["y#0"]
+    x, y = await _two_placements_loading_the_8b(engine)
     assert x.memory_mib_per_gpu == x.kv_cache_mib + EIGHT_B.weight_memory_mib
     assert y.memory_mib_per_gpu == y.kv_cache_mib and not y.borrowed
     assert snapshot(engine.view, {"a"}).state.gpu_mem_free_mib[0] == \
@@ -2964,7 +2970,6 @@ async def test_an_interactive_request_past_its_guarantee_still_preempts_its_own_
         "I", "interactive", model=EIGHT_B.name, tenant="soylent", max_tokens=7990).to_bytes())])
     await engine.cycle()
     commands = [json.loads(v) for v in sent.get(topics.PLACEMENTS.name, [])]
-    # observed: [] (I waits until S ends)
     assert [(c["type"], c["placement_id"]) for c in commands] == [("preempt", "S#0")]
 
 
@@ -2977,12 +2982,7 @@ async def test_a_placement_counting_on_a_siblings_weights_keeps_them_reserved_on
     that run lists y; a placement sent meanwhile on that memory is refused (`refused`
     used up). Before c52b501, y's own reservation held the weights."""
     engine, _ = leading_engine()
-    engine.view.apply_node_state(node("a", [40_000]), 1000, NODE_TIMEOUT_MS)
-    await engine.admit([request_record(topics.REQUESTS["batch"].name, offset, req(
-        rid, "batch", model=EIGHT_B.name, tenant="soylent").to_bytes())
-        for offset, rid in enumerate(["x", "y"])])
-    assert await engine.cycle() == 2
-    x, y = engine.running["x#0"], engine.running["y#0"]
+    x, y = await _two_placements_loading_the_8b(engine)
     w = EIGHT_B.weight_memory_mib
     engine.view.apply_node_state(node("a", [40_000 - w - x.kv_cache_mib], models=(
         EIGHT_B.name,), seq=2, active=("x#0",)), 1100, NODE_TIMEOUT_MS)  # run 1 took x only
