@@ -3010,3 +3010,164 @@ def test_a_new_runs_report_from_before_an_ended_placements_end_keeps_its_reserva
     run2 = run1.model_copy(update={"started_at_ms": 3_000, "reported_at_ms": 3_100})
     assert view.apply_node_state(run2, 3_600, NODE_TIMEOUT_MS)
     assert view.reservations  # observed: released
+
+
+H100_MIB = 81559
+
+
+def _on_gpus(node_id: str, gpus: list[tuple[int, tuple[str, ...], tuple[str, ...]]],
+             seq: int = 1, active: tuple[str, ...] = ()) -> NodeState:
+    """H100s, each as (free MiB, loaded single-GPU models, those of them idle)."""
+    return NodeState(node_id=node_id, seq=seq, started_at_ms=0, reported_at_ms=0,
+                     active_placement_ids=active, gpus=tuple(
+                         GpuState(index=i, uuid=f"{node_id}-{i}", gpu_type="H100-80GB",
+                                  memory_total_mib=H100_MIB, memory_free_mib=free,
+                                  loaded_models=models, idle_models=idle or None,
+                                  kv_cache_free_mib=free + sum(
+                                      CATALOG.get(m).weight_memory_mib for m in idle))
+                         for i, (free, models, idle) in enumerate(gpus)))
+
+
+def _eight_b(pid: str, gpu: int, placed_at_ms: int = 0, cls: str = "batch",
+             aged: bool | None = None) -> RunningPlacement:
+    request = req(pid.split("#")[0], cls, model=EIGHT_B.name, max_tokens=4000)
+    kv = EIGHT_B.kv_cache_mib(request.prompt_token_count + 4000)
+    return RunningPlacement(placement_id=pid, node_id="a", gpu_indices=(gpu,),
+                            memory_mib_per_gpu=kv, kv_cache_mib=kv, borrowed=False,
+                            estimate_gpu_s=1.0, placed_at_ms=placed_at_ms, request=request,
+                            aged=aged)
+
+
+def test_an_interactive_gang_preempts_batch_work_whose_model_goes_idle_once_it_stops(
+) -> None:
+    """Plans counted a victim's KV cache alone as coming free: with batch 8B work on both
+    GPUs of a node, the 8B's weights left no room for a 70B gang's shards, so the
+    interactive gang waited for as long as the batch work ran, though the 8B goes idle
+    once its work stops and the agent unloads idle models to admit work."""
+    from gpusched_scheduler.domain.planner import Room
+
+    victims = [_eight_b("b0#0", 0), _eight_b("b1#0", 1)]
+    free = H100_MIB - EIGHT_B.weight_memory_mib - victims[0].kv_cache_mib
+    view = ClusterView()
+    view.apply_node_state(_on_gpus("a", [(free, (EIGHT_B.name,), ())] * 2,
+                                   active=("b0#0", "b1#0")), 0, NODE_TIMEOUT_MS)
+    gang = req("i", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    shard = -(-SEVENTY_B.weight_memory_mib // 2)
+    assert free + victims[0].kv_cache_mib < shard  # their KV caches alone make no room
+    d = plan(view, [gang], now=10_000, running=victims, may_preempt={"i": 1})
+    [pre] = d.preemptions
+    assert sorted(v.placement_id for v in pre.victims) == ["b0#0", "b1#0"]
+    assert pre.room == Room("a", (0, 1))
+    assert sorted(pre.unloads) == [(0, EIGHT_B.name, EIGHT_B.weight_memory_mib),
+                                   (1, EIGHT_B.name, EIGHT_B.weight_memory_mib)]
+
+
+@pytest.mark.parametrize("blocker", ["higher-class", "aged", "stopping"])
+def test_weights_another_user_keeps_busy_are_not_counted_as_coming_free(blocker: str
+                                                                         ) -> None:
+    """GPU2's batch 8B work is the cheapest to stop, but another user of the 8B there
+    (standard work, aged batch work, or a victim stopping for another request, whose
+    preemptor may count on the 8B) keeps it loaded: the plan takes GPUs 0 and 1."""
+    from gpusched_scheduler.domain.planner import Room
+
+    victims = [_eight_b("b0#0", 0), _eight_b("b1#0", 1), _eight_b("b2#0", 2, 9_000)]
+    other = _eight_b("o#0", 2, cls="standard" if blocker == "higher-class" else "batch",
+                     aged=True if blocker == "aged" else None)
+    kv = victims[0].kv_cache_mib
+    view = ClusterView()
+    view.apply_node_state(_on_gpus(
+        "a", [(H100_MIB - EIGHT_B.weight_memory_mib - kv, (EIGHT_B.name,), ())] * 2
+        + [(H100_MIB - EIGHT_B.weight_memory_mib - 2 * kv, (EIGHT_B.name,), ())],
+        active=("b0#0", "b1#0", "b2#0", "o#0")), 0, NODE_TIMEOUT_MS)
+    gang = req("i", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    items = [Pending(gang, {}, 10_000)]
+    chunks = order_pending(items, 10_000, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    d = plan_cycle(snapshot(view, view.live_nodes(10_000, 10**12)), chunks, CATALOG,
+                   "gpusched", victims + ([] if blocker == "stopping" else [other]), 10_000,
+                   {"i": 1}, fleet=lambda: fleet_gpu_mib(view),
+                   stopping=[other] if blocker == "stopping" else ())
+    [pre] = d.preemptions
+    assert sorted(v.placement_id for v in pre.victims) == ["b0#0", "b1#0"]
+    assert pre.room == Room("a", (0, 1))
+
+
+async def test_a_gang_preempting_work_whose_model_goes_idle_is_placed_once_it_stops() -> None:
+    """End to end: the preempts go out, the victims' node reports them gone and the 8B
+    idle, and the next cycle places the gang on those GPUs (the agent unloads the idle 8B
+    to admit it: its reservation counts the 70B's shards, not the 8B), ahead of the
+    victims' hand-backs."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    engine.view.apply_node_state(_on_gpus("a", [(H100_MIB, (), ())] * 2), now[0],
+                                 NODE_TIMEOUT_MS)
+
+    def record(offset: int, r: InferenceRequest) -> ConsumerRecord:
+        return request_record(topics.REQUESTS[r.priority_class].name, offset, r.to_bytes())
+
+    batch = [InferenceRequest(request_id=f"b{k}", tenant="soylent", model=EIGHT_B.name,
+                              prompt="x", max_tokens=8000, priority_class="batch",
+                              created_at_ms=now[0]) for k in range(2)]
+    await engine.admit([record(k, b) for k, b in enumerate(batch)])
+    assert await engine.cycle() == 2
+
+    def report(seq: int, ended: bool) -> NodeState:
+        gpus = []
+        for g in range(2):
+            on = [r for r in engine.running.values() if r.gpu_indices == (g,)]
+            kv = 0 if ended else sum(r.kv_cache_mib for r in on)
+            models = (EIGHT_B.name,) if on else ()
+            gpus.append((H100_MIB - kv - (EIGHT_B.weight_memory_mib if on else 0), models,
+                         models if ended else ()))
+        return _on_gpus("a", gpus, seq, () if ended else ("b0#0", "b1#0"))
+
+    engine.view.apply_node_state(report(2, ended=False), now[0], NODE_TIMEOUT_MS)
+    now[0] += 1000
+    gang = InferenceRequest(request_id="i", tenant="globex", model=SEVENTY_B.name,
+                            prompt="x", max_tokens=100, num_gpus=2,
+                            priority_class="interactive", created_at_ms=now[0])
+    await engine.admit([record(0, gang)])
+    before = len(sent[topics.PLACEMENTS.name])
+    await engine.cycle()
+    preempts = [json.loads(v) for v in sent[topics.PLACEMENTS.name][before:]]
+    assert sorted((c["type"], c["placement_id"]) for c in preempts) == [
+        ("preempt", "b0#0"), ("preempt", "b1#0")]
+    before = len(sent[topics.PLACEMENTS.name])
+    await engine.cycle()  # still running: the gang waits, nothing else is sent
+    assert len(sent[topics.PLACEMENTS.name]) == before
+
+    now[0] += 50  # they stopped: their final usage, the report, and their hand-backs
+    ended = report(3, ended=True)
+    await engine.usage([request_record(topics.USAGE.name, k, UsageRecord(
+        event_id=f"b{k}#0:final", request_id=f"b{k}", placement_id=f"b{k}#0",
+        tenant="soylent", model=EIGHT_B.name, priority_class="batch", node_id="a",
+        gpu_type="H100-80GB", prompt_tokens=1, completion_tokens=10, gpu_seconds=1.0,
+        started_at_ms=1000, ended_at_ms=now[0]).to_bytes()) for k in range(2)])
+    assert not engine.running
+    engine.view.apply_node_state(ended, now[0], NODE_TIMEOUT_MS)
+    await engine.admit([record(2 + k, b.model_copy(update={
+        "attempt": 1, "requeued": "preempted"})) for k, b in enumerate(batch)])
+    await engine.cycle()
+    [placed] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name][before:]]
+    assert (placed.placement_id, placed.gpu_indices) == ("i#0", (0, 1))
+    shard = -(-SEVENTY_B.weight_memory_mib // 2)
+    assert engine.view.reservations["i#0"].memory_mib_per_gpu == placed.kv_cache_mib + shard
+    assert sorted(p.request.request_id for p in engine.queue.in_order()) == ["b0", "b1"]
+
+
+def test_weights_work_placed_in_the_same_cycle_runs_on_are_not_counted_as_coming_free(
+) -> None:
+    """Interactive 8B work placed this cycle beside batch 8B work uses the 8B there: a
+    gang planned after it does not count on unloading it."""
+    victims = [_eight_b("b0#0", 0), _eight_b("b1#0", 1), _eight_b("b2#0", 2, 9_000)]
+    free = H100_MIB - EIGHT_B.weight_memory_mib - victims[0].kv_cache_mib
+    view = ClusterView()
+    view.apply_node_state(_on_gpus("a", [(free, (EIGHT_B.name,), ())] * 3,
+                                   active=("b0#0", "b1#0", "b2#0")), 0, NODE_TIMEOUT_MS)
+    small = req("s", "interactive", model=EIGHT_B.name, tenant="globex", max_tokens=100)
+    gang = req("i", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    d = plan(view, [small, gang], now=10_000, running=victims, may_preempt={"i": 1})
+    [placed] = d.placed
+    [pre] = d.preemptions
+    assert placed.gpu_indices[0] not in pre.room.gpu_indices
+    assert {g for g, _, _ in pre.unloads} == set(pre.room.gpu_indices)
+    assert placed.gpu_indices[0] not in {v.gpu_indices[0] for v in pre.victims}

@@ -197,6 +197,10 @@ class Preemption:
     room: Room | None = None
     """Where the plan runs its request once the victims have stopped: every GPU it counts
     on, those without a victim too (a gang's)."""
+    unloads: tuple[tuple[int, str, int], ...] = ()
+    """(GPU index, weights, MiB) on its node that the plan counts on unloading: every user
+    of those weights there is a victim, so they go idle once the victims stop, and the
+    agent unloads idle models to admit the request (as for `Snapshot.evictable`)."""
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             reclaiming, borrowing, guarded, max_preemptions,
             # the state once the victims stopping already have stopped and their
             # preemptors run
-            _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None)
+            _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None,
+            _weights_users([*running, *stopping]), _counted_on(placed, kept.models))
     return CycleDecisions(_weights_once(placed), rejected, waiting, preemptions)
 
 
@@ -357,7 +362,8 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                       running: Collection[RunningPlacement], now_ms: int,
                       may_preempt: dict[str, int], reclaiming: Collection[str],
                       borrowing: Collection[str], guarded: Collection[str], most: int,
-                      freed: ClusterState | None) -> list[Preemption]:
+                      freed: ClusterState | None, users: Mapping[WeightsAt, set[str]],
+                      busy: dict[tuple[str, int], set[str]]) -> list[Preemption]:
     """Plans for `eligible` (waiting work that may preempt), in order. `freed` is the state
     once what is being stopped has stopped (None: nothing is): work that fits in what is
     left of it waits for it, and a plan needs only the victims that room lacks; each plan
@@ -366,7 +372,8 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
     on what is left before them; a plan that fails takes nothing, so that solve holds for
     the rest until a plan succeeds. A solve per waiting request, every cycle while a victim
     stopped, made cycles 5x longer; one for all of them let later requests take the room
-    an earlier one needed before it was planned."""
+    an earlier one needed before it was planned. `users` and `busy` are as `_plan` takes
+    them; each plan made adds the weights its request counts on in its room to `busy`."""
     out: list[Preemption] = []
     taken: set[str] = set()
     i = 0
@@ -390,11 +397,13 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
         request_id = item.request.request_id
         plan = _plan(freed or state, snap, item, catalog, running, now_ms,
                      may_preempt[request_id], taken, request_id in reclaiming,
-                     guarded if request_id in borrowing else ())
+                     guarded if request_id in borrowing else (), users, busy)
         if plan is not None:
             taken |= {v.placement_id for v in plan.victims}
             freed, room = _stopped(freed or state, snap, plan, _batch([item.request], catalog),
                                    policy, shapes)
+            for g in room.gpu_indices:  # a later plan unloads none of them
+                busy.setdefault((room.node_id, g), set()).add(request_weights(item.request))
             out.append(replace(plan, room=room))
             trial = None  # the rest is tried again on what this plan frees
     return out
@@ -487,9 +496,14 @@ def _place_evicting(state: ClusterState, snap: Snapshot, batch: WorkBatch,
 
 def _stopped(state: ClusterState, snap: Snapshot, plan: Preemption, unit: WorkBatch,
              policy: str, shapes: ShapeDistribution | None) -> tuple[ClusterState, Room]:
-    """`state` once `plan`'s victims have freed their KV caches and its request runs, and
-    the GPUs it runs on there."""
-    result = solve(_with_stopped(state, snap, plan.victims), unit, policy, shapes=shapes)
+    """`state` once `plan`'s victims have freed their KV caches (and the weights it counts
+    on unloading) and its request runs, and the GPUs it runs on there."""
+    stopped = _with_stopped(state, snap, plan.victims)
+    if plan.unloads:
+        start = int(stopped.node_gpu_start[snap.node_index[plan.node_id]])
+        for g, weights, mib in plan.unloads:
+            unload_model(stopped, start + g, weights, mib, inplace=True)
+    result = solve(stopped, unit, policy, shapes=shapes)
     outcome = result.outcome(0)
     if hasattr(outcome, "gpu_indices"):
         return result.state, Room(outcome.node_id, outcome.gpu_indices)
@@ -593,10 +607,7 @@ def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
     unit of one of them is charged its weights again, against memory that holds them), or
     None when no GPU has any. GPUs where this cycle placed work of one of their idle models,
     or where a waiting preemptor counts on one (`kept`), are left as they are."""
-    busy: dict[tuple[str, int], set[str]] = {k: set(v) for k, v in kept.items()}
-    for p in placed:
-        for g in p.gpu_indices:
-            busy.setdefault((p.node_id, g), set()).add(request_weights(p.item.request))
+    busy = _counted_on(placed, kept)
     room: ClusterState | None = None
     for node_id, gpus in snap.evictable.items():
         start = int(state.node_gpu_start[snap.node_index[node_id]])
@@ -609,6 +620,17 @@ def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
                 unload_model(room, start + index, model, 0, inplace=True)
             room.gpu_mem_free_mib[start + index] += gain
     return room
+
+
+def _counted_on(placed: list[Place], kept: Mapping[tuple[str, int], set[str]]
+                ) -> dict[tuple[str, int], set[str]]:
+    """(node id, GPU index) -> the weights this cycle's placements there, and the waiting
+    preemptors whose room it is (`kept`), count on staying loaded: none is unloaded."""
+    busy: dict[tuple[str, int], set[str]] = {k: set(v) for k, v in kept.items()}
+    for p in placed:
+        for g in p.gpu_indices:
+            busy.setdefault((p.node_id, g), set()).add(request_weights(p.item.request))
+    return busy
 
 
 def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
@@ -695,13 +717,40 @@ def _never_reason(request: InferenceRequest, kv: int, weight: int) -> str:
             "or the model's num_gpus in models.yaml), or use a smaller model or fewer tokens")
 
 
+WeightsAt = tuple[str, int, str]
+"""(node id, GPU index, weights): a whole model loaded on one GPU of a node."""
+
+
+@dataclass(frozen=True)
+class _Victim:
+    """What a plan may stop: one placement (its KV cache comes free), or every user of
+    weights on a GPU together (their KV caches and, once they are idle, the weights)."""
+
+    members: tuple[RunningPlacement, ...]
+    priority: int
+    memory_mib: int
+    """Per GPU of the members' own."""
+    unload: tuple[int, str, int] | None = None
+    """(GPU index, weights, MiB) that go idle once the members stop."""
+
+
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
           running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str],
-          reclaims: bool, guarded: Collection[str]) -> Preemption | None:
+          reclaims: bool, guarded: Collection[str], users: Mapping[WeightsAt, set[str]],
+          busy: Mapping[tuple[str, int], set[str]]) -> Preemption | None:
     """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
     1), not already being preempted, not `guarded` (kept from a preemptor that would be
     borrowed), and not placed as aged work unless borrowed and taken back by work that
-    `reclaims` its tenant's guarantee; cost = GPU-seconds of progress lost."""
+    `reclaims` its tenant's guarantee; cost = GPU-seconds of progress lost.
+
+    Stopping a victim frees its KV cache; its model stays loaded. Only when that finds no
+    plan is it planned again with the weights too: where every user of a whole model on a
+    GPU (`users`: the placements running or stopping there) is a victim, and no work of
+    this cycle or waiting preemptor counts on that model there (`busy`), they go as one
+    victim whose weights go idle once they stop, and the agent unloads idle models to
+    admit the request. Before, a 70B gang waited behind batch 8B work for as long as it ran.
+    Gangs are never such a victim: agents report each gang's shards alike, so whose shards
+    a GPU holds is unknown."""
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
               and r.placement_id not in taken
               and (r.placement_id not in guarded or r.request.tenant == item.request.tenant)
@@ -709,26 +758,85 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
               and (not r.aged or (reclaims and r.borrowed))]
     if not ranked:
         return None
-    candidates = [r for r, _ in ranked]
+    unit = _batch([item.request], catalog, [ceiling + 1])
+    alone = [_Victim((r,), p, r.kv_cache_mib) for r, p in ranked]
+    plan = _cheapest(state, snap, catalog, unit, alone, now_ms)
+    if plan is None:
+        groups = _idle_once_stopped(state, snap, catalog, ranked, users, busy,
+                                    request_weights(item.request))
+        if groups:
+            grouped = {id(m) for v in groups for m in v.members}
+            plan = _cheapest(state, snap, catalog, unit, groups + [
+                v for v in alone if id(v.members[0]) not in grouped], now_ms)
+    if plan is None:
+        return None
+    node, chosen, lost = plan
+    return Preemption(item, state.node_ids[node], tuple(m for v in chosen for m in v.members),
+                      lost, unloads=tuple(v.unload for v in chosen if v.unload is not None))
+
+
+def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: WorkBatch,
+              candidates: list[_Victim], now_ms: int
+              ) -> tuple[int, list[_Victim], float] | None:
+    """The solver's plan among `candidates` for `unit`: (node row, victims, GPU-seconds
+    lost), or None when there is none or the unit fits already (held behind work that
+    waits for room)."""
     gpus = np.full((len(candidates), 8), -1, np.int64)
-    for i, r in enumerate(candidates):
+    for i, v in enumerate(candidates):
+        r = v.members[0]
         start = int(state.node_gpu_start[snap.node_index[r.node_id]])
         gpus[i, :len(r.gpu_indices)] = [start + g for g in r.gpu_indices]
-    victims = _batch([r.request for r in candidates], catalog, [p for _, p in ranked])
-    # preempting frees the KV cache; the victim's model stays loaded on the GPU
-    victims.gpu_mem_mib[:] = [r.kv_cache_mib for r in candidates]
+    victims = _batch([v.members[0].request for v in candidates], catalog,
+                     [v.priority for v in candidates])
+    victims.gpu_mem_mib[:] = [v.memory_mib for v in candidates]
+    victims.gpu_milli[:] = [GPU_SHARE_MILLI * len(v.members) for v in candidates]
     victims.model_weight_mib[:] = 0
     work = RunningWork(
-        batch=victims, node=np.array([snap.node_index[r.node_id] for r in candidates],
-                                     np.int64), gpus=gpus,
-        gpu_seconds_lost=np.array([max(0.0, now_ms - r.placed_at_ms) / 1000 * len(
-            r.gpu_indices) for r in candidates], np.float64))
-    unit = _batch([item.request], catalog, [ceiling + 1])
+        batch=victims, node=np.array([snap.node_index[v.members[0].node_id]
+                                      for v in candidates], np.int64), gpus=gpus,
+        gpu_seconds_lost=np.array([sum(max(0.0, now_ms - r.placed_at_ms) / 1000 * len(
+            r.gpu_indices) for r in v.members) for v in candidates], np.float64))
     plan = plan_preemption(state, work, unit)
     if not plan.feasible or not len(plan.victims):
-        return None  # none, or it fits already (held behind work that waits for room)
-    return Preemption(item, state.node_ids[plan.node],
-                      tuple(candidates[v] for v in plan.victims), plan.gpu_seconds_lost)
+        return None
+    return plan.node, [candidates[v] for v in plan.victims], plan.gpu_seconds_lost
+
+
+def _weights_users(placements: Collection[RunningPlacement]) -> dict[WeightsAt, set[str]]:
+    """The placement ids running on each whole model loaded on a GPU (gangs left out)."""
+    users: dict[WeightsAt, set[str]] = {}
+    for r in placements:
+        if len(r.gpu_indices) == 1:
+            key = (r.node_id, r.gpu_indices[0], request_weights(r.request))
+            users.setdefault(key, set()).add(r.placement_id)
+    return users
+
+
+def _idle_once_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalog,
+                       ranked: list[tuple[RunningPlacement, int]],
+                       users: Mapping[WeightsAt, set[str]],
+                       busy: Mapping[tuple[str, int], set[str]], own: str) -> list[_Victim]:
+    """Per GPU and whole model on it (not `own`, the preemptor's, which it would use) whose
+    users are all among the `ranked` candidates, and which nothing of this cycle counts on
+    (`busy`): those users as one victim that frees their KV caches and the weights."""
+    found: dict[WeightsAt, list[tuple[RunningPlacement, int]]] = {}
+    for r, priority in ranked:
+        if len(r.gpu_indices) == 1 and (weights := request_weights(r.request)) != own:
+            found.setdefault((r.node_id, r.gpu_indices[0], weights), []).append(
+                (r, priority))
+    out: list[_Victim] = []
+    for (node_id, g, weights), members in found.items():
+        start = int(state.node_gpu_start[snap.node_index[node_id]])
+        if {r.placement_id for r, _ in members} != users.get((node_id, g, weights)) \
+                or weights in busy.get((node_id, g), ()) \
+                or start + g >= int(state.node_gpu_start[snap.node_index[node_id] + 1]) \
+                or not _loaded_on_row(state, start + g, weights):
+            continue
+        mib = memory_per_gpu(members[0][0].request, catalog.get(members[0][0].request.model))[1]
+        out.append(_Victim(tuple(r for r, _ in members), max(p for _, p in members),
+                           sum(r.kv_cache_mib for r, _ in members) + mib,
+                           (g, weights, mib)))
+    return out
 
 
 def _victim_priority(r: RunningPlacement, preemptor_tenant: str) -> int:
