@@ -3171,3 +3171,32 @@ def test_weights_work_placed_in_the_same_cycle_runs_on_are_not_counted_as_coming
     assert placed.gpu_indices[0] not in pre.room.gpu_indices
     assert {g for g, _, _ in pre.unloads} == set(pre.room.gpu_indices)
     assert placed.gpu_indices[0] not in {v.gpu_indices[0] for v in pre.victims}
+
+
+def test_a_gpu_that_needs_one_victims_kv_cache_does_not_lose_all_its_models_users() -> None:
+    """A gang's plan unloads the 8B on GPU 1; on GPU 0 stopping q0 alone makes room. The
+    plan took every user of the qwen there as one victim: q1 stopped for nothing, and the
+    qwen was counted as unloading."""
+    def user(pid: str, gpu: int, model: str, kv: int, placed_at_ms: int = 0
+             ) -> RunningPlacement:
+        return _victim(pid, req(pid.split("#")[0], "batch", model=model), (gpu,), kv,
+                       kv).model_copy(update={"placed_at_ms": placed_at_ms})
+
+    q0, q1 = user("q0#0", 0, SMALL.name, 20_000), user("q1#0", 0, SMALL.name, 1_000, 9_000)
+    b1 = user("b1#0", 1, EIGHT_B.name, 5_000)
+    free0 = H100_MIB - SMALL.weight_memory_mib - q0.kv_cache_mib - q1.kv_cache_mib
+    free1 = H100_MIB - EIGHT_B.weight_memory_mib - b1.kv_cache_mib
+    view = ClusterView()
+    view.apply_node_state(_on_gpus("a", [(free0, (SMALL.name,), ()),
+                                         (free1, (EIGHT_B.name,), ())],
+                                   active=("q0#0", "q1#0", "b1#0")), 0, NODE_TIMEOUT_MS)
+    gang = req("i", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    kv, shard = -(-SEVENTY_B.kv_cache_mib(gang.prompt_token_count + 100) // 2), \
+        -(-SEVENTY_B.weight_memory_mib // 2)
+    assert free0 + q0.kv_cache_mib >= shard + kv  # stopping q0 makes room on GPU 0
+    assert free0 + q1.kv_cache_mib < shard + kv
+    assert free1 + b1.kv_cache_mib < shard + kv  # GPU 1 needs the 8B unloaded
+    d = plan(view, [gang], now=10_000, running=[q0, q1, b1], may_preempt={"i": 1})
+    [pre] = d.preemptions
+    assert sorted(v.placement_id for v in pre.victims) == ["b1#0", "q0#0"]
+    assert [g for g, _, _ in pre.unloads] == [1]

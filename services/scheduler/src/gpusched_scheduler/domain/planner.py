@@ -387,10 +387,16 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
             j = i
             while j < len(eligible) and hasattr(result.outcome(j - first), "gpu_indices"):
                 j += 1
-            if j > i:  # they wait for room coming free: their share of it is taken
-                freed = solve(freed, _batch([e.request for e in eligible[i:j]], catalog),
-                              policy, shapes=shapes).state
-                i = j
+            if j > i:  # they wait for room coming free: their share of it is taken, and
+                # the weights they count on there stay (a later plan unloads none of them)
+                waits = solve(freed, _batch([e.request for e in eligible[i:j]], catalog),
+                              policy, shapes=shapes)
+                for k, e in enumerate(eligible[i:j]):
+                    if isinstance(outcome := waits.outcome(k), Placed):
+                        for g in outcome.gpu_indices:
+                            busy.setdefault((outcome.node_id, g), set()).add(
+                                request_weights(e.request))
+                freed, i = waits.state, j
                 continue
         item = eligible[i]
         i += 1
@@ -768,11 +774,28 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
             grouped = {id(m) for v in groups for m in v.members}
             plan = _cheapest(state, snap, catalog, unit, groups + [
                 v for v in alone if id(v.members[0]) not in grouped], now_ms)
+            if plan is not None:
+                plan = _fewest_stopped(state, snap, catalog, unit, plan, alone, now_ms)
     if plan is None:
         return None
     node, chosen, lost = plan
     return Preemption(item, state.node_ids[node], tuple(m for v in chosen for m in v.members),
                       lost, unloads=tuple(v.unload for v in chosen if v.unload is not None))
+
+
+def _fewest_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalog,
+                   unit: WorkBatch, plan: tuple[int, list[_Victim], float],
+                   alone: list[_Victim], now_ms: int) -> tuple[int, list[_Victim], float]:
+    """`plan` with each group it chose planned again as its members alone: where the
+    group's GPU needs only some of their KV caches (another GPU of the plan needed an
+    unload), those stop and the model stays. Before, every user of it there stopped."""
+    single = {id(v.members[0]): v for v in alone}
+    for group in [v for v in plan[1] if v.unload is not None]:
+        trial = _cheapest(state, snap, catalog, unit, [v for v in plan[1] if v is not group]
+                          + [single[id(m)] for m in group.members], now_ms)
+        if trial is not None:
+            plan = trial
+    return plan
 
 
 def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: WorkBatch,
