@@ -3173,17 +3173,19 @@ def test_weights_work_placed_in_the_same_cycle_runs_on_are_not_counted_as_coming
     assert placed.gpu_indices[0] not in {v.gpu_indices[0] for v in pre.victims}
 
 
+def _user(pid: str, gpu: int, model: str, kv: int, placed_at_ms: int = 0
+          ) -> RunningPlacement:
+    """Batch work of `model` on GPU `gpu` of node a, holding `kv` MiB of KV cache."""
+    return _victim(pid, req(pid.split("#")[0], "batch", model=model), (gpu,), kv,
+                   kv).model_copy(update={"placed_at_ms": placed_at_ms})
+
+
 def test_a_gpu_that_needs_one_victims_kv_cache_does_not_lose_all_its_models_users() -> None:
     """A gang's plan unloads the 8B on GPU 1; on GPU 0 stopping q0 alone makes room. The
     plan took every user of the qwen there as one victim: q1 stopped for nothing, and the
     qwen was counted as unloading."""
-    def user(pid: str, gpu: int, model: str, kv: int, placed_at_ms: int = 0
-             ) -> RunningPlacement:
-        return _victim(pid, req(pid.split("#")[0], "batch", model=model), (gpu,), kv,
-                       kv).model_copy(update={"placed_at_ms": placed_at_ms})
-
-    q0, q1 = user("q0#0", 0, SMALL.name, 20_000), user("q1#0", 0, SMALL.name, 1_000, 9_000)
-    b1 = user("b1#0", 1, EIGHT_B.name, 5_000)
+    q0, q1 = _user("q0#0", 0, SMALL.name, 20_000), _user("q1#0", 0, SMALL.name, 1_000, 9_000)
+    b1 = _user("b1#0", 1, EIGHT_B.name, 5_000)
     free0 = H100_MIB - SMALL.weight_memory_mib - q0.kv_cache_mib - q1.kv_cache_mib
     free1 = H100_MIB - EIGHT_B.weight_memory_mib - b1.kv_cache_mib
     view = ClusterView()
@@ -3200,3 +3202,24 @@ def test_a_gpu_that_needs_one_victims_kv_cache_does_not_lose_all_its_models_user
     [pre] = d.preemptions
     assert sorted(v.placement_id for v in pre.victims) == ["b1#0", "q0#0"]
     assert [g for g, _, _ in pre.unloads] == [1]
+
+
+def test_weights_work_waiting_for_room_counts_on_are_not_counted_as_coming_free() -> None:
+    """r1 waits for the room s's stop frees on GPU 0, where the 8B it runs on is loaded;
+    the gang after it planned to stop u, the 8B's other user there, and unload the 8B, so
+    r1 lost the place it waited for (and the gang took room r1 was first in line for)."""
+    u, s = _user("u#0", 0, EIGHT_B.name, 1_000), _user("s#0", 0, SMALL.name, 62_294)
+    t = _user("t#0", 1, SMALL.name, H100_MIB - SMALL.weight_memory_mib - 5)
+    free0 = H100_MIB - EIGHT_B.weight_memory_mib - SMALL.weight_memory_mib - 1_000 - 62_294
+    view = ClusterView()
+    view.apply_node_state(_on_gpus("a", [(free0, (EIGHT_B.name, SMALL.name), ()),
+                                         (5, (SMALL.name,), ())],
+                                   active=("u#0", "s#0", "t#0")), 0, NODE_TIMEOUT_MS)
+    r1 = req("r1", "interactive", model=EIGHT_B.name, max_tokens=100)
+    gang = req("i", "interactive", model=SEVENTY_B.name, num_gpus=2, max_tokens=100)
+    chunks = order_pending([Pending(r1, {}, 10_000), Pending(gang, {}, 10_000)], 10_000,
+                           FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    d = plan_cycle(snapshot(view, view.live_nodes(10_000, 10**12)), chunks, CATALOG,
+                   "gpusched", [u], 10_000, {"r1": 1, "i": 1},
+                   fleet=lambda: fleet_gpu_mib(view), stopping=[s, t])
+    assert [w.request.request_id for w in d.waiting] == ["r1", "i"] and not d.preemptions
