@@ -581,7 +581,6 @@ class AgentRuntime:
         cut_short = False  # by the engine, at a limit of its own
         requeue: str | None = None  # handed back as the next attempt, requeued so
         refused = False  # by this node, which could not run it
-        weights_lost = False  # its model's load failed
         why = ""
         run.interruptible = True
         partials = asyncio.create_task(self._bill_partials(run), name=f"{pid}:usage")
@@ -649,9 +648,9 @@ class AgentRuntime:
                 status = "cancelled"
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
         except (ExecutorUnavailable, _LoadFailed) as exc:  # the engine's fault, not the
-            weights_lost = isinstance(exc, _LoadFailed)  # request's
-            problem = str(exc)
-            if isinstance(exc.__cause__ if weights_lost else exc, ExecutorUnavailable):
+            problem = str(exc)  # request's
+            if isinstance(exc.__cause__ if isinstance(exc, _LoadFailed) else exc,
+                          ExecutorUnavailable):
                 self._engine_down(problem)
                 problem = f"executor unavailable: {exc}"
             if (last := _last_try(request, refused=True)) is None:
@@ -668,8 +667,8 @@ class AgentRuntime:
             # run leaves its GPUs now, not once a send the client would not cut short ends
             try:
                 self.node.finish(placement)
-                if weights_lost or (load is not None and load.done() and not load.cancelled()
-                                    and isinstance(load.exception(), _LoadFailed)):
+                if load is not None and load.done() and not load.cancelled() \
+                        and isinstance(load.exception(), _LoadFailed):
                     # the last placement on weights that never loaded forgets them, whatever
                     # ended it (a stop that came as the load failed included)
                     if self.node.forget_weights(model.name, placement.gpu_indices):

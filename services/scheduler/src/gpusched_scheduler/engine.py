@@ -690,10 +690,6 @@ class SchedulingEngine:
             placement = Placement(placement_id=pid, node_id=place.node_id,
                                   gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
                                   scheduler_epoch=epoch, placed_at_ms=now, request=request)
-            self.view.reserve(Reservation(
-                pid, place.node_id, place.gpu_indices, place.memory_mib_per_gpu,
-                request_weights(request), self._relies_mib(request, place.memory_mib_per_gpu,
-                                                           place.kv_cache_mib)))
             held = self.running.memory_mib(request.tenant) + \
                 place.memory_mib_per_gpu * len(place.gpu_indices)
             guarantee = self._guarantee(request.tenant)
@@ -703,6 +699,7 @@ class SchedulingEngine:
                 borrowed=guarantee is not None and held > guarantee,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
                 request=request, aged=True if self._aged(place.item, now) else None)
+            self.view.reserve(self._reservation(running))
             self.running[pid] = running
             new_running.append(running)
             # an earlier term's placement of it, in a cycle Kafka has not answered, will not
@@ -802,10 +799,7 @@ class SchedulingEngine:
             if r.placement_id not in self.running and self.epoch == epoch:
                 # led again meanwhile: `lead` took Redis's list, which it is not in yet
                 self.running[r.placement_id] = r
-                self.view.reserve_unlisted(Reservation(
-                    r.placement_id, r.node_id, r.gpu_indices, r.memory_mib_per_gpu,
-                    request_weights(r.request),
-                    self._relies_mib(r.request, r.memory_mib_per_gpu, r.kv_cache_mib)))
+                self.view.reserve_unlisted(self._reservation(r))
         if self._store is not None and new_running and not await self._save(new_running,
                                                                             epoch):
             # Deposed before they were saved, a next leader would not know these
@@ -1063,11 +1057,14 @@ class SchedulingEngine:
                 ceilings[request.request_id] = 0
         return ceilings, reclaiming, borrowing
 
-    def _relies_mib(self, request: InferenceRequest, mib_per_gpu: int, kv_mib: int) -> int:
-        """The weights' MiB per GPU a placement counts on being loaded (0: it reserves them)."""
-        model = self.catalog.get(request.model)
-        return memory_per_gpu(request, model)[1] if model is not None \
-            and mib_per_gpu == kv_mib else 0
+    def _reservation(self, r: RunningPlacement) -> Reservation:
+        """What the view holds for placement `r` until its node's report shows it; one that
+        reserves its KV cache alone counts on its weights loaded there (`relies_mib`)."""
+        model = self.catalog.get(r.request.model)
+        relies = memory_per_gpu(r.request, model)[1] if model is not None \
+            and r.memory_mib_per_gpu == r.kv_cache_mib else 0
+        return Reservation(r.placement_id, r.node_id, r.gpu_indices, r.memory_mib_per_gpu,
+                           request_weights(r.request), relies)
 
     def _guarded(self) -> set[str]:
         """The running work a request that would itself be borrowed may not preempt: not
@@ -1108,10 +1105,7 @@ class SchedulingEngine:
             elif claim == "fenced":
                 fenced.append(r)
             else:
-                self.view.reserve_unlisted(Reservation(
-                    pid, r.node_id, r.gpu_indices, r.memory_mib_per_gpu,
-                    request_weights(r.request),
-                    self._relies_mib(r.request, r.memory_mib_per_gpu, r.kv_cache_mib)))
+                self.view.reserve_unlisted(self._reservation(r))
         if ended:
             log.info("taking over: %d placements ended while no scheduler led", len(ended))
             await self._forget(ended)

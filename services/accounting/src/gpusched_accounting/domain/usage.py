@@ -222,6 +222,12 @@ with the same content (or before digests were kept), new, or new and the first t
 its request."""
 
 
+def _another_owner(owner: dict[str, tuple[str, str]], row: UsageRow) -> bool:
+    """Whether `row`'s request id is already another tenant's or model's in `owner` (request
+    id -> its first row's tenant and model, noted here): a reused request id."""
+    return owner.setdefault(row.request_id, (row.tenant, row.model)) != (row.tenant, row.model)
+
+
 def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
     """The outcomes if nothing in the batch was seen before: stale when it ended before
     `oldest_ms`, a duplicate when the batch repeats an event (a conflict when with other
@@ -234,8 +240,7 @@ def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
     for row in rows:
         if row.ended_at_ms < oldest_ms:
             out.append(STALE)
-        elif owner.setdefault(row.request_id, (row.tenant, row.model)) != (row.tenant,
-                                                                         row.model):
+        elif _another_owner(owner, row):
             out.append(CONFLICT)
         elif (seen := first.get((row.request_id, row.event_id))) is not None:
             # digests only for a repeat: the common batch has none
@@ -356,8 +361,7 @@ def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day"
     counted: set[str] = set()
     out: dict[tuple[str, int], Totals] = {}
     for row in rows:
-        if (row.request_id, row.event_id) in seen or owner.setdefault(
-                row.request_id, (row.tenant, row.model)) != (row.tenant, row.model):
+        if (row.request_id, row.event_id) in seen or _another_owner(owner, row):
             continue
         seen.add((row.request_id, row.event_id))
         request = 1 if row.counts_request and row.request_id not in counted else 0

@@ -393,9 +393,7 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                               policy, shapes=shapes)
                 for k, e in enumerate(eligible[i:j]):
                     if isinstance(outcome := waits.outcome(k), Placed):
-                        for g in outcome.gpu_indices:
-                            busy.setdefault((outcome.node_id, g), set()).add(
-                                request_weights(e.request))
+                        _count_on(busy, outcome.node_id, outcome.gpu_indices, e.request)
                 freed, i = waits.state, j
                 continue
         item = eligible[i]
@@ -408,8 +406,8 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
             taken |= {v.placement_id for v in plan.victims}
             freed, room = _stopped(freed or state, snap, plan, _batch([item.request], catalog),
                                    policy, shapes)
-            for g in room.gpu_indices:  # a later plan unloads none of them
-                busy.setdefault((room.node_id, g), set()).add(request_weights(item.request))
+            # a later plan unloads none of the weights its room counts on
+            _count_on(busy, room.node_id, room.gpu_indices, item.request)
             out.append(replace(plan, room=room))
             trial = None  # the rest is tried again on what this plan frees
     return out
@@ -634,9 +632,15 @@ def _counted_on(placed: list[Place], kept: Mapping[tuple[str, int], set[str]]
     preemptors whose room it is (`kept`), count on staying loaded: none is unloaded."""
     busy: dict[tuple[str, int], set[str]] = {k: set(v) for k, v in kept.items()}
     for p in placed:
-        for g in p.gpu_indices:
-            busy.setdefault((p.node_id, g), set()).add(request_weights(p.item.request))
+        _count_on(busy, p.node_id, p.gpu_indices, p.item.request)
     return busy
+
+
+def _count_on(busy: dict[tuple[str, int], set[str]], node_id: str, gpus: tuple[int, ...],
+              request: InferenceRequest) -> None:
+    """Note in `busy` (see `_counted_on`) that `request` counts on its weights on `gpus`."""
+    for g in gpus:
+        busy.setdefault((node_id, g), set()).add(request_weights(request))
 
 
 def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
@@ -825,13 +829,20 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
     return plan.node, [candidates[v] for v in plan.victims], plan.gpu_seconds_lost
 
 
+def _weights_at(r: RunningPlacement) -> WeightsAt | None:
+    """The whole model `r` runs on, and where; None for a gang (its shards are not told
+    apart from other gangs')."""
+    if len(r.gpu_indices) != 1:
+        return None
+    return r.node_id, r.gpu_indices[0], request_weights(r.request)
+
+
 def _weights_users(placements: Collection[RunningPlacement]) -> dict[WeightsAt, set[str]]:
     """The placement ids running on each whole model loaded on a GPU (gangs left out)."""
     users: dict[WeightsAt, set[str]] = {}
     for r in placements:
-        if len(r.gpu_indices) == 1:
-            key = (r.node_id, r.gpu_indices[0], request_weights(r.request))
-            users.setdefault(key, set()).add(r.placement_id)
+        if (at := _weights_at(r)) is not None:
+            users.setdefault(at, set()).add(r.placement_id)
     return users
 
 
@@ -844,9 +855,8 @@ def _idle_once_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalo
     (`busy`): those users as one victim that frees their KV caches and the weights."""
     found: dict[WeightsAt, list[tuple[RunningPlacement, int]]] = {}
     for r, priority in ranked:
-        if len(r.gpu_indices) == 1 and (weights := request_weights(r.request)) != own:
-            found.setdefault((r.node_id, r.gpu_indices[0], weights), []).append(
-                (r, priority))
+        if (at := _weights_at(r)) is not None and at[2] != own:
+            found.setdefault(at, []).append((r, priority))
     out: list[_Victim] = []
     for (node_id, g, weights), members in found.items():
         start = int(state.node_gpu_start[snap.node_index[node_id]])
