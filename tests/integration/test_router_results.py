@@ -3,6 +3,7 @@ Redis: what `GET /v1/requests/{id}` and an Idempotency-Key replay read."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -105,4 +106,53 @@ async def test_a_keys_retry_runs_past_a_refusal_that_may_pass_later(stack) -> No
             assert stays.headers["x-request-id"] == refused[422]
     finally:
         await redis.delete(*(f"gpusched:request:{rid}" for rid in refused.values()))
+        await redis.aclose()
+
+
+async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stack) -> None:
+    """Before, the routers knew a request produced straight to Kafka only once it had ended:
+    GET and cancel answered 404 while it waited or ran. The routers' group on the request
+    topics stores its queued status, with the producer's trace and the defaults the
+    scheduler fills in (the id of a record without one); a status stored first stays, and a
+    record older than the status TTL or no request at all stores nothing."""
+    redis = make_redis(RedisSettings(url=stack.endpoints.redis_url))
+    hub = ResultsHub(redis, status_ttl_s=60)
+    now_ms = int(time.time() * 1000)
+    produced, taken_in, ended, old = (f"seen-{uuid.uuid4().hex[:8]}" for _ in range(4))
+    offset = 1_000_000 + uuid.uuid4().int % 1_000_000  # an id nobody else's record has
+    trace_id = uuid.uuid4().hex
+    traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01".encode()
+
+    def record(payload: dict, at_ms: int = now_ms, headers: tuple = ()) -> ConsumerRecord:
+        return ConsumerRecord(topics.REQUESTS["batch"].name, 2, offset, at_ms, 0, None,
+                              json.dumps(payload).encode(), None, 0, 0, headers)
+
+    def asked(request_id: str | None = None) -> dict:
+        return {"tenant": "globex", "model": "qwen2.5-1.5b", "prompt": "hi",
+                **({} if request_id is None else {"request_id": request_id})}
+    unnamed = f"kafka-{topics.REQUESTS['batch'].name}-2-{offset}"
+    keys = [f"gpusched:request:{rid}" for rid in (produced, taken_in, ended, old, unnamed)]
+    try:
+        await hub.accepted(InferenceRequest(request_id=taken_in, tenant="globex",
+                                            model="qwen2.5-1.5b", prompt="hi",
+                                            created_at_ms=5), "a" * 32)
+        await hub.store_finished(records(result(ended, "done")))
+        await hub.store_seen([
+            record(asked(produced), headers=(("traceparent", traceparent),)),
+            record(asked()), record(asked(taken_in)), record(asked(ended)),
+            record(asked(old), at_ms=now_ms - 61_000),
+            record({"tenant": "globex"}), record({"request_id": 5}),
+        ], now_ms)
+        status = await hub.status(produced)
+        assert status == {"request_id": produced, "status": "queued", "tenant": "globex",
+                          "model": "qwen2.5-1.5b", "priority_class": "batch",
+                          "created_at_ms": now_ms, "trace_id": trace_id}
+        assert 0 < await redis.ttl(f"gpusched:request:{produced}") <= 60
+        assert (await hub.status(unnamed))["status"] == "queued"
+        kept = await hub.status(taken_in)
+        assert kept["trace_id"] == "a" * 32 and kept["created_at_ms"] == 5
+        assert (await hub.status(ended))["status"] == "completed"
+        assert await hub.status(old) is None
+    finally:
+        await redis.delete(*keys)
         await redis.aclose()

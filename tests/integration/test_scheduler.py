@@ -283,7 +283,8 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
     request stops, billed for the tokens it produced; one waiting behind a full fleet ends
     at once, unplaced and unbilled (before, a cancel took effect only once the request was
     placed). Each waiting client gets a 409. Another tenant's key gets 404, and a cancel of
-    an ended request 409."""
+    an ended request 409. A request produced straight to Kafka is cancelled the same way
+    (before, the routers knew it only once it had ended: 404)."""
     usage = await watch(stack, topics.USAGE.name)
     acme = {"Authorization": "Bearer sk-acme-demo", "x-priority-class": "batch"}
     http = httpx.AsyncClient(base_url=stack.router_url, timeout=60)
@@ -320,8 +321,13 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
         await produce(stack, [request("initech", "batch", 300, "fill") for _ in range(8)])
         await asyncio.sleep(1.0)  # 7 fill the L4; the 8th and the next request wait
         waiting, waiting_id = await send(f"waits-{uuid.uuid4().hex}", BIG_PROMPT, 1000)
+        produced = request("acme", "batch", 1000, "kafka-waits")  # known while it waits
+        await produce(stack, [produced])
         await asyncio.sleep(1.0)
         assert await status_of(waiting_id) == "queued"
+        assert await status_of(produced["request_id"]) == "queued"  # before, a 404
+        assert (await cancel(produced["request_id"], "sk-initech-demo")).status_code == 404
+        assert (await cancel(produced["request_id"])).status_code == 202
         asked_s = time.monotonic()
         assert (await cancel(waiting_id)).status_code == 202
         ended = await waiting
@@ -333,6 +339,10 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
             status = await http.get(f"/v1/requests/{waiting_id}", headers=acme)
             return status.json()["status"] == "cancelled"
         await eventually(stored, what="the cancelled status stored")
+
+        async def produced_stored() -> bool:
+            return await status_of(produced["request_id"]) == "cancelled"
+        await eventually(produced_stored, what="the produced request's cancelled status")
         again = await cancel(waiting_id)
         assert again.status_code == 409 and again.json()["error"]["code"] == "request_ended"
         await usage.until(lambda recs: any(running_id.encode() in v and b'"final":true' in v
@@ -345,7 +355,7 @@ async def test_a_client_cancels_its_request_running_or_waiting(stack, small_flee
         record = USAGE.validate_json(value)
         billed[record.request_id] = billed.get(record.request_id, 0) + record.completion_tokens
     assert 0 < billed[running_id] < 3000
-    assert waiting_id not in billed
+    assert waiting_id not in billed and produced["request_id"] not in billed
 
 
 async def test_a_request_not_placed_within_its_queue_time_limit_ends_with_a_503(

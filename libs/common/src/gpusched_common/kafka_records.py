@@ -1,15 +1,18 @@
-"""Helpers for raw Kafka records: dead letters with a reason, wall-clock stamps, and reading
-what a topic retains (for `gpusched reconcile` and `gpusched dead-letters`)."""
+"""Helpers for raw Kafka records: dead letters with a reason, wall-clock stamps, a request
+record's fields, and reading what a topic retains (for `gpusched reconcile` and `gpusched
+dead-letters`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from gpusched_common.contracts import DEAD_LETTER_PAYLOAD_CHARS, DeadLetter
+from gpusched_common.contracts import DEAD_LETTER_PAYLOAD_CHARS, DeadLetter, decode_json_object
+from gpusched_common.topics import request_topic_class
 
 WallClockMs = Callable[[], int]
 
@@ -33,6 +36,18 @@ def dead_letter(record: ConsumerRecord, reason: str, service: str, now_ms: int) 
         service=service,
         at_ms=now_ms,
     )
+
+
+def request_payload(record: ConsumerRecord) -> dict[str, Any]:
+    """The fields of a request topic's record, with what a producer may leave out filled in
+    as every reader does: `request_id` `kafka-<topic>-<partition>-<offset>` (the same on
+    every redelivery), `created_at_ms` the record's timestamp, `priority_class` the topic's.
+    Raises ValueError (with the reason) when the value is no JSON object."""
+    payload = decode_json_object(record.value or b"")
+    payload.setdefault("request_id", f"kafka-{record.topic}-{record.partition}-{record.offset}")
+    payload.setdefault("created_at_ms", record.timestamp)
+    payload.setdefault("priority_class", request_topic_class(record.topic))
+    return payload
 
 
 async def retained(bootstrap: str, topic: str, last: int | None = None

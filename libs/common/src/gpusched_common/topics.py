@@ -42,6 +42,12 @@ EVENTS = TopicSpec("gpusched.events", key="tenant or model", partitions=3)
 """Budget and scaling events for operators and autoscalers."""
 DEAD_LETTERS = TopicSpec("gpusched.dead-letters", key="source topic", partitions=1)
 
+
+def request_topic_class(topic: str) -> str:
+    """The priority class a request topic carries (`gpusched.requests.<class>`)."""
+    return topic.rsplit(".", 1)[-1]
+
+
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     *REQUESTS.values(),
     NODE_STATE,

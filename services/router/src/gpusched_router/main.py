@@ -61,6 +61,7 @@ from gpusched_router.settings import RouterSettings
 
 SERVICE = "router"
 STATUS_GROUP = "gpusched-router-status"
+SEEN_GROUP = "gpusched-router-requests"
 STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
 BUSY_RETRY_AFTER_S = 1
@@ -106,6 +107,17 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                        batch_timeout_ms=50, max_records=2000, **RAW_BATCH)
     async def on_finished(msg: KafkaMessage) -> None:
         await hub.store_finished(msg.raw_message)
+
+    # ...and, as another group, a queued status for each request read on the request
+    # topics that has none: those produced straight to Kafka are then known to GET and
+    # cancel while they wait or run, not only once they have ended.
+    @broker.subscriber(*(spec.name for spec in topics.REQUESTS.values()), batch=True,
+                       group_id=SEEN_GROUP, auto_offset_reset="earliest",
+                       ack_policy=AckPolicy.NACK_ON_ERROR, batch_timeout_ms=50,
+                       max_records=2000, **RAW_BATCH)
+    async def on_requests(msg: KafkaMessage) -> None:
+        await hub.store_seen(msg.raw_message, clock())
+
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
@@ -282,8 +294,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                                      headers={"content-type": "application/json"})
         try:
             await hub.accepted(req, trace_id)
-        except RedisError as exc:  # published: the request runs; only its status record waits
-            log.warning("request %s accepted, its queued status not stored: %r",
+        except RedisError as exc:  # published: the request runs, and the routers' group on
+            # the request topics stores its status once Redis is back
+            log.warning("request %s accepted, its queued status not stored yet: %r",
                         req.request_id, exc)
         return trace_id
 

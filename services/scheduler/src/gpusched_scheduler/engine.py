@@ -38,10 +38,9 @@ from gpusched_common.contracts import (
     Rejection,
     RequestResult,
     ScalingSignal,
-    decode_json_object,
     invalid_fields,
 )
-from gpusched_common.kafka_records import WallClockMs, dead_letter
+from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payload
 from gpusched_common.recent import Recent
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
@@ -152,7 +151,7 @@ def parse_request_record(
     redeliveries); missing `created_at_ms` to the record's timestamp; missing
     `priority_class` to the topic's class; missing `num_gpus` to its model's.
     """
-    topic_class = _topic_class(record.topic)
+    topic_class = topics.request_topic_class(record.topic)
 
     def refuse(reason: str, request_id: str | None = None, status: int = 400,
                tenant: str | None = None, code: str | None = None) -> Refused:
@@ -163,12 +162,9 @@ def parse_request_record(
         return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection)
 
     try:
-        payload = decode_json_object(record.value or b"")
+        payload = request_payload(record)
     except ValueError as exc:
         return refuse(str(exc))
-    payload.setdefault("request_id", f"kafka-{record.topic}-{record.partition}-{record.offset}")
-    payload.setdefault("created_at_ms", record.timestamp)
-    payload.setdefault("priority_class", topic_class)
     model = payload.get("model")
     if isinstance(model, str) and (spec := catalog.get(model)) is not None:
         payload.setdefault("num_gpus", spec.num_gpus)
@@ -502,7 +498,7 @@ class SchedulingEngine:
         """True once the records' class has room for them; False when not leading."""
         if not records:
             return self.epoch is not None
-        cls = _topic_class(records[0].topic)
+        cls = topics.request_topic_class(records[0].topic)
         # the class's dict looked up each time: a hand-back put first in line replaces it
         while self.epoch is not None and (queue := self.queue.by_class.get(cls)) \
                 and len(queue) + len(records) > self.config.max_pending_per_class:
@@ -1361,11 +1357,6 @@ class SchedulingEngine:
     async def _publish(self, out: list[Outgoing]) -> None:
         """Send and wait for Kafka's acknowledgement."""
         await (await self._send(out))
-
-
-def _topic_class(topic: str) -> str:
-    """The priority class a request topic carries (`gpusched.requests.<class>`)."""
-    return topic.rsplit(".", 1)[-1]
 
 
 def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:

@@ -1,6 +1,6 @@
 """Fan-in of the results topic: hands each event to the HTTP request waiting for it, and
 stores every request's progress (its first tokens out) and terminal outcome in Redis for
-GET /v1/requests/{id}."""
+GET /v1/requests/{id}; and the queued status of requests produced straight to Kafka."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import json
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
+from opentelemetry import trace as trace_api
 from redis.asyncio import Redis
 
 from gpusched_common.contracts import (
+    REQUEST,
     RESULT_EVENT,
     InferenceRequest,
     Rejection,
@@ -19,6 +21,8 @@ from gpusched_common.contracts import (
     ResultEvent,
     TokenChunk,
 )
+from gpusched_common.kafka_records import request_payload
+from gpusched_common.telemetry import context_from, record_carrier, trace_id_hex
 
 STATUS_KEY = "gpusched:request:{}"
 _STARTED = """
@@ -37,6 +41,14 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 """The first terminal outcome stays (ARGV: the TTL, then field, value, ...): it is the one
 every router's clients got, since all read the partition in the same order; a request run
 twice (its node cut off, then back) or rejected after its result keeps it."""
+_SEEN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+end
+"""
+"""A request read on its topic gets a queued status if it has none (ARGV as _FINISHED's):
+the status a router stored as it took the request in, or an outcome stored first, stays."""
 
 
 class ResultsHub:
@@ -47,6 +59,7 @@ class ResultsHub:
         self._ttl_s = status_ttl_s
         self._started = redis.register_script(_STARTED)
         self._finished = redis.register_script(_FINISHED)
+        self._seen = redis.register_script(_SEEN)
         # request id -> the queue of each client waiting on it here (a retry with the same
         # Idempotency-Key waits beside the first)
         self._waiters: dict[str, list[asyncio.Queue[ResultEvent]]] = {}
@@ -66,13 +79,35 @@ class ResultsHub:
 
     async def accepted(self, request: InferenceRequest, trace_id: str | None) -> None:
         key = STATUS_KEY.format(request.request_id)
-        fields = {"tenant": request.tenant, "model": request.model,
-                  "priority_class": request.priority_class,
-                  "created_at_ms": request.created_at_ms, "trace_id": trace_id or ""}
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping=fields)
+            pipe.hset(key, mapping=_queued_fields(request, trace_id))
             pipe.hsetnx(key, "status", "queued")  # a result stored first stays
             pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+
+    async def store_seen(self, records: list[ConsumerRecord], now_ms: int) -> None:
+        """Store a queued status for each request among `records` (read on the request
+        topics) that has none: one produced straight to Kafka, or one whose router could not
+        store it. A record older than the status TTL is left out: its status, stored or not,
+        would have expired by now. Records that are not requests (the scheduler dead-letters
+        them) are skipped. Raises RedisError, so that the caller's batch is delivered again."""
+        seen = []
+        for record in records:
+            if now_ms - record.timestamp > self._ttl_s * 1000:
+                continue
+            try:  # read as the scheduler reads it: the same defaults, the same id
+                request = REQUEST.validate_python(request_payload(record))
+            except ValueError:
+                continue
+            trace = trace_api.get_current_span(context_from(record_carrier(record.headers)))
+            fields = {**_queued_fields(request, trace_id_hex(trace)), "status": "queued"}
+            seen.append((request.request_id, [x for pair in fields.items() for x in pair]))
+        if not seen:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, fields in seen:
+                await self._seen(keys=[STATUS_KEY.format(request_id)],
+                                 args=[self._ttl_s, *fields], client=pipe)
             await pipe.execute()
 
     def dispatch(self, records: list[ConsumerRecord]) -> None:
@@ -129,6 +164,14 @@ class ResultsHub:
             out["created_at_ms"] = int(out["created_at_ms"])
         out["request_id"] = request_id
         return out
+
+
+def _queued_fields(request: InferenceRequest, trace_id: str | None) -> dict[str, str | int]:
+    """What a request's status tells of it before its outcome; `trace_id` None: unsampled,
+    or unknown (a record produced without a trace context)."""
+    return {"tenant": request.tenant, "model": request.model,
+            "priority_class": request.priority_class,
+            "created_at_ms": request.created_at_ms, "trace_id": trace_id or ""}
 
 
 def _status_fields(event: RequestResult | Rejection) -> dict[str, str]:
