@@ -122,8 +122,8 @@ async def test_request_produced_straight_to_kafka_completes(stack) -> None:
         async def status():
             r = await http.get(f"/v1/requests/{request_id}",
                                headers={"Authorization": "Bearer sk-globex-demo"})
-            return r.json() if r.status_code == 200 else None
-        body = await eventually(status, what="request status")
+            return r.json() if r.status_code == 200 and "result" in r.json() else None
+        body = await eventually(status, what="request outcome stored")
     assert body["status"] == "completed"
 
 

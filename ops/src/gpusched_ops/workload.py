@@ -131,9 +131,9 @@ async def _via_kafka(plan: Plan, client: httpx.AsyncClient, producer: AIOKafkaPr
     while time.perf_counter() < deadline:
         resp = await client.get(f"/v1/requests/{rid}",
                                 headers={"Authorization": f"Bearer {plan.key}"})
-        if resp.status_code == 200 and resp.json().get("status") not in ("queued", None):
-            body = resp.json()
-            result = body.get("result") or {}
+        body = resp.json() if resp.status_code == 200 else {}
+        if "result" in body:  # ended: queued and running have none
+            result = body["result"]
             return Outcome(rid, plan.tenant, plan.priority_class, "kafka", body["status"],
                            (time.perf_counter() - started) * 1000,
                            result.get("completion_tokens", 0))
