@@ -1157,18 +1157,82 @@ async def test_an_unavailable_engine_is_told_apart_from_a_failed_request(mode: s
     await executor.close()
 
 
-async def test_a_request_the_engine_refuses_is_still_its_own_failure() -> None:
+VLLM_CONTEXT_400 = {
+    "object": "error", "type": "BadRequestError", "param": None, "code": 400,
+    "message": "This model's maximum context length is 8192 tokens. However, you requested "
+    "8296 tokens (8196 in the messages, 100 in the completion). Please reduce the length of "
+    "the messages or completion."}
+"""vLLM's answer to a prompt its tokenizer finds longer than gpusched's estimate."""
+
+
+def refusing(status: int, **reply: object):  # noqa: ANN201
+    """An executor whose engine answers every request `status` with `reply`."""
     import httpx
 
-    from gpusched_agent.adapters.executor import ExecutorUnavailable
-
-    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+    return OpenAIExecutor("http://engine", client=httpx.AsyncClient(
         base_url="http://engine", transport=httpx.MockTransport(
-            lambda _: httpx.Response(400, text="prompt is longer than the model's context"))))
-    with pytest.raises(ExecutorError, match="longer than") as raised:
+            lambda _: httpx.Response(status, **reply))))
+
+
+@pytest.mark.parametrize("status,reply,message", [
+    (400, {"json": VLLM_CONTEXT_400}, VLLM_CONTEXT_400["message"]),
+    (400, {"json": {"error": {"message": "Conversation roles must alternate user/assistant/"
+                              "user/assistant/...", "type": "BadRequestError", "code": 400}}},
+     "Conversation roles must alternate user/assistant/user/assistant/..."),  # newer vLLM
+    (422, {"json": {"error": "Input validation error: `inputs` tokens + `max_new_tokens` "
+                             "must be <= 4096", "error_type": "validation"}},  # TGI
+     "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096"),
+    (413, {"text": "request body too large"}, "request body too large"),
+], ids=["vllm", "openai-shape", "tgi", "plain-text"])
+async def test_a_request_the_engine_refuses_fails_with_its_status_and_message(
+        status: int, reply: dict, message: str) -> None:
+    """Any engine would refuse it the same: not handed back as an unavailable engine's
+    requests are, and the engine's status and words reach the client (before, a plain
+    ExecutorError: its client got a 502, which the openai SDK sends twice more)."""
+    from gpusched_agent.adapters.executor import ExecutorRefused, ExecutorUnavailable
+
+    executor = refusing(status, **reply)
+    with pytest.raises(ExecutorRefused) as raised:
         await collect(executor.generate(job("long")))
     assert not isinstance(raised.value, ExecutorUnavailable)
+    assert raised.value.status_code == status
+    assert str(raised.value) == f"inference server answered {status}: {message}"
     await executor.close()
+
+
+@pytest.mark.parametrize("status", [408, 409, 500])
+async def test_an_engine_status_about_itself_is_no_refusal_of_the_request(status: int) -> None:
+    from gpusched_agent.adapters.executor import ExecutorRefused
+
+    executor = refusing(status, text="try later")
+    with pytest.raises(ExecutorError, match=f"answered {status}: try later") as raised:
+        await collect(executor.generate(job("x")))
+    assert not isinstance(raised.value, ExecutorRefused)
+    await executor.close()
+
+
+async def test_a_request_the_engine_refuses_ends_failed_with_its_status_billed_as_a_fault(
+) -> None:
+    """Failed at once with the engine's 4xx, never handed back (it would be refused on any
+    node), and billed exactly as a request the engine failed on with a 500."""
+    from gpusched_common.contracts import NodeState, RequestResult, UsageRecord
+
+    outcomes = {}
+    for status, reply in ((400, {"json": VLLM_CONTEXT_400}), (500, {"text": "engine bug"})):
+        sent, _ = await run_on(refusing(status, **reply), job("r", prompt="x" * 40).request)
+        assert not [m for m in sent if isinstance(m, InferenceRequest)]  # no hand-back
+        assert all(gpu.healthy for m in sent if isinstance(m, NodeState) for gpu in m.gpus)
+        [result] = [m for m in sent if isinstance(m, RequestResult)]
+        [usage] = [m for m in sent if isinstance(m, UsageRecord)]
+        outcomes[status] = result, usage
+    refused, broke = outcomes[400][0], outcomes[500][0]
+    assert (refused.status, refused.engine_status_code) == ("failed", 400)
+    assert refused.finish_reason == f"inference server answered 400: {VLLM_CONTEXT_400['message']}"
+    assert (broke.status, broke.engine_status_code) == ("failed", None)
+    assert broke.finish_reason == "executor error: inference server answered 500: engine bug"
+    assert [(u.prompt_tokens, u.completion_tokens, u.final) for _, u in outcomes.values()
+            ] == [(10, 0, True)] * 2
+    assert refused.prompt_tokens == broke.prompt_tokens == 10
 
 
 async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_until_it_is_up(

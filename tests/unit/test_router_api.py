@@ -4,12 +4,14 @@ and how a request that failed reaches its client."""
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NoReturn
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from gpusched_common.catalog import load_models, load_tenants
@@ -74,18 +76,28 @@ class NoBudgetSpent:
         return None
 
 
-async def refused(monkeypatch, **refusal: object) -> httpx.Response:
-    """The router's reply to a completion that Kafka takes in and the scheduler refuses with
-    a rejection of `refusal`'s fields."""
+def answering(monkeypatch, outcome: Callable[[InferenceRequest], Rejection | RequestResult]
+              ) -> tuple[FastAPI, list[InferenceRequest]]:
+    """A router whose requests Kafka takes in and that end in `outcome(request)`; and the
+    list of the requests it publishes."""
     monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
     app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    published: list[InferenceRequest] = []
 
     async def publish(message: bytes, topic: str, **options: object) -> None:
         request = InferenceRequest.model_validate_json(message)
-        rejection = Rejection(request_id=request.request_id, tenant=request.tenant, **refusal)
-        app.state.hub.dispatch([SimpleNamespace(value=rejection.to_bytes())])
+        published.append(request)
+        app.state.hub.dispatch([SimpleNamespace(value=outcome(request).to_bytes())])
 
     monkeypatch.setattr(app.state.broker, "publish", publish)
+    return app, published
+
+
+async def refused(monkeypatch, **refusal: object) -> httpx.Response:
+    """The router's reply to a completion that Kafka takes in and the scheduler refuses with
+    a rejection of `refusal`'s fields."""
+    app, _ = answering(monkeypatch, lambda request: Rejection(
+        request_id=request.request_id, tenant=request.tenant, **refusal))
     return await post(app, "/v1/completions",
                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
 
@@ -444,10 +456,24 @@ def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() ->
                                       "modalities": ["text"]}), ApiError)
 
 
-def _result(status: str, finish_reason: str) -> RequestResult:
-    return RequestResult(request_id="req-1", tenant="acme", model="qwen2.5-1.5b", status=status,
-                         finish_reason=finish_reason, text=" partial", prompt_tokens=2,
-                         completion_tokens=1, node_id="node-1", queued_ms=0, total_ms=5)
+def _result(status: str, finish_reason: str, request_id: str = "req-1",
+            **fields: object) -> RequestResult:
+    return RequestResult(request_id=request_id, tenant="acme", model="qwen2.5-1.5b",
+                         status=status, finish_reason=finish_reason, text=" partial",
+                         prompt_tokens=2, completion_tokens=1, node_id="node-1", queued_ms=0,
+                         total_ms=5, **fields)
+
+
+VLLM_CONTEXT = ("inference server answered 400: This model's maximum context length is 8192 "
+                "tokens. However, you requested 8296 tokens (8196 in the messages, 100 in the "
+                "completion). Please reduce the length of the messages or completion.")
+"""A request's reason for failing where vLLM refused its prompt, longer by its tokenizer
+than the router's estimate."""
+
+
+def engine_refused(request_id: str = "req-1", status_code: int = 400,
+                   reason: str = VLLM_CONTEXT) -> RequestResult:
+    return _result("failed", reason, request_id, engine_status_code=status_code)
 
 
 def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
@@ -464,19 +490,76 @@ def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
     assert _failure(_result("completed", "stop")) is None
 
 
-async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason() -> None:
+@pytest.mark.parametrize("status_code,reason,code", [
+    (400, VLLM_CONTEXT, "context_length_exceeded"),
+    (400, "inference server answered 400: Conversation roles must alternate user/assistant/"
+     "user/assistant/...", "engine_refused_request"),
+    (422, "inference server answered 422: Input validation error", "engine_refused_request"),
+], ids=["context", "chat-template", "422"])
+def test_a_request_its_engine_refused_is_the_engines_4xx_not_a_502(
+        status_code: int, reason: str, code: str) -> None:
+    """The engine's refusal was a 502 server_error: the openai SDK sent the doomed request
+    twice more (each placed and billed), and the client never saw the 400
+    `context_length_exceeded` OpenAI clients trim a conversation on."""
+    failed = _failure(engine_refused(status_code=status_code, reason=reason))
+    assert failed.status_code == status_code
+    assert failed.body()["error"] == {
+        "message": f"request req-1 failed on node node-1: {reason}",
+        "type": "invalid_request_error", "param": None, "code": code}
+    assert not _worth_retrying(failed, keyed=False)
+    assert not _worth_retrying(failed, keyed=True)
+
+
+def test_an_engine_4xx_needs_a_failed_request() -> None:
+    with pytest.raises(ValueError, match="engine_status_code is for a failed request"):
+        _result("completed", "stop", engine_status_code=400)
+    with pytest.raises(ValueError, match="less than or equal to 499"):
+        engine_refused(status_code=502)
+
+
+@pytest.mark.parametrize("failure,kind,code", [
+    (_result("failed", "executor error: boom"), "server_error", "server_error"),
+    (engine_refused(), "invalid_request_error", "context_length_exceeded"),
+], ids=["engine-broke", "engine-refused"])
+async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason(
+        failure: RequestResult, kind: str, code: str) -> None:
+    """After its first token a stream's status is sent: the error event tells the failure
+    apart (a resumed attempt the engine refused: its prompt and the text so far too long)."""
     parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
     queue: asyncio.Queue = asyncio.Queue()
     queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
-    queue.put_nowait(_result("failed", "executor error: boom"))
+    queue.put_nowait(failure)
     deadline_s = asyncio.get_running_loop().time() + 5
     events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert json.loads(payloads[0])["choices"][0]["text"] == " partial"
     error = json.loads(payloads[1])["error"]
-    assert (error["type"], error["code"]) == ("server_error", "server_error")
-    assert "executor error: boom" in error["message"]
+    assert (error["type"], error["code"]) == (kind, code)
+    assert failure.finish_reason in error["message"]
     assert payloads[2:] == ["[DONE]"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_the_openai_sdk_gets_an_engines_refusal_once_as_a_bad_request(
+        monkeypatch, stream: bool) -> None:
+    """With its default retries the SDK sent the request three times (three placements,
+    three failures) and raised an InternalServerError; now a BadRequestError with the code
+    its client acts on, after one."""
+    import openai
+
+    app, published = answering(monkeypatch, lambda request: engine_refused(request.request_id))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app, raise_app_exceptions=False),
+                             base_url="http://router/v1")
+    async with openai.AsyncOpenAI(api_key="sk-acme-demo", base_url="http://router/v1",
+                                  http_client=http, max_retries=2) as client:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(
+                model="llama-3.1-8b", max_tokens=100, stream=stream,
+                messages=[{"role": "user", "content": " ".join(map(str, range(2000, 6000)))}])
+    assert raised.value.code == "context_length_exceeded"
+    assert "maximum context length is 8192 tokens" in raised.value.message
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert len(published) == 1
 
 
 async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> None:
@@ -696,6 +779,8 @@ def test_a_keys_first_use_reads_back_and_is_taken_over_only_after_its_routers_ti
     (409, False, False), (409, True, False),   # cancelled: a retry runs it, or replays 409
     (504, False, False), (504, True, True),    # still running: with a key a retry waits on it
     (503, False, True), (502, False, True),
+    (400, False, False), (422, True, False),  # refused as sent: it would be again
+    (429, False, True),
 ])
 def test_clients_are_told_not_to_retry_where_it_would_run_the_request_again(
         status: int, keyed: bool, worth: bool) -> None:

@@ -342,6 +342,19 @@ class RequestResult(Message):
     queued_ms: float = Field(ge=0, description="From creation to start of execution.")
     total_ms: float = Field(ge=0, description="From creation to the last token.")
     ttft_ms: float | None = Field(default=None, description="From creation to the first token.")
+    engine_status_code: int | None = Field(
+        default=None, ge=400, le=499, description="A failed request's HTTP status from the "
+        "inference engine that refused it as sent (400, 413, 422: its prompt longer than the "
+        "model's context by the engine's tokenizer, turns its chat template refuses), with "
+        "the engine's message in `finish_reason`: the client is answered with it, not a 502, "
+        "and told not to send the request again as it is.")
+
+    @model_validator(mode="after")
+    def _refused_means_failed(self) -> RequestResult:
+        if self.engine_status_code is not None and self.status != "failed":
+            raise ValueError(f"engine_status_code is for a failed request, not a "
+                             f"{self.status} one")
+        return self
 
 
 class Rejection(Message):

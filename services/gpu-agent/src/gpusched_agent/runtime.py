@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from gpusched_agent.adapters.executor import (
     CutShort,
     Executor,
+    ExecutorRefused,
     ExecutorUnavailable,
     Job,
     PromptTokens,
@@ -581,6 +582,7 @@ class AgentRuntime:
         cut_short = False  # by the engine, at a limit of its own
         requeue: str | None = None  # handed back as the next attempt, requeued so
         refused = False  # by this node, which could not run it
+        engine_status_code: int | None = None  # the engine's 4xx, where it refused the input
         why = ""
         run.interruptible = True
         partials = asyncio.create_task(self._bill_partials(run), name=f"{pid}:usage")
@@ -657,6 +659,9 @@ class AgentRuntime:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
+        except ExecutorRefused as exc:  # the request's own fault: every engine refuses it
+            log.info("placement %s refused by the engine: %s", pid, exc)
+            status, finish_reason, engine_status_code = "failed", str(exc), exc.status_code
         except Exception as exc:  # an executor fault ends this request, not the agent
             log.exception("placement %s failed", pid)
             status, finish_reason = "failed", f"executor error: {exc}"
@@ -719,7 +724,8 @@ class AgentRuntime:
             prompt_tokens=run.prompt_tokens, completion_tokens=len(pieces),
             node_id=self.node_id, gpu_indices=placement.gpu_indices,
             queued_ms=max(0.0, run.started_ms - request.created_at_ms),
-            total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms)
+            total_ms=max(0.0, ended_ms - request.created_at_ms), ttft_ms=ttft_ms,
+            engine_status_code=engine_status_code)
         if (size := len(result.to_bytes())) > MAX_RECORD_BYTES:
             # Kafka would refuse it, and the agent would try again forever (after a
             # restart too: its final records are filed): it ends without its text

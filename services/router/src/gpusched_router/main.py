@@ -544,11 +544,14 @@ def _retry_after_s(rejection: Rejection) -> int | None:
 
 
 def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
-    """False where a retry would run the request again for nothing: a cancelled one (409),
-    and one that timed out (504) and is still running, unless it has an Idempotency-Key
-    (its retry then waits for the same request); and where an automatic one only adds load:
-    a request that waited past its queue time limit, on a fleet that is full."""
-    return not (failed.status_code == 409 or failed.code == "queue_time_exceeded"
+    """False where a retry would run the request again for nothing: a 4xx but 408 and 429
+    (refused as sent, as an inference engine refuses a prompt longer than its model's
+    context, or cancelled: 409), and one that timed out (504) and is still running, unless
+    it has an Idempotency-Key (its retry then waits for the same request); and where an
+    automatic one only adds load: a request that waited past its queue time limit, on a
+    fleet that is full."""
+    return not ((400 <= failed.status_code < 500 and failed.status_code not in (408, 429))
+                or failed.code == "queue_time_exceeded"
                 or (failed.status_code == 504 and not keyed))
 
 
@@ -566,7 +569,8 @@ def _timed_out(request_id: str) -> ApiError:
 def _error_of(event: ResultEvent) -> ApiError | None:
     """A terminal event that is not a completion, as the error a client acts on: the
     rejection's own status, 502 for a request that failed on its node (the executor or its
-    engine broke), 409 for a cancelled one; None for a completion or a token chunk."""
+    engine broke) and the engine's 4xx for one its engine refused as sent, 409 for a
+    cancelled one; None for a completion or a token chunk."""
     if isinstance(event, Rejection):
         return ApiError(event.status_code, event.reason, code=event.code)
     if isinstance(event, RequestResult):
@@ -576,8 +580,15 @@ def _error_of(event: ResultEvent) -> ApiError | None:
 
 def _failure(result: RequestResult) -> ApiError | None:
     if result.status == "failed":
-        return ApiError(502, f"request {result.request_id} failed on node {result.node_id}: "
-                        f"{result.finish_reason}")
+        message = (f"request {result.request_id} failed on node {result.node_id}: "
+                   f"{result.finish_reason}")
+        if result.engine_status_code is None:  # the executor or its engine broke
+            return ApiError(502, message)
+        # refused as sent: the engine's 4xx, and the code OpenAI clients trim a conversation
+        # on where the engine's words (vLLM's are OpenAI's) say the context ran out
+        context = "maximum context length" in result.finish_reason.lower()
+        return ApiError(result.engine_status_code, message,
+                        code="context_length_exceeded" if context else "engine_refused_request")
     if result.status == "cancelled":  # its reason reads "cancelled: <why>" or "cancelled before"
         return ApiError(409, f"request {result.request_id} was {result.finish_reason}",
                         code="request_cancelled")

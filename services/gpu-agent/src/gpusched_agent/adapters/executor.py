@@ -76,6 +76,18 @@ class ExecutorError(RuntimeError):
     """A request failed inside the executor (the agent survives; the request ends failed)."""
 
 
+class ExecutorRefused(ExecutorError):
+    """The engine refused the request itself as invalid (its prompt longer than the model's
+    context by the engine's own tokenizer and chat template, turns its chat template does not
+    take): any engine would refuse it the same, so the request ends failed at once, with no
+    hand-back, and its client is answered with `status_code` (a 4xx it can act on) and the
+    engine's message."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class ExecutorUnavailable(ExecutorError):
     """The executor's engine could not take or finish the request: it is down, restarting
     or overloaded, not at fault with this request. The runtime hands the request back to be

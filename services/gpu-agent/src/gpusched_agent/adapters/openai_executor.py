@@ -26,8 +26,11 @@ lone half becomes U+FFFD), as records need.
 
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
 a proxy without it), or drops the connection mid-stream (it crashed) is unavailable, not
-at fault with the request: the runtime hands the request back. `health` asks its
-`/v1/models`, which each of these engines serves once its model is loaded.
+at fault with the request: the runtime hands the request back. One that answers 400, 413
+or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model's context
+by its tokenizer): the request fails with that status and the engine's message, which its
+client is answered with. `health` asks its `/v1/models`, which each of these engines
+serves once its model is loaded.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import httpx
 from gpusched_agent.adapters.executor import (
     CutShort,
     ExecutorError,
+    ExecutorRefused,
     ExecutorUnavailable,
     Job,
     PromptTokens,
@@ -54,6 +58,9 @@ FAILED_FINISH = frozenset({"abort", "error"})
 """Finish reasons of a reply the engine gave up on (vLLM's `abort`), not one that ended."""
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
+REFUSED = frozenset({400, 413, 422})
+"""Statuses of an engine refusing the request as sent, which every engine would refuse too
+(not 408, 409 or 429: those tell of the engine's own state)."""
 HEALTH_TIMEOUT_S = 2.0
 """How long a heartbeat's health check waits for the engine's whole answer."""
 ERROR_BODY_CHARS, ERROR_BODY_WAIT_S = 1024, 5.0
@@ -107,10 +114,13 @@ class OpenAIExecutor:
         try:
             async with self._client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
-                    detail = await _start_of(resp)
+                    said = (f"inference server answered {resp.status_code}: "
+                            f"{_message_of(await _start_of(resp))}")
+                    if resp.status_code in REFUSED:
+                        raise ExecutorRefused(said, resp.status_code)
                     error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
                              else ExecutorError)
-                    raise error(f"inference server answered {resp.status_code}: {detail}")
+                    raise error(said)
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
                     detail = (await _start_of(resp))[:200]
@@ -191,6 +201,22 @@ async def _start_of(resp: httpx.Response) -> str:
     except TimeoutError:
         pass
     return body.decode(errors="replace")[:ERROR_BODY_CHARS // 2]
+
+
+def _message_of(body: str) -> str:
+    """The message of an engine's error body: `message` in vLLM's (`{"object": "error",
+    "message": ...}`), OpenAI's and SGLang's (`{"error": {"message": ...}}`) and TGI's
+    (`{"error": ...}`); else the body as it came (plain text, or cut off)."""
+    try:
+        error = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(error, dict):
+        error = error.get("error") or error
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str) and message:
+            return message
+    return body
 
 
 async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
