@@ -61,6 +61,7 @@ async def test_the_first_outcome_stays_and_any_chunk_marks_a_request_running(sta
                                                    status_code=429, reason="over quota")))
         stored = await hub.status(first)
         assert stored["status"] == "completed" and stored["result"]["text"] == "the answer"
+        assert "engine_status_code" not in stored["result"]  # unset: an older router replays it
         await hub.store_finished(records(Rejection(request_id=second, tenant="acme",
                                                    status_code=422, reason="fits nowhere")))
         assert (await hub.status(second))["status"] == "rejected"

@@ -175,8 +175,11 @@ def _queued_fields(request: InferenceRequest, trace_id: str | None) -> dict[str,
 
 
 def _status_fields(event: RequestResult | Rejection) -> dict[str, str]:
+    """The outcome's fields; its JSON as on Kafka, without the optional fields that are
+    unset: a router one release behind, replaying it to a retry with an Idempotency-Key,
+    refuses fields it does not know."""
     if isinstance(event, Rejection):  # its tenant, when known, keeps other tenants out
         tenant = {} if event.tenant is None else {"tenant": event.tenant}
-        return {"status": "rejected", **tenant, "result": event.model_dump_json()}
+        return {"status": "rejected", **tenant, "result": event.to_bytes().decode()}
     return {"status": event.status, "tenant": event.tenant, "model": event.model,
-            "result": event.model_dump_json()}
+            "result": event.to_bytes().decode()}
