@@ -47,7 +47,7 @@ from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
-from gpusched_common.settings import KafkaSettings, TelemetrySettings
+from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -554,3 +554,66 @@ def test_a_key_with_two_owners_stops_the_start(tmp_path, change, needle) -> None
     (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     with pytest.raises(ValueError, match=re.escape(needle)):
         load_tenants(tmp_path)
+
+
+NOW = 1_764_504_000_000  # 2025-11-30T12:00:00Z, the query API's clock below
+
+
+@pytest.fixture
+def usage_app(monkeypatch):
+    """Accounting's app at a fixed clock over a store in which nothing was billed (no Redis
+    runs here: its address refuses at once, should a query get that far)."""
+    app = create_app(AccountingSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                        redis=RedisSettings(url="redis://127.0.0.1:1/0")),
+                     clock=lambda: NOW)
+    store = app.state.store
+
+    async def tenants() -> list[str]:
+        return []
+
+    async def window(tenant, buckets, prefix) -> tuple[Totals, dict]:
+        return Totals(), {}
+
+    async def buckets(tenant, buckets) -> list[dict]:
+        return [{} for _ in buckets]
+
+    async def request_usage(request_id: str) -> dict:
+        return {"request_id": request_id, "tenant": "acme", "model": "m", "final": True,
+                **Totals(requests=1).public()}
+
+    for name, read in [("tenants", tenants), ("window", window), ("buckets", buckets),
+                       ("request_usage", request_usage)]:
+        monkeypatch.setattr(store, name, read)
+    return app
+
+
+async def ask(app, path: str, key: str = "sk-acme-demo", method: str = "GET",
+              **params: str) -> httpx.Response:
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)  # a 500 is an answer too
+    async with httpx.AsyncClient(transport=transport, base_url="http://accounting") as client:
+        return await client.request(method, path, params=params,
+                                    headers={"authorization": f"Bearer {key}"})
+
+
+@pytest.mark.parametrize("granularity,back_ms,status", [
+    # the oldest bucket kept ends its retention ago, or later
+    ("minute", 2 * D + 60_000, 200), ("minute", 2 * D + 61_000, 400), ("minute", 3 * D, 400),
+    ("hour", 35 * D + H, 200), ("hour", 35 * D + 2 * H, 400),
+    ("day", 400 * D + 12 * H, 200), ("day", 401 * D, 400),
+])
+async def test_an_export_starting_before_its_buckets_are_kept_is_a_400(
+        usage_app, granularity: str, back_ms: int, status: int) -> None:
+    """The part of the window older than the granularity's buckets were kept was cut off
+    without a word (a 200 whose rows began later; a 400 only for a window ending before
+    them), while /v1/usage answered the whole window at a coarser grain."""
+    reply = await ask(usage_app, "/v1/usage/export.csv", granularity=granularity,
+                      start=str(NOW - back_ms), end=str(NOW))
+    assert reply.status_code == status, reply.text
+    if status == 400:
+        detail = reply.json()["detail"]
+        kept_s = {"minute": 2 * 86_400, "hour": 35 * 86_400, "day": 400 * 86_400}[granularity]
+        assert detail.startswith(f"{granularity} buckets are kept for {kept_s} s after they "
+                                 f"end, and this window starts ({NOW - back_ms}) before")
+        assert detail.endswith("use a coarser granularity") == (granularity != "day")
+    else:
+        assert reply.text.startswith("bucket_start,granularity,tenant,")

@@ -24,6 +24,7 @@ from gpusched_accounting.domain.usage import (
     Totals,
     cover,
     finest_kept,
+    oldest_kept_s,
 )
 from gpusched_common.catalog import TenantDirectory
 from gpusched_common.kafka_records import WallClockMs
@@ -123,6 +124,10 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
     return int(moment.timestamp() * 1000)
 
 
+def _iso(at_s: int) -> str:
+    return datetime.fromtimestamp(at_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _not_a_time(name: str, value: str) -> HTTPException:
     return HTTPException(400, f"{name}={_quoted(value)} is neither epoch milliseconds nor an "
                          "ISO 8601 time like 2026-11-30T10:00:00Z")
@@ -175,7 +180,9 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                                     f"has no usage; tenants: {', '.join(known)}")
         return tenant or who
 
-    def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
+    def asked_window(start: str | None, end: str | None) -> tuple[int, int, int]:
+        """The window asked, its end cut where nothing is billed later, and now (epoch ms);
+        400 for an empty one."""
         now = clock()
         asked_end_ms = _parse_time(end, now, "end")
         # nothing is billed later (an unbounded end would also make millions of buckets)
@@ -185,6 +192,12 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
             cut = f" (the end asked, {asked_end_ms}, is cut to a day from now: nothing is " \
                 "billed later)" if asked_end_ms > end_ms else ""
             raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms}){cut}")
+        return start_ms, end_ms, now
+
+    def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
+        """The window a report reads (its start no older than day buckets are kept: the
+        report's start_ms says so) and the finest granularity kept at its start."""
+        start_ms, end_ms, now = asked_window(start, end)
         oldest_ms = now - store.retention.day_s * 1000  # nothing older is kept
         if end_ms <= oldest_ms:  # it would read as zeros, as if nothing had been used
             raise HTTPException(400, f"usage is kept for {store.retention.day_s // 86400} "
@@ -276,18 +289,21 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         """One CSV row per bucket, tenant and field (the total and every model, node, GPU type
         and priority class), in bucket order. Every bucket of `granularity` that overlaps the
         window comes whole (its row names its start): windows that share a bucket both
-        include it, so export on bucket boundaries, or at a finer granularity."""
+        include it, so export on bucket boundaries, or at a finer granularity. A window
+        starting before the oldest bucket of `granularity` still kept is a 400."""
         who = caller(authorization)
         wanted = await readable(who, tenant)
-        start_ms, end_ms, _ = window(start, end)
-        # rows start where buckets of this granularity are still kept (each row names its
-        # bucket); a window wholly older than that would only ever be empty
+        start_ms, end_ms, now = asked_window(start, end)
+        # Every bucket of the window must still be kept: the older part of a window was cut
+        # off without a word (no row or header says so), as if nothing had been used then.
         kept_s = store.retention.as_dict()[granularity]
-        oldest_ms = clock() - kept_s * 1000
-        if end_ms <= oldest_ms:
-            raise HTTPException(400, f"{granularity} buckets are kept for {kept_s} s and this "
-                                f"window ends before that: use a coarser granularity")
-        start_ms = max(start_ms, oldest_ms)
+        oldest_s = oldest_kept_s(now, granularity, kept_s)
+        if start_ms < oldest_s * 1000:
+            coarser = "" if granularity == "day" else ", or use a coarser granularity"
+            raise HTTPException(400, f"{granularity} buckets are kept for {kept_s} s after "
+                                f"they end, and this window starts ({start_ms}) before the "
+                                f"oldest kept one, {_iso(oldest_s)}: start it there or "
+                                f"later{coarser}")
         span = GRANULARITY_S[granularity]
         plan = cover(start_ms, end_ms, granularity)
         names = [wanted] if wanted else await store.tenants()
@@ -314,7 +330,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                     part = starts[page:page + CSV_PAGE_BUCKETS]
                     buckets = await store.buckets(name, [(granularity, s) for s in part])
                     for s, fields in zip(part, buckets):
-                        stamp = datetime.fromtimestamp(s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                        stamp = _iso(s)
                         for field, totals in sorted(fields.items()):
                             dim, value = ("total", "") if field == "t" else (
                                 codes.get(field[:2], field[:1]), field[2:])

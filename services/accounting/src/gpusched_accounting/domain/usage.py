@@ -337,6 +337,14 @@ def _tile(start_s: int, end_s: int, order: list[Granularity]) -> list[tuple[Gran
             + _tile(last, end_s, finer))
 
 
+def oldest_kept_s(now_ms: int, granularity: Granularity, retention_s: int) -> int:
+    """Start (epoch s) of the oldest bucket of `granularity` Redis still keeps at `now_ms`:
+    each expires `retention_s` after its end (`bucket_deltas`), and an older one would read
+    as if nothing had been used."""
+    span_ms = GRANULARITY_S[granularity] * 1000
+    return -(-(now_ms - span_ms - retention_s * 1000) // span_ms) * (span_ms // 1000)
+
+
 def finest_kept(start_ms: int, now_ms: int, retention_s: dict[Granularity, int]
                 ) -> Granularity:
     """The finest granularity whose buckets still exist at the window's start (minute
