@@ -617,3 +617,26 @@ async def test_an_export_starting_before_its_buckets_are_kept_is_a_400(
         assert detail.endswith("use a coarser granularity") == (granularity != "day")
     else:
         assert reply.text.startswith("bucket_start,granularity,tenant,")
+
+
+@pytest.mark.parametrize("path", ["/v1/usage", "/v1/usage/export.csv"])
+@pytest.mark.parametrize("end", ["2100-01-01T00:00:00Z", str(NOW * 1000)])
+async def test_an_end_past_the_cut_without_a_start_is_a_400_not_the_next_days_zeros(
+        usage_app, path: str, end: str) -> None:
+    """The default start was a day before the end as cut (a day from now), not before the
+    end asked: an end years ahead, or in microseconds, answered 200 with the next day's
+    zeros."""
+    reply = await ask(usage_app, path, end=end)
+    assert reply.status_code == 400
+    asked_ms = int(end) if end.isdigit() else 4_102_444_800_000
+    assert reply.json()["detail"] == (
+        f"start ({asked_ms - D}, end - 24 h by default) must be before end ({NOW + D}) (the "
+        f"end asked, {asked_ms}, is cut to a day from now: nothing is billed later)")
+
+
+async def test_an_end_less_than_two_days_ahead_reads_the_day_before_it(usage_app) -> None:
+    """Records ending up to a day ahead of accounting's clock are billed: a window reaching
+    there is answered, from a day before the end asked to the cut."""
+    reply = await ask(usage_app, "/v1/usage", end=str(NOW + D + 12 * H))
+    assert reply.status_code == 200
+    assert (reply.json()["start_ms"], reply.json()["end_ms"]) == (NOW + 12 * H, NOW + D)

@@ -185,13 +185,17 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         400 for an empty one."""
         now = clock()
         asked_end_ms = _parse_time(end, now, "end")
+        # a day before the end asked, as documented: a day before the cut one answered an
+        # end years ahead (or in microseconds) with the next day's zeros
+        start_ms = _parse_time(start, asked_end_ms - DEFAULT_WINDOW_MS, "start")
         # nothing is billed later (an unbounded end would also make millions of buckets)
         end_ms = min(asked_end_ms, now + MAX_END_AHEAD_MS)
-        start_ms = _parse_time(start, end_ms - DEFAULT_WINDOW_MS, "start")
         if start_ms >= end_ms:
+            default = ", end - 24 h by default" if start is None else ""
             cut = f" (the end asked, {asked_end_ms}, is cut to a day from now: nothing is " \
                 "billed later)" if asked_end_ms > end_ms else ""
-            raise HTTPException(400, f"start ({start_ms}) must be before end ({end_ms}){cut}")
+            raise HTTPException(400, f"start ({start_ms}{default}) must be before end "
+                                f"({end_ms}){cut}")
         return start_ms, end_ms, now
 
     def window(start: str | None, end: str | None) -> tuple[int, int, Granularity]:
