@@ -640,3 +640,26 @@ async def test_an_end_less_than_two_days_ahead_reads_the_day_before_it(usage_app
     reply = await ask(usage_app, "/v1/usage", end=str(NOW + D + 12 * H))
     assert reply.status_code == 200
     assert (reply.json()["start_ms"], reply.json()["end_ms"]) == (NOW + 12 * H, NOW + D)
+
+
+@pytest.mark.parametrize("path,key,params,unknown,takes", [
+    ("/v1/usage", "sk-acme-demo", {"model": "m"}, "'model'", "tenant, group_by, start, end"),
+    ("/v1/usage", "sk-acme-demo", {"groupby": "model"}, "'groupby'", "tenant, group_by,"),
+    ("/v1/usage", "sk-acme-demo", {"from": "2099-01-01", "to": "2099-01-02"}, "'from', 'to'",
+     "tenant,"),
+    ("/v1/usage", "sk-admin-demo", {"tenants": "globex"}, "'tenants'", "tenant,"),
+    ("/v1/usage/top", "sk-admin-demo", {"tenant": "globex"}, "'tenant'",
+     "by, limit, start, end"),
+    ("/v1/usage/export.csv", "sk-acme-demo", {"gran": "day"}, "'gran'",
+     "tenant, granularity, start, end"),
+    ("/v1/usage/requests/r1", "sk-acme-demo", {"tenant": "acme"}, "'tenant'", "none"),
+])
+async def test_a_query_parameter_the_route_does_not_have_is_a_400_naming_those_it_has(
+        usage_app, path: str, key: str, params: dict, unknown: str, takes: str) -> None:
+    """They were ignored: `?model=x` answered every model's total, an admin's
+    `?tenants=globex` every tenant's, `/top?tenant=globex` the top of all tenants."""
+    reply = await ask(usage_app, path, key, **params)
+    assert reply.status_code == 400
+    detail = reply.json()["detail"]
+    route = path.replace("r1", "{request_id}")
+    assert detail.startswith(f"unknown query parameter {unknown}; {route} takes {takes}")

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Path, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -140,18 +141,32 @@ def _quoted(value: str) -> str:
     return f"{value[:QUOTED_CHARS]!r}... ({len(value)} characters)"
 
 
-def _each_once(request: Request) -> None:
-    """A 400 for a query parameter given twice: FastAPI would take the last one silently
+def _each_known_once(request: Request) -> None:
+    """A 400 for a query parameter the route does not have or one given twice: FastAPI
+    ignores the first silently (`?model=x`, a misspelt `groupby=`, an admin's `tenants=`
+    answered every model's or tenant's totals) and takes the last of the second
     (`group_by=model&group_by=node` grouped by node only)."""
     params = request.query_params
+    route = request.scope["route"]
+    accepted = _query_names(route.dependant)
+    unknown = [k for k in dict.fromkeys(params.keys()) if k not in accepted]
+    if unknown:
+        raise HTTPException(400, f"unknown query parameter {', '.join(map(_quoted, unknown))}; "
+                            f"{route.path} takes {', '.join(accepted) or 'none'}")
     twice = sorted({k for k in params.keys() if len(params.getlist(k)) > 1})
     if twice:
         raise HTTPException(400, f"{', '.join(twice)} given more than once; give each "
                             "parameter once")
 
 
+def _query_names(dependant: Dependant) -> list[str]:
+    """The query parameters an endpoint and its dependencies take, in declared order."""
+    return [p.alias for p in dependant.query_params] + [
+        name for d in dependant.dependencies for name in _query_names(d)]
+
+
 def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs) -> APIRouter:
-    api = APIRouter(prefix="/v1/usage", tags=["usage"], dependencies=[Depends(_each_once)])
+    api = APIRouter(prefix="/v1/usage", tags=["usage"], dependencies=[Depends(_each_known_once)])
 
     def caller(authorization: str | None) -> str | None:
         """The tenant a key belongs to; None for an admin key; 401 otherwise."""
