@@ -13,6 +13,7 @@ from faststream.kafka import TestKafkaBroker
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gpusched_accounting import handlers
 from gpusched_accounting.adapters.store import APPLIED
@@ -663,3 +664,40 @@ async def test_a_query_parameter_the_route_does_not_have_is_a_400_naming_those_i
     detail = reply.json()["detail"]
     route = path.replace("r1", "{request_id}")
     assert detail.startswith(f"unknown query parameter {unknown}; {route} takes {takes}")
+
+
+@pytest.mark.parametrize("key,params", [("sk-acme-demo", {}),
+                                        ("sk-admin-demo", {"tenant": "acme"})])
+async def test_an_export_with_redis_away_is_a_503_to_retry_not_a_200_cut_short(
+        usage_app, monkeypatch, key: str, params: dict) -> None:
+    """Its first Redis read came once the 200 and its headers were out: the body broke off
+    (a cut connection, or a short file) where every other query answered 503."""
+    async def away(tenant, buckets) -> list:
+        raise RedisConnectionError("Connection refused")
+
+    monkeypatch.setattr(usage_app.state.store, "buckets", away)
+    reply = await ask(usage_app, "/v1/usage/export.csv", key, **params)
+    assert (reply.status_code, reply.headers.get("retry-after")) == (503, "1")
+    assert reply.json()["detail"].startswith("Redis is unavailable (ConnectionError)")
+
+
+async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
+                                                                  monkeypatch) -> None:
+    """The first page is read before the answer starts, the others as it goes."""
+    read: list[tuple[str | None, int]] = []
+
+    async def tenants() -> list[str]:
+        return ["acme", "globex"]
+
+    async def one_each(tenant, buckets) -> list[dict]:
+        read.append((tenant, len(buckets)))
+        return [{TOTAL_FIELD: Totals(prompt_tokens=1)} for _ in buckets]
+
+    monkeypatch.setattr(usage_app.state.store, "tenants", tenants)
+    monkeypatch.setattr(usage_app.state.store, "buckets", one_each)
+    reply = await ask(usage_app, "/v1/usage/export.csv", "sk-admin-demo", granularity="minute",
+                      start=str(NOW - 1000 * 60_000), end=str(NOW))
+    assert read == [("acme", 500), ("acme", 500), ("globex", 500), ("globex", 500)]
+    rows = reply.text.splitlines()
+    assert len(rows) == 1 + 2000 and rows[1].startswith("2025-11-29T19:20:00Z,minute,acme,")
+    assert rows[-1].startswith("2025-11-30T11:59:00Z,minute,globex,total,,1,")

@@ -334,34 +334,44 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         starts = range(plan.start_s, plan.end_s, span)
         codes = {f"{c}:": d for d, c in DIMENSION_CODE.items()}
 
+        # Read a page of buckets at a time and send about CSV_CHUNK_CHARS at once: the whole
+        # file was built in memory first (about three times its size) and then sent a row
+        # per chunk, which took minutes for a large export and held the event loop (and the
+        # usage consumer on it) meanwhile.
+        async def pages() -> AsyncIterator[tuple[str, range, list[dict[str, Totals]]]]:
+            for name in names:
+                for page in range(0, len(starts), CSV_PAGE_BUCKETS):
+                    part = starts[page:page + CSV_PAGE_BUCKETS]
+                    yield name, part, await store.buckets(name, [(granularity, s) for s in part])
+
+        read = pages()
+        # read before the answer starts: with Redis away this is the 503 with Retry-After,
+        # not a 200 whose body breaks off (a client saw a cut connection, or a short file)
+        page = await anext(read, None)
+
         async def body() -> AsyncIterator[str]:
-            # Read a page of buckets at a time and send about CSV_CHUNK_CHARS at once: the
-            # whole file was built in memory first (about three times its size) and then
-            # sent a row per chunk, which took minutes for a large export and held the
-            # event loop (and the usage consumer on it) meanwhile.
             out = io.StringIO()
             writer = csv.writer(out)
             writer.writerow(["bucket_start", "granularity", "tenant", "dimension", "value",
                              "prompt_tokens", "completion_tokens", "requests", "gpu_seconds",
                              "cost_usd"])
-            for name in names:
-                for page in range(0, len(starts), CSV_PAGE_BUCKETS):
-                    part = starts[page:page + CSV_PAGE_BUCKETS]
-                    buckets = await store.buckets(name, [(granularity, s) for s in part])
-                    for s, fields in zip(part, buckets):
-                        stamp = _iso(s)
-                        for field, totals in sorted(fields.items()):
-                            dim, value = ("total", "") if field == "t" else (
-                                codes.get(field[:2], field[:1]), field[2:])
-                            writer.writerow([
-                                stamp, granularity, _cell(name), dim, _cell(value),
-                                totals.prompt_tokens, totals.completion_tokens,
-                                totals.requests, f"{totals.gpu_seconds:.6f}",
-                                f"{totals.cost_usd:.9f}"])
-                    if out.tell() >= CSV_CHUNK_CHARS:
-                        yield out.getvalue()
-                        out.seek(0)
-                        out.truncate()
+            next_page = page
+            while next_page is not None:
+                name, part, buckets = next_page
+                for s, fields in zip(part, buckets):
+                    stamp = _iso(s)
+                    for field, totals in sorted(fields.items()):
+                        dim, value = ("total", "") if field == "t" else (
+                            codes.get(field[:2], field[:1]), field[2:])
+                        writer.writerow([
+                            stamp, granularity, _cell(name), dim, _cell(value),
+                            totals.prompt_tokens, totals.completion_tokens, totals.requests,
+                            f"{totals.gpu_seconds:.6f}", f"{totals.cost_usd:.9f}"])
+                if out.tell() >= CSV_CHUNK_CHARS:
+                    yield out.getvalue()
+                    out.seek(0)
+                    out.truncate()
+                next_page = await anext(read, None)
             yield out.getvalue()
 
         return StreamingResponse(body(), media_type="text/csv", headers={
