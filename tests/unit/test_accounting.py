@@ -701,3 +701,32 @@ async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
     rows = reply.text.splitlines()
     assert len(rows) == 1 + 2000 and rows[1].startswith("2025-11-29T19:20:00Z,minute,acme,")
     assert rows[-1].startswith("2025-11-30T11:59:00Z,minute,globex,total,,1,")
+
+
+@pytest.mark.parametrize("key,params", [
+    ("sk-acme-demo", {}), ("sk-acme-demo", {"group_by": "model"}), ("sk-admin-demo", {}),
+    ("sk-admin-demo", {"group_by": "node"}),
+])
+async def test_a_usage_report_conforms_to_its_own_openapi_schema(usage_app, monkeypatch,
+                                                                 key: str, params: dict) -> None:
+    """The schema requires group_by; a report without one left it out."""
+    import jsonschema
+
+    async def tenants() -> list[str]:
+        return ["acme", "globex"]
+
+    async def window(tenant, buckets, prefix) -> tuple[Totals, dict]:
+        if tenant is None:
+            return Totals(), {"acme": Totals(requests=2)}
+        return Totals(requests=2), {"x": Totals(requests=2)} if prefix else {}
+
+    monkeypatch.setattr(usage_app.state.store, "tenants", tenants)
+    monkeypatch.setattr(usage_app.state.store, "window", window)
+    spec = (await ask(usage_app, "/openapi.json")).json()
+    reply = await ask(usage_app, "/v1/usage", key, **params)
+    assert reply.status_code == 200
+    report = reply.json()
+    jsonschema.validate(report, {"$ref": "#/components/schemas/UsageReport",
+                                 "components": spec["components"]})
+    assert report["group_by"] == params.get("group_by")
+    assert all((t["groups"] is None) == (not params) for t in report["tenants"])

@@ -61,14 +61,15 @@ class GroupRow(UsageTotals):
 class TenantUsage(BaseModel):
     tenant: str
     totals: UsageTotals
-    groups: list[GroupRow] | None = None
+    groups: list[GroupRow] | None = Field(description="A row per value of group_by; null "
+                                          "without group_by.")
 
 
 class UsageReport(BaseModel):
     start_ms: int = Field(description="Window start actually used (bucket-aligned).")
     end_ms: int = Field(description="Window end (exclusive), bucket-aligned.")
     granularity: Granularity = Field(description="Finest bucket used at the window's edges.")
-    group_by: GroupBy | None
+    group_by: GroupBy | None = Field(description="The dimension asked; null for totals only.")
     tenants: list[TenantUsage]
 
 
@@ -230,7 +231,9 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                 "default now.")
     Auth = Header(default=None, description="Bearer <API key>")
 
-    @api.get("", response_model=UsageReport, response_model_exclude_none=True)
+    # every field is answered, null ones too: the schema requires them (group_by was left
+    # out of a report without it, so the answer failed the schema clients validate against)
+    @api.get("", response_model=UsageReport)
     async def usage(
         tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
                                    "an admin key without it reads every tenant."),
@@ -249,7 +252,8 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         if wanted is None and group_by is None:  # every tenant from the all-tenants buckets
             _, per_tenant = await store.window(None, plan.buckets, "u:")
             rows = [TenantUsage(tenant=t, totals=UsageTotals(**per_tenant.get(t, Totals())
-                                                              .public())) for t in names]
+                                                              .public()), groups=None)
+                    for t in names]
         else:
             for name in names:
                 total, groups = await store.window(name, plan.buckets, prefix)
