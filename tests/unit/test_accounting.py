@@ -730,3 +730,20 @@ async def test_a_usage_report_conforms_to_its_own_openapi_schema(usage_app, monk
                                  "components": spec["components"]})
     assert report["group_by"] == params.get("group_by")
     assert all((t["groups"] is None) == (not params) for t in report["tenants"])
+
+
+@pytest.mark.parametrize("path,key,status", [
+    ("/v1/usage", "sk-acme-demo", 200), ("/v1/usage/top", "sk-admin-demo", 200),
+    ("/v1/usage/top", "sk-acme-demo", 403), ("/v1/usage/requests/r1", "sk-acme-demo", 200),
+    ("/v1/usage/requests/r1", "sk-globex-demo", 404), ("/v1/usage/export.csv", "sk-acme-demo", 200),
+    ("/healthz", "", 503), ("/metrics", "", 200),
+])
+async def test_head_answers_as_get_does_without_the_body(usage_app, path: str, key: str,
+                                                         status: int) -> None:
+    """Every read answered HEAD with 405, where the router's answer as GET does. The schema
+    still names each read once."""
+    got, head = await ask(usage_app, path, key), await ask(usage_app, path, key, "HEAD")
+    assert (got.status_code, head.status_code, head.content) == (status, status, b"")
+    assert head.headers == got.headers
+    schema = (await ask(usage_app, "/openapi.json")).json()
+    assert not any("head" in operations for operations in schema["paths"].values())

@@ -5,10 +5,12 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
-from gpusched_common.web import Server
+from gpusched_common.web import Server, add_ops_routes
 
 
 async def test_what_start_up_created_is_frozen_out_of_the_collector() -> None:
@@ -31,3 +33,17 @@ async def test_what_start_up_created_is_frozen_out_of_the_collector() -> None:
         server.should_exit = True
         await serving
         gc.unfreeze()
+
+
+async def test_every_service_answers_head_of_its_health_and_metrics() -> None:
+    """Load balancers and uptime probes send HEAD: /healthz and /metrics answered 405."""
+    app = FastAPI()
+    add_ops_routes(app, CollectorRegistry(), lambda: True)
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+        for path in ("/healthz", "/metrics"):
+            got, head = await client.get(path), await client.head(path)
+            assert (got.status_code, head.status_code, head.content) == (200, 200, b"")
+            assert head.headers == got.headers
+        assert (await client.post("/healthz")).headers["allow"] == "GET"
+        assert (await client.get("/openapi.json")).json()["paths"] == {}

@@ -1,5 +1,5 @@
-"""The HTTP face every service shares: /healthz, /metrics, 503 while Redis is away, and
-uvicorn start-up."""
+"""The HTTP face every service shares: /healthz, /metrics, HEAD beside every GET, 503 while
+Redis is away, and uvicorn start-up."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from redis.exceptions import RedisError
@@ -20,18 +20,34 @@ from redis.exceptions import RedisError
 from gpusched_common.settings import KafkaSettings, ServiceSettings
 from gpusched_common.topics import ensure_topics
 
+Endpoint = Callable[..., Awaitable[Any]]
 log = logging.getLogger(__name__)
 
 
-def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
-    """GET /healthz (200 when `ready()`, else 503) and GET /metrics (Prometheus text)."""
+def get_and_head(routes: FastAPI | APIRouter, path: str, **options: Any
+                 ) -> Callable[[Endpoint], Endpoint]:
+    """Route GET `path` to the endpoint, and HEAD too (clients and load balancers probe with
+    it; FastAPI answers 405 where Starlette would not): the same status and headers, no body
+    (the server sends none). HEAD stays out of the OpenAPI schema, where two operations
+    would share one id. `options` (response_model, ...) apply to both."""
+    def route(endpoint: Endpoint) -> Endpoint:
+        routes.add_api_route(path, endpoint, methods=["GET"], **options)  # first: a 405 names GET
+        routes.add_api_route(path, endpoint, methods=["HEAD"],
+                             **options | {"include_in_schema": False})
+        return endpoint
+    return route
 
-    @app.get("/healthz", include_in_schema=False)
+
+def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
+    """GET /healthz (200 when `ready()`, else 503) and GET /metrics (Prometheus text), HEAD
+    of either too."""
+
+    @get_and_head(app, "/healthz", include_in_schema=False)
     async def healthz() -> Response:
         ok = ready()
         return Response("ok" if ok else "starting", status_code=200 if ok else 503)
 
-    @app.get("/metrics", include_in_schema=False)
+    @get_and_head(app, "/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

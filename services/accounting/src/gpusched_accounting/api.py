@@ -29,6 +29,7 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_common.catalog import TenantDirectory
 from gpusched_common.kafka_records import WallClockMs
+from gpusched_common.web import get_and_head
 
 DEFAULT_WINDOW_MS = 86_400_000
 MAX_CSV_BUCKETS = 100_000
@@ -233,7 +234,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
 
     # every field is answered, null ones too: the schema requires them (group_by was left
     # out of a report without it, so the answer failed the schema clients validate against)
-    @api.get("", response_model=UsageReport)
+    @get_and_head(api, "", response_model=UsageReport)
     async def usage(
         tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
                                    "an admin key without it reads every tenant."),
@@ -264,7 +265,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         return UsageReport(start_ms=plan.start_s * 1000, end_ms=plan.end_s * 1000,
                            granularity=finest, group_by=group_by, tenants=rows)
 
-    @api.get("/top", response_model=TopReport)
+    @get_and_head(api, "/top", response_model=TopReport)
     async def top(
         by: Literal["cost_usd", "tokens", "gpu_seconds", "requests"] = "cost_usd",
         limit: int = Query(default=10, ge=1, le=1000),
@@ -286,7 +287,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         return TopReport(start_ms=plan.start_s * 1000, end_ms=plan.end_s * 1000, by=by,
                          tenants=[TopTenant(tenant=t, **v.public()) for t, v in ranked])
 
-    @api.get("/requests/{request_id}", response_model=RequestUsage)
+    @get_and_head(api, "/requests/{request_id}", response_model=RequestUsage)
     async def request_usage(request_id: str = Path(max_length=128),
                             authorization: str | None = Auth) -> RequestUsage:
         """What one request has been billed so far (partial records included); kept for the
@@ -300,8 +301,8 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                                 "tenant's)")
         return RequestUsage(**found)
 
-    @api.get("/export.csv", response_class=StreamingResponse,
-             responses={200: {"content": {"text/csv": {}}}})
+    @get_and_head(api, "/export.csv", response_class=StreamingResponse,
+                  responses={200: {"content": {"text/csv": {}}}})
     async def export_csv(
         tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
                                    "an admin key without it exports every tenant."),

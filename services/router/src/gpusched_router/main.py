@@ -39,7 +39,12 @@ from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY, CANCELLED_KEY, CANCELLED_TTL_S
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
-from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
+from gpusched_common.web import (
+    add_ops_routes,
+    broker_lifespan,
+    get_and_head,
+    unavailable_without_redis,
+)
 from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.idempotency import (
@@ -69,7 +74,6 @@ BUSY_RETRY_AFTER_S = 1
 503 guesses 1 s: about the openai SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so
 a client that honours it retries no faster than the SDK did without it, and none waits long
 for room that one request's end gives."""
-Endpoint = Callable[..., Awaitable[Any]]
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
 
@@ -424,16 +428,6 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         observe()
         return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
-    def read(path: str) -> Callable[[Endpoint], Endpoint]:
-        """Route GET `path` to the endpoint, and HEAD too (OpenAI clients and load balancers
-        probe with it): the same status and headers, no body (the server sends none). HEAD
-        stays out of the OpenAPI schema, where two operations would share one id."""
-        def route(endpoint: Endpoint) -> Endpoint:
-            app.add_api_route(path, endpoint, methods=["GET"])  # first: a 405 names GET
-            app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
-            return endpoint
-        return route
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, parse_completion, "completions")
@@ -442,7 +436,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, parse_chat, "chat/completions")
 
-    @read("/v1/models")
+    @get_and_head(app, "/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "gpusched",
@@ -451,7 +445,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
              "context_limit_tokens": m.context_limit_tokens}
             for m in catalog.models]}
 
-    @read("/v1/models/{name:path}")
+    @get_and_head(app, "/v1/models/{name:path}")
     async def get_model(name: str) -> Response:
         m = catalog.get(name)
         if m is None:
@@ -460,7 +454,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         return JSONResponse({"id": m.name, "object": "model", "created": 0,
                              "owned_by": "gpusched"})
 
-    @read("/v1/requests/{request_id}")
+    @get_and_head(app, "/v1/requests/{request_id}")
     async def request_status(request_id: str, request: Request) -> Response:
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
