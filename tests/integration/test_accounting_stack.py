@@ -31,6 +31,7 @@ from gpusched_accounting.domain.usage import (
     recompute,
     row_for,
 )
+from gpusched_accounting.settings import DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, EVENT, UsageRecord
 from gpusched_ops.stack import ServiceSpec
@@ -72,7 +73,7 @@ def make_usage(tenants: list[str], requests_each: int, seed: int = 1) -> list[Us
 
 
 def expected(records: list[UsageRecord], prices: PriceTable = PRICES) -> dict[str, Totals]:
-    per_day = recompute(row_for(r, prices) for r in records)
+    per_day = recompute((row_for(r, prices) for r in records), dedup_ttl_s=DEDUP_TTL_S)
     out: dict[str, Totals] = {}
     for (tenant, _), totals in per_day.items():
         out[tenant] = out.get(tenant, Totals()) + totals
@@ -496,7 +497,7 @@ async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stac
     await eventually(settled, timeout_s=60, what="accounting to consume the records")
     args = argparse.Namespace(kafka=stack.endpoints.kafka_bootstrap,
                               redis=stack.endpoints.redis_url,
-                              tenant=tenant, config_dir=CONFIG)
+                              tenant=tenant, config_dir=CONFIG, dedup_ttl_s=DEDUP_TTL_S)
     report = await reconcile.run(args)
     assert report["differences"] == [] and report["tenant_days_checked"] >= 1
     redis = Redis.from_url(stack.endpoints.redis_url)

@@ -32,6 +32,7 @@ from gpusched_accounting.domain.usage import (
     bucket_deltas,
     content_digest,
     cover,
+    dedup_expires_at_ms,
     fields_of,
     finest_kept,
     guess_outcomes,
@@ -54,6 +55,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
                     model_usd_per_million_tokens={"m": ModelPrice(prompt=1.0, completion=2.0)})
 H, D = 3_600_000, 86_400_000
+WEEK_S = 7 * 86_400  # the dedup window, GPUSCHED_DEDUP_TTL_S's default
 
 
 def usage(**kw) -> UsageRecord:
@@ -122,10 +124,10 @@ def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() ->
     retention = {"minute": 0, "hour": 0, "day": 0}
     buckets, tenants = bucket_deltas(rows, outcomes, retention)
     assert tenants == ["t0", "t1", "t2"]
-    want = recompute(r for r in rows if r.ended_at_ms >= 1)
-    for (tenant, day), totals in want.items():
-        _, fields = buckets[(tenant, "day", day)]
-        assert Totals(*fields[TOTAL_FIELD]) == totals
+    want = recompute((r for r in rows if r.ended_at_ms >= 1), dedup_ttl_s=WEEK_S)
+    added = {(t, s): Totals(*f[TOTAL_FIELD]) for (t, g, s), (_, f) in buckets.items()
+             if t and g == "day"}
+    assert added == {k: v for k, v in want.items() if v != Totals()}
     every = Totals(*buckets[(None, "day", D // 1000)][1][TOTAL_FIELD])
     assert every == sum(want.values(), Totals())
     minutes = [f[TOTAL_FIELD] for (t, g, _), (_, f) in buckets.items() if t and g == "minute"]
@@ -182,10 +184,11 @@ def test_recompute_ignores_repeats_and_counts_a_request_once() -> None:
     partial = row_for(usage(event_id="r#1:p1", placement_id="r#1", final=False,
                             ended_at_ms=D + 1), PRICES)
     rows = [first, partial, preempted_rerun, first, partial]
-    totals = recompute(rows)
+    totals = recompute(rows, dedup_ttl_s=WEEK_S)
     assert totals[("acme", 0)].requests == 1 and totals[("acme", 86_400)].requests == 0
     assert sum(t.completion_tokens for t in totals.values()) == 15
-    assert recompute(list(reversed(rows)))[("acme", 86_400)].completion_tokens == 10
+    backwards = recompute(list(reversed(rows)), dedup_ttl_s=WEEK_S)
+    assert backwards[("acme", 86_400)].completion_tokens == 10
 
 
 def test_a_reused_event_id_with_other_content_is_a_conflict_not_a_duplicate() -> None:
@@ -218,7 +221,101 @@ def test_every_record_of_another_request_under_a_used_request_id_is_a_conflict()
                             final=event.endswith("final")), PRICES)
               for event in ("r#0:1", "r#0:final", "r#1:final")]
     assert guess_outcomes([first, *others], 0) == [COUNTED, CONFLICT, CONFLICT, CONFLICT]
-    assert recompute([first, *others]) == recompute([first])
+    assert recompute([first, *others], dedup_ttl_s=WEEK_S) == \
+        recompute([first], dedup_ttl_s=WEEK_S) | {("globex", 0): Totals()}
+
+
+def test_a_request_id_used_again_after_the_dedup_window_is_a_new_request() -> None:
+    """README allows it (ids are unique within 7 days; the usage topic keeps 30), and the
+    live apply bills it, its request record expired: recompute never forgot an id, dropped
+    the second request's records (another tenant's id, or its event ids seen before) and
+    `gpusched reconcile` reported the right live totals as a difference. Read a partition
+    after another, the later request can come first."""
+    def run(tenant: str, ended_at_ms: int, placement: str = "r#0"):  # noqa: ANN202
+        """A placement's partial and final record."""
+        return [row_for(usage(tenant=tenant, placement_id=placement, event_id=f"{placement}:"
+                              f"{n}", final=n == "final", ended_at_ms=ended_at_ms + i), PRICES)
+                for i, n in enumerate(("1", "final"))]
+
+    first, again, other = run("acme", D), run("acme", 9 * D), run("globex", 9 * D)
+    one = recompute(first, dedup_ttl_s=WEEK_S)[("acme", 1 * 86_400)]
+    assert one.requests == 1 and one.completion_tokens == 10
+    assert recompute(first + again, dedup_ttl_s=WEEK_S)[("acme", 9 * 86_400)] == one
+    assert recompute(other + first, dedup_ttl_s=WEEK_S)[("globex", 9 * 86_400)] == one
+    # within the window it is the first request's still: not billed, its day compared at 0
+    soon = recompute(first + run("globex", D + WEEK_S * 1000 - 2), dedup_ttl_s=WEEK_S)
+    assert soon[("globex", 7 * 86_400)] == Totals()
+    # ids are kept the window after the request's last record (a run after preemption),
+    # not its first
+    later = recompute(first + run("globex", D + WEEK_S * 1000 + 1), dedup_ttl_s=WEEK_S)
+    assert later[("globex", 8 * 86_400)] == one
+    rerun = run("acme", 2 * D, placement="r#1")
+    kept = recompute(first + rerun + run("globex", D + WEEK_S * 1000 + 1), dedup_ttl_s=WEEK_S)
+    assert kept[("globex", 8 * 86_400)] == Totals()
+
+
+def test_the_ids_of_a_record_ending_ahead_are_kept_from_its_end() -> None:
+    """As the apply sets a request record's TTL: the window after the apply, or after the
+    record's end if later, never shortened by a later record."""
+    assert dedup_expires_at_ms(0, 1000, 500, 60) == 61_000
+    assert dedup_expires_at_ms(0, 1000, 5000, 60) == 65_000
+    assert dedup_expires_at_ms(90_000, 1000, 500, 60) == 90_000
+
+
+async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_reuse(
+        monkeypatch) -> None:
+    """A (tenant, day) whose every record recompute dropped was counted in
+    tenant_days_checked but never compared: usage billed there live went unseen. And the
+    request id used again after the window, billed live, was a false difference."""
+    import argparse
+
+    from gpusched_accounting import reconcile
+    from gpusched_accounting.adapters.store import bucket_key
+
+    first = usage(ended_at_ms=D)
+    reused = usage(ended_at_ms=9 * D)  # acme again, a week and more later
+    clash = usage(tenant="globex", ended_at_ms=D + 5)  # within the window: not billed
+    prices = load_prices(CONFIG)
+    row = row_for(first, prices)
+    billed = pack(Totals(row.prompt_tokens, row.completion_tokens, 1, row.gpu_us,
+                         row.cost_nusd))
+    live = {bucket_key("acme", "day", 86_400): billed, bucket_key("acme", "day", 9 * 86_400):
+            billed, bucket_key("globex", "day", 86_400): pack(Totals(prompt_tokens=10))}
+
+    class LiveDays:
+        """Redis as `differences` reads it: day totals, in one pipeline."""
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def pipeline(self, transaction: bool) -> "LiveDays":
+            return self
+
+        async def __aenter__(self) -> "LiveDays":
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        def hget(self, key: str, field: str) -> None:
+            self.asked.append(key)
+
+        async def execute(self) -> list[bytes | None]:
+            return [live.get(key) for key in self.asked]
+
+        async def aclose(self) -> None:
+            return None
+
+    async def topic(bootstrap: str) -> list[UsageRecord]:
+        return [first, reused, clash]
+
+    monkeypatch.setattr(reconcile, "read_usage", topic)
+    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays())
+    report = await reconcile.run(argparse.Namespace(
+        kafka="kafka", redis="redis", tenant=None, config_dir=CONFIG, dedup_ttl_s=WEEK_S))
+    assert report["tenant_days_checked"] == 3
+    assert [(d["tenant"], d["day"], d["recomputed"]["prompt_tokens"], d["live"][
+        "prompt_tokens"]) for d in report["differences"]] == [("globex", "1970-01-02", 0, 10)]
 
 
 class FreshRedisStore:

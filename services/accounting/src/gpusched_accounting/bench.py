@@ -30,6 +30,7 @@ from gpusched_accounting.domain.usage import (
     recompute,
     row_for,
 )
+from gpusched_accounting.settings import DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.contracts import UsageRecord
 from gpusched_common.settings import REPO_CONFIG_DIR
@@ -129,13 +130,14 @@ async def through_kafka(args: argparse.Namespace, stack, bootstrap: str, redis_u
         raise RuntimeError(f"the instance applied all {len(events):,} events before the first "
                            "look at its metrics: too few to time; send more (--events)")
     rate = counted / (t1 - t0) if t1 > t0 else float("inf")
-    store = UsageStore(redis, 7 * 86_400, RETENTION)
+    store = UsageStore(redis, DEDUP_TTL_S, RETENTION)
     try:
         _, live = await store.window(None, cover(now - 2 * 3_600_000, now).buckets, "u:")
     finally:
         await redis.aclose()
     want: dict[str, Totals] = {}
-    for (tenant, _), t in recompute(row_for(e, prices) for e in events).items():
+    rows = (row_for(e, prices) for e in events)
+    for (tenant, _), t in recompute(rows, dedup_ttl_s=DEDUP_TTL_S).items():
         want[tenant] = want.get(tenant, Totals()) + t
     exact = all(live.get(t) == want[t] for t in want)
     return {"events": len(events), "events_per_s": round(rate), "exact": exact,
@@ -157,7 +159,7 @@ async def _redis_cpu_s(redis: Redis) -> float:
 async def in_process(redis_url: str, rows: list[UsageRow], batch: int) -> float:
     redis = Redis.from_url(redis_url)
     await redis.flushdb()
-    store = UsageStore(redis, 7 * 86_400, RETENTION)
+    store = UsageStore(redis, DEDUP_TTL_S, RETENTION)
     now = int(time.time() * 1000)
     started = time.perf_counter()
     try:
@@ -177,7 +179,7 @@ async def day_of_buckets(redis_url: str, prices: PriceTable, tenants: int, queri
     redis = Redis.from_url(redis_url)
     await redis.flushdb()
     base = (await redis.info("memory"))["used_memory"]
-    store = UsageStore(redis, 7 * 86_400, RETENTION)
+    store = UsageStore(redis, DEDUP_TTL_S, RETENTION)
     now = int(time.time() * 1000) // 60_000 * 60_000
     start = now - DAY_MS
     rows, applied = [], 0

@@ -1,6 +1,6 @@
 """`gpusched reconcile`: recompute usage totals per tenant and day from the usage topic (every
-record still retained, with the live apply's dedup and request rules) and report every
-difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
+record still retained, with the live apply's dedup, forgetting and request rules) and report
+every difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
 differ, 2 when Kafka or Redis cannot be reached or `--tenant` names no tenant (neither
 configured nor in any retained record: a misspelt name would pass as agreeing)."""
 
@@ -24,12 +24,12 @@ from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
     TOTAL_FIELD,
     Totals,
-    UsageRow,
     load_prices,
     recompute,
     row_for,
     unpack,
 )
+from gpusched_accounting.settings import DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import USAGE
@@ -48,10 +48,9 @@ async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
     return out
 
 
-async def differences(redis: Redis, rows: list[UsageRow], tenant: str | None
-                      ) -> list[dict]:
-    """(tenant, day) buckets whose live totals differ from the recomputation."""
-    want = {k: v for k, v in recompute(rows).items() if tenant in (None, k[0])}
+async def differences(redis: Redis, want: dict[tuple[str, int], Totals]) -> list[dict]:
+    """The (tenant, day start) buckets of `want` (recomputed totals) whose live totals
+    differ."""
     keys = sorted(want)
     async with redis.pipeline(transaction=False) as pipe:
         for t, day in keys:
@@ -82,15 +81,17 @@ async def run(args: argparse.Namespace) -> dict:
         if not configured:
             raise UnknownTenant(f"no tenant '{args.tenant}': it is not configured and no "
                                 f"usage record of it is retained")
+    recomputed = recompute(rows, dedup_ttl_s=args.dedup_ttl_s)
+    # every (tenant, day) with a record, those whose every record was dropped included: it
+    # was counted as checked and never compared
+    want = {k: v for k, v in recomputed.items() if args.tenant in (None, k[0])}
     redis = Redis.from_url(args.redis)
     try:
-        diffs = await differences(redis, rows, args.tenant)
+        diffs = await differences(redis, want)
     finally:
         await redis.aclose()
-    checked = {(r.tenant, r.ended_at_ms // 86_400_000) for r in rows
-               if args.tenant in (None, r.tenant)}
-    total = sum((t for t in recompute(rows).values()), Totals())
-    return {"records": len(records), "tenant_days_checked": len(checked),
+    total = sum(recomputed.values(), Totals())
+    return {"records": len(records), "tenant_days_checked": len(want),
             "differences": diffs, "recomputed_total": total.public()}
 
 
@@ -105,6 +106,11 @@ def main(argv: list[str]) -> int:
                         help="Redis URL (default: $GPUSCHED_REDIS_URL, else the local "
                         "stack's).")
     parser.add_argument("--tenant", default=None, help="Only this tenant.")
+    parser.add_argument("--dedup-ttl-s", type=int,  # a text default is read by `type` too
+                        default=os.environ.get("GPUSCHED_DEDUP_TTL_S", str(DEDUP_TTL_S)),
+                        help="Accounting's dedup window (default: $GPUSCHED_DEDUP_TTL_S, else "
+                        "its default, 7 days): a request id used again after it is a new "
+                        "request, as live.")
     parser.add_argument("--config-dir", type=Path, default=REPO_CONFIG_DIR,
                         help="Folder with prices.yaml (costs are recomputed with it).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the report here.")

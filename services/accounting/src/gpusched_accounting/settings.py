@@ -5,6 +5,7 @@ from pydantic import Field, model_validator
 from gpusched_common.settings import ServiceSettings
 
 DAY_S = 86_400
+DEDUP_TTL_S = 7 * DAY_S
 
 
 class AccountingSettings(ServiceSettings):
@@ -13,7 +14,7 @@ class AccountingSettings(ServiceSettings):
         default="gpusched-accounting", min_length=1, description="Kafka consumer group of the "
         "usage topic; instances in one group share its partitions.")
     dedup_ttl_s: int = Field(
-        default=7 * DAY_S, ge=3600, description="How long a request's applied event ids are "
+        default=DEDUP_TTL_S, ge=3600, description="How long a request's applied event ids are "
         "remembered after its last record. Records that ended longer ago are refused (dead "
         "letter), so it must exceed the longest redelivery (a consumer down this long needs "
         "`gpusched reconcile`).")

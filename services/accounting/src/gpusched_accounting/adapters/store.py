@@ -132,6 +132,7 @@ if not same then return {0, outcome} end
 for rkey, q in pairs(req) do
   if q[10] then
     -- never shorter than it is: an earlier record ending ahead may need its id kept longer
+    -- (domain/usage.py:dedup_expires_at_ms states this rule, which recompute follows)
     local ttl = math.max(dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
                          redis.call('TTL', rkey))
     redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])

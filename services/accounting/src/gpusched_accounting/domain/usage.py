@@ -11,6 +11,7 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
@@ -358,24 +359,50 @@ def finest_kept(start_ms: int, now_ms: int, retention_s: dict[Granularity, int]
 
 # ---- recomputation ------------------------------------------------------------------------
 
-def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day"
-              ) -> dict[tuple[str, int], Totals]:
-    """Totals per (tenant, bucket start) from raw rows, with the same dedup (event id) and
-    request-counting rules as the live apply: what the live counters must equal. Of records
-    that share an event id, the first counts (the live apply dead-letters a later one
-    with other content)."""
-    seen: set[tuple[str, str]] = set()
+def dedup_expires_at_ms(expires_at_ms: int, applied_at_ms: int, ended_at_ms: int,
+                        dedup_ttl_s: int) -> int:
+    """When the live apply forgets a request's event ids (its request record expires) once it
+    applies one more of its records at `applied_at_ms`, having kept them until
+    `expires_at_ms` (0: none kept): `dedup_ttl_s` after the apply, or after the record's end
+    if later (a record ending ahead of accounting's clock stays redeliverable until its end +
+    the window), never earlier than before. The apply script (adapters/store.py) sets the
+    record's TTL by this rule; a request id used again after it counts as a new request."""
+    return max(expires_at_ms, max(applied_at_ms, ended_at_ms) + dedup_ttl_s * 1000)
+
+
+def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
+              dedup_ttl_s: int) -> dict[tuple[str, int], Totals]:
+    """Totals per (tenant, bucket start) from raw rows, with the same dedup (event id),
+    request-counting and forgetting rules as the live apply: what the live counters must
+    equal. Every (tenant, bucket) with a row has an entry, zero where every row was dropped.
+
+    Rows are taken in the order they ended, as the live apply meets them (the topic is read
+    a partition after another), each as if applied when it ended. Of records that share an
+    event id, the first counts (the live apply dead-letters a later one with other content),
+    and a request id is another tenant's or model's only while its ids are kept: once they
+    are forgotten (`dedup_expires_at_ms`), a request under the same id is a new one, billed
+    and counted again, as live (README: ids are unique within the dedup window only)."""
+    events: dict[str, set[str]] = {}
     owner: dict[str, tuple[str, str]] = {}
     counted: set[str] = set()
+    expires_at_ms: dict[str, int] = {}
     out: dict[tuple[str, int], Totals] = {}
-    for row in rows:
-        if (row.request_id, row.event_id) in seen or _another_owner(owner, row):
-            continue
-        seen.add((row.request_id, row.event_id))
-        request = 1 if row.counts_request and row.request_id not in counted else 0
-        if request:
-            counted.add(row.request_id)
+    for row in sorted(rows, key=attrgetter("ended_at_ms")):  # stable: topic order at a tie
+        rid = row.request_id
         key = (row.tenant, bucket_start_s(row.ended_at_ms, granularity))
-        out[key] = out.get(key, Totals()) + Totals(row.prompt_tokens, row.completion_tokens,
-                                                   request, row.gpu_us, row.cost_nusd)
+        total = out.setdefault(key, Totals())
+        if expires_at_ms.get(rid, row.ended_at_ms + 1) <= row.ended_at_ms:
+            del events[rid], owner[rid], expires_at_ms[rid]
+            counted.discard(rid)
+        seen = events.setdefault(rid, set())
+        if row.event_id in seen or _another_owner(owner, row):
+            continue
+        seen.add(row.event_id)
+        expires_at_ms[rid] = dedup_expires_at_ms(expires_at_ms.get(rid, 0), row.ended_at_ms,
+                                                 row.ended_at_ms, dedup_ttl_s)
+        request = 1 if row.counts_request and rid not in counted else 0
+        if request:
+            counted.add(rid)
+        out[key] = total + Totals(row.prompt_tokens, row.completion_tokens, request,
+                                  row.gpu_us, row.cost_nusd)
     return out
