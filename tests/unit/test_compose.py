@@ -73,15 +73,40 @@ def test_agents_simulate_distinct_nodes() -> None:
     assert len({env["GPUSCHED_SIMULATE"] for env in agents}) == 2
 
 
+def _named_volume_of(compose: dict[str, Any], service: str, path: str) -> str | None:
+    """The named volume (declared under top-level `volumes`) that holds `path` in `service`'s
+    container, if one does."""
+    for entry in compose["services"][service].get("volumes", []):
+        source, target = entry.split(":")[:2]
+        if f"{path}/".startswith(f"{target.rstrip('/')}/") and source in (
+                compose.get("volumes") or {}):
+            return source
+    return None
+
+
 def test_compose_keeps_the_local_stacks_durability_and_drain_settings() -> None:
-    """Redis keeps every applied id (AOF, never evicting), as the local stack's does; an
-    agent gets the time to drain before Docker's SIGKILL (its default is 10 s, the drain
-    20 s: work took the crash-recovery path)."""
+    """Redis keeps every applied id (AOF, never evicting), as the local stack's does; Kafka's
+    log and Redis's data are on named volumes, which `docker compose down && up` keeps
+    (Kafka's log in the container started each partition at offset 0 again while Redis
+    kept its claims and applied ids: a record without request_id reused an earlier one's
+    default id and never ran), Kafka's where ops/kubernetes/dev keeps it; an agent gets
+    the time to drain before Docker's SIGKILL (its default is 10 s, the drain 20 s: work
+    took the crash-recovery path)."""
     from gpusched_agent.settings import AgentSettings
 
-    services = _compose()["services"]
+    compose = _compose()
+    services = compose["services"]
     redis = " ".join(services["redis"]["command"])
     assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis
+    [dev_kafka] = [doc for doc in yaml.safe_load_all(
+        (REPO_ROOT / "ops" / "kubernetes" / "dev" / "kafka.yaml").read_text())
+        if doc and doc["kind"] == "StatefulSet"]
+    [dev_env] = [{e["name"]: e.get("value") for e in c["env"]}
+                 for c in dev_kafka["spec"]["template"]["spec"]["containers"]]
+    log_dirs = services["kafka"]["environment"].get("KAFKA_LOG_DIRS")
+    assert log_dirs == dev_env["KAFKA_LOG_DIRS"]
+    assert _named_volume_of(compose, "kafka", log_dirs) is not None
+    assert _named_volume_of(compose, "redis", "/data") is not None  # redis:7's AOF there
     drain_s = AgentSettings.model_fields["drain_timeout_s"].default
     for name in ("agent-1", "agent-2"):
         grace = services[name]["stop_grace_period"]
