@@ -106,6 +106,13 @@ def test_a_price_that_cannot_bill_stops_the_start(tmp_path, prices, needle) -> N
         load_prices(tmp_path)
 
 
+def test_a_config_folder_without_prices_stops_the_start(tmp_path) -> None:
+    """It read as prices of 0: accounting billed nothing, and reconcile recomputed every
+    cost as 0 (its default folder does not exist in the Docker image)."""
+    with pytest.raises(ValueError, match="prices.yaml is missing: set GPUSCHED_CONFIG_DIR"):
+        load_prices(tmp_path)
+
+
 def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() -> None:
     """What the apply adds (Python's sums of the guessed outcomes) equals the reconciliation's
     recomputation, with repeats in the batch, a request run twice, a reused event id and a

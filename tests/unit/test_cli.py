@@ -381,6 +381,24 @@ def test_reconcile_with_a_redis_url_that_is_none_exits_2_with_the_reason(
     assert "Traceback" not in result.output
 
 
+def test_reconcile_prices_with_the_config_folder_accounting_bills_with(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--config-dir defaulted to the checkout's config/, not GPUSCHED_CONFIG_DIR: with an
+    operator's own prices every priced day read as different, and in the Docker image (no
+    checkout there) every cost recomputed as 0. A folder without prices.yaml is an error."""
+    from gpusched_accounting import reconcile
+
+    async def nothing_retained(bootstrap: str) -> list:
+        return []
+
+    monkeypatch.setattr(reconcile, "read_usage", nothing_retained)
+    monkeypatch.setenv("GPUSCHED_CONFIG_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["reconcile"])
+
+    assert result.exit_code == 2, result.output
+    assert f"error: {tmp_path / 'prices.yaml'} is missing" in result.output
+
+
 @pytest.mark.parametrize("error", ["timeout", "noauth"])
 def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
         monkeypatch: pytest.MonkeyPatch, error: str) -> None:

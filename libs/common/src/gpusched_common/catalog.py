@@ -163,15 +163,17 @@ GPU_TYPES: dict[str, GpuType] = {
 
 def load_models(config_dir: Path) -> ModelCatalog:
     """Read `models.yaml`; raises ValueError naming the file when it is invalid."""
-    return ModelCatalog.model_validate(_read_yaml(config_dir / "models.yaml"))
+    return ModelCatalog.model_validate(read_config(config_dir / "models.yaml"))
 
 
 def load_tenants(config_dir: Path) -> TenantDirectory:
     """Read `tenants.yaml`; raises ValueError naming the file when it is invalid."""
-    return TenantDirectory.model_validate(_read_yaml(config_dir / "tenants.yaml"))
+    return TenantDirectory.model_validate(read_config(config_dir / "tenants.yaml"))
 
 
-def _read_yaml(path: Path) -> dict:
+def read_config(path: Path) -> dict:
+    """The YAML mapping a file of the config folder holds; raises ValueError naming the file
+    when it is missing (saying how to name the folder) or holds no mapping."""
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError as exc:

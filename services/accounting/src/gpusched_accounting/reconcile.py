@@ -111,8 +111,11 @@ def main(argv: list[str]) -> int:
                         help="Accounting's dedup window (default: $GPUSCHED_DEDUP_TTL_S, else "
                         "its default, 7 days): a request id used again after it is a new "
                         "request, as live.")
-    parser.add_argument("--config-dir", type=Path, default=REPO_CONFIG_DIR,
-                        help="Folder with prices.yaml (costs are recomputed with it).")
+    parser.add_argument("--config-dir", type=Path,
+                        default=os.environ.get("GPUSCHED_CONFIG_DIR", REPO_CONFIG_DIR),
+                        help="Folder with prices.yaml, whose prices costs are recomputed at "
+                        "(default: $GPUSCHED_CONFIG_DIR, which accounting bills with, else "
+                        "the checkout's config/).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the report here.")
     args = parser.parse_args(argv)
     try:

@@ -15,9 +15,9 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpusched_common.catalog import read_config
 from gpusched_common.contracts import UsageRecord
 
 Granularity = Literal["minute", "hour", "day"]
@@ -136,12 +136,13 @@ class PriceTable(BaseModel):
 
 
 def load_prices(config_dir: Path) -> PriceTable:
-    """Read `prices.yaml`; a missing file means everything costs 0."""
+    """Read `prices.yaml`; raises ValueError naming the file when it is missing or invalid.
+    A missing one is no price table of zeros: a config folder named wrongly (reconcile's in
+    a Docker image) billed, or recomputed, every cost as 0."""
     path = config_dir / "prices.yaml"
-    if not path.is_file():
-        return PriceTable()
+    data = read_config(path)
     try:
-        return PriceTable.model_validate(yaml.safe_load(path.read_text()) or {})
+        return PriceTable.model_validate(data)
     except ValueError as exc:
         raise ValueError(f"{path} is invalid: {exc}") from exc
 
