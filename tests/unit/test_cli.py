@@ -347,6 +347,27 @@ def test_nodes_shows_a_node_the_scheduler_no_longer_hears_from_as_lost(
     assert "pending: 3 (interactive 1, batch 2)" in result.output
 
 
+def test_nodes_shows_an_unhealthy_gpu_with_its_reason(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """It read 'ready' with its memory free, and nothing said why no work went there."""
+    gpu = {"index": 0, "gpu_type": "H100-80GB", "memory_free_mib": 81559,
+           "memory_total_mib": 81559, "running_requests": 0, "loaded_models": []}
+    cluster = {"nodes": [{"node_id": "n1", "status": "ready", "live": True, "gpus": [
+        {**gpu, "healthy": False, "unhealthy_reason": "inference server down"},
+        {**gpu, "index": 1, "healthy": False}, {**gpu, "index": 2, "healthy": True}]}],
+        "pending": {}, "reservations": 0, "leader": True}
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=cluster))
+    monkeypatch.setattr(console, "width", 160)
+
+    result = CliRunner().invoke(app, ["nodes"])
+
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "n1" in line]
+    assert "unhealthy (inference server down)" in rows[0] and "ready" not in rows[0]
+    assert "unhealthy" in rows[1] and "ready" not in rows[1]
+    assert "ready" in rows[2] and "unhealthy" not in rows[2]
+
+
 def test_text_from_a_service_is_printed_as_it_is_not_read_as_markup(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A reason or an id holding '[/x]' raised Rich's MarkupError (a traceback), and one

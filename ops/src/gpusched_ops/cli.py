@@ -148,17 +148,23 @@ def nodes(as_json: JsonOut = False,
 def nodes_table(data: dict) -> Table:
     """One row per GPU. A node the scheduler no longer hears from shows `lost` (with how
     long it has been silent), not the status its last report gave: the scheduler keeps
-    that report, so a dead node read `ready` with its GPUs free."""
+    that report, so a dead node read `ready` with its GPUs free. A GPU its agent reports
+    unhealthy shows `unhealthy` and the agent's reason: it gets no work, and read `ready`."""
     now_ms = time.time() * 1000
     table = _table("node", "status", "GPU", "type", "free / total MiB", "running", "models")
     for node in data["nodes"]:
         status = node["status"]
-        if node.get("live") is False and status != "stopped":  # a drained one is not lost
+        lost = node.get("live") is False and status != "stopped"  # a drained one is not lost
+        if lost:
             seen = node.get("last_seen_ms")
             status = "lost" + (f" (silent {max(0.0, (now_ms - seen) / 1000):.0f} s)"
                                if isinstance(seen, int | float) else "")
         for gpu in node["gpus"]:
-            _row(table, node["node_id"], status, str(gpu["index"]), gpu["gpu_type"],
+            gpu_status = status
+            if not lost and gpu.get("healthy") is False:
+                reason = gpu.get("unhealthy_reason")
+                gpu_status = "unhealthy" + (f" ({reason})" if reason else "")
+            _row(table, node["node_id"], gpu_status, str(gpu["index"]), gpu["gpu_type"],
                  f"{gpu['memory_free_mib']} / {gpu['memory_total_mib']}",
                  str(gpu["running_requests"]), ", ".join(
                      f"{m} (idle)" if m in (gpu.get("idle_models") or ()) else m
