@@ -57,12 +57,74 @@ def test_a_service_that_is_down_gives_a_clear_error_and_exit_1(args: list[str]) 
     assert "Traceback" not in result.output
 
 
-def test_dead_letters_without_kafka_says_so_and_exits_1() -> None:
-    result = CliRunner().invoke(app, ["dead-letters", "--kafka", "127.0.0.1:1"])
+@pytest.mark.parametrize("command,code", [("dead-letters", 1), ("reconcile", 2)])
+def test_a_command_without_kafka_says_so_on_one_line(command: str, code: int) -> None:
+    """In a process of its own, where nothing has set logging up: aiokafka's own 'Unable
+    connect to ...' line came first, through Python's last-resort handler."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "gpusched_ops.cli", command, "--kafka",
+                             "127.0.0.1:1"], capture_output=True, text=True, timeout=60,
+                            check=False)
+
+    assert result.returncode == code, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: Kafka not reachable at 127.0.0.1:1")
+
+
+@pytest.mark.parametrize("args,env,printed", [
+    (["usage", "--api-key", "ключ"], {},
+     "error: --api-key cannot be sent in an HTTP header: it holds 'к' (only printable ASCII"),
+    (["cancel", "r-1", "--api-key", "ключ"], {}, "--api-key cannot be sent in an HTTP header"),
+    (["submit", "hi", "--api-key", "ключ"], {}, "--api-key cannot be sent in an HTTP header"),
+    (["submit", "hi", "--priority", "batch\r"], {}, "--priority cannot be sent in an HTTP"),
+    (["usage"], {"GPUSCHED_API_KEY": "sk-admin-demo\n"},
+     "error: GPUSCHED_API_KEY cannot be sent in an HTTP header: it holds '\\n'"),
+    (["usage", "--api-key", " sk-admin-demo"], {}, "it holds spaces around it"),
+    (["nodes", "--scheduler-url", "http://[::1"], {},
+     "error: --scheduler-url 'http://[::1' is not a URL such as http://127.0.0.1:8081 "
+     "(Invalid port"),
+    (["submit", "hi", "--router-url", "http://[::1"], {}, "--router-url 'http://[::1' is not"),
+    (["usage"], {"GPUSCHED_ACCOUNTING_URL": "127.0.0.1:8082"},
+     "GPUSCHED_ACCOUNTING_URL '127.0.0.1:8082' is not a URL such as http://127.0.0.1:8082 "
+     "(it needs http:// or https:// and a host)"),
+    (["dead-letters", "--kafka", "localhost:notaport"], {},
+     "error: --kafka takes host:port[,host:port], not 'localhost:notaport'"),
+])
+def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_sent(
+        monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str],
+        printed: str) -> None:
+    """A key or priority a header cannot carry (a key copied with its line end), a URL that
+    is none, a Kafka address without a port: each was a traceback of dozens of lines, or
+    a wrong cause ('is the stack up?', 'not an event stream')."""
+    def nothing_sent(*args: object, **kwargs: object) -> httpx.Response:
+        raise AssertionError("sent")
+    monkeypatch.setattr(httpx, "get", nothing_sent)
+    monkeypatch.setattr(httpx, "post", nothing_sent)
+
+    result = CliRunner().invoke(app, args, env=env)
 
     assert result.exit_code == 1, result.output
-    assert "Kafka not reachable at 127.0.0.1:1" in result.output
-    assert "Traceback" not in result.output
+    assert [printed in line for line in result.stderr.splitlines()] == [True], result.stderr
+    assert result.stdout == ""
+
+
+def test_an_error_page_of_another_server_is_one_line_that_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program on the scheduler's port answered with its HTML page: it was printed
+    whole, dozens of lines."""
+    page = ("<!DOCTYPE HTML>\n<html lang=\"en\">\n    <head>\n<title>Error response</title>\n"
+            "    </head>\n    <body>\n<p>Error code: 404</p>\n" + "<p>x</p>\n" * 20)
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(
+        404, text=page, headers={"content-type": "text/html"}))
+
+    result = CliRunner().invoke(app, ["nodes", "--scheduler-url", "http://127.0.0.1:1"])
+
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == [
+        "error: 404 from http://127.0.0.1:1/v1/cluster, not an answer of scheduler's API (a "
+        "proxy's, or another program's on that port?): <!DOCTYPE HTML>"]
 
 
 def test_dead_letters_print_every_field_uncut_in_80_columns() -> None:
@@ -153,7 +215,9 @@ def test_submit_whose_stream_ends_in_an_error_prints_the_reason_and_exits_1() ->
     (httpx.Response(422, json={"detail": [{"loc": ["query", "group_by"],
                                            "msg": "Input should be 'model'"}]}),
      "error: 422: group_by: Input should be 'model'"),
-    (httpx.Response(502, text="Bad Gateway"), "error: 502: Bad Gateway"),
+    (httpx.Response(502, text="Bad Gateway"), "error: 502 from http://127.0.0.1:8082/v1/usage, "
+     "not an answer of accounting's API (a proxy's, or another program's on that port?): "
+     "Bad Gateway"),
 ])
 def test_usage_refused_by_accounting_prints_the_reason_and_exits_1(
         monkeypatch: pytest.MonkeyPatch, response: httpx.Response, printed: str) -> None:

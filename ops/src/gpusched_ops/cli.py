@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 import typer
+from aiokafka.conn import collect_hosts
 from aiokafka.errors import KafkaConnectionError
 from pydantic import ValidationError
 from rich.console import Console
@@ -79,6 +81,71 @@ def _unreachable(service: str, url: str, cause: object) -> None:
     _fail(f"{service} not reachable at {url} ({cause}); is the stack up?")
 
 
+_QUIET = logging.NullHandler()
+
+
+@app.callback()
+def _quiet_libraries() -> None:
+    # aiokafka logs a failed connection itself, and with no logging set up Python prints
+    # that to stderr before the command's own one-line error says the same
+    logging.getLogger("aiokafka").addHandler(_QUIET)  # once: the same handler
+
+
+# Options are checked before a command runs, so a value that cannot be used is a one-line
+# error naming it: it failed later, as a traceback or as a wrong cause ("is the stack up?",
+# "not an event stream").
+
+def _given_as(ctx: typer.Context, param: typer.CallbackParam) -> str:
+    """What the user gave a value as: its option, or the environment variable it came from
+    (the source's enum is compared by name: typer's own copy of click has its own)."""
+    source = ctx.get_parameter_source(param.name or "")
+    if getattr(source, "name", None) == "ENVIRONMENT":
+        return str(param.envvar)
+    return param.opts[0]
+
+
+def _header_value(ctx: typer.Context, param: typer.CallbackParam, value: str | None
+                  ) -> str | None:
+    """A value sent in an HTTP header (an API key, a priority class): printable ASCII with
+    no spaces around it (a key copied with its line end could not be sent)."""
+    if value is None or (value.isascii() and value.isprintable() and value == value.strip()):
+        return value
+    bad = next((c for c in value if not (c.isascii() and c.isprintable())), None)
+    _fail(f"{_given_as(ctx, param)} cannot be sent in an HTTP header: it holds "
+          + (f"{bad!r} (only printable ASCII can be)" if bad else "spaces around it"))
+
+
+def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
+    try:
+        url = httpx.URL(value)
+        why = None if url.scheme in ("http", "https") and url.host else \
+            "it needs http:// or https:// and a host"
+    except httpx.InvalidURL as exc:
+        why = str(exc)
+    if why is not None:
+        _fail(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
+              f"({why})")
+    return value
+
+
+def _bootstrap(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
+    try:
+        collect_hosts(value, randomize=False)  # as the consumer will read it
+    except ValueError:
+        _fail(f"{_given_as(ctx, param)} takes host:port[,host:port], not {value!r}")
+    return value
+
+
+def _service_url(service: str) -> Any:
+    """The option `--<service>-url` (or GPUSCHED_<SERVICE>_URL), the local stack's by
+    default."""
+    return typer.Option(urls()[service], envvar=f"GPUSCHED_{service.upper()}_URL",
+                        callback=_base_url)
+
+
+ApiKey = Annotated[str, typer.Option(envvar="GPUSCHED_API_KEY", callback=_header_value)]
+
+
 @app.command()
 def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
     """Install (cached) and start Kafka, Redis, Jaeger and the services with two simulated
@@ -129,7 +196,7 @@ def status(run_dir: RunDir = DEFAULT_RUN_DIR, as_json: JsonOut = False) -> None:
 
 @app.command()
 def nodes(as_json: JsonOut = False,
-          scheduler_url: str = typer.Option(urls()["scheduler"], envvar="GPUSCHED_SCHEDULER_URL"),
+          scheduler_url: str = _service_url("scheduler"),
           ) -> None:
     """The fleet as the scheduler sees it: nodes, GPUs, free memory, loaded models (idle: none
     of its work runs there; unloaded when another model needs the room)."""
@@ -179,7 +246,7 @@ def _by_class(pending: dict) -> str:
 @app.command()
 def queue(limit: int = typer.Option(50, min=1, help="How many of the first in line to show."),
           as_json: JsonOut = False,
-          scheduler_url: str = typer.Option(urls()["scheduler"], envvar="GPUSCHED_SCHEDULER_URL"),
+          scheduler_url: str = _service_url("scheduler"),
           ) -> None:
     """Requests waiting for a GPU, in the order the scheduler will consider them (aged work,
     then interactive, standard, batch): how long each has waited and its queue time limit
@@ -240,7 +307,7 @@ def monitoring_manifests(
 def dead_letters(
     last: int = typer.Option(20, min=1, help="How many of the newest to show."),
     kafka: str = typer.Option("127.0.0.1:9092", envvar="GPUSCHED_KAFKA_BOOTSTRAP",
-                              help="Kafka bootstrap."),
+                              callback=_bootstrap, help="Kafka bootstrap."),
     as_json: JsonOut = False,
 ) -> None:
     """The newest records a service refused, from gpusched.dead-letters: when, which service,
@@ -284,11 +351,12 @@ def submit(
     prompt: str = typer.Argument(..., help="Prompt text."),
     model: str = typer.Option("qwen2.5-1.5b"),
     max_tokens: int = typer.Option(32),
-    api_key: str = typer.Option("sk-acme-demo", envvar="GPUSCHED_API_KEY"),
-    priority: str | None = typer.Option(None, help="interactive, standard or batch."),
+    api_key: ApiKey = "sk-acme-demo",
+    priority: str | None = typer.Option(None, callback=_header_value,
+                                        help="interactive, standard or batch."),
     max_queue_ms: int | None = typer.Option(
         None, help="Give up (503) when no GPU took it within this many milliseconds."),
-    router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
+    router_url: str = _service_url("router"),
     timeout: float = typer.Option(
         330.0, min=1, help="Longest wait for the router's next bytes, in seconds: above its "
         "GPUSCHED_REQUEST_TIMEOUT_S (300), after which it answers 504 itself."),
@@ -359,8 +427,8 @@ def _cut(streamed: int, why: str) -> None:
 def cancel(
     request_id: str = typer.Argument(..., help="The request's id: its x-request-id, or the "
                                      "one a 504 or `gpusched queue` names."),
-    api_key: str = typer.Option("sk-acme-demo", envvar="GPUSCHED_API_KEY"),
-    router_url: str = typer.Option(urls()["router"], envvar="GPUSCHED_ROUTER_URL"),
+    api_key: ApiKey = "sk-acme-demo",
+    router_url: str = _service_url("router"),
 ) -> None:
     """Cancel one of your requests that has not ended: a waiting one ends unplaced and
     unbilled, a running one stops, billed for what it produced."""
@@ -380,8 +448,8 @@ def usage(
     start: str | None = typer.Option(None, help="Window start: ISO 8601 or epoch ms "
                                      "(default: 24 h before the end)."),
     end: str | None = typer.Option(None, help="Window end (default: now)."),
-    api_key: str = typer.Option("sk-admin-demo", envvar="GPUSCHED_API_KEY"),
-    accounting_url: str = typer.Option(urls()["accounting"], envvar="GPUSCHED_ACCOUNTING_URL"),
+    api_key: ApiKey = "sk-admin-demo",
+    accounting_url: str = _service_url("accounting"),
     as_json: JsonOut = False,
 ) -> None:
     """Tokens, requests, GPU-seconds and cost per tenant over a window, from accounting."""
@@ -408,7 +476,7 @@ def _ask_json(service: str, base_url: str, path: str, **kwargs: Any) -> Any:
         return resp.json()
     except ValueError:
         _fail(f"{service} at {base_url} answered {path} with something that is not JSON: "
-              f"{resp.text[:200]!r}")
+              f"{_gist(resp.text)}")
 
 
 def _ask(service: str, base_url: str, path: str, *, post: bool = False, expect: int = 200,
@@ -420,17 +488,21 @@ def _ask(service: str, base_url: str, path: str, *, post: bool = False, expect: 
     except httpx.HTTPError as exc:
         _unreachable(service, base_url, exc)
     if resp.status_code != expect:
-        _fail(f"{resp.status_code}: {_reason(resp)}")
+        reason = _reason(resp)
+        _fail(f"{resp.status_code}: {reason}" if reason is not None else
+              f"{resp.status_code} from {base_url}{path}, not an answer of {service}'s API "
+              f"(a proxy's, or another program's on that port?): {_gist(resp.text)}")
     return resp
 
 
-def _reason(resp: httpx.Response) -> str:
+def _reason(resp: httpx.Response) -> str | None:
     """An error's reason: the router's OpenAI-shaped `error.message`, else FastAPI's `detail`
-    string, or `param: message` per invalid field."""
+    string, or `param: message` per invalid field; None when the body holds none (it is
+    not JSON, or not a gpusched service's error)."""
     try:
         body = resp.json()
     except ValueError:
-        return resp.text
+        return None
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error["message"]
@@ -438,7 +510,14 @@ def _reason(resp: httpx.Response) -> str:
     if isinstance(detail, list):
         detail = "; ".join(f"{e['loc'][-1]}: {e['msg']}" for e in detail
                            if isinstance(e, dict) and e.get("loc") and "msg" in e) or None
-    return detail if isinstance(detail, str) else resp.text
+    return detail if isinstance(detail, str) else None
+
+
+def _gist(text: str, limit: int = 200) -> str:
+    """A body that is not the API's, on one line: its first line, cut to `limit` characters
+    (a proxy's or web server's HTML page printed whole was dozens of lines)."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return (line[:limit] + "…" if len(line) > limit else line) or "(an empty body)"
 
 
 def usage_table(data: dict) -> Table:
