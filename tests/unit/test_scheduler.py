@@ -652,8 +652,10 @@ async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_s
     """Each was taken into the view: the first three then failed every cycle (an int64
     overflow, the solver's 62 GPU types), so nothing was placed anywhere, and the record
     outlived restarts in its compacted topic; the next two got placements on GPUs the node
-    does not have, the last on memory it does not have."""
-    engine, sent = leading_engine()
+    does not have, the last on memory it does not have. The dead letter is counted where
+    GpuschedRecordsDeadLettered looks (it was not: no alert)."""
+    registry = CollectorRegistry()
+    engine, sent = leading_engine(registry=registry)
     good = node("good", [80000])
     bad = {"node_id": "bad", "seq": 1, "started_at_ms": 0, "reported_at_ms": 0, "gpus": [
         {"index": i, "uuid": f"u{i}", "gpu_type": "H100-80GB", "memory_total_mib": 81559,
@@ -665,6 +667,8 @@ async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_s
                                                (b"bad", json.dumps(bad).encode())])])
     [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
     assert letter.reason.startswith("invalid node state") and reason in letter.reason
+    assert registry.get_sample_value("gpusched_scheduler_rejections_total",
+                                     {"reason": "invalid"}) == 1
     await engine.admit([request_record(topics.REQUESTS["standard"].name, 0, json.dumps({
         "request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "hi",
         "max_tokens": 3}).encode())])
@@ -1197,17 +1201,20 @@ class Fences:
 
 class OnOneNode:
     """An engine that has placed `taken` and `untaken` on node n1 at 1,000 ms; an agent
-    claimed `taken`. `now` moves its clock; `retries` are the requests it sent back."""
+    claimed `taken`. `now` moves its clock; `retries` are the requests it sent back,
+    `retried` counts them by why in the engine's metrics."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.now, self.sent = 1000, []
         self.fences = Fences(taken={"taken#0"})
+        self.registry = CollectorRegistry()
 
         async def send(batch):
             self.sent.extend(batch)
             return asyncio.gather()
         self.engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: self.now,
-                                       NoOpTracer(), config, store=self.fences)
+                                       NoOpTracer(), config, store=self.fences,
+                                       registry=self.registry)
         self.engine.lead(3, [])
         self.engine.view.apply_node_state(node("n1", [80000]), self.now, NODE_TIMEOUT_MS)
 
@@ -1219,6 +1226,11 @@ class OnOneNode:
 
     def retries(self) -> list[InferenceRequest]:
         return [o.message for o in self.sent if isinstance(o.message, InferenceRequest)]
+
+    def retried(self) -> dict[str, float | None]:
+        return {why: self.registry.get_sample_value("gpusched_scheduler_retries_total",
+                                                    {"why": why})
+                for why in ("node_lost", "untaken", "takeover")}
 
 
 async def test_a_node_silent_on_kafka_but_alive_in_redis_keeps_its_work() -> None:
@@ -1235,6 +1247,7 @@ async def test_a_node_silent_on_kafka_but_alive_in_redis_keeps_its_work() -> Non
     one.now = 41_000
     await one.engine.cycle()
     assert sorted(r.request_id for r in one.retries()) == ["taken", "untaken"]
+    assert one.retried() == {"node_lost": 2, "untaken": 0, "takeover": 0}
 
 
 async def test_retries_kafka_refuses_when_a_node_is_lost_are_sent_next_cycle() -> None:
@@ -1279,6 +1292,8 @@ async def test_a_placement_its_node_never_takes_is_fenced_and_retried() -> None:
     assert one.fences.removed == ["untaken#0"]
     assert "untaken#0" not in one.engine.view.reservations
     assert sorted(one.engine.running) == ["taken#0"]  # an agent has it: it stays
+    # n1 reported all along: counted as untaken, which GpuschedNodeLost does not read
+    assert one.retried() == {"node_lost": 0, "untaken": 1, "takeover": 0}
 
 
 async def test_a_request_placed_again_after_its_placement_ended_is_not_left_running() -> None:
@@ -1425,6 +1440,7 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     await one.engine.cycle()  # the untaken check finds the lost command
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("fenced", 1), ("lost", 1)]
     assert sorted(one.engine.running) == ["running#0"]
+    assert one.retried() == {"node_lost": 0, "untaken": 1, "takeover": 1}
 
 
 async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_time_out() -> None:

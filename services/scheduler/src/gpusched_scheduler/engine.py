@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
@@ -87,6 +88,16 @@ as milliseconds land in January 1970, 56 years behind."""
 ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
+RetryWhy = Literal["node_lost", "untaken", "takeover"]
+RETRY_WHY: dict[RetryWhy, str] = {
+    "node_lost": "lost",
+    "untaken": "never took its placement",
+    "takeover": "had a placement fenced by the previous leader",
+}
+"""Why placed work is retried (the `why` label of gpusched_scheduler_retries_total: only
+node_lost means a node stopped reporting), and what the log and a last attempt's finish
+reason say of its node. takeover: fenced by a leader that did not get to retry it, for
+either of the other reasons."""
 
 
 @dataclass(frozen=True)
@@ -547,6 +558,8 @@ class SchedulingEngine:
             self.view.apply_node_state(state, now, self.config.node_timeout_ms)
         self._wake.set()
         if dead:
+            # counted where the other dead letters are, which GpuschedRecordsDeadLettered reads
+            self._metrics.rejected.labels("invalid").inc(len(dead))
             try:
                 await self._publish(dead)
             except Exception:  # the view is up to date; only the notice is missing
@@ -1105,7 +1118,7 @@ class SchedulingEngine:
         if ended:
             log.info("taking over: %d placements ended while no scheduler led", len(ended))
             await self._forget(ended)
-        await self._retry(fenced, "had a placement fenced by the previous leader")
+        await self._retry(fenced, "takeover")
         self._inherited = {}
 
     async def _recover_lost_nodes(self, now_ms: int) -> None:
@@ -1161,7 +1174,7 @@ class SchedulingEngine:
                     gone = [r for r in gone if claims.get(r.placement_id) != "ended"]
             except Exception:  # the retry must happen all the same: the node is lost
                 log.exception("fencing the placements of lost node(s) %s failed", lost)
-        await self._retry(gone, "lost")
+        await self._retry(gone, "node_lost")
 
     async def _publish_filed(self, filed: list[Filed]) -> bool:
         """Publish final records agents filed and take them off their nodes' claims (a
@@ -1215,7 +1228,7 @@ class SchedulingEngine:
                             len(untaken), exc_info=True)
                 return
         if untaken:
-            await self._retry(untaken, "never took its placement")
+            await self._retry(untaken, "untaken")
 
     async def _drop_ended(self, taken: list[RunningPlacement]) -> dict[str, ClaimState]:
         """Placements claimed already: those their agent has ended are no longer running.
@@ -1257,32 +1270,33 @@ class SchedulingEngine:
                           pending)
             self._unremoved = pending + self._unremoved  # with those ended meanwhile
 
-    async def _retry(self, gone: list[RunningPlacement], why: str) -> None:
+    async def _retry(self, gone: list[RunningPlacement], why: RetryWhy) -> None:
         """Placements that will not run: each request goes back to its class as the next
-        attempt (requeued='node_lost', served first), counted as retried; `why` says in the
-        log what happened to the node. One on the last attempt a request may have ends
-        failed instead (an attempt after it is no request anyone reads)."""
+        attempt (requeued='node_lost', served first), counted as retried for `why`. One on
+        the last attempt a request may have ends failed instead (an attempt after it is no
+        request anyone reads)."""
+        what = RETRY_WHY[why]
         for r in gone:
             del self.running[r.placement_id]
             self.view.release(r.placement_id)
             self._moved_on[r.placement_id] = None
             request = r.request
             if request.attempt >= LAST_ATTEMPT:
-                log.warning("node %s %s: %s ends failed on its last attempt", r.node_id, why,
+                log.warning("node %s %s: %s ends failed on its last attempt", r.node_id, what,
                             request.request_id)
                 waited_ms = max(0, self._clock() - request.created_at_ms)
                 self._retries.append((r.placement_id, Outgoing(RequestResult(
                     request_id=request.request_id, tenant=request.tenant, model=request.model,
-                    status="failed", finish_reason=f"its node {why} on attempt "
+                    status="failed", finish_reason=f"its node {what} on attempt "
                     f"{request.attempt}, the last a request may have", **request.so_far(),
                     queued_ms=waited_ms, total_ms=waited_ms), topics.RESULTS.name,
                     request.request_id, {})))
                 continue
             retry = request.model_copy(update={"attempt": request.attempt + 1,
                                                "requeued": "node_lost"})
-            log.warning("node %s %s: retrying %s as attempt %d", r.node_id, why,
+            log.warning("node %s %s: retrying %s as attempt %d", r.node_id, what,
                         r.request.request_id, retry.attempt)
-            self._metrics.retried.inc()
+            self._metrics.retried.labels(why).inc()
             self._retries.append((r.placement_id, Outgoing(
                 retry, topics.REQUESTS[retry.priority_class].name, retry.request_id, {})))
         await self._publish_retries()
@@ -1455,14 +1469,18 @@ class _Metrics:
                                         "Solver time of one cycle.", registry=registry)
         self.preemptions = Counter("gpusched_scheduler_preemptions_total",
                                    "Running placements preempted.", registry=registry)
-        self.rejected = Counter("gpusched_scheduler_rejections_total", "Requests refused.",
-                                ["reason"], registry=registry)
+        self.rejected = Counter("gpusched_scheduler_rejections_total",
+                                "Requests refused; invalid: every record dead-lettered "
+                                "(requests, node states).", ["reason"], registry=registry)
         for reason in ("quota", "unschedulable", "expired", "invalid"):
             # at 0 from the start: a series first seen at 1 is no increase() to alert on
             self.rejected.labels(reason)
         self.retried = Counter("gpusched_scheduler_retries_total",
-                               "Placements retried because their node was lost.",
-                               registry=registry)
+                               "Placements retried: their node was lost (node_lost), a live "
+                               "node never took them (untaken), or the previous leader "
+                               "fenced them (takeover).", ["why"], registry=registry)
+        for why in RETRY_WHY:
+            self.retried.labels(why)
         self.gpus_wanted = Gauge("gpusched_scheduler_gpus_wanted",
                                  "GPUs wanted per model to meet the latency targets.",
                                  ["model"], registry=registry)
