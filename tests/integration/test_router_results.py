@@ -114,32 +114,41 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
     """Before, the routers knew a request produced straight to Kafka only once it had ended:
     GET and cancel answered 404 while it waited or ran. The routers' group on the request
     topics stores its queued status, with the producer's trace and the defaults the
-    scheduler fills in (the id of a record without one); a status stored first stays, and a
-    record older than the status TTL or no request at all stores nothing."""
+    scheduler fills in (the id of a record without one); a status stored first stays (one
+    running since its first chunk came first gets its tenant), and a record older than the
+    status TTL or no request at all stores nothing."""
     redis = make_redis(RedisSettings(url=stack.endpoints.redis_url))
     hub = ResultsHub(redis, status_ttl_s=60)
     now_ms = int(time.time() * 1000)
-    produced, taken_in, ended, old = (f"seen-{uuid.uuid4().hex[:8]}" for _ in range(4))
+    produced, taken_in, ended, old, started = (f"seen-{uuid.uuid4().hex[:8]}"
+                                               for _ in range(5))
     offset = 1_000_000 + uuid.uuid4().int % 1_000_000  # an id nobody else's record has
     trace_id = uuid.uuid4().hex
     traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01".encode()
 
     def record(payload: dict, at_ms: int = now_ms, headers: tuple = ()) -> ConsumerRecord:
-        return ConsumerRecord(topics.REQUESTS["batch"].name, 2, offset, at_ms, 0, None,
+        rid = payload.get("request_id")  # keyed by it, as producers are told
+        key = rid.encode() if isinstance(rid, str) else None
+        return ConsumerRecord(topics.REQUESTS["batch"].name, 2, offset, at_ms, 0, key,
                               json.dumps(payload).encode(), None, 0, 0, headers)
 
     def asked(request_id: str | None = None) -> dict:
         return {"tenant": "globex", "model": "qwen2.5-1.5b", "prompt": "hi",
                 **({} if request_id is None else {"request_id": request_id})}
     unnamed = f"kafka-{topics.REQUESTS['batch'].name}-2-{offset}"
-    keys = [f"gpusched:request:{rid}" for rid in (produced, taken_in, ended, old, unnamed)]
+    keys = [f"gpusched:request:{rid}"
+            for rid in (produced, taken_in, ended, old, started, unnamed)]
     try:
         await hub.accepted(InferenceRequest(request_id=taken_in, tenant="globex",
                                             model="qwen2.5-1.5b", prompt="hi",
                                             created_at_ms=5), "a" * 32)
         await hub.store_finished(records(result(ended, "done")))
+        # its first chunk stored before its record was read: running, then its tenant added
+        await hub.store_finished(records(TokenChunk(request_id=started, seq=0, text="a",
+                                                    token_count=1)))
         await hub.store_seen([
             record(asked(produced), headers=(("traceparent", traceparent),)),
+            record(asked(started)),
             record(asked()), record(asked(taken_in)), record(asked(ended)),
             record(asked(old), at_ms=now_ms - 61_000),
             record({"tenant": "globex"}), record({"request_id": 5}),
@@ -154,6 +163,9 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
         assert kept["trace_id"] == "a" * 32 and kept["created_at_ms"] == 5
         assert (await hub.status(ended))["status"] == "completed"
         assert await hub.status(old) is None
+        running = await hub.status(started)
+        assert running["status"] == "running" and running["tenant"] == "globex"
+        assert 0 < await redis.ttl(f"gpusched:request:{started}") <= 60
     finally:
         await redis.delete(*keys)
         await redis.aclose()

@@ -26,12 +26,18 @@ from gpusched_common.telemetry import context_from, record_carrier, trace_id_hex
 
 STATUS_KEY = "gpusched:request:{}"
 _STARTED = """
-if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'running')
+elseif not status then
+  redis.call('HSET', KEYS[1], 'status', 'running')
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
 end
 """
-"""queued -> running, and nothing else: a terminal status stays, and a request this router
-never took in gets no status."""
+"""queued (or none yet) -> running, and nothing else: a terminal status stays. A request
+whose queued status is not stored yet (produced straight to Kafka, its record not read yet
+by the routers' requests group) is running all the same; that group adds its tenant and the
+rest (ARGV: the TTL)."""
 _FINISHED = """
 if redis.call('HEXISTS', KEYS[1], 'result') == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 2))
@@ -42,13 +48,18 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 every router's clients got, since all read the partition in the same order; a request run
 twice (its node cut off, then back) or rejected after its result keeps it."""
 _SEEN = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+local created = redis.call('EXISTS', KEYS[1]) == 0
+for i = 2, #ARGV, 2 do
+  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if created then
   redis.call('EXPIRE', KEYS[1], ARGV[1])
 end
 """
-"""A request read on its topic gets a queued status if it has none (ARGV as _FINISHED's):
-the status a router stored as it took the request in, or an outcome stored first, stays."""
+"""A request read on its topic gets each field of a queued status it has not (ARGV as
+_FINISHED's): what a router stored as it took the request in, running, or an outcome
+stored first stays; a status that lacks the tenant (running, or a rejection that named
+none) gets it."""
 
 
 class ResultsHub:
@@ -87,14 +98,25 @@ class ResultsHub:
 
     async def store_seen(self, records: list[ConsumerRecord], now_ms: int) -> None:
         """Store a queued status for each request among `records` (read on the request
-        topics) that has none: one produced straight to Kafka, or one whose router could not
-        store it. A record older than the status TTL is left out: its status, stored or not,
+        topics) that has none, or the fields a status lacks (a running one whose first chunk
+        came first): a request produced straight to Kafka, or one whose router could not
+        store its status. A record older than the status TTL is left out: its status, stored or not,
         would have expired by now. Records that are not requests (the scheduler dead-letters
         them) are skipped. Raises RedisError, so that the caller's batch is delivered again."""
+        fresh = [r for r in records if now_ms - r.timestamp <= self._ttl_s * 1000]
+        # Most records are the routers' own, whose status names its tenant already: known by
+        # their key (the request id, as every producer is told to key them), they are not
+        # parsed (a prompt may be 640 KiB).
+        keyed = [r for r in fresh if isinstance(r.key, bytes)]
+        if keyed:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for record in keyed:
+                    pipe.hexists(STATUS_KEY.format(record.key.decode(errors="replace")),
+                                 "tenant")
+                known = {id(r) for r, has in zip(keyed, await pipe.execute()) if has}
+            fresh = [r for r in fresh if id(r) not in known]
         seen = []
-        for record in records:
-            if now_ms - record.timestamp > self._ttl_s * 1000:
-                continue
+        for record in fresh:
             try:  # read as the scheduler reads it: the same defaults, the same id
                 request = REQUEST.validate_python(request_payload(record))
             except ValueError:
@@ -146,7 +168,8 @@ class ResultsHub:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
             for request_id in started:
-                await self._started(keys=[STATUS_KEY.format(request_id)], client=pipe)
+                await self._started(keys=[STATUS_KEY.format(request_id)], args=[self._ttl_s],
+                                    client=pipe)
             for event in finals:
                 fields = [x for pair in _status_fields(event).items() for x in pair]
                 await self._finished(keys=[STATUS_KEY.format(event.request_id)],
