@@ -492,10 +492,18 @@ def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
 
 @pytest.mark.parametrize("status_code,reason,code", [
     (400, VLLM_CONTEXT, "context_length_exceeded"),
+    (400, "inference server answered 400: The decoder prompt (length 9001) is longer than the "
+     "maximum model length of 8192. Make sure that `max_model_len` is no smaller than the "
+     "number of text tokens.", "context_length_exceeded"),
+    (400, "inference server answered 400: The input (9001 tokens) is longer than the model's "
+     "context length (8192 tokens).", "context_length_exceeded"),
+    (422, "inference server answered 422: Input validation error: `inputs` tokens + "
+     "`max_new_tokens` must be <= 8192. Given: 9000 `inputs` tokens and 64 `max_new_tokens`",
+     "context_length_exceeded"),
     (400, "inference server answered 400: Conversation roles must alternate user/assistant/"
      "user/assistant/...", "engine_refused_request"),
     (422, "inference server answered 422: Input validation error", "engine_refused_request"),
-], ids=["context", "chat-template", "422"])
+], ids=["context", "vllm-engine", "sglang", "tgi", "chat-template", "422"])
 def test_a_request_its_engine_refused_is_the_engines_4xx_not_a_502(
         status_code: int, reason: str, code: str) -> None:
     """The engine's refusal was a 502 server_error: the openai SDK sent the doomed request

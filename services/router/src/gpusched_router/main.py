@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -74,6 +75,14 @@ BUSY_RETRY_AFTER_S = 1
 503 guesses 1 s: about the openai SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so
 a client that honours it retries no faster than the SDK did without it, and none waits long
 for room that one request's end gives."""
+CONTEXT_EXCEEDED = re.compile(
+    r"maximum context length"  # vLLM's API server, and OpenAI's own words
+    r"|longer than the maximum model length"  # vLLM's engine ("The decoder prompt ...")
+    r"|longer than the model's context length"  # SGLang
+    r"|tokens \+ `?max_new_tokens`? must be <=",  # TGI's 422
+    re.IGNORECASE)
+"""An inference engine's refusal that says the prompt and completion exceed the model's
+context: the router answers it as OpenAI does, `context_length_exceeded`."""
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
 log = logging.getLogger(__name__)
 
@@ -579,8 +588,8 @@ def _failure(result: RequestResult) -> ApiError | None:
         if result.engine_status_code is None:  # the executor or its engine broke
             return ApiError(502, message)
         # refused as sent: the engine's 4xx, and the code OpenAI clients trim a conversation
-        # on where the engine's words (vLLM's are OpenAI's) say the context ran out
-        context = "maximum context length" in result.finish_reason.lower()
+        # on where the engine's words say the context ran out
+        context = CONTEXT_EXCEEDED.search(result.finish_reason) is not None
         return ApiError(result.engine_status_code, message,
                         code="context_length_exceeded" if context else "engine_refused_request")
     if result.status == "cancelled":  # its reason reads "cancelled: <why>" or "cancelled before"
