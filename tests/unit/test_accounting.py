@@ -807,6 +807,27 @@ async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
     assert rows[-1].startswith("2025-11-30T11:59:00Z,minute,globex,total,,1,")
 
 
+async def test_head_of_an_export_reads_its_first_page_only(usage_app, monkeypatch) -> None:
+    """HEAD ran the whole export (up to 100,000 buckets read, on the event loop the usage
+    consumer shares) and threw it away; it reads the first page, which tells whether Redis
+    answers (a 503 otherwise), as GET does before it starts."""
+    read: list[tuple[str | None, int]] = []
+
+    async def tenants() -> list[str]:
+        return ["acme", "globex"]
+
+    async def one_each(tenant, buckets) -> list[dict]:
+        read.append((tenant, len(buckets)))
+        return [{TOTAL_FIELD: Totals(prompt_tokens=1)} for _ in buckets]
+
+    monkeypatch.setattr(usage_app.state.store, "tenants", tenants)
+    monkeypatch.setattr(usage_app.state.store, "buckets", one_each)
+    reply = await ask(usage_app, "/v1/usage/export.csv", "sk-admin-demo", "HEAD",
+                      granularity="minute", start=str(NOW - 1000 * 60_000), end=str(NOW))
+    assert (reply.status_code, reply.content) == (200, b"")
+    assert read == [("acme", 500)]
+
+
 @pytest.mark.parametrize("key,params", [
     ("sk-acme-demo", {}), ("sk-acme-demo", {"group_by": "model"}), ("sk-admin-demo", {}),
     ("sk-admin-demo", {"group_by": "node"}),

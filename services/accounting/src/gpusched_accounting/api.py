@@ -304,6 +304,7 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
     @get_and_head(api, "/export.csv", response_class=StreamingResponse,
                   responses={200: {"content": {"text/csv": {}}}})
     async def export_csv(
+        request: Request,
         tenant: str | None = Query(default=None, description="Default: the caller's tenant; "
                                    "an admin key without it exports every tenant."),
         granularity: Granularity = "hour",
@@ -353,6 +354,10 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         # read before the answer starts: with Redis away this is the 503 with Retry-After,
         # not a 200 whose body breaks off (a client saw a cut connection, or a short file)
         page = await anext(read, None)
+        headers = {"content-disposition": 'attachment; filename="usage.csv"'}
+        if request.method == "HEAD":  # the GET's status and headers; nothing more is read
+            await read.aclose()
+            return StreamingResponse(iter(()), media_type="text/csv", headers=headers)
 
         async def body() -> AsyncIterator[str]:
             out = io.StringIO()
@@ -379,7 +384,6 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
                 next_page = await anext(read, None)
             yield out.getvalue()
 
-        return StreamingResponse(body(), media_type="text/csv", headers={
-            "content-disposition": 'attachment; filename="usage.csv"'})
+        return StreamingResponse(body(), media_type="text/csv", headers=headers)
 
     return api
