@@ -1380,10 +1380,12 @@ async def test_an_engines_prompt_count_beyond_the_models_context_is_not_billed()
 @pytest.mark.parametrize("event", [
     '{"choices": [{"delta": "hi"}]}', '{"choices": [{"text": 5}]}',
     '{"choices": [{"delta": {"content": ["a"]}}]}', '{"choices": {"0": {"text": "a"}}}',
-], ids=["delta-string", "text-number", "content-list", "choices-object"])
+    '{"choices": [{"text": "a", "finish_reason": {"type": "stop", "matched": 2}}]}',
+], ids=["delta-string", "text-number", "content-list", "choices-object", "finish-object"])
 async def test_an_event_of_another_shape_fails_as_the_engines_fault(event: str) -> None:
-    """They raised AttributeError or TypeError from inside the executor, or (choices as an
-    object) passed for an empty answer."""
+    """They raised AttributeError or TypeError from inside the executor (a finish reason
+    as an object, as SGLang's native API sends: "unhashable type: 'dict'"), or (choices as
+    an object) passed for an empty answer."""
     executor = engine(event, "[DONE]")
     with pytest.raises(ExecutorError, match="shape|not a list"):
         await collect(executor.generate(job("odd", max_tokens=3)))

@@ -246,7 +246,7 @@ async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
         yield line[5:].strip()
 
 
-def _event(data: str) -> tuple[str, int | None, int | None, object]:
+def _event(data: str) -> tuple[str, int | None, int | None, str | None]:
     """The text of the first choice in one event, the engine's counts of completion tokens
     so far and of prompt tokens when the event carries them, and the choice's finish
     reason (None until the last); an error event raises."""
@@ -270,11 +270,13 @@ def _event(data: str) -> tuple[str, int | None, int | None, object]:
             delta = choice.get("delta") or {}
             piece = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
                                            else None)
-            if not isinstance(delta, dict) or not isinstance(piece, str | None):
+            reason = choice.get("finish_reason")  # SGLang's native API sends an object
+            if not isinstance(delta, dict) or not isinstance(piece, str | None) or \
+                    not isinstance(reason, str | None):
                 raise ExecutorError(f"inference server sent a choice of another shape than "
                                     f"OpenAI's: {data[:200]!r}")
             text += piece or ""
-            finish = choice.get("finish_reason") or finish
+            finish = reason or finish
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
     return (text, _count(usage.get("completion_tokens"), 0),
             _count(usage.get("prompt_tokens"), 1), finish)
