@@ -474,6 +474,22 @@ async def test_an_engine_that_aborts_a_reply_fails_it_and_one_out_of_context_say
     await out_of_context.close()
 
 
+async def test_a_stop_string_on_the_last_token_allowed_finishes_with_stop_not_length() -> None:
+    """vLLM withholds a stop string it was passed and says `stop`, counting its tokens: one
+    that ended on the last token `max_tokens` allows read `length`, as if cut off there."""
+    from gpusched_common.contracts import RequestResult
+
+    stopped = json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "stop",
+                                       "stop_reason": "END"}],
+                          "usage": {"prompt_tokens": 17, "completion_tokens": 4}})
+    executor = engine(delta(" a", counted=1), delta(" b", counted=2), stopped, "[DONE]")
+    sent, _ = await run_on(executor, job("end", max_tokens=4, stop=["END"]).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.finish_reason, result.text, result.completion_tokens) == (
+        "completed", "stop", " a b", 4)
+    await executor.close()
+
+
 @pytest.mark.parametrize("reason", ["eos_token", "stop_sequence", "content_filter"])
 async def test_other_finish_reasons_end_a_reply_normally(reason: str) -> None:
     """TGI before 2.3 ends a reply with `eos_token` or `stop_sequence`: not a failure."""

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpusched_agent.adapters.executor import (
-    CutShort,
+    EngineFinished,
     Executor,
     ExecutorRefused,
     ExecutorUnavailable,
@@ -579,7 +579,7 @@ class AgentRuntime:
             stops.feed(token)
         ttft_ms: float | None = None
         status, finish_reason = "completed", "length"
-        cut_short = False  # by the engine, at a limit of its own
+        engine_finish: str | None = None  # why the engine said it ended the reply
         requeue: str | None = None  # handed back as the next attempt, requeued so
         refused = False  # by this node, which could not run it
         engine_status_code: int | None = None  # the engine's 4xx, where it refused the input
@@ -604,8 +604,8 @@ class AgentRuntime:
                     if isinstance(token, PromptTokens):
                         self._engine_counted_prompt(run, token.count, request, model)
                         continue
-                    if isinstance(token, CutShort):
-                        cut_short = True
+                    if isinstance(token, EngineFinished):
+                        engine_finish = token.reason
                         continue
                     if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
                         break  # so neither kept nor billed (and a hand-back stays valid)
@@ -639,8 +639,10 @@ class AgentRuntime:
                         # The cancel may have landed inside a client that swallows it (a
                         # Kafka send): never trust it alone, stop here at the latest.
                         raise asyncio.CancelledError
-            if len(pieces) < request.max_tokens and (finish_reason == "stop" or not cut_short):
-                finish_reason = "stop"  # a stop string, or the model ended its text (EOS)
+            if finish_reason != "stop":  # not ended at a stop string found here: the
+                # engine's word, else fewer tokens than asked is the model ending its text
+                finish_reason = engine_finish or (
+                    "stop" if len(pieces) < request.max_tokens else "length")
         except asyncio.CancelledError:
             if run.stop_reason is None:
                 raise  # not ours (the loop is shutting down): let it propagate

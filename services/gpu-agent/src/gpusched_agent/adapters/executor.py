@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gpusched_common.catalog import GpuType, ModelSpec
 from gpusched_common.contracts import InferenceRequest
@@ -39,9 +39,13 @@ class PromptTokens:
 
 
 @dataclass(frozen=True)
-class CutShort:
-    """The engine ended the reply at a limit of its own before `max_tokens` (the model's
-    context ran out): the result's finish reason is then `length`, not `stop`."""
+class EngineFinished:
+    """Why the engine said it ended the reply, which the result's finish reason then is:
+    `stop` (the model ended its text, or a stop string ended it, on the last token
+    `max_tokens` allows too) or `length` (a limit: before `max_tokens`, the model's context
+    ran out). Without it the runtime tells them apart by the reply's length alone."""
+
+    reason: Literal["stop", "length"]
 
 
 class Executor(Protocol):
@@ -55,14 +59,14 @@ class Executor(Protocol):
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """Free the model's memory on the device (idempotent)."""
 
-    def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens | CutShort, None]:
+    def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens | EngineFinished, None]:
         """Yield the text of each generated token, one token per item, up to max_tokens
         (fewer when the model ends its text). Closing the generator (the runtime does at a
         stop string) or cancelling its consumer stops the request promptly. The runtime
         applies `request.stop`; an executor may also pass it on to its engine. One whose
         engine counts the prompt with the model's tokenizer yields that count once, as
-        `PromptTokens`, as soon as it knows it; one whose engine says it stopped at its
-        own limit yields `CutShort` before it ends."""
+        `PromptTokens`, as soon as it knows it; one whose engine says why it ended the
+        reply yields that as `EngineFinished` before it ends."""
 
     async def health(self) -> str | None:
         """Why the executor cannot run work now (its engine is down or loading), or None.

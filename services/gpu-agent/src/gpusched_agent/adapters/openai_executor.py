@@ -18,8 +18,9 @@ connection: engines abort there.
 A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
 OpenAI's shape, a finish reason of a reply given up on (vLLM's `abort`, `error`), and an
 engine that sends no token for `timeout_s` fail the request instead of passing for a short
-answer; an engine's `length` before `max_tokens` (its context ran out) is the result's
-finish reason. An error body, a health answer and an event line are each read within a
+answer; the engine's finish reason is the result's (`length` before `max_tokens`: its
+context ran out; `stop` on the last token `max_tokens` allows: a stop string or the end of
+the text came there). An error body, a health answer and an event line are each read within a
 bound of time and size, so an engine that trickles cannot hold the agent. Text is passed
 on in whole characters (an emoji split into two JSON escapes across events is joined; a
 lone half becomes U+FFFD), as records need.
@@ -44,7 +45,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import httpx
 
 from gpusched_agent.adapters.executor import (
-    CutShort,
+    EngineFinished,
     ExecutorError,
     ExecutorRefused,
     ExecutorUnavailable,
@@ -93,7 +94,8 @@ class OpenAIExecutor:
     async def unload(self, model_name: str, gpu_index: int) -> None:
         """The engine owns its memory; nothing to do."""
 
-    async def generate(self, job: Job) -> AsyncGenerator[str | PromptTokens | CutShort, None]:
+    async def generate(self, job: Job
+                       ) -> AsyncGenerator[str | PromptTokens | EngineFinished, None]:
         request = job.request
         body: dict[str, object] = {"model": self._model_override or job.model.name,
                                    "max_tokens": request.max_tokens, "stream": True}
@@ -151,11 +153,11 @@ class OpenAIExecutor:
                     elif time.monotonic() - progress > self._timeout_s:  # events, no tokens
                         raise ExecutorError(f"inference server sent no token for "
                                             f"{self._timeout_s:g} s")
-                    if finish == "length" and counted < request.max_tokens:
-                        yield CutShort()
-                    elif finish in FAILED_FINISH:  # any other is a normal end (TGI's eos_token)
+                    if finish in FAILED_FINISH:
                         raise ExecutorError(f"inference server ended the reply with finish "
                                             f"reason {finish!r}: it may be cut short")
+                    if finish is not None:  # any but `length` is a normal end (TGI's eos_token)
+                        yield EngineFinished("length" if finish == "length" else "stop")
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
                                     "reply may be cut short")
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
