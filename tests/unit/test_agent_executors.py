@@ -1366,6 +1366,24 @@ async def test_an_emoji_split_across_events_is_joined_and_a_lone_half_replaced()
     await executor.close()
 
 
+@pytest.mark.parametrize("counts", [True, False], ids=["engine-counts", "no-counts"])
+async def test_a_lone_half_at_the_end_of_the_reply_is_replaced_and_its_token_billed_once(
+        counts: bool) -> None:
+    """The half waited for its rest, which never came: it was dropped from the text."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    def event(escaped: str, count: int) -> str:  # JSON escapes: no lone half is UTF-8
+        usage = f', "usage": {{"completion_tokens": {count}}}' if counts else ""
+        return f'{{"choices": [{{"text": "{escaped}"}}]{usage}}}'
+
+    executor = engine(event("a", 1), event("\\ud83d", 2), "[DONE]")
+    sent, _ = await run_on(executor, job("half", max_tokens=5).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.text, result.completion_tokens) == ("a\ufffd", 2)
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 2
+    await executor.close()
+
+
 async def test_a_stop_string_in_a_delta_of_several_tokens_bills_them_all() -> None:
     """The text came first and the delta's other tokens after it, so the runtime, closing
     the stream at the stop string, billed 2 of the 4 tokens the engine counted."""

@@ -128,26 +128,35 @@ class OpenAIExecutor:
                     detail = (await _start_of(resp))[:200]
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
-                counted = 0  # items yielded: tokens as the runtime bills them
+                counted = 0  # tokens as the runtime bills them: items yielded, or owed
                 prompt_told, held = False, ""
+                owed: str | None = None  # the text of a counted token that ended in half a
+                # character: it goes (an item of its own) with the rest of that character
                 progress = time.monotonic()
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
+                        if held:  # no rest came: the half is replaced, its token billed once
+                            yield (owed or "") + "\ufffd"
                         return
                     text, engine_count, prompt_count, finish = _event(data)
                     text, held = _whole_characters(held + text)
                     if prompt_count is not None and not prompt_told:
                         prompt_told = True
                         yield PromptTokens(prompt_count)
-                    tokens = 1 if text else 0
+                    # the rest of a character whose token is owed is no token of its own
+                    tokens = 1 if text[owed is not None:] else 0
                     if engine_count is not None:  # the engine's running count is the truth,
                         # up to what was asked: beyond, the runtime would cut the text off
                         tokens = max(tokens, min(engine_count, request.max_tokens) - counted)
+                    counted += tokens
+                    text, items = (owed or "") + text, tokens + (owed is not None)
+                    owed = None
+                    if held and items:
+                        owed, text, items = text, "", items - 1
                     # the text last: a stop string the runtime finds in it ends the request
                     # with every token of the delta counted
-                    for i in range(tokens):
-                        yield text if i == tokens - 1 else ""
-                    counted += tokens
+                    for i in range(items):
+                        yield text if i == items - 1 else ""
                     if tokens:
                         progress = time.monotonic()
                     elif time.monotonic() - progress > self._timeout_s:  # events, no tokens
