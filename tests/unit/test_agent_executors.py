@@ -538,7 +538,10 @@ async def test_an_engine_that_trickles_holds_neither_a_request_nor_the_heartbeat
 
 
 async def test_an_engine_that_sends_events_without_tokens_times_out() -> None:
-    """Token-less events kept the request alive for ever: the time-out counted any event."""
+    """Token-less events kept the request alive for ever: the time-out counted any event.
+    The engine is wedged, not the request at fault: it goes on elsewhere."""
+    from gpusched_agent.adapters.executor import ExecutorUnavailable
+
     async def idle():  # noqa: ANN202
         yield f"data: {delta('a')}\n\n".encode()
         while True:
@@ -546,7 +549,7 @@ async def test_an_engine_that_sends_events_without_tokens_times_out() -> None:
             yield f"data: {json.dumps({'choices': []})}\n\n".encode()
 
     executor = engine(content=idle(), timeout_s=0.3)
-    with pytest.raises(ExecutorError, match="no token for 0.3 s"):
+    with pytest.raises(ExecutorUnavailable, match="no token for 0.3 s"):
         async with asyncio.timeout(10):
             await collect(executor.generate(job("idle", max_tokens=5)))
     await executor.close()
@@ -601,6 +604,7 @@ async def test_openai_executor_takes_only_the_first_choice() -> None:
 async def test_openai_executor_fails_a_server_that_only_keeps_the_connection_open() -> None:
     """Keep-alive comments every 50 ms reset httpx's read time-out, so a stalled engine held
     the request forever; the time-out now counts events only."""
+    from gpusched_agent.adapters.executor import ExecutorUnavailable
 
     async def stall():  # noqa: ANN202
         yield f"data: {delta(' a')}\n\n".encode()
@@ -610,7 +614,7 @@ async def test_openai_executor_fails_a_server_that_only_keeps_the_connection_ope
 
     executor = engine(content=stall(), timeout_s=0.3)
     got: list[str] = []
-    with pytest.raises(ExecutorError, match="no event for 0.3 s"):
+    with pytest.raises(ExecutorUnavailable, match="no event for 0.3 s"):
         async with asyncio.timeout(10):
             async for token in executor.generate(job("s", max_tokens=5)):
                 got.append(token)
@@ -1170,6 +1174,57 @@ async def test_an_unavailable_engine_is_told_apart_from_a_failed_request(mode: s
     assert (await executor.health() is None) == (mode == "crash")
     engine_.mode = "up"
     assert await executor.health() is None
+    await executor.close()
+
+
+@pytest.mark.parametrize("stall_at", [None, 2], ids=["before-headers", "mid-stream"])
+async def test_a_wedged_engine_hands_its_request_back_and_the_node_waits_for_a_token(
+        stall_at: int | None) -> None:
+    """An engine that sent nothing for the time-out (httpx's ReadTimeout) failed its request
+    as `executor error: ... ReadTimeout('')`, blamed on the request, with half its answer,
+    and the node kept taking work: a wedged vLLM still answers /v1/models. Now it goes on
+    elsewhere after its tokens, and the node takes none until the engine makes a token."""
+    import httpx
+
+    from gpusched_common.contracts import RequestResult
+
+    wedged, asked = True, []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        asked.append((request.url.path, body.get("max_tokens")))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": []})
+        if wedged and (stall_at is None or not body["stream"]):
+            raise httpx.ReadTimeout("", request=request)
+
+        async def events():  # noqa: ANN202
+            for i in range(body["max_tokens"]):
+                if wedged and i == stall_at:
+                    raise httpx.ReadTimeout("", request=request)
+                yield f"data: {delta(f' e{i}')}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(answer)))
+    sent, runtime = make_runtime(executor)
+    await place(runtime, job("w", max_tokens=6).request)
+    assert not [m for m in sent if isinstance(m, RequestResult)]
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.requeued, again.resume.tokens) == (
+        "node_lost", () if stall_at is None else (" e0", " e1"))
+    assert runtime.node.down == "inference server at http://engine sent nothing for 600 s"
+    await runtime._check_engine()  # /v1/models answers, and is not enough
+    assert "one token, asked since a request stalled on it" in (runtime.node.down or "")
+    assert asked[-2:] == [("/v1/models", None), ("/v1/completions", 1)]
+    wedged = False
+    await runtime._check_engine()
+    assert runtime.node.down is None
+    await runtime._check_engine()  # a token came: /v1/models is enough again
+    assert asked[-1] == ("/v1/models", None) and asked[-2] == ("/v1/completions", 1)
     await executor.close()
 
 

@@ -26,8 +26,9 @@ class AgentSettings(ServiceSettings):
         default=None, description="Model name sent to the server instead of the catalog's.")
     openai_api_key: str | None = Field(default=None, description="Bearer key of the server.")
     openai_timeout_s: float = Field(
-        default=600.0, gt=0, le=86400, description="A request fails when the server sends no "
-        "event (a token, or its first) for this long; keep-alive comments do not count.")
+        default=600.0, gt=0, le=86400, description="A server that sends no event, or no "
+        "token, for this long is wedged (keep-alive comments do not count): the request goes "
+        "on elsewhere, and the node takes no work until the server generates a token again.")
     openai_stream_usage: bool = Field(
         default=True, description="Ask the server for its token counts as it streams (vLLM, "
         "SGLang) and bill those; off for a server that refuses `stream_options`: each "

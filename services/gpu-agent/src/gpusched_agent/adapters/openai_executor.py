@@ -16,22 +16,24 @@ as one token, and the prompt is billed as estimated. Closing the stream closes t
 connection: engines abort there.
 
 A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
-OpenAI's shape, a finish reason of a reply given up on (vLLM's `abort`, `error`), and an
-engine that sends no token for `timeout_s` fail the request instead of passing for a short
-answer; the engine's finish reason is the result's (`length` before `max_tokens`: its
-context ran out; `stop` on the last token `max_tokens` allows: a stop string or the end of
-the text came there). An error body, a health answer and an event line are each read within a
-bound of time and size, so an engine that trickles cannot hold the agent. Text is passed
+OpenAI's shape, and a finish reason of a reply given up on (vLLM's `abort`, `error`) fail
+the request instead of passing for a short answer; the engine's finish reason is the
+result's (`length` before `max_tokens`: its context ran out; `stop` on the last token
+`max_tokens` allows: a stop string or the end of the text came there). An error body, a
+health answer and an event line are each read within a bound of time and size, so an
+engine that trickles cannot hold the agent. Text is passed
 on in whole characters (an emoji split into two JSON escapes across events is joined; a
 lone half becomes U+FFFD), as records need.
 
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
-a proxy without it), or drops the connection mid-stream (it crashed) is unavailable, not
+a proxy without it), drops the connection mid-stream (it crashed), or sends nothing (or
+nothing but keep-alives, or no token) for `timeout_s` (it is wedged) is unavailable, not
 at fault with the request: the runtime hands the request back. One that answers 400, 413
 or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model's context
 by its tokenizer): the request fails with that status and the engine's message, which its
 client is answered with. `health` asks its `/v1/models`, which each of these engines
-serves once its model is loaded.
+serves once its model is loaded, and after a stall a one-token completion too, which a
+wedged vLLM, whose API still answers /v1/models, does not give.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class OpenAIExecutor:
         self._model_override = model_override
         self._timeout_s = timeout_s
         self._stream_usage = stream_usage
+        self._stalled_model: str | None = None
+        """The model a request last stalled on (the engine sent nothing for `timeout_s`),
+        until the engine generates a token for `health` again."""
         # no cap on connections: the node admits requests by memory, and a 101st stream must
         # not wait for one of the first 100 to end (httpx's default)
         self._client = client or httpx.AsyncClient(
@@ -160,8 +165,8 @@ class OpenAIExecutor:
                     if tokens:
                         progress = time.monotonic()
                     elif time.monotonic() - progress > self._timeout_s:  # events, no tokens
-                        raise ExecutorError(f"inference server sent no token for "
-                                            f"{self._timeout_s:g} s")
+                        raise _Stalled(f"inference server sent no token for "
+                                       f"{self._timeout_s:g} s")
                     if finish in FAILED_FINISH:
                         raise ExecutorError(f"inference server ended the reply with finish "
                                             f"reason {finish!r}: it may be cut short")
@@ -173,26 +178,54 @@ class OpenAIExecutor:
                 httpx.RemoteProtocolError) as exc:  # not there, or gone mid-stream
             raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
                                       f"unreachable or dropped the stream: {exc!r}") from exc
+        except (_Stalled, httpx.TimeoutException) as exc:  # a connect's is taken above
+            self._stalled_model = str(body["model"])
+            if isinstance(exc, _Stalled):
+                raise
+            raise _Stalled(f"inference server at {self._client.base_url} sent nothing for "
+                           f"{self._timeout_s:g} s") from exc
         except httpx.HTTPError as exc:
             raise ExecutorError(f"inference server at {self._client.base_url} failed the "
                                 f"request: {exc!r}") from exc
 
     async def health(self) -> str | None:
+        """Why the engine cannot run work, or None: it must answer /v1/models and, after a
+        request stalled on it, generate a token too, since a wedged vLLM (its engine loop
+        hung) still answers /v1/models."""
+        problem = await self._answers("/v1/models")
+        if problem is None and (model := self._stalled_model) is not None:
+            problem = await self._answers("/v1/completions", {
+                "model": model, "prompt": "ping", "max_tokens": 1, "stream": False})
+            if problem is not None:
+                return f"{problem} (one token, asked since a request stalled on it)"
+            self._stalled_model = None
+        return problem
+
+    async def _answers(self, path: str, body: dict[str, object] | None = None) -> str | None:
+        """Why the engine did not answer a GET of `path` (a POST of `body`, given one) with a
+        200 within HEALTH_TIMEOUT_S, or None."""
         try:  # httpx's timeout bounds each read: one that trickles would hold the heartbeat
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                resp = await self._client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+                resp = await self._client.request("GET" if body is None else "POST", path,
+                                                  json=body, timeout=HEALTH_TIMEOUT_S)
         except TimeoutError:
-            return (f"inference server at {self._client.base_url} did not answer /v1/models "
+            return (f"inference server at {self._client.base_url} did not answer {path} "
                     f"within {HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
             return f"inference server at {self._client.base_url} unreachable: {exc!r}"
         if resp.status_code != 200:
             return (f"inference server at {self._client.base_url} answered "
-                    f"{resp.status_code} on /v1/models")
+                    f"{resp.status_code} on {path}")
         return None
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+class _Stalled(ExecutorUnavailable):
+    """The engine sent nothing (keep-alive comments aside), or no token, for the time-out:
+    wedged, its fault as a crash is. The request goes on elsewhere with its tokens, and the
+    node takes no work until the engine generates again (`health`)."""
 
 
 _LINE_END = re.compile(r"\r\n|\n|\r")
@@ -252,7 +285,7 @@ async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
             raise ExecutorError(f"inference server sent an event line over "
                                 f"{MAX_EVENT_CHARS:,} characters")
         if time.monotonic() - last > timeout_s:
-            raise ExecutorError(f"inference server sent no event for {timeout_s:g} s")
+            raise _Stalled(f"inference server sent no event for {timeout_s:g} s")
     if (line := "".join(pending)).startswith("data:"):
         yield line[5:].strip()
 
