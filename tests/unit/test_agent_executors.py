@@ -1282,10 +1282,12 @@ async def test_an_engine_status_about_itself_is_no_refusal_of_the_request(status
     await executor.close()
 
 
-async def test_a_request_the_engine_refuses_ends_failed_with_its_status_billed_as_a_fault(
+async def test_a_request_the_engine_refuses_ends_failed_with_its_status_and_no_prompt_billed(
 ) -> None:
     """Failed at once with the engine's 4xx, never handed back (it would be refused on any
-    node), and billed exactly as a request the engine failed on with a 500."""
+    node), and billed as a request the engine turned away with a 500 is. Both were billed
+    their prompt as estimated, which neither engine processed (5,000 tokens for a prompt
+    vLLM found too long); the GPU time their placements held is billed."""
     from gpusched_common.contracts import NodeState, RequestResult, UsageRecord
 
     outcomes = {}
@@ -1302,8 +1304,41 @@ async def test_a_request_the_engine_refuses_ends_failed_with_its_status_billed_a
     assert (broke.status, broke.engine_status_code) == ("failed", None)
     assert broke.finish_reason == "executor error: inference server answered 500: engine bug"
     assert [(u.prompt_tokens, u.completion_tokens, u.final) for _, u in outcomes.values()
-            ] == [(10, 0, True)] * 2
-    assert refused.prompt_tokens == broke.prompt_tokens == 10
+            ] == [(0, 0, True)] * 2
+    assert all(u.gpu_seconds > 0 for _, u in outcomes.values())
+    assert refused.prompt_tokens == broke.prompt_tokens == 0
+
+
+async def test_a_prompt_billed_before_the_engine_refused_stays_billed_and_a_handback_bills_it(
+) -> None:
+    """An engine that took longer than a usage interval to refuse: the partial record billed
+    the prompt by then, and the result says so (usage is never taken back). An engine
+    unavailable hands the request back billed its prompt, as every attempt after bills none
+    (the prompt is billed once, by the first attempt that ran)."""
+    import httpx
+
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    async def slow_refusal(_: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.3)
+        return httpx.Response(400, json=VLLM_CONTEXT_400)
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(slow_refusal)))
+    sent, runtime = make_runtime(executor, usage_interval_s=0.05)
+    await place(runtime, job("slow", prompt="x" * 40).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    usage = [m for m in sent if isinstance(m, UsageRecord)]
+    assert (result.status, result.engine_status_code) == ("failed", 400)
+    assert result.prompt_tokens == sum(u.prompt_tokens for u in usage) == 10
+    assert usage[-1].final and usage[-1].prompt_tokens == 0  # billed by a partial record
+    await executor.close()
+    busy = refusing(503, text="server is restarting")
+    sent, _ = await run_on(busy, job("busy", prompt="x" * 40).request)
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert again.requeued == "node_lost"
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 10
+    await busy.close()
 
 
 async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_until_it_is_up(

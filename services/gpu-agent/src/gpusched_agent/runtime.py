@@ -24,6 +24,7 @@ from gpusched_agent.adapters.executor import (
     EngineFinished,
     Executor,
     ExecutorRefused,
+    ExecutorTurnedAway,
     ExecutorUnavailable,
     Job,
     PromptTokens,
@@ -661,12 +662,17 @@ class AgentRuntime:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
-        except ExecutorRefused as exc:  # the request's own fault: every engine refuses it
-            log.info("placement %s refused by the engine: %s", pid, exc)
-            status, finish_reason, engine_status_code = "failed", str(exc), exc.status_code
         except Exception as exc:  # an executor fault ends this request, not the agent
-            log.exception("placement %s failed", pid)
-            status, finish_reason = "failed", f"executor error: {exc}"
+            if isinstance(exc, ExecutorRefused):  # its own fault: every engine refuses it
+                log.info("placement %s refused by the engine: %s", pid, exc)
+                finish_reason, engine_status_code = str(exc), exc.status_code
+            else:
+                log.exception("placement %s failed", pid)
+                finish_reason = f"executor error: {exc}"
+            status = "failed"
+            if isinstance(exc, ExecutorTurnedAway):  # the engine processed none of it: its
+                # prompt is not billed, unless a partial record did before the answer came
+                run.prompt_tokens = run.billed_prompt
         finally:
             run.interruptible = False
             partials.cancel()  # before the final record: none comes after it. Once

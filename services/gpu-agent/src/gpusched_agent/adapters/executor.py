@@ -80,7 +80,13 @@ class ExecutorError(RuntimeError):
     """A request failed inside the executor (the agent survives; the request ends failed)."""
 
 
-class ExecutorRefused(ExecutorError):
+class ExecutorTurnedAway(ExecutorError):
+    """The engine answered an error status instead of taking the request: it processed none
+    of it, so the request ends failed without its prompt billed (the GPU time its placement
+    held is billed)."""
+
+
+class ExecutorRefused(ExecutorTurnedAway):
     """The engine refused the request itself as invalid (its prompt longer than the model's
     context by the engine's own tokenizer and chat template, turns its chat template does not
     take): any engine would refuse it the same, so the request ends failed at once, with no

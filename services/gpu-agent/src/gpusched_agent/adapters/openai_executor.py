@@ -31,9 +31,11 @@ nothing but keep-alives, or no token) for `timeout_s` (it is wedged) is unavaila
 at fault with the request: the runtime hands the request back. One that answers 400, 413
 or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model's context
 by its tokenizer): the request fails with that status and the engine's message, which its
-client is answered with. `health` asks its `/v1/models`, which each of these engines
-serves once its model is loaded, and after a stall a one-token completion too, which a
-wedged vLLM, whose API still answers /v1/models, does not give.
+client is answered with. Any other error status (a 500, a 404) fails it too. Either
+answer bills no prompt (`ExecutorTurnedAway`): the engine processed none of it. `health`
+asks its `/v1/models`, which each of these engines serves once its model is loaded, and
+after a stall a one-token completion too, which a wedged vLLM, whose API still answers
+/v1/models, does not give.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from gpusched_agent.adapters.executor import (
     EngineFinished,
     ExecutorError,
     ExecutorRefused,
+    ExecutorTurnedAway,
     ExecutorUnavailable,
     Job,
     PromptTokens,
@@ -126,7 +129,7 @@ class OpenAIExecutor:
                     if resp.status_code in REFUSED:
                         raise ExecutorRefused(said, resp.status_code)
                     error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
-                             else ExecutorError)
+                             else ExecutorTurnedAway)
                     raise error(said)
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
