@@ -8,6 +8,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -539,7 +540,8 @@ async def test_an_engine_that_trickles_holds_neither_a_request_nor_the_heartbeat
 
 async def test_an_engine_that_sends_events_without_tokens_times_out() -> None:
     """Token-less events kept the request alive for ever: the time-out counted any event.
-    The engine is wedged, not the request at fault: it goes on elsewhere."""
+    An engine that sends events is alive (tool calls, reasoning text it does not count): the
+    request fails, and is not handed on to take node after node down as a stall would."""
     from gpusched_agent.adapters.executor import ExecutorUnavailable
 
     async def idle():  # noqa: ANN202
@@ -549,9 +551,10 @@ async def test_an_engine_that_sends_events_without_tokens_times_out() -> None:
             yield f"data: {json.dumps({'choices': []})}\n\n".encode()
 
     executor = engine(content=idle(), timeout_s=0.3)
-    with pytest.raises(ExecutorUnavailable, match="no token for 0.3 s"):
+    with pytest.raises(ExecutorError, match="no token for 0.3 s") as raised:
         async with asyncio.timeout(10):
             await collect(executor.generate(job("idle", max_tokens=5)))
+    assert not isinstance(raised.value, ExecutorUnavailable)
     await executor.close()
 
 
@@ -1225,6 +1228,62 @@ async def test_a_wedged_engine_hands_its_request_back_and_the_node_waits_for_a_t
     assert runtime.node.down is None
     await runtime._check_engine()  # a token came: /v1/models is enough again
     assert asked[-1] == ("/v1/models", None) and asked[-2] == ("/v1/completions", 1)
+    await executor.close()
+
+
+async def test_each_stalled_model_is_probed_on_its_own_endpoint_and_a_refusal_is_alive(
+        ) -> None:
+    """After a stall, `health` asked `/v1/completions` for the last stalled model only: a
+    chat-only server answered 404 and the node stayed down until the agent restarted; a
+    second model's stall was never probed; and a stall during a probe was cleared by it."""
+    import httpx
+
+    from gpusched_agent.adapters.executor import ExecutorUnavailable
+
+    wedged, asked = {"chat", "plain"}, []
+    stall_during_probe = False
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        path = request.url.path
+        asked.append((path, body.get("model"), body.get("stream")))
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": []})
+        if body["stream"] or body["model"] in wedged:
+            raise httpx.ReadTimeout("", request=request)
+        nonlocal stall_during_probe
+        if stall_during_probe:  # a request stalls again while this probe is on its way
+            stall_during_probe = False
+            with pytest.raises(ExecutorUnavailable):
+                await collect(executor.generate(chat))
+        if path == "/v1/completions":
+            return httpx.Response(404, json={"error": {"message": "only chat here"}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "p"}}]})
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(answer)))
+    plain = replace(job("p", max_tokens=3), model=SMALL.model_copy(update={"name": "plain"}))
+    chat = job("c", max_tokens=3)
+    chat = replace(chat, model=SMALL.model_copy(update={"name": "chat"}),
+                   request=chat.request.model_copy(
+                       update={"messages": (ChatTurn(role="user", content="hi"),)}))
+    for stalled in (plain, chat):
+        with pytest.raises(ExecutorUnavailable, match="sent nothing"):
+            await collect(executor.generate(stalled))
+    assert "one token" in (await executor.health() or "")
+    wedged.clear()
+    asked.clear()
+    stall_during_probe = True
+    assert await executor.health() is None  # a 404 is an answer: the engine is not wedged
+    assert [(path, model) for path, model, stream in asked if stream is False] == [
+        ("/v1/completions", "plain"), ("/v1/chat/completions", "chat")]
+    asked.clear()
+    await executor.health()  # the chat model stalled during its probe: asked again
+    assert [(path, model) for path, model, stream in asked if stream is False] == [
+        ("/v1/chat/completions", "chat")]
+    asked.clear()
+    assert await executor.health() is None
+    assert [path for path, _, _ in asked] == ["/v1/models"]
     await executor.close()
 
 

@@ -86,9 +86,11 @@ class OpenAIExecutor:
         self._model_override = model_override
         self._timeout_s = timeout_s
         self._stream_usage = stream_usage
-        self._stalled_model: str | None = None
-        """The model a request last stalled on (the engine sent nothing for `timeout_s`),
-        until the engine generates a token for `health` again."""
+        self._stalled: dict[str, tuple[str, int]] = {}
+        """Each model a request stalled on (the engine sent nothing for `timeout_s`): the
+        path it was asked on and the stall's number, until the engine answers `health`'s
+        request for one token of it begun after that stall."""
+        self._stalls = 0
         # no cap on connections: the node admits requests by memory, and a 101st stream must
         # not wait for one of the first 100 to end (httpx's default)
         self._client = client or httpx.AsyncClient(
@@ -167,9 +169,11 @@ class OpenAIExecutor:
                         yield text if i == items - 1 else ""
                     if tokens:
                         progress = time.monotonic()
-                    elif time.monotonic() - progress > self._timeout_s:  # events, no tokens
-                        raise _Stalled(f"inference server sent no token for "
-                                       f"{self._timeout_s:g} s")
+                    elif time.monotonic() - progress > self._timeout_s:
+                        # events, no tokens: the engine is alive (tool calls, or reasoning
+                        # text it does not count), and this request goes nowhere on it
+                        raise ExecutorError(f"inference server sent no token for "
+                                            f"{self._timeout_s:g} s")
                     if finish in FAILED_FINISH:
                         raise ExecutorError(f"inference server ended the reply with finish "
                                             f"reason {finish!r}: it may be cut short")
@@ -182,7 +186,8 @@ class OpenAIExecutor:
             raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
                                       f"unreachable or dropped the stream: {exc!r}") from exc
         except (_Stalled, httpx.TimeoutException) as exc:  # a connect's is taken above
-            self._stalled_model = str(body["model"])
+            self._stalls += 1
+            self._stalled[str(body["model"])] = (path, self._stalls)
             if isinstance(exc, _Stalled):
                 raise
             raise _Stalled(f"inference server at {self._client.base_url} sent nothing for "
@@ -196,12 +201,17 @@ class OpenAIExecutor:
         request stalled on it, generate a token too, since a wedged vLLM (its engine loop
         hung) still answers /v1/models."""
         problem = await self._answers("/v1/models")
-        if problem is None and (model := self._stalled_model) is not None:
-            problem = await self._answers("/v1/completions", {
-                "model": model, "prompt": "ping", "max_tokens": 1, "stream": False})
+        for model, (path, stall) in list(self._stalled.items()):
+            if problem is not None:
+                break
+            ask = {"model": model, "max_tokens": 1, "stream": False}
+            ask |= ({"messages": [{"role": "user", "content": "ping"}]}
+                    if path.endswith("/chat/completions") else {"prompt": "ping"})
+            problem = await self._answers(path, ask)
             if problem is not None:
                 return f"{problem} (one token, asked since a request stalled on it)"
-            self._stalled_model = None
+            if self._stalled.get(model, ("", 0))[1] == stall:  # no stall since it was asked
+                del self._stalled[model]
         return problem
 
     async def _answers(self, path: str, body: dict[str, object] | None = None) -> str | None:
@@ -216,7 +226,10 @@ class OpenAIExecutor:
                     f"within {HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
             return f"inference server at {self._client.base_url} unreachable: {exc!r}"
-        if resp.status_code != 200:
+        # a refusal of the request for a token (a gateway that serves only chat, a model the
+        # server no longer lists) is an answer: the engine is not wedged
+        if resp.status_code != 200 and (body is None or resp.status_code >= 500
+                                        or resp.status_code in (408, 429)):
             return (f"inference server at {self._client.base_url} answered "
                     f"{resp.status_code} on {path}")
         return None
