@@ -120,24 +120,26 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
     redis = make_redis(RedisSettings(url=stack.endpoints.redis_url))
     hub = ResultsHub(redis, status_ttl_s=60)
     now_ms = int(time.time() * 1000)
-    produced, taken_in, ended, old, started = (f"seen-{uuid.uuid4().hex[:8]}"
-                                               for _ in range(5))
+    produced, taken_in, ended, old, started, miskeyed = (f"seen-{uuid.uuid4().hex[:8]}"
+                                                         for _ in range(6))
     offset = 1_000_000 + uuid.uuid4().int % 1_000_000  # an id nobody else's record has
     trace_id = uuid.uuid4().hex
     traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01".encode()
 
-    def record(payload: dict, at_ms: int = now_ms, headers: tuple = ()) -> ConsumerRecord:
+    def record(payload: dict, at_ms: int = now_ms, headers: tuple = (),
+               key: str | None = None) -> ConsumerRecord:
         rid = payload.get("request_id")  # keyed by it, as producers are told
-        key = rid.encode() if isinstance(rid, str) else None
-        return ConsumerRecord(topics.REQUESTS["batch"].name, 2, offset, at_ms, 0, key,
-                              json.dumps(payload).encode(), None, 0, 0, headers)
+        key = key or (rid if isinstance(rid, str) else None)
+        return ConsumerRecord(topics.REQUESTS["batch"].name, 2, offset, at_ms, 0,
+                              key and key.encode(), json.dumps(payload, separators=(",", ":"))
+                              .encode(), None, 0, 0, headers)
 
     def asked(request_id: str | None = None) -> dict:
         return {"tenant": "globex", "model": "qwen2.5-1.5b", "prompt": "hi",
                 **({} if request_id is None else {"request_id": request_id})}
     unnamed = f"kafka-{topics.REQUESTS['batch'].name}-2-{offset}"
     keys = [f"gpusched:request:{rid}"
-            for rid in (produced, taken_in, ended, old, started, unnamed)]
+            for rid in (produced, taken_in, ended, old, started, miskeyed, unnamed)]
     try:
         await hub.accepted(InferenceRequest(request_id=taken_in, tenant="globex",
                                             model="qwen2.5-1.5b", prompt="hi",
@@ -149,6 +151,7 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
         await hub.store_seen([
             record(asked(produced), headers=(("traceparent", traceparent),)),
             record(asked(started)),
+            record(asked(miskeyed), key=taken_in),  # keyed by another request's id
             record(asked()), record(asked(taken_in)), record(asked(ended)),
             record(asked(old), at_ms=now_ms - 61_000),
             record({"tenant": "globex"}), record({"request_id": 5}),
@@ -163,6 +166,7 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
         assert kept["trace_id"] == "a" * 32 and kept["created_at_ms"] == 5
         assert (await hub.status(ended))["status"] == "completed"
         assert await hub.status(old) is None
+        assert (await hub.status(miskeyed))["status"] == "queued"
         running = await hub.status(started)
         assert running["status"] == "running" and running["tenant"] == "globex"
         assert 0 < await redis.ttl(f"gpusched:request:{started}") <= 60

@@ -500,10 +500,15 @@ def test_a_failed_or_cancelled_request_is_an_error_not_a_reply() -> None:
     (422, "inference server answered 422: Input validation error: `inputs` tokens + "
      "`max_new_tokens` must be <= 8192. Given: 9000 `inputs` tokens and 64 `max_new_tokens`",
      "context_length_exceeded"),
+    (422, "inference server answered 422: Input validation error: `inputs` must have less than "
+     "8192 tokens. Given: 9000", "context_length_exceeded"),
+    (400, "inference server answered 400: the request exceeds the available context size, try "
+     "increasing it", "context_length_exceeded"),
     (400, "inference server answered 400: Conversation roles must alternate user/assistant/"
      "user/assistant/...", "engine_refused_request"),
     (422, "inference server answered 422: Input validation error", "engine_refused_request"),
-], ids=["context", "vllm-engine", "sglang", "tgi", "chat-template", "422"])
+], ids=["context", "vllm-engine", "sglang", "tgi", "tgi-inputs", "llama.cpp", "chat-template",
+        "422"])
 def test_a_request_its_engine_refused_is_the_engines_4xx_not_a_502(
         status_code: int, reason: str, code: str) -> None:
     """The engine's refusal was a 502 server_error: the openai SDK sent the doomed request

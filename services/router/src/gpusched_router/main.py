@@ -79,7 +79,9 @@ CONTEXT_EXCEEDED = re.compile(
     r"maximum context length"  # vLLM's API server, and OpenAI's own words
     r"|longer than the maximum model length"  # vLLM's engine ("The decoder prompt ...")
     r"|longer than the model's context length"  # SGLang
-    r"|tokens \+ `?max_new_tokens`? must be <=",  # TGI's 422
+    r"|tokens \+ `?max_new_tokens`? must be <="  # TGI's 422s
+    r"|`?inputs`? must have less than \d+ tokens"
+    r"|exceeds the available context size",  # llama.cpp's server
     re.IGNORECASE)
 """An inference engine's refusal that says the prompt and completion exceed the model's
 context: the router answers it as OpenAI does, `context_length_exceeded`."""

@@ -105,9 +105,11 @@ class ResultsHub:
         them) are skipped. Raises RedisError, so that the caller's batch is delivered again."""
         fresh = [r for r in records if now_ms - r.timestamp <= self._ttl_s * 1000]
         # Most records are the routers' own, whose status names its tenant already: known by
-        # their key (the request id, as every producer is told to key them), they are not
-        # parsed (a prompt may be 640 KiB).
-        keyed = [r for r in fresh if isinstance(r.key, bytes)]
+        # their key (the request id, as every producer is told to key them, and as the
+        # record says: a key that is another request's id, say a session's first, does not
+        # pass), they are not parsed (a prompt may be 640 KiB).
+        keyed = [r for r in fresh if isinstance(r.key, bytes)
+                 and b'"request_id":"' + r.key + b'"' in (r.value or b"")]
         if keyed:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for record in keyed:
