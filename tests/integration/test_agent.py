@@ -90,11 +90,15 @@ def for_request(rid: str, marker: bytes):
 
 
 async def test_duplicate_placement_runs_once_and_a_stale_one_is_rejected(stack) -> None:
+    """A placement delivered twice runs once; one of a deposed scheduler is dead-lettered;
+    so is another request placed under the same id (a scheduler that forgot the first:
+    before, the agent ignored it as a duplicate and nothing ever answered it)."""
     bootstrap = stack.endpoints.kafka_bootstrap
     epoch = await leader_epoch(stack)
     rid, stale_rid = f"dup-{uuid.uuid4().hex[:8]}", f"stale-{uuid.uuid4().hex[:8]}"
     fresh = placement("node-1", rid, epoch)
     await send_placements(stack, [fresh, fresh, placement("node-1", stale_rid, epoch - 1)])
+    reused = placement("node-1", rid, epoch, max_tokens=4)  # another request, the same id
     results = await read_topic(bootstrap, topics.RESULTS.name,
                                for_request(rid, b'"request_result"'))
     await asyncio.sleep(1.0)  # a second run would have finished by now
@@ -104,6 +108,13 @@ async def test_duplicate_placement_runs_once_and_a_stale_one_is_rejected(stack) 
     usage = await read_topic(bootstrap, topics.USAGE.name,
                              lambda k, v: f'"{rid}#0:final"'.encode() in v)
     assert len(usage) == 1
+    await send_placements(stack, [reused])
+    [(_, raw)] = await read_topic(bootstrap, topics.DEAD_LETTERS.name,
+                                  lambda k, v: rid.encode() in v)
+    assert f"request_id '{rid}' (it asked for something else" in \
+        DEAD_LETTER.validate_json(raw).reason
+    assert len(await read_topic(bootstrap, topics.RESULTS.name,
+                                for_request(rid, b'"request_result"'), timeout_s=1)) == 1
 
     [(_, raw)] = await read_topic(bootstrap, topics.DEAD_LETTERS.name,
                                   lambda k, v: stale_rid.encode() in v)

@@ -15,7 +15,7 @@ from gpusched_agent.adapters.ledger import MemoryLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_agent.domain.inventory import parse_simulated
 from gpusched_agent.domain.node import NodeModel
-from gpusched_agent.runtime import AgentRuntime, Ignored, Stale, Started, Stopping
+from gpusched_agent.runtime import AgentRuntime, Ignored, Reused, Stale, Started, Stopping
 from gpusched_common import topics
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import (
@@ -100,6 +100,26 @@ async def test_a_placement_runs_and_bills_once_even_when_delivered_twice() -> No
     [usage] = sink.of(UsageRecord)
     assert usage.event_id == "r1#0:final" and usage.completion_tokens == 8
     assert usage.prompt_tokens == result.prompt_tokens and usage.gpu_seconds > 0
+
+
+async def test_another_request_under_a_claimed_placements_id_is_rejected_not_dropped() -> None:
+    """A scheduler that forgot a request (past its memory of decisions, or restarted) placed
+    another under the same id as `<id>#0`: the claim of the first made the agent ignore it as
+    a duplicate, the scheduler then dropped it as ended, and nothing answered it. It is
+    rejected (the caller dead-letters it) and not run; a redelivery of the first is still a
+    duplicate."""
+    runtime, sink, _ = make()
+    first = placement("reused")
+    assert isinstance(await runtime.command(first), Started)
+    await settle(runtime)
+    second = placement("reused", max_tokens=5)
+    outcome = await runtime.command(second)
+    assert isinstance(outcome, Reused), outcome
+    assert "request_id 'reused'" in outcome.reason and "give each request its own id" in \
+        outcome.reason
+    assert await runtime.command(first) == Ignored("duplicate")
+    await settle(runtime)
+    assert len(sink.of(RequestResult)) == 1
 
 
 async def test_the_first_token_streams_alone_then_chunks_of_chunk_tokens() -> None:

@@ -6,6 +6,7 @@ Each message carries a `type` tag and a `version`; consumers parse raw bytes onc
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -195,6 +196,20 @@ class InferenceRequest(Message):
                                  f"{resume.streamed_tokens} streamed, for max_tokens "
                                  f"{self.max_tokens}: streamed <= tokens <= max_tokens")
         return self
+
+    def asks(self) -> tuple[Any, ...]:
+        """Everything the request asks for, not its times or attempts: what tells a
+        redelivery, or a producer's retry, of a request (equal) from another request under
+        the same id (different)."""
+        return (self.tenant, self.model, self.priority_class, self.prompt, self.max_tokens,
+                self.num_gpus, self.seed, self.temperature, self.top_p,
+                tuple(self.stop or ()), self.messages)
+
+    def asks_digest(self) -> str:
+        """`asks()` as a digest that is the same in every process (Python's `hash` is not)."""
+        asked = [*self.asks()[:-1], [m.model_dump() for m in self.messages or ()]]
+        text = json.dumps(asked, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]
 
     @property
     def prompt_token_count(self) -> int:

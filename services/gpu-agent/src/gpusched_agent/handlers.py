@@ -13,7 +13,7 @@ from faststream.kafka.subscriber.usecase import LogicSubscriber
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-from gpusched_agent.runtime import AgentRuntime, Stale
+from gpusched_agent.runtime import AgentRuntime, Reused, Stale
 from gpusched_common import topics
 from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND, invalid_fields
 from gpusched_common.kafka_records import dead_letter
@@ -54,7 +54,7 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
             return
         outcome = await runtime.command(command)
         commands.labels(command.type, type(outcome).__name__.lower()).inc()
-        if isinstance(outcome, Stale):
+        if isinstance(outcome, Stale | Reused):
             log.warning("rejected %s %s: %s", command.type, getattr(command, "placement_id", ""),
                         outcome.reason)
             await reject(record, outcome.reason)

@@ -29,7 +29,7 @@ from gpusched_agent.adapters.executor import (
     Job,
     PromptTokens,
 )
-from gpusched_agent.adapters.ledger import PlacementLedger
+from gpusched_agent.adapters.ledger import PlacementLedger, Taken
 from gpusched_agent.domain.fencing import stale_reason
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_agent.domain.node import Admitted, NodeModel, Refused, executor_gpu
@@ -54,7 +54,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
-from gpusched_common.redis_keys import NODE_ALIVE_TTL_S
+from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,15 @@ class Stopping:
     placement_id: str
 
 
-Outcome = Started | Ignored | Stale | Stopping
+@dataclass(frozen=True)
+class Reused:
+    """Rejected: a placement under the id of one claimed for another request (the request
+    id used twice). The caller dead-letters it with `reason`."""
+
+    reason: str
+
+
+Outcome = Started | Ignored | Stale | Reused | Stopping
 
 
 @dataclass
@@ -336,10 +344,21 @@ class AgentRuntime:
             self.highest_epoch = leader_epoch
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
-        claim = None if cmd.placement_id in self._running else await self._ledger.claim(
+        asks = cmd.request.asks_digest()
+        claim = Taken(asks) if cmd.placement_id in self._running else await self._ledger.claim(
             cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
-            cmd.request.request_id)
-        if claim is None:
+            cmd.request.request_id, asks)
+        if isinstance(claim, Taken):
+            if claim.asks is not None and claim.asks != asks:
+                # a scheduler that had forgotten the first request (past its memory of
+                # decisions, or restarted) placed another under the same id: not run, and
+                # not answered either, as a rejection would end the other request
+                return Reused(f"placement {cmd.placement_id} was claimed within the last "
+                              f"{CLAIM_TTL_S // 86_400} days for another request under "
+                              f"request_id '{cmd.request.request_id}' (it asked for something "
+                              "else: tenant, model, class, prompt, messages, max_tokens, "
+                              "num_gpus or sampling); this one is not run: give each request "
+                              "its own id")
             log.info("placement %s already taken; ignoring the duplicate", cmd.placement_id)
             return Ignored("duplicate")
         run = self._running[cmd.placement_id] = _Running(cmd)

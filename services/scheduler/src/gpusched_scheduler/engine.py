@@ -1400,9 +1400,7 @@ def _identity(request: InferenceRequest) -> int:
     request under the same id (different): everything it asks for, not its times (a
     retried record has a new timestamp). (str hashes are cached: the prompt is hashed
     once.)"""
-    return hash((request.tenant, request.model, request.priority_class, request.prompt,
-                 request.max_tokens, request.num_gpus, request.seed, request.temperature,
-                 request.top_p, tuple(request.stop or ()), request.messages))
+    return hash(request.asks())
 
 
 def _placement_id(request_id: str, attempt: int) -> str:

@@ -28,15 +28,22 @@ from gpusched_common.redis_keys import (
 _CLAIM = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+  redis.call('SET', KEYS[4], ARGV[5], 'EX', ARGV[2])
 elseif redis.call('HGET', KEYS[2], ARGV[3]) ~= ARGV[4] then
-  return false
+  return {0, redis.call('GET', KEYS[4]) or ''}
 end
-return redis.call('GET', KEYS[3]) or ''
+return {1, redis.call('GET', KEYS[3]) or ''}
 """
-"""Claim and file in one step, and read the router's cancel of the request (KEYS[3]) in the
-same round trip: nil when another holds the claim, else the cancel's reason ('' for none).
-The `elseif` answers a retried call (the client retries on a lost connection) whose first
-attempt was applied: still this run's own claim."""
+"""Claim and file in one step, keeping the digest of what the request asks for (KEYS[4]),
+and read the router's cancel of the request (KEYS[3]) in the same round trip: {1, the
+cancel's reason ('' for none)}, or {0, the claimant's digest ('' where none was kept: a
+fenced claim, or one from before digests were)} when another holds the claim. The `elseif`
+answers a retried call (the client retries on a lost connection) whose first attempt was
+applied: still this run's own claim."""
+CLAIM_ASKS_KEY = "gpusched:agent:placement:{}:asks"
+"""The `asks_digest` of the request a claimed placement ran (as long as the claim): a later
+placement under the same id that asks for something else is another request reusing the id,
+not a redelivery."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,15 @@ class Claim:
     """The reason the router cancelled its request with, kept in Redis (None: not
     cancelled); the agent may have been down when that cancel went out on Kafka."""
 
+
+@dataclass(frozen=True)
+class Taken:
+    """A placement another claim holds: an agent (this run, or another) took it already, or
+    the scheduler fenced it."""
+
+    asks: str | None
+    """The `asks_digest` of the request the claimant took it for; None where unknown."""
+
 REPORT_CLAIM_KEY = "gpusched:agent:report:{}"
 """Which agent dead-letters a record that every agent reads and none can (SET NX, first wins),
 so that it is reported once, not once per node."""
@@ -54,9 +70,10 @@ so that it is reported once, not once per node."""
 
 class PlacementLedger(Protocol):
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str) -> Claim | None:
+                    request_id: str, asks: str) -> Claim | Taken:
         """A `Claim` for the first claim of `placement_id` ever (across redeliveries and
-        agent restarts); None for every later one. The first also files it under the node."""
+        agent restarts), made for a request whose `asks_digest` is `asks`; `Taken` for
+        every later one. The first also files it under the node."""
 
     async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
                         ) -> None:
@@ -90,14 +107,13 @@ class RedisLedger:
         self._claim = redis.register_script(_CLAIM)
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str) -> Claim | None:
-        cancelled = await self._claim(
+                    request_id: str, asks: str) -> Claim | Taken:
+        claimed, said = await self._claim(
             keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id),
-                  CANCELLED_KEY.format(request_id)],
-            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement)])
-        if cancelled is None:
-            return None
-        return Claim(cancelled.decode(errors="replace") or None)
+                  CANCELLED_KEY.format(request_id), CLAIM_ASKS_KEY.format(placement_id)],
+            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement), asks])
+        said = said.decode(errors="replace") or None
+        return Claim(said) if claimed else Taken(said)
 
     async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
                         ) -> None:
@@ -134,6 +150,7 @@ class RedisLedger:
 class MemoryLedger:
     def __init__(self, leader_epoch: int | None = None) -> None:
         self.claims: dict[str, str] = {}
+        self.asks: dict[str, str] = {}
         self.held: dict[str, dict[str, bytes]] = {}
         self.epoch = leader_epoch
         self.retried: set[str] = set()
@@ -144,10 +161,11 @@ class MemoryLedger:
         """Request id -> reason, as the router keeps cancels in Redis."""
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str) -> Claim | None:
+                    request_id: str, asks: str) -> Claim | Taken:
         if placement_id in self.claims:
-            return None
+            return Taken(self.asks.get(placement_id))
         self.claims[placement_id] = node_id
+        self.asks[placement_id] = asks
         self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, placement)
         return Claim(self.cancels.get(request_id))
 
