@@ -33,3 +33,17 @@ async def test_every_metric_read_is_served(stack, what: str, queries, least: int
     missing = {name for name in read
                if name not in served and re.sub(r"_(bucket|count|sum)$", "", name) not in served}
     assert not missing, f"{what} read metrics no service serves: {sorted(missing)}"
+
+
+async def test_every_read_of_every_service_answers_head_as_get(stack) -> None:
+    """The scheduler's /v1/cluster, /v1/placements, /v1/queue and the agent's /v1/node
+    answered HEAD with 405, which load balancers and probes send, though every other read
+    answers it."""
+    agent = f"http://127.0.0.1:{TEST_SERVICE_PORTS.agent(0)}"
+    reads = [f"{stack.scheduler_url}/v1/{path}" for path in ("cluster", "placements", "queue")]
+    reads += [f"{agent}/v1/node", f"{agent}/healthz", f"{stack.router_url}/v1/models"]
+    async with httpx.AsyncClient(timeout=10) as http:
+        for url in reads:
+            got, head = await http.get(url), await http.head(url)
+            assert (head.status_code, head.content) == (got.status_code, b""), url
+            assert got.status_code == 200, url

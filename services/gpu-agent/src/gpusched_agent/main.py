@@ -30,7 +30,7 @@ from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.recent import Recent
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes
+from gpusched_common.web import add_ops_routes, get_and_head
 
 log = logging.getLogger(__name__)
 SERVICE = "gpu-agent"
@@ -171,7 +171,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     app = FastAPI(title="gpusched gpu-agent", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, lambda: started)
 
-    @app.get("/v1/node")
+    @get_and_head(app, "/v1/node")
     async def node_state() -> dict:
         return runtime.node.state(settings.node_id, 0, 0, clock(), runtime.status,
                                   executor.name).model_dump()

@@ -22,7 +22,7 @@ from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.telemetry import make_tracer_provider
-from gpusched_common.web import add_ops_routes
+from gpusched_common.web import add_ops_routes, get_and_head
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import LeaderLease, RunningStore
@@ -147,7 +147,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     app = FastAPI(title="gpusched scheduler", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, lambda: started)
 
-    @app.get("/v1/cluster")
+    @get_and_head(app, "/v1/cluster")
     async def cluster() -> dict:
         now = clock()
         live = engine.view.live_nodes(now, config.node_timeout_ms)
@@ -162,7 +162,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             "pending": engine.queue.depth(),
         }
 
-    @app.get("/v1/placements")
+    @get_and_head(app, "/v1/placements")
     async def placements() -> dict:
         """Placements in flight (leader's view): where each request runs."""
         return {"placements": [
@@ -171,7 +171,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
              "node_id": r.node_id, "gpu_indices": list(r.gpu_indices), "borrowed": r.borrowed,
              "placed_at_ms": r.placed_at_ms} for r in engine.running.values()]}
 
-    @app.get("/v1/queue")
+    @get_and_head(app, "/v1/queue")
     async def queue(limit: int = Query(100, ge=1, le=10_000)) -> dict:
         """Work waiting for a GPU (leader's view), in the order the next cycle considers it:
         requests whose preemption is under way, aged work, then interactive, standard,
