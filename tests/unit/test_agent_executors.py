@@ -23,6 +23,9 @@ from gpusched_common.catalog import GPU_TYPES, load_models
 from gpusched_common.contracts import ChatTurn, InferenceRequest
 
 CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
+LISTS_EVERY_MODEL = {"object": "list", "data": [{"id": m, "object": "model"}
+                                                for m in CATALOG.names]}
+"""A /v1/models answer of a server that serves the whole catalog."""
 SMALL = CATALOG.get("qwen2.5-1.5b")
 H100 = GPU_TYPES["H100-80GB"]
 
@@ -1137,7 +1140,7 @@ class Engine:
         if self.mode == "busy":
             return httpx.Response(503, text="server is restarting")
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": []})
+            return httpx.Response(200, json=LISTS_EVERY_MODEL)
         left = json.loads(request.content)["max_tokens"]
         crash, self.crash_after = self.crash_after, None
 
@@ -1197,7 +1200,7 @@ async def test_a_wedged_engine_hands_its_request_back_and_the_node_waits_for_a_t
         body = json.loads(request.content or b"{}")
         asked.append((request.url.path, body.get("max_tokens")))
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": []})
+            return httpx.Response(200, json=LISTS_EVERY_MODEL)
         if wedged and (stall_at is None or not body["stream"]):
             raise httpx.ReadTimeout("", request=request)
 
@@ -1248,7 +1251,7 @@ async def test_each_stalled_model_is_probed_on_its_own_endpoint_and_a_refusal_is
         path = request.url.path
         asked.append((path, body.get("model"), body.get("stream")))
         if path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": []})
+            return httpx.Response(200, json=LISTS_EVERY_MODEL)
         if body["stream"] or body["model"] in wedged:
             raise httpx.ReadTimeout("", request=request)
         nonlocal stall_during_probe
@@ -1777,3 +1780,80 @@ async def test_evicting_a_single_copy_beside_a_gangs_shard_unloads_it_in_the_exe
     assert SMALL.name not in runtime.node.gpus[1].loaded_mib
     assert (1, SMALL.name) not in ex._models and (0, SMALL.name) in ex._models
     await ex.close()
+
+
+def listing(*models: str, override: str | None = None) -> OpenAIExecutor:
+    """An executor whose engine lists `models` on /v1/models (and streams nothing)."""
+    import httpx
+
+    return OpenAIExecutor("http://engine", override, client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(lambda _: httpx.Response(
+            200, json={"object": "list", "data": [{"id": m} for m in models]}))))
+
+
+async def test_a_node_reports_the_models_it_serves_and_hands_back_the_others() -> None:
+    """The scheduler placed any catalog model on any node: one whose engine serves some
+    alone failed the rest (a 404, a 502 to the client) while it stayed ready. GPUSCHED_MODELS
+    (here on the simulated executor) is reported, and a placement of another model, made
+    on an older view of the node, is handed back as one this node could not run."""
+    from gpusched_agent.adapters.ledger import MemoryLedger
+    from gpusched_agent.domain.inventory import parse_simulated
+    from gpusched_agent.domain.node import NodeModel
+    from gpusched_agent.runtime import AgentRuntime
+    from gpusched_common.contracts import NodeState
+
+    sent: list = []
+
+    async def publish(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        sent.append(message)
+
+    runtime = AgentRuntime(
+        "n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")), CATALOG,
+        SimulatedExecutor(0.01, seed=1), publish, MemoryLedger(), lambda: 0, chunk_tokens=4,
+        heartbeat_s=1, models=(SMALL.name,))
+    await runtime.report()
+    [state] = [m for m in sent if isinstance(m, NodeState)]
+    assert state.models == (SMALL.name,)
+    assert b'"models":["qwen2.5-1.5b"]' in state.to_bytes()
+    other = job("o").request.model_copy(update={"model": "mistral-7b"})
+    await place(runtime, other)
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.request_id, again.attempt, again.refused) == ("o", 1, 1)
+    await place(runtime, job("s", max_tokens=2).request)
+    assert [m.request_id for m in sent if type(m).__name__ == "RequestResult"
+            and m.status == "completed"] == ["s"]
+
+
+async def test_an_openai_node_serves_the_catalog_models_its_server_lists() -> None:
+    """Without GPUSCHED_MODELS, an openai node serves the catalog models its server lists
+    on /v1/models (the last answer, asked by the health check); with GPUSCHED_OPENAI_MODEL
+    every request goes under that one name, so every model, as before. Unknown until the
+    first answer: every model, as before."""
+    from gpusched_common.contracts import NodeState
+
+    sent, runtime = make_runtime(listing(SMALL.name, "some-lora", "mistral-7b"))
+    assert runtime.served_models() is None
+    await runtime._check_engine()
+    assert runtime.served_models() == ("qwen2.5-1.5b", "mistral-7b")  # catalog order
+    await runtime.report()
+    assert [m for m in sent if isinstance(m, NodeState)][-1].models == (
+        "qwen2.5-1.5b", "mistral-7b")
+    await runtime.executor.close()
+    _, runtime = make_runtime(listing(SMALL.name, override=SMALL.name))
+    await runtime._check_engine()
+    assert runtime.served_models() is None
+    await runtime.executor.close()
+    sent, runtime = make_runtime(SimulatedExecutor(0.01, seed=1))
+    await runtime.report()
+    assert [m for m in sent if isinstance(m, NodeState)][-1].models is None
+    assert b'"models"' not in sent[-1].to_bytes()  # left out: older readers take it
+
+
+def test_gpusched_models_must_name_catalog_models() -> None:
+    from gpusched_agent.settings import AgentSettings
+
+    assert AgentSettings(models="qwen2.5-1.5b,mistral-7b").served_models(CATALOG) == (
+        "qwen2.5-1.5b", "mistral-7b")
+    assert AgentSettings().served_models(CATALOG) is None
+    with pytest.raises(ValueError, match="GPUSCHED_MODELS names qwen-2.5, not in the catalog"):
+        AgentSettings(models="qwen2.5-1.5b,qwen-2.5").served_models(CATALOG)

@@ -1733,7 +1733,7 @@ async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> N
     one.engine.view.apply_node_state(small, one.now, NODE_TIMEOUT_MS)
     await one.engine.node_states([ConsumerRecord(topics.NODE_STATE.name, 0, 5, 1000, 0, b"n1",
                                                  None, None, 0, 0, ())])
-    assert fleet_gpu_mib(one.engine.view) == [(1000,)]
+    assert fleet_gpu_mib(one.engine.view) == [((1000,), None)]
     assert "n1" not in one.engine.view.live_nodes(one.now, 10_000)
     one.now = 12_000  # epoch milliseconds: any real clock is past the time-out since 0
     await one.engine.cycle()

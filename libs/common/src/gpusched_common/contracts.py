@@ -284,6 +284,9 @@ class NodeState(Message):
     driver_version: str | None = None
     cuda_version: str | None = None
     executor: str | None = Field(default=None, description="simulated, torch or openai.")
+    models: tuple[Name, ...] | None = Field(
+        default=None, max_length=4096, description="The catalog models this node can run "
+        "(its inference server serves only some); unset: every catalog model.")
 
 
 class Placement(Message):

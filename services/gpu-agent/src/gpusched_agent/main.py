@@ -134,11 +134,12 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
 
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
+    catalog = load_models(settings.config_dir)
     runtime = AgentRuntime(
-        settings.node_id, node, load_models(settings.config_dir), executor, publish,
+        settings.node_id, node, catalog, executor, publish,
         RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,
         heartbeat_s=settings.heartbeat_s, usage_interval_s=settings.usage_interval_s,
-        read_inventory=read_inventory)
+        read_inventory=read_inventory, models=settings.served_models(catalog))
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)
@@ -174,7 +175,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     @get_and_head(app, "/v1/node")
     async def node_state() -> dict:
         return runtime.node.state(settings.node_id, 0, 0, clock(), runtime.status,
-                                  executor.name).model_dump()
+                                  executor.name, runtime.served_models()).model_dump()
 
     app.state.runtime = runtime
     return app

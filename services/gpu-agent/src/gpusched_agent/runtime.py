@@ -154,11 +154,14 @@ class AgentRuntime:
                  executor: Executor, publish: Publish, ledger: PlacementLedger,
                  clock: WallClockMs, *, chunk_tokens: int, heartbeat_s: float,
                  usage_interval_s: float = 5.0, read_inventory: ReadInventory | None = None,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 models: tuple[str, ...] | None = None) -> None:
         self.node_id = node_id
         self.node = node
         self.catalog = catalog
         self.executor = executor
+        self._models = models
+        """GPUSCHED_MODELS (None: unset; see `served_models`)."""
         self._publish = publish
         self._ledger = ledger
         self._clock = clock
@@ -293,11 +296,14 @@ class AgentRuntime:
     async def _check_engine(self) -> None:
         """Ask the executor whether its engine can run work; while it cannot, the node
         reports its GPUs unhealthy with the reason and admits nothing."""
-        downs = self._downs
+        downs, served = self._downs, self.served_models()
         try:
             problem = await self.executor.health()
         except Exception as exc:  # a failed check must not stop the heartbeat
             problem = f"executor health check failed: {exc!r}"
+        if (now_served := self.served_models()) != served:
+            log.warning("the node now serves the models %s", now_served)
+            self._dirty.set()  # the scheduler stops placing the others here at once
         if problem is not None:
             self._engine_down(problem)
         elif self.node.down is not None and self._downs == downs:  # not asked before a fault
@@ -313,10 +319,21 @@ class AgentRuntime:
             self._dirty.set()  # report it now, not at the next heartbeat
         self.node.down = reason
 
+    def served_models(self) -> tuple[str, ...] | None:
+        """The catalog models this node runs, which its node state reports (the scheduler
+        places no other here): GPUSCHED_MODELS, else the catalog's among those its engine
+        lists (a server fronting only some), else None: every catalog model."""
+        if self._models is not None:
+            return self._models
+        listed = self.executor.served_models()
+        if listed is None:
+            return None
+        return tuple(m for m in self.catalog.names if m in listed)
+
     async def report(self) -> None:
         self._seq += 1
         state = self.node.state(self.node_id, self._seq, self._started_at_ms, self._clock(),
-                                self.status, self.executor.name)
+                                self.status, self.executor.name, self.served_models())
         sent = self._mono()
         await self._publish(state, topics.NODE_STATE.name, self.node_id)
         self._heard_at = max(self._heard_at, sent)
@@ -461,6 +478,10 @@ class AgentRuntime:
             admitted = Refused(f"model '{request.model}' unknown to this agent")
         elif self.status != "ready":
             admitted = Refused(f"node is {self.status}")
+        elif (served := self.served_models()) is not None and model.name not in served:
+            # placed on a view of this node older than its list of models
+            admitted = Refused(f"model '{model.name}' is not served on this node (it serves "
+                               f"{', '.join(served) or 'none'})")
         else:
             admitted = self.node.admit(placement, model)
         if isinstance(admitted, Refused) or model is None:

@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from gpusched_common.catalog import ModelCatalog
 from gpusched_common.settings import ServiceSettings
 
 
@@ -24,6 +25,11 @@ class AgentSettings(ServiceSettings):
         "http://127.0.0.1:8000 (executor=openai).")
     openai_model: str | None = Field(
         default=None, description="Model name sent to the server instead of the catalog's.")
+    models: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9._:/@-]+(,[A-Za-z0-9._:/@-]+)*$",
+        description="The catalog models this node runs, comma-separated (its inference "
+        "server serves only those); unset: every catalog model, or with executor=openai "
+        "and no GPUSCHED_OPENAI_MODEL, those the server lists on /v1/models.")
     openai_api_key: str | None = Field(default=None, description="Bearer key of the server.")
     openai_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="A server that sends no event, or no "
@@ -51,6 +57,18 @@ class AgentSettings(ServiceSettings):
         "(0.1 runs ten times faster); billed GPU-seconds stay in model time.")
     chunk_tokens: int = Field(default=8, ge=1, le=1024, description="Tokens per stream chunk.")
     seed: int = Field(default=0, description="Seed of the executor's text and weights.")
+
+    def served_models(self, catalog: ModelCatalog) -> tuple[str, ...] | None:
+        """GPUSCHED_MODELS as catalog names (None: unset); a name the catalog lacks is an
+        error at start, not a node that silently never gets that model's work."""
+        if self.models is None:
+            return None
+        names = tuple(dict.fromkeys(self.models.split(",")))
+        unknown = [m for m in names if catalog.get(m) is None]
+        if unknown:
+            raise ValueError(f"GPUSCHED_MODELS names {', '.join(unknown)}, not in the catalog "
+                             f"({', '.join(catalog.names)}): use the names of models.yaml")
+        return names
 
     @model_validator(mode="after")
     def _executor_needs(self) -> "AgentSettings":

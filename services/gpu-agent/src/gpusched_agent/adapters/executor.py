@@ -72,6 +72,10 @@ class Executor(Protocol):
         """Why the executor cannot run work now (its engine is down or loading), or None.
         Asked every heartbeat, and answered within a few seconds."""
 
+    def served_models(self) -> frozenset[str] | None:
+        """The model names its engine serves, as it last said (`health` asks), or None: any
+        model it is given (it runs the catalog's itself, or has not said yet)."""
+
     async def close(self) -> None:
         """Release clients, threads and device memory."""
 

@@ -33,7 +33,8 @@ or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model
 by its tokenizer): the request fails with that status and the engine's message, which its
 client is answered with. Any other error status (a 500, a 404) fails it too. Either
 answer bills no prompt (`ExecutorTurnedAway`): the engine processed none of it. `health`
-asks its `/v1/models`, which each of these engines serves once its model is loaded, and
+asks its `/v1/models`, which each of these engines serves once its model is loaded (the
+models it lists are the ones the node serves, `served_models`), and
 after a stall a one-token completion too, which a wedged vLLM, whose API still answers
 /v1/models, does not give.
 """
@@ -91,6 +92,8 @@ class OpenAIExecutor:
         path it was asked on and the stall's number, until the engine answers `health`'s
         request for one token of it begun after that stall."""
         self._stalls = 0
+        self._listed: frozenset[str] | None = None
+        """The model ids the engine's last /v1/models answer listed (None: none came yet)."""
         # no cap on connections: the node admits requests by memory, and a 101st stream must
         # not wait for one of the first 100 to end (httpx's default)
         self._client = client or httpx.AsyncClient(
@@ -200,23 +203,39 @@ class OpenAIExecutor:
         """Why the engine cannot run work, or None: it must answer /v1/models and, after a
         request stalled on it, generate a token too, since a wedged vLLM (its engine loop
         hung) still answers /v1/models."""
-        problem = await self._answers("/v1/models")
+        listed = await self._answers("/v1/models")
+        if isinstance(listed, str):
+            return listed
+        self._note_listed(listed)
         for model, (path, stall) in list(self._stalled.items()):
-            if problem is not None:
-                break
             ask = {"model": model, "max_tokens": 1, "stream": False}
             ask |= ({"messages": [{"role": "user", "content": "ping"}]}
                     if path.endswith("/chat/completions") else {"prompt": "ping"})
-            problem = await self._answers(path, ask)
-            if problem is not None:
-                return f"{problem} (one token, asked since a request stalled on it)"
+            answer = await self._answers(path, ask)
+            if isinstance(answer, str):
+                return f"{answer} (one token, asked since a request stalled on it)"
             if self._stalled.get(model, ("", 0))[1] == stall:  # no stall since it was asked
                 del self._stalled[model]
-        return problem
+        return None
 
-    async def _answers(self, path: str, body: dict[str, object] | None = None) -> str | None:
-        """Why the engine did not answer a GET of `path` (a POST of `body`, given one) with a
-        200 within HEALTH_TIMEOUT_S, or None."""
+    def served_models(self) -> frozenset[str] | None:
+        """The models the engine's last /v1/models answer listed; None until one came, and
+        with a model override (every request goes under that one name)."""
+        return None if self._model_override else self._listed
+
+    def _note_listed(self, resp: httpx.Response) -> None:
+        """Keep the model ids of a /v1/models answer (OpenAI's `{"data": [{"id": ...}]}`);
+        an answer of another shape keeps the last one."""
+        try:
+            data = resp.json()["data"]
+            self._listed = frozenset(str(m["id"]) for m in data)
+        except (ValueError, KeyError, TypeError):
+            pass
+
+    async def _answers(self, path: str, body: dict[str, object] | None = None
+                       ) -> httpx.Response | str:
+        """The engine's answer to a GET of `path` (a POST of `body`, given one) within
+        HEALTH_TIMEOUT_S, or why it did not answer (a string)."""
         try:  # httpx's timeout bounds each read: one that trickles would hold the heartbeat
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 resp = await self._client.request("GET" if body is None else "POST", path,
@@ -232,7 +251,7 @@ class OpenAIExecutor:
                                         or resp.status_code in (408, 429)):
             return (f"inference server at {self._client.base_url} answered "
                     f"{resp.status_code} on {path}")
-        return None
+        return resp
 
     async def close(self) -> None:
         await self._client.aclose()

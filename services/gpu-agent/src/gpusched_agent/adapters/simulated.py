@@ -71,6 +71,10 @@ class SimulatedExecutor:
         """Runs in the agent's own process: up while the agent is."""
         return None
 
+    def served_models(self) -> None:
+        """It runs whatever catalog model it is given."""
+        return None
+
     async def close(self) -> None:
         for batch in self._batches.values():
             await batch.close()

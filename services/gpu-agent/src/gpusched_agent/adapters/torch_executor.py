@@ -213,6 +213,10 @@ class TorchExecutor:
         """Runs in the agent's own process: up while the agent is."""
         return None
 
+    def served_models(self) -> None:
+        """It runs whatever catalog model it is given."""
+        return None
+
     async def close(self) -> None:
         for batch in self._batches.values():
             await batch.close()

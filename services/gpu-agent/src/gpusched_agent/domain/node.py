@@ -181,11 +181,12 @@ class NodeModel:
         return forgotten
 
     def state(self, node_id: str, seq: int, started_at_ms: int, now_ms: int,
-              status: str = "ready", executor: str | None = None) -> NodeState:
+              status: str = "ready", executor: str | None = None,
+              models: tuple[str, ...] | None = None) -> NodeState:
         return NodeState(
             node_id=node_id, status=status, seq=seq, started_at_ms=started_at_ms,  # type: ignore[arg-type]
             reported_at_ms=now_ms, driver_version=self.driver_version,
-            cuda_version=self.cuda_version, executor=executor,
+            cuda_version=self.cuda_version, executor=executor, models=models,
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
                          # what gpusched may ever use: the scheduler rejects, or waits

@@ -16,6 +16,7 @@ from gpusched_scheduler.domain.ordering import Chunk
 from gpusched_scheduler.domain.queue import Pending
 from gpusched_scheduler.domain.running import RunningPlacement
 from gpusched_scheduler.domain.solver import (
+    MAX_GPU_TYPES,
     ClusterState,
     GpuSpec,
     NodeSpec,
@@ -37,6 +38,16 @@ NODE_CAPACITY = 10**12
 GPU_SHARE_MILLI = 1
 """Requests share a GPU by memory (continuous batching); compute share is not reserved."""
 CLASS_PRIORITY = {"interactive": 3, "standard": 2, "batch": 1}
+MODELS_MARK = "|"
+"""In the solver's GPU type names only: a node that runs some catalog models alone (its
+`NodeState.models`) has its GPUs typed `<GPU type>|<model>,<model>...`, and each unit is
+allowed the types that run its model (catalog names hold neither `|` nor `,`). With no
+node restricted, types and units are as they were: the solver's input is unchanged."""
+
+FleetNode = tuple[tuple[int, ...], frozenset[str] | None]
+"""A node's GPU memory sizes (MiB) and the catalog models it runs (None: every one)."""
+
+
 def request_tokens(request: InferenceRequest) -> int:
     return request.prompt_token_count + request.max_tokens
 
@@ -67,6 +78,9 @@ class Snapshot:
     state: ClusterState
     node_index: dict[str, int]
     evictable: dict[str, Evictable]
+    crowded: tuple[str, ...] = ()
+    """Ready, live nodes left out: their GPU type and model set would be one more distinct
+    solver type than its 64-bit type mask holds (`MAX_GPU_TYPES`)."""
 
 
 class NodeSpecCache:
@@ -92,6 +106,8 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     evictable: dict[str, Evictable] = {}
     # node index -> (its new spec, the spec the last snapshot was built from)
     changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
+    types: set[str] = set()
+    crowded: list[str] = []
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
         version = view.version.get(node_id, 0)
         hit = cache.specs.get(node_id) if cache is not None else None
@@ -99,6 +115,11 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
             _, spec, idle = hit
         else:
             spec, idle = _node_spec(view, node_id)
+        if len(types | {g.type_name for g in spec.gpus}) > MAX_GPU_TYPES:
+            crowded.append(node_id)
+            continue
+        types.update(g.type_name for g in spec.gpus)
+        if hit is None or hit[0] != version:
             changed[len(specs)] = (spec, hit[1] if hit is not None else None)
         kept[node_id] = (version, spec, idle)
         specs.append(spec)
@@ -106,7 +127,7 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
             evictable[node_id] = idle
     node_index = {s.node_id: i for i, s in enumerate(specs)}
     if cache is None:
-        return Snapshot(ClusterState.from_nodes(specs), node_index, evictable)
+        return Snapshot(ClusterState.from_nodes(specs), node_index, evictable, tuple(crowded))
     cache.specs = kept
     last = cache.last
     cluster = None
@@ -114,7 +135,8 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
         gpus = _changed_gpus(last.state, changed)
         if gpus is not None:
             cluster = last.state.with_gpus(gpus) if gpus else last.state
-    cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index, evictable)
+    cache.last = Snapshot(cluster or ClusterState.from_nodes(specs), node_index, evictable,
+                          tuple(crowded))
     return cache.last
 
 
@@ -125,8 +147,9 @@ def _node_spec(view: ClusterView, node_id: str) -> tuple[NodeSpec, Evictable]:
     placement uses one of its idle models has none (that model is busy)."""
     reserved, loading = view.node_reservations(node_id)
     gpus = sorted(view.nodes[node_id].gpus, key=lambda g: g.index)
+    models = view.nodes[node_id].models
     spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, tuple(
-        GpuSpec(g.gpu_type, 1000 - min(999, g.running_requests),
+        GpuSpec(_solver_type(g.gpu_type, models), 1000 - min(999, g.running_requests),
                 max(0, g.memory_free_mib - reserved.get(g.index, 0)), g.memory_total_mib,
                 g.healthy, g.loaded_models if g.index not in loading
                 else tuple(set(g.loaded_models) | loading[g.index]))
@@ -211,13 +234,15 @@ class CycleDecisions:
     preemptions: list[Preemption]
 
 
-def fleet_gpu_mib(view: ClusterView) -> list[tuple[int, ...]]:
-    """The memory of each GPU of every node that has not stopped: live, silent past the
-    time-out or draining, healthy or not. What can run on it one day decides whether a
-    request that fits nowhere now waits or is rejected: a node that went quiet (Kafka
-    restarting, a network blip) or an agent restarting does not make work impossible."""
-    return [tuple(g.memory_total_mib for g in state.gpus) for state in view.nodes.values()
-            if state.status != "stopped"]
+def fleet_gpu_mib(view: ClusterView) -> list[FleetNode]:
+    """The memory of each GPU, and the models it runs, of every node that has not stopped:
+    live, silent past the time-out or draining, healthy or not. What can run on it one day
+    decides whether a request that fits nowhere now waits or is rejected: a node that went
+    quiet (Kafka restarting, a network blip) or an agent restarting does not make work
+    impossible."""
+    return [(tuple(g.memory_total_mib for g in state.gpus),
+             None if state.models is None else frozenset(state.models))
+            for state in view.nodes.values() if state.status != "stopped"]
 
 
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
@@ -272,19 +297,20 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     kept = Kept()
     shapes: ShapeDistribution | None = None
     if items:
-        batch = _batch([i.request for i in items], catalog)
+        batch = _batch([i.request for i in items], catalog, state.type_names)
         shapes = ShapeDistribution.from_batch(batch) if get_policy(policy).uses_shapes \
             else None
         if rooms and any(i.request.request_id in rooms for i in items):
             chunks, state, kept = _solve_preemptors(state, snap, chunks, rooms, catalog,
                                                     policy, shapes, placed, waiting)
             items = [item for chunk in chunks for item in chunk.items]
-            batch = _batch([i.request for i in items], catalog)
+            batch = _batch([i.request for i in items], catalog, state.type_names)
         result = solve(state, batch, policy, shapes=shapes)
-        never_fits: dict[tuple[int, int], bool] = {}  # (MiB per GPU, GPUs): the same all cycle
-        known: Collection[tuple[int, ...]] | None = None  # fleet(), read at first need
-        fits_live: dict[tuple[int, int], bool] = {}  # on a live, healthy node, were it empty
-        live: list[tuple[int, ...]] | None = None  # _live_gpu_mib, read at first need
+        # (MiB per GPU, GPUs, model): the same all cycle
+        never_fits: dict[tuple[int, int, str], bool] = {}
+        known: Collection[FleetNode] | None = None  # fleet(), read at first need
+        fits_live: dict[tuple[int, int, str], bool] = {}  # on a live, healthy node, were it empty
+        live: list[FleetNode] | None = None  # _live_gpu_mib, read at first need
         holding = False  # an earlier chunk has work waiting for room that can free up
         # (first unit, its solve, the GPU rows kept from it) past an aged unit that waits
         aged_kept: tuple[int, SolveResult, list[int]] | None = None
@@ -302,14 +328,16 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     placed.append(_place(snap, batch, u, item, outcome))
                     continue
                 kv, weight = int(batch.gpu_mem_mib[u]), int(batch.model_weight_mib[u])
-                size = (kv + weight, item.request.num_gpus)
+                size = (kv + weight, item.request.num_gpus, item.request.model)
                 if size not in never_fits:
                     known = fleet() if known is None else known
                     never_fits[size] = _never_fits(known, *size)
                 if outcome.reason == Reason.INVALID_REQUEST:
                     rejected.append(Reject(item, outcome.message))
                 elif never_fits[size]:
-                    rejected.append(Reject(item, _never_reason(item.request, kv, weight)))
+                    known = fleet() if known is None else known
+                    rejected.append(Reject(item, _never_reason(item.request, kv, weight,
+                                                               known)))
                 else:
                     waiting.append(item)
                     blocked.append(u)
@@ -319,7 +347,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     holding |= fits_live[size]
                     if chunk.name == "aged" and fits_live[size] and aged_kept is None \
                             and u + 1 < end:
-                        aged_kept = _keep_node_for(state, batch, u, end, policy, shapes, *size)
+                        aged_kept = _keep_node_for(state, batch, u, end, policy, shapes,
+                                                   *size[:2])
             if holding and aged_kept is None and end < len(items):
                 result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
         state = result.state if aged_kept is None else aged_kept[1].state
@@ -381,16 +410,16 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
     while i < len(eligible) and len(out) < most:
         if freed is not None:
             if trial is None:
-                trial = i, solve(freed, _batch([e.request for e in eligible[i:]], catalog),
-                                 policy, shapes=shapes)
+                trial = i, solve(freed, _batch([e.request for e in eligible[i:]], catalog,
+                                               freed.type_names), policy, shapes=shapes)
             first, result = trial
             j = i
             while j < len(eligible) and hasattr(result.outcome(j - first), "gpu_indices"):
                 j += 1
             if j > i:  # they wait for room coming free: their share of it is taken, and
                 # the weights they count on there stay (a later plan unloads none of them)
-                waits = solve(freed, _batch([e.request for e in eligible[i:j]], catalog),
-                              policy, shapes=shapes)
+                waits = solve(freed, _batch([e.request for e in eligible[i:j]], catalog,
+                                            freed.type_names), policy, shapes=shapes)
                 for k, e in enumerate(eligible[i:j]):
                     if isinstance(outcome := waits.outcome(k), Placed):
                         _count_on(busy, outcome.node_id, outcome.gpu_indices, e.request)
@@ -404,8 +433,9 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                      guarded if request_id in borrowing else (), users, busy)
         if plan is not None:
             taken |= {v.placement_id for v in plan.victims}
-            freed, room = _stopped(freed or state, snap, plan, _batch([item.request], catalog),
-                                   policy, shapes)
+            freed, room = _stopped(freed or state, snap, plan,
+                                   _batch([item.request], catalog, state.type_names), policy,
+                                   shapes)
             # a later plan unloads none of the weights its room counts on
             _count_on(busy, room.node_id, room.gpu_indices, item.request)
             out.append(replace(plan, room=room))
@@ -432,7 +462,7 @@ def _solve_preemptors(state: ClusterState, snap: Snapshot, chunks: list[Chunk],
     one that waits has the memory it needs there taken off (the rest of the GPU, and other
     victims on it, stay for other work and other preemptions), and what those hold."""
     first = [i for chunk in chunks for i in chunk.items if i.request.request_id in rooms]
-    batch = _batch([i.request for i in first], catalog)
+    batch = _batch([i.request for i in first], catalog, state.type_names)
     result = solve(state, batch, policy, shapes=shapes)
     out = result.state
     outcomes = [result.outcome(u) for u in range(len(first))]
@@ -579,12 +609,15 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, poli
     GPU rows kept): the idle-model eviction pass keeps them from those units too."""
     head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
     at = head.state
+    t = int(batch.type_set[u])  # the GPU types that run its model
+    mask = at.type_mask(None if t < 0 else batch.type_sets[t])
     best: list[int] = []  # GPU rows
     best_free = -1
     starts = at.node_gpu_start.tolist()
     for a, b in zip(starts, starts[1:]):
         rows = sorted((g for g in range(a, b)
-                       if at.gpu_healthy[g] and at.gpu_mem_total_mib[g] >= mib_per_gpu),
+                       if at.gpu_healthy[g] and at.gpu_mem_total_mib[g] >= mib_per_gpu
+                       and (mask >> int(at.gpu_type[g])) & 1),
                       key=lambda g: -int(at.gpu_mem_free_mib[g]))[:num_gpus]
         free = sum(int(at.gpu_mem_free_mib[g]) for g in rows)
         if len(rows) == num_gpus and free > best_free:
@@ -643,16 +676,41 @@ def _count_on(busy: dict[tuple[str, int], set[str]], node_id: str, gpus: tuple[i
         busy.setdefault((node_id, g), set()).add(request_weights(request))
 
 
-def _batch(requests: list[InferenceRequest], catalog: ModelCatalog,
+def _batch(requests: list[InferenceRequest], catalog: ModelCatalog, types: tuple[str, ...],
            priority: list[int] | None = None) -> WorkBatch:
+    """The solver units of `requests` on a state with the GPU type names `types`: each
+    allowed only the types that run its model, where some node runs only some models."""
     sizes = [memory_per_gpu(r, catalog.get(r.model)) for r in requests]
+    allowed = None
+    if any(MODELS_MARK in t for t in types):
+        serving = {m: frozenset(t for t in types if _type_serves(t, m))
+                   for m in {r.model for r in requests}}
+        allowed = [serving[r.model] for r in requests]
     return WorkBatch.from_units(
         num_gpu=[r.num_gpus for r in requests], gpu_milli=[GPU_SHARE_MILLI] * len(requests),
         cpu_milli=[0] * len(requests), mem_mib=[0] * len(requests),
-        gpu_mem_mib=[kv for kv, _ in sizes], model_id=[_loads(r) for r in requests],
+        gpu_mem_mib=[kv for kv, _ in sizes], allowed_gpu_types=allowed,
+        model_id=[_loads(r) for r in requests],
         model_weight_mib=[w for _, w in sizes],
         priority=priority or [CLASS_PRIORITY[r.priority_class] for r in requests],
         tenant=[r.tenant for r in requests], unit_ids=[r.request_id for r in requests])
+
+
+def _solver_type(gpu_type: str, models: Collection[str] | None) -> str:
+    """The solver's type name of a GPU of a node that runs `models` (None: every one)."""
+    return gpu_type if models is None else \
+        f"{gpu_type}{MODELS_MARK}{','.join(sorted(models))}"
+
+
+def _type_models(type_name: str) -> frozenset[str] | None:
+    """The models the GPUs of a solver type name run (None: every one)."""
+    _, mark, models = type_name.partition(MODELS_MARK)
+    return frozenset(models.split(",")) - {""} if mark else None
+
+
+def _type_serves(type_name: str, model: str) -> bool:
+    models = _type_models(type_name)
+    return models is None or model in models
 
 
 def request_weights(request: InferenceRequest) -> str:
@@ -677,17 +735,17 @@ def _loaded_on(snap: Snapshot, node_id: str, gpus: tuple[int, ...], weights: str
     return all(_loaded_on_row(snap.state, start + g, weights) for g in gpus)
 
 
-def out_of_reach(snap: Snapshot, fleet: Collection[tuple[int, ...]], catalog: ModelCatalog
+def out_of_reach(snap: Snapshot, fleet: Collection[FleetNode], catalog: ModelCatalog
                  ) -> Callable[[InferenceRequest], bool]:
     """A test of whether a request waits for nodes that are away: no live, healthy node of
     `snap` could hold it even empty, while one of `fleet` could (so it is not rejected
     either). A cycle can do nothing for it."""
     live = _live_gpu_mib(snap.state)
-    known: dict[tuple[int, int], bool] = {}
+    known: dict[tuple[int, int, str], bool] = {}
 
     def away(request: InferenceRequest) -> bool:
         kv, weight = memory_per_gpu(request, catalog.get(request.model))
-        size = (kv + weight, request.num_gpus)
+        size = (kv + weight, request.num_gpus, request.model)
         if size not in known:
             known[size] = _never_fits(live, *size) and not _never_fits(fleet, *size)
         return known[size]
@@ -704,22 +762,34 @@ def _loaded_on_row(state: ClusterState, row: int, weights: str) -> bool:
         state.model_names.index(weights) in state.gpu_models[row]
 
 
-def _live_gpu_mib(state: ClusterState) -> list[tuple[int, ...]]:
-    """The memory of each healthy GPU of every node in the snapshot (the live ones)."""
+def _live_gpu_mib(state: ClusterState) -> list[FleetNode]:
+    """The memory of each healthy GPU, and the models it runs, of every node in the
+    snapshot (the live ones)."""
     starts = state.node_gpu_start.tolist()
     total, healthy = state.gpu_mem_total_mib.tolist(), state.gpu_healthy.tolist()
-    return [tuple(m for m, ok in zip(total[a:b], healthy[a:b]) if ok)
+    types = state.gpu_type.tolist()
+    return [(tuple(m for m, ok in zip(total[a:b], healthy[a:b]) if ok),
+             _type_models(state.type_names[types[a]]) if b > a else None)
             for a, b in zip(starts, starts[1:])]
 
 
-def _never_fits(fleet: Collection[tuple[int, ...]], mib_per_gpu: int, num_gpus: int) -> bool:
-    """True when no node of the fleet has `num_gpus` GPUs with that much memory in total.
-    An empty fleet (no agent reported yet) rejects nothing: work waits for agents."""
-    return bool(fleet) and not any(sum(mib >= mib_per_gpu for mib in gpus) >= num_gpus
-                                   for gpus in fleet)
+def _never_fits(fleet: Collection[FleetNode], mib_per_gpu: int, num_gpus: int, model: str
+                ) -> bool:
+    """True when no node of the fleet that runs `model` has `num_gpus` GPUs with that much
+    memory in total. An empty fleet (no agent reported yet) rejects nothing: work waits for
+    agents."""
+    return bool(fleet) and not any(
+        (models is None or model in models) and sum(mib >= mib_per_gpu for mib in gpus)
+        >= num_gpus for gpus, models in fleet)
 
 
-def _never_reason(request: InferenceRequest, kv: int, weight: int) -> str:
+def _never_reason(request: InferenceRequest, kv: int, weight: int,
+                  fleet: Collection[FleetNode]) -> str:
+    if not any(models is None or request.model in models for _, models in fleet):
+        return (f"no node of the fleet serves {request.model}: each node's agent runs only "
+                "the models of its GPUSCHED_MODELS (or that its inference server lists), "
+                f"and none names {request.model}; ask for a model a node serves, or have "
+                "an operator serve this one")
     n = request.num_gpus
     return (f"{request.model} needs {kv + weight} MiB on each of {n} GPU(s) of one node "
             f"(weights {weight} + KV cache {kv} per GPU) and no node of the fleet has {n} "
@@ -768,7 +838,7 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
               and (not r.aged or (reclaims and r.borrowed))]
     if not ranked:
         return None
-    unit = _batch([item.request], catalog, [ceiling + 1])
+    unit = _batch([item.request], catalog, state.type_names, [ceiling + 1])
     alone = [_Victim((r,), p, r.kv_cache_mib) for r, p in ranked]
     plan = _cheapest(state, snap, catalog, unit, alone, now_ms)
     if plan is None:
@@ -813,7 +883,7 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
         r = v.members[0]
         start = int(state.node_gpu_start[snap.node_index[r.node_id]])
         gpus[i, :len(r.gpu_indices)] = [start + g for g in r.gpu_indices]
-    victims = _batch([v.members[0].request for v in candidates], catalog,
+    victims = _batch([v.members[0].request for v in candidates], catalog, state.type_names,
                      [v.priority for v in candidates])
     victims.gpu_mem_mib[:] = [v.memory_mib for v in candidates]
     victims.gpu_milli[:] = [GPU_SHARE_MILLI * len(v.members) for v in candidates]

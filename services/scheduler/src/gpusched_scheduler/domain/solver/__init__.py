@@ -10,10 +10,11 @@ from .preemption import PreemptionPlan, RunningWork, plan_preemption
 from .result import REASON_TEXT, Placed, Reason, SolveResult, Unschedulable
 from .session import SolverSession
 from .solve import ShapeDistribution, apply, lookahead_order, release, solve, unload_model
-from .state import ClusterState, GpuSpec, NodeSpec, WorkBatch
+from .state import MAX_GPU_TYPES, ClusterState, GpuSpec, NodeSpec, WorkBatch
 
 __all__ = [
     "DEFAULT_POLICY",
+    "MAX_GPU_TYPES",
     "POLICIES",
     "REASON_TEXT",
     "ClusterState",
