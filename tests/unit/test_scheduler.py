@@ -44,6 +44,7 @@ from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     fleet_gpu_mib,
     memory_per_gpu,
+    out_of_reach,
     plan_cycle,
     snapshot,
 )
@@ -3239,3 +3240,82 @@ def test_weights_work_waiting_for_room_counts_on_are_not_counted_as_coming_free(
                    "gpusched", [u], 10_000, {"r1": 1, "i": 1},
                    fleet=lambda: fleet_gpu_mib(view), stopping=[s, t])
     assert [w.request.request_id for w in d.waiting] == ["r1", "i"] and not d.preemptions
+
+
+def serving(state: NodeState, *models: str) -> NodeState:
+    """`state` of a node whose agent runs only `models` (GPUSCHED_MODELS, or its server's)."""
+    return state.model_copy(update={"models": models})
+
+
+def test_a_model_is_placed_only_on_nodes_that_serve_it() -> None:
+    """Any catalog model went to any node; on a node whose inference server serves others
+    the request failed (404, a 502 to the client) and the node stayed ready for more."""
+    view = ClusterView()
+    view.apply_node_state(serving(node("a", [80000, 80000]), "mistral-7b"), 0,
+                          NODE_TIMEOUT_MS)
+    view.apply_node_state(serving(node("b", [30000]), SMALL.name, "llama-3.1-8b"), 0,
+                          NODE_TIMEOUT_MS)
+    decisions = plan(view, [req(f"q{i}") for i in range(3)] + [req("m", model="mistral-7b"),
+                                                               req("e", model="llama-3.1-8b")])
+    assert sorted((p.item.request.request_id, p.node_id) for p in decisions.placed) == [
+        ("e", "b"), ("m", "a"), ("q0", "b"), ("q1", "b"), ("q2", "b")]
+    # more than b holds: the rest waits for b, not for a's free memory
+    decisions = plan(view, [req(f"q{i}", max_tokens=30_000) for i in range(40)])
+    assert {p.node_id for p in decisions.placed} == {"b"} and decisions.waiting
+    assert not decisions.rejected
+
+
+def test_preemption_picks_no_victims_on_a_node_that_does_not_serve_the_model() -> None:
+    """Batch work on a node that serves only the 8B is no victim for an interactive
+    request of another model: stopping it would free room the request cannot use."""
+    view = ClusterView()
+    view.apply_node_state(serving(node("a", [0], models=("llama-3.1-8b",)), "llama-3.1-8b"),
+                          0, NODE_TIMEOUT_MS)
+    view.apply_node_state(serving(node("b", [0]), SMALL.name), 0, NODE_TIMEOUT_MS)
+    victims = [RunningPlacement(placement_id="v", node_id="a", gpu_indices=(0,),
+                                memory_mib_per_gpu=40000, kv_cache_mib=40000, borrowed=False,
+                                estimate_gpu_s=1.0, placed_at_ms=0,
+                                request=req("b", "batch", model="llama-3.1-8b"))]
+    decisions = plan(view, [req("i", "interactive")], now=10_000, running=victims,
+                     may_preempt={"i": 1})
+    assert not decisions.preemptions and not decisions.placed
+    assert [i.request.request_id for i in decisions.waiting] == ["i"]  # b frees up one day
+
+
+def test_a_model_no_node_serves_is_rejected_saying_so() -> None:
+    """It waited forever (no node would take it), or, where it fit no GPU either, was told
+    to use fewer tokens. A node that serves it and is away (silent) keeps it waiting."""
+    view = ClusterView()
+    view.apply_node_state(serving(node("a", [80000]), "mistral-7b"), 0, NODE_TIMEOUT_MS)
+    decisions = plan(view, [req("q"), req("m", model="mistral-7b")])
+    assert [p.item.request.request_id for p in decisions.placed] == ["m"]
+    [reject] = decisions.rejected
+    assert reject.item.request.request_id == "q"
+    assert reject.reason.startswith("no node of the fleet serves qwen2.5-1.5b")
+    view.apply_node_state(serving(node("b", [80000]), SMALL.name), -20_000, NODE_TIMEOUT_MS)
+    snap = snapshot(view, view.live_nodes(0, 10_000))
+    assert "b" not in snap.node_index  # silent past the time-out
+    assert out_of_reach(snap, fleet_gpu_mib(view), CATALOG)(req("q"))
+    decisions = plan(view, [req("q")])
+    assert not decisions.rejected and [i.request.request_id for i in decisions.waiting] == ["q"]
+
+
+def test_with_no_node_restricting_its_models_the_solver_input_is_unchanged() -> None:
+    """Model sets cost nothing where no agent sets one: GPU type names and units' allowed
+    types are those of before (any type)."""
+    from gpusched_scheduler.domain.planner import _batch
+
+    view = ClusterView()
+    view.apply_node_state(node("a", [80000, 70000]), 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [30000], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    snap = snapshot(view, view.live_nodes(0, 10_000))
+    assert snap.state.type_names == ("H100-80GB",)
+    batch = _batch([req("q"), req("m", model="mistral-7b")], CATALOG, snap.state.type_names)
+    assert batch.type_sets == () and (batch.type_set == -1).all()
+    view.apply_node_state(serving(node("b", [30000], seq=2), SMALL.name), 0, NODE_TIMEOUT_MS)
+    restricted = snapshot(view, view.live_nodes(0, 10_000))
+    assert restricted.state.type_names == ("H100-80GB", "H100-80GB|qwen2.5-1.5b")
+    batch = _batch([req("q"), req("m", model="mistral-7b")], CATALOG,
+                   restricted.state.type_names)
+    assert [batch.type_sets[t] for t in batch.type_set] == [
+        {"H100-80GB", "H100-80GB|qwen2.5-1.5b"}, {"H100-80GB"}]
