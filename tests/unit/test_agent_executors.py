@@ -1412,9 +1412,10 @@ async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_unt
     engine_ = Engine()
     engine_.mode = "down"
     sent, runtime = make_runtime(engine_.executor())
-    reporting = asyncio.create_task(runtime.report_forever())
+    reporting = None
     try:
-        await place(runtime, job("a", max_tokens=6).request)
+        await place(runtime, job("a", max_tokens=6).request)  # before any check of the engine
+        reporting = asyncio.create_task(runtime.report_forever())
         [again] = [m for m in sent if isinstance(m, InferenceRequest)]
         assert (again.attempt, again.requeued) == (1, "node_lost")
         assert not [m for m in sent if isinstance(m, RequestResult)]
@@ -1437,9 +1438,10 @@ async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_unt
         assert (result.request_id, result.status, result.completion_tokens) == (
             "a", "completed", 6)
     finally:
-        reporting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reporting
+        if reporting is not None:
+            reporting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporting
         await runtime.executor.close()
 
 
@@ -1847,6 +1849,32 @@ async def test_an_openai_node_serves_the_catalog_models_its_server_lists() -> No
     await runtime.report()
     assert [m for m in sent if isinstance(m, NodeState)][-1].models is None
     assert b'"models"' not in sent[-1].to_bytes()  # left out: older readers take it
+
+
+async def test_an_openai_node_reports_its_models_from_its_first_report() -> None:
+    """The first report went out before the first check of the engine: an openai node said
+    it ran every model (and was healthy) until its next one, and work of other models was
+    placed there to be handed back. A server that lists none of the catalog's names (TGI
+    and llama.cpp list their own id, whatever a request asks for) leaves the node taking
+    every model, with a warning to set GPUSCHED_MODELS, rather than taking none."""
+    from gpusched_common.contracts import NodeState
+
+    sent, runtime = make_runtime(listing(SMALL.name))
+    reporting = asyncio.create_task(runtime.report_forever())
+    try:
+        async with asyncio.timeout(10):
+            while not [m for m in sent if isinstance(m, NodeState)]:
+                await asyncio.sleep(0.01)
+        assert [m for m in sent if isinstance(m, NodeState)][0].models == (SMALL.name,)
+    finally:
+        reporting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporting
+        await runtime.executor.close()
+    _, runtime = make_runtime(listing("/models/qwen2.5-1.5b-instruct-q4.gguf"))
+    await runtime._check_engine()
+    assert runtime.served_models() is None
+    await runtime.executor.close()
 
 
 def test_gpusched_models_must_name_catalog_models() -> None:

@@ -120,6 +120,12 @@ async def test_another_request_under_a_claimed_placements_id_is_rejected_not_dro
     assert await runtime.command(first) == Ignored("duplicate")
     await settle(runtime)
     assert len(sink.of(RequestResult)) == 1
+    running = placement("again", max_tokens=4000)  # and while the first still runs here
+    assert isinstance(await runtime.command(running), Started)
+    assert isinstance(await runtime.command(placement("again", max_tokens=3)), Reused)
+    assert await runtime.command(running) == Ignored("duplicate")
+    runtime._stop(running.placement_id, "cancelled", "test over")
+    await settle(runtime)
 
 
 async def test_the_first_token_streams_alone_then_chunks_of_chunk_tokens() -> None:

@@ -3247,6 +3247,23 @@ def serving(state: NodeState, *models: str) -> NodeState:
     return state.model_copy(update={"models": models})
 
 
+def test_a_change_of_a_nodes_models_alone_reaches_the_cached_snapshot() -> None:
+    """The view's version of a node moved only when its GPUs changed: a node that came to
+    serve another model kept its old solver types in the cycle's cached snapshot, and that
+    model's work waited for ever."""
+    view, cache = ClusterView(), NodeSpecCache()
+    view.apply_node_state(serving(node("a", [80000]), SMALL.name), 0, NODE_TIMEOUT_MS)
+    snapshot(view, view.live_nodes(0, 10_000), cache)
+    view.apply_node_state(serving(node("a", [80000], seq=2), SMALL.name, "mistral-7b"), 0,
+                          NODE_TIMEOUT_MS)
+    snap = snapshot(view, view.live_nodes(0, 10_000), cache)
+    chunks = order_pending([Pending(req("m", model="mistral-7b"), {}, 0)], 0, FairShare(), {},
+                           TARGETS, 5.0, lambda p: 1.0)
+    decisions = plan_cycle(snap, chunks, CATALOG, "gpusched", [], 0, {},
+                           fleet=lambda: fleet_gpu_mib(view))
+    assert [p.node_id for p in decisions.placed] == ["a"]
+
+
 def test_a_model_is_placed_only_on_nodes_that_serve_it() -> None:
     """Any catalog model went to any node; on a node whose inference server serves others
     the request failed (404, a 502 to the client) and the node stayed ready for more."""

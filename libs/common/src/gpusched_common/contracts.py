@@ -129,6 +129,10 @@ class Resume(BaseModel):
     next_seq: int = Field(default=0, ge=0, description="`seq` of the next token chunk.")
 
 
+ASKS_VERSION = 1
+"""Of `InferenceRequest.asks_digest`: raised when `asks()` or a chat turn's fields change."""
+
+
 class InferenceRequest(Message):
     """A request to generate text; produced by the router or by any Kafka client.
 
@@ -206,10 +210,13 @@ class InferenceRequest(Message):
                 tuple(self.stop or ()), self.messages)
 
     def asks_digest(self) -> str:
-        """`asks()` as a digest that is the same in every process (Python's `hash` is not)."""
+        """`asks()` as a digest that is the same in every process (Python's `hash` is not),
+        `<ASKS_VERSION>:<hex>`: digests of two versions (a release that asks for more) are
+        not compared."""
         asked = [*self.asks()[:-1], [m.model_dump() for m in self.messages or ()]]
         text = json.dumps(asked, ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]
+        digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]
+        return f"{ASKS_VERSION}:{digest}"
 
     @property
     def prompt_token_count(self) -> int:

@@ -162,6 +162,8 @@ class AgentRuntime:
         self.executor = executor
         self._models = models
         """GPUSCHED_MODELS (None: unset; see `served_models`)."""
+        self._unmatched: frozenset[str] | None = None
+        """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
         self._ledger = ledger
         self._clock = clock
@@ -248,6 +250,10 @@ class AgentRuntime:
                            f"{cut_off_s:.0f} s")
 
     async def _report_forever(self) -> None:
+        # the engine asked before the first report: it tells whether the engine is up and
+        # which models it serves (an openai node reported every model, and healthy, until
+        # its first check)
+        await self._check_engine()
         while True:
             try:
                 await self.report()
@@ -326,9 +332,16 @@ class AgentRuntime:
         if self._models is not None:
             return self._models
         listed = self.executor.served_models()
-        if listed is None:
+        served = None if listed is None else tuple(m for m in self.catalog.names if m in listed)
+        if served == () and listed:  # TGI, llama.cpp: their own id, whatever `model` asks
+            if listed != self._unmatched:
+                self._unmatched = listed
+                log.warning("the inference server lists none of the catalog's models (it lists "
+                            "%s): this node takes every model, each sent under its catalog "
+                            "name; set GPUSCHED_MODELS to those it serves",
+                            ", ".join(sorted(listed)))
             return None
-        return tuple(m for m in self.catalog.names if m in listed)
+        return served
 
     async def report(self) -> None:
         self._seq += 1
@@ -362,11 +375,14 @@ class AgentRuntime:
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         asks = cmd.request.asks_digest()
-        claim = Taken(asks) if cmd.placement_id in self._running else await self._ledger.claim(
-            cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
-            cmd.request.request_id, asks)
+        running = self._running.get(cmd.placement_id)
+        claim = Taken(running.placement.request.asks_digest()) if running is not None \
+            else await self._ledger.claim(
+                cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
+                cmd.request.request_id, asks)
         if isinstance(claim, Taken):
-            if claim.asks is not None and claim.asks != asks:
+            if claim.asks is not None and claim.asks != asks and \
+                    claim.asks.partition(":")[0] == asks.partition(":")[0]:
                 # a scheduler that had forgotten the first request (past its memory of
                 # decisions, or restarted) placed another under the same id: not run, and
                 # not answered either, as a rejection would end the other request

@@ -65,6 +65,7 @@ from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import OverQuota, QuotaBook
 from gpusched_scheduler.domain.running import ClaimState, RunningPlacement, RunningSet
 from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
+from gpusched_scheduler.domain.solver import MAX_GPU_TYPES
 
 log = logging.getLogger(__name__)
 SERVICE = "scheduler"
@@ -323,6 +324,8 @@ class SchedulingEngine:
         chosen as a victim again meanwhile, by another request that would then wait for its
         room). Kept after its final usage while its node still lists it (`_stopping`)."""
         self._node_specs = NodeSpecCache()
+        self._crowded: tuple[str, ...] = ()
+        """Nodes the last snapshot left out (`Snapshot.crowded`), logged when they change."""
         self._untaken_checked_ms = 0
         self._inherited: dict[str, ClaimState] = {}
         """Claim states of the placements taken over on becoming leader, until settled."""
@@ -664,6 +667,12 @@ class SchedulingEngine:
         started = time.perf_counter()
         live = self.view.live_nodes(now, cfg.node_timeout_ms)
         snap = snapshot(self.view, live, self._node_specs)
+        if snap.crowded != self._crowded:
+            self._crowded = snap.crowded
+            if snap.crowded:
+                log.error("nodes left out of placement: their GPU types and model sets are "
+                          "more distinct kinds than the solver tells apart (%d): %s",
+                          MAX_GPU_TYPES, ", ".join(snap.crowded))
         # before ordering: a preemption timed out, or whose room's node is gone (lost or
         # draining), no longer puts its request first, and it may plan another
         self._preempting = {r: p for r, p in self._preempting.items()

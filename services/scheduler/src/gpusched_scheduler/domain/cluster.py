@@ -60,8 +60,8 @@ class ClusterView:
         self.nodes[node_id] = state
         self.last_seen_ms[node_id] = now_ms
         self.lost.discard(node_id)
-        if old is None or old.gpus != state.gpus:
-            self._bump(node_id)
+        if old is None or old.gpus != state.gpus or old.models != state.models:
+            self._bump(node_id)  # its solver spec (model sets are in its GPUs' types) changed
         mine = self._by_node.get(node_id)
         if mine:
             for pid in [p for p in state.active_placement_ids if p in mine]:

@@ -248,7 +248,7 @@ def fleet_gpu_mib(view: ClusterView) -> list[FleetNode]:
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
                running: Collection[RunningPlacement], now_ms: int,
                may_preempt: dict[str, int], *,
-               fleet: Callable[[], Collection[tuple[int, ...]]],
+               fleet: Callable[[], Collection[FleetNode]],
                max_preemptions: int = 4, reclaiming: Collection[str] = (),
                borrowing: Collection[str] = (), guarded: Collection[str] = (),
                rooms: Mapping[str, Room] | None = None,
@@ -791,8 +791,10 @@ def _never_reason(request: InferenceRequest, kv: int, weight: int,
                 f"and none names {request.model}; ask for a model a node serves, or have "
                 "an operator serve this one")
     n = request.num_gpus
+    which = "no node of the fleet" if all(models is None for _, models in fleet) else \
+        f"no node of the fleet that serves {request.model}"
     return (f"{request.model} needs {kv + weight} MiB on each of {n} GPU(s) of one node "
-            f"(weights {weight} + KV cache {kv} per GPU) and no node of the fleet has {n} "
+            f"(weights {weight} + KV cache {kv} per GPU) and {which} has {n} "
             "GPU(s) with that much memory: run it on more GPUs (num_gpus on a Kafka record, "
             "or the model's num_gpus in models.yaml), or use a smaller model or fewer tokens")
 
