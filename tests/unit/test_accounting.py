@@ -785,9 +785,9 @@ async def test_an_export_with_redis_away_is_a_503_to_retry_not_a_200_cut_short(
     assert reply.json()["detail"].startswith("Redis is unavailable (ConnectionError)")
 
 
-async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
-                                                                  monkeypatch) -> None:
-    """The first page is read before the answer starts, the others as it goes."""
+def two_tenants_read(usage_app, monkeypatch) -> list[tuple[str | None, int]]:
+    """The store's pages as an export reads them (tenant, buckets), of two tenants whose
+    every bucket holds one prompt token."""
     read: list[tuple[str | None, int]] = []
 
     async def tenants() -> list[str]:
@@ -799,6 +799,13 @@ async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
 
     monkeypatch.setattr(usage_app.state.store, "tenants", tenants)
     monkeypatch.setattr(usage_app.state.store, "buckets", one_each)
+    return read
+
+
+async def test_an_export_reads_every_page_of_every_tenant_in_order(usage_app,
+                                                                  monkeypatch) -> None:
+    """The first page is read before the answer starts, the others as it goes."""
+    read = two_tenants_read(usage_app, monkeypatch)
     reply = await ask(usage_app, "/v1/usage/export.csv", "sk-admin-demo", granularity="minute",
                       start=str(NOW - 1000 * 60_000), end=str(NOW))
     assert read == [("acme", 500), ("acme", 500), ("globex", 500), ("globex", 500)]
@@ -811,17 +818,7 @@ async def test_head_of_an_export_reads_its_first_page_only(usage_app, monkeypatc
     """HEAD ran the whole export (up to 100,000 buckets read, on the event loop the usage
     consumer shares) and threw it away; it reads the first page, which tells whether Redis
     answers (a 503 otherwise), as GET does before it starts."""
-    read: list[tuple[str | None, int]] = []
-
-    async def tenants() -> list[str]:
-        return ["acme", "globex"]
-
-    async def one_each(tenant, buckets) -> list[dict]:
-        read.append((tenant, len(buckets)))
-        return [{TOTAL_FIELD: Totals(prompt_tokens=1)} for _ in buckets]
-
-    monkeypatch.setattr(usage_app.state.store, "tenants", tenants)
-    monkeypatch.setattr(usage_app.state.store, "buckets", one_each)
+    read = two_tenants_read(usage_app, monkeypatch)
     reply = await ask(usage_app, "/v1/usage/export.csv", "sk-admin-demo", "HEAD",
                       granularity="minute", start=str(NOW - 1000 * 60_000), end=str(NOW))
     assert (reply.status_code, reply.content) == (200, b"")
