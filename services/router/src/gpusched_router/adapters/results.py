@@ -100,9 +100,10 @@ class ResultsHub:
         """Store a queued status for each request among `records` (read on the request
         topics) that has none, or the fields a status lacks (a running one whose first chunk
         came first): a request produced straight to Kafka, or one whose router could not
-        store its status. A record older than the status TTL is left out: its status, stored or not,
-        would have expired by now. Records that are not requests (the scheduler dead-letters
-        them) are skipped. Raises RedisError, so that the caller's batch is delivered again."""
+        store its status. A record older than the status TTL is left out: its status, stored
+        or not, would have expired by now. Records that are not requests (the scheduler
+        dead-letters them) are skipped. Raises RedisError, so that the caller's batch is
+        delivered again."""
         fresh = [r for r in records if now_ms - r.timestamp <= self._ttl_s * 1000]
         # Most records are the routers' own, whose status names its tenant already: known by
         # their key (the request id, as every producer is told to key them, and as the
