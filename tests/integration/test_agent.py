@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from served_app import ServedApp
 from stack_helpers import ADMIN, TopicWatch, eventually, read_topic
 
-from gpusched_agent.adapters.ledger import RedisLedger
+from gpusched_agent.adapters.ledger import Claim, RedisLedger
 from gpusched_common import outbox, topics
 from gpusched_common.contracts import (
     DEAD_LETTER,
@@ -318,7 +318,9 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
     ledger, store = RedisLedger(redis), RunningStore(redis)
     try:
         for p in (done, running):
-            assert await ledger.claim(p.placement_id, node, 7, p.to_bytes(), p.request.request_id)
+            assert isinstance(await ledger.claim(p.placement_id, node, 7, p.to_bytes(),
+                                                 p.request.request_id,
+                                                 p.request.asks_digest()), Claim)
         await ledger.finishing(done.placement_id, node, 7, outbox.encode(
             [(result, topics.RESULTS.name, result.request_id)]))
         filed = await store.filed_finals([node, "no-such-node"])

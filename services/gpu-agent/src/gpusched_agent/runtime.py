@@ -333,13 +333,13 @@ class AgentRuntime:
             return self._models
         listed = self.executor.served_models()
         served = None if listed is None else tuple(m for m in self.catalog.names if m in listed)
-        if served == () and listed:  # TGI, llama.cpp: their own id, whatever `model` asks
+        if served == ():  # TGI, llama.cpp: their own id, whatever `model` asks
             if listed != self._unmatched:
                 self._unmatched = listed
                 log.warning("the inference server lists none of the catalog's models (it lists "
                             "%s): this node takes every model, each sent under its catalog "
                             "name; set GPUSCHED_MODELS to those it serves",
-                            ", ".join(sorted(listed)))
+                            ", ".join(sorted(listed or ())) or "none")
             return None
         return served
 
