@@ -133,6 +133,12 @@ ASKS_VERSION = 1
 """Of `InferenceRequest.asks_digest`: raised when `asks()` or a chat turn's fields change."""
 
 
+def asks_differ(digest: str, other: str) -> bool:
+    """Whether two `asks_digest`s are of requests that ask for different things: False for
+    the same, and for two of different versions, which cannot tell."""
+    return digest != other and digest.partition(":")[0] == other.partition(":")[0]
+
+
 class InferenceRequest(Message):
     """A request to generate text; produced by the router or by any Kafka client.
 
@@ -212,7 +218,7 @@ class InferenceRequest(Message):
     def asks_digest(self) -> str:
         """`asks()` as a digest that is the same in every process (Python's `hash` is not),
         `<ASKS_VERSION>:<hex>`: digests of two versions (a release that asks for more) are
-        not compared."""
+        not compared (`asks_differ`)."""
         asked = [*self.asks()[:-1], [m.model_dump() for m in self.messages or ()]]
         text = json.dumps(asked, ensure_ascii=False, separators=(",", ":"))
         digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]

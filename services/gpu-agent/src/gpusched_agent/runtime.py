@@ -51,6 +51,7 @@ from gpusched_common.contracts import (
     Resume,
     TokenChunk,
     UsageRecord,
+    asks_differ,
 )
 from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
@@ -381,8 +382,7 @@ class AgentRuntime:
                 cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
                 cmd.request.request_id, asks)
         if isinstance(claim, Taken):
-            if claim.asks is not None and claim.asks != asks and \
-                    claim.asks.partition(":")[0] == asks.partition(":")[0]:
+            if claim.asks is not None and asks_differ(claim.asks, asks):
                 # a scheduler that had forgotten the first request (past its memory of
                 # decisions, or restarted) placed another under the same id: not run, and
                 # not answered either, as a rejection would end the other request

@@ -32,9 +32,10 @@ class AgentSettings(ServiceSettings):
         "and no GPUSCHED_OPENAI_MODEL, those the server lists on /v1/models.")
     openai_api_key: str | None = Field(default=None, description="Bearer key of the server.")
     openai_timeout_s: float = Field(
-        default=600.0, gt=0, le=86400, description="A server that sends no event, or no "
-        "token, for this long is wedged (keep-alive comments do not count): the request goes "
-        "on elsewhere, and the node takes no work until the server generates a token again.")
+        default=600.0, gt=0, le=86400, description="A server that sends no event for this "
+        "long is wedged (keep-alive comments do not count): the request goes on elsewhere, "
+        "and the node takes no work until the server generates a token again; one that "
+        "sends events but no token for this long fails that request.")
     openai_stream_usage: bool = Field(
         default=True, description="Ask the server for its token counts as it streams (vLLM, "
         "SGLang) and bill those; off for a server that refuses `stream_options`: each "

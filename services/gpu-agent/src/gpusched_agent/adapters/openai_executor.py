@@ -27,8 +27,9 @@ lone half becomes U+FFFD), as records need.
 
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
 a proxy without it), drops the connection mid-stream (it crashed), or sends nothing (or
-nothing but keep-alives, or no token) for `timeout_s` (it is wedged) is unavailable, not
-at fault with the request: the runtime hands the request back. One that answers 400, 413
+nothing but keep-alives) for `timeout_s` (it is wedged) is unavailable, not at fault with
+the request: the runtime hands the request back; one that sends events but no token for as
+long is alive, and fails that request. One that answers 400, 413
 or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model's context
 by its tokenizer): the request fails with that status and the engine's message, which its
 client is answered with. Any other error status (a 500, a 404) fails it too. Either
@@ -258,8 +259,8 @@ class OpenAIExecutor:
 
 
 class _Stalled(ExecutorUnavailable):
-    """The engine sent nothing (keep-alive comments aside), or no token, for the time-out:
-    wedged, its fault as a crash is. The request goes on elsewhere with its tokens, and the
+    """The engine sent nothing (keep-alive comments aside) for the time-out: wedged, its
+    fault as a crash is. The request goes on elsewhere with its tokens, and the
     node takes no work until the engine generates again (`health`)."""
 
 

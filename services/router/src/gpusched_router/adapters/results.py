@@ -126,7 +126,7 @@ class ResultsHub:
                 continue
             trace = trace_api.get_current_span(context_from(record_carrier(record.headers)))
             fields = {**_queued_fields(request, trace_id_hex(trace)), "status": "queued"}
-            seen.append((request.request_id, [x for pair in fields.items() for x in pair]))
+            seen.append((request.request_id, _flat(fields)))
         if not seen:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -174,7 +174,7 @@ class ResultsHub:
                 await self._started(keys=[STATUS_KEY.format(request_id)], args=[self._ttl_s],
                                     client=pipe)
             for event in finals:
-                fields = [x for pair in _status_fields(event).items() for x in pair]
+                fields = _flat(_status_fields(event))
                 await self._finished(keys=[STATUS_KEY.format(event.request_id)],
                                      args=[self._ttl_s, *fields], client=pipe)
             await pipe.execute()
@@ -190,6 +190,11 @@ class ResultsHub:
             out["created_at_ms"] = int(out["created_at_ms"])
         out["request_id"] = request_id
         return out
+
+
+def _flat(fields: dict[str, Any]) -> list[Any]:
+    """`fields` as a script's ARGV takes them: field, value, field, value, ..."""
+    return [x for pair in fields.items() for x in pair]
 
 
 def _queued_fields(request: InferenceRequest, trace_id: str | None) -> dict[str, str | int]:

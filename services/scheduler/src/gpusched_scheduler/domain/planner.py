@@ -115,10 +115,11 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
             _, spec, idle = hit
         else:
             spec, idle = _node_spec(view, node_id)
-        if len(types | {g.type_name for g in spec.gpus}) > MAX_GPU_TYPES:
+        new = {g.type_name for g in spec.gpus} - types  # not a copy of `types` per node
+        if len(types) + len(new) > MAX_GPU_TYPES:
             crowded.append(node_id)
             continue
-        types.update(g.type_name for g in spec.gpus)
+        types |= new
         if hit is None or hit[0] != version:
             changed[len(specs)] = (spec, hit[1] if hit is not None else None)
         kept[node_id] = (version, spec, idle)
@@ -709,7 +710,11 @@ def _type_models(type_name: str) -> frozenset[str] | None:
 
 
 def _type_serves(type_name: str, model: str) -> bool:
-    models = _type_models(type_name)
+    return _runs(_type_models(type_name), model)
+
+
+def _runs(models: Collection[str] | None, model: str) -> bool:
+    """Whether a node that runs `models` (None: every one) runs `model`."""
     return models is None or model in models
 
 
@@ -779,13 +784,13 @@ def _never_fits(fleet: Collection[FleetNode], mib_per_gpu: int, num_gpus: int, m
     memory in total. An empty fleet (no agent reported yet) rejects nothing: work waits for
     agents."""
     return bool(fleet) and not any(
-        (models is None or model in models) and sum(mib >= mib_per_gpu for mib in gpus)
+        _runs(models, model) and sum(mib >= mib_per_gpu for mib in gpus)
         >= num_gpus for gpus, models in fleet)
 
 
 def _never_reason(request: InferenceRequest, kv: int, weight: int,
                   fleet: Collection[FleetNode]) -> str:
-    if not any(models is None or request.model in models for _, models in fleet):
+    if not any(_runs(models, request.model) for _, models in fleet):
         return (f"no node of the fleet serves {request.model}: each node's agent runs only "
                 "the models of its GPUSCHED_MODELS (or that its inference server lists), "
                 f"and none names {request.model}; ask for a model a node serves, or have "
