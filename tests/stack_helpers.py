@@ -32,6 +32,7 @@ SERVICE_TEST_ENV = {
     "GPUSCHED_NODE_TIMEOUT_S": "4",
     "GPUSCHED_UNTAKEN_TIMEOUT_S": "10",
     "GPUSCHED_LEASE_TTL_MS": "2000",
+    "GPUSCHED_USAGE_INTERVAL_S": "1",  # partial usage records, as in production, but sooner
 }
 
 

@@ -161,6 +161,53 @@ async def test_replaying_every_event_twice_in_another_order_changes_no_total(sta
         assert r.json()["completion_tokens"] == sum(u.completion_tokens for u in mine)
 
 
+async def test_a_request_started_over_is_billed_each_position_once_through_replays(
+        stack) -> None:
+    """Its first attempt billed the prompt and 35 tokens before its node died; the next
+    started over (the prompt and those tokens again, 50 in all) and was preempted; the third
+    went on after them. The records reach the apply in two fetches (the second attempt's
+    overlap is then unknown to the batch: the script's answer corrects the guess), and again,
+    shuffled, as redeliveries: 100 prompt and 60 completion tokens are billed, not 200 and
+    95, with every record's GPU time."""
+    [tenant] = tenants_named("restart", 1)
+    rid = f"req-{tenant}"
+    now = int(time.time() * 1000)
+    common = dict(request_id=rid, tenant=tenant, model=MODELS[0], priority_class="batch",
+                  node_id="node-1", gpu_type="H100-80GB", started_at_ms=now - 9000)
+
+    def record(attempt: int, n: str, prompt: tuple[int, int], completion: tuple[int, int],
+               ended: int) -> UsageRecord:
+        pid = f"{rid}#{attempt}"
+        return UsageRecord(placement_id=pid, event_id=f"{pid}:{n}", final=n == "final",
+                           prompt_from=prompt[0], prompt_tokens=prompt[1],
+                           completion_from=completion[0], completion_tokens=completion[1],
+                           gpu_seconds=0.5, ended_at_ms=now - ended, **common)
+    first = [record(0, "1", (0, 100), (0, 20), 8000), record(0, "2", (100, 0), (20, 15), 7000)]
+    then = [record(1, "final", (0, 100), (0, 50), 4000),
+            record(2, "final", (100, 0), (50, 10), 1000)]
+    want = public(expected(first + then))
+    assert (want[tenant]["prompt_tokens"], want[tenant]["completion_tokens"]) == (100, 60)
+
+    async def billed():
+        return await drained(stack, "gpusched-accounting") and \
+            await totals_of(stack.accounting_url, [tenant])
+
+    await produce(stack, first)
+    await eventually(billed, timeout_s=30, what="the first attempt billed")
+    await produce(stack, then)
+    assert await eventually(billed, timeout_s=30, what="the next attempts billed") == want
+    replays = (first + then) * 2
+    random.Random(3).shuffle(replays)
+    await produce(stack, replays)
+    assert await eventually(billed, timeout_s=30, what="the replays consumed") == want
+    async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+        r = await http.get(f"/v1/usage/requests/{rid}", headers=ADMIN)
+    mine = r.json()
+    assert (mine["prompt_tokens"], mine["completion_tokens"], mine["requests"]) == (100, 60, 1)
+    assert mine["gpu_seconds"] == pytest.approx(2.0)
+    assert mine["cost_usd"] == want[tenant]["cost_usd"]
+
+
 async def test_a_bad_usage_record_is_dead_lettered_with_the_field_and_bills_nothing(
         stack) -> None:
     [tenant] = tenants_named("bad-usage", 1)

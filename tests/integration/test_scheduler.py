@@ -528,29 +528,57 @@ async def placed_on(stack, ids: set[str]) -> dict[str, str]:
     return await eventually(all_placed, timeout_s=30, what=f"all {len(ids)} placed")
 
 
-async def test_work_of_a_killed_agent_completes_on_another_node(stack) -> None:
+async def test_work_of_a_killed_agent_completes_on_another_node_billed_once(stack) -> None:
+    """The node is killed once it has billed a request's prompt and first tokens (a partial
+    usage record, every GPUSCHED_USAGE_INTERVAL_S = 1 s here): the request starts over on
+    another node, whose records bill the prompt and those tokens again, and accounting
+    bills each once: the prompt and the reply its result reports."""
     results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
     try:
         work = [request("globex", "standard", 6000, "lost", prompt_tokens=100) for _ in range(4)]
         await produce(stack, work)
         ids = {r["request_id"] for r in work}
         where = await placed_on(stack, ids)
-        victim = sorted(set(where.values()))[0]
-        await asyncio.sleep(1.0)  # mid-generation
+
+        def partials(recs) -> list[UsageRecord]:
+            return [u for u in (USAGE.validate_json(v) for _k, v, _t in recs)
+                    if u.request_id in ids and not u.final and u.prompt_tokens
+                    and u.node_id == where[u.request_id]]
+        await usage.until(lambda recs: bool(partials(recs)), 20, "a request billed in part")
+        victim = partials(usage.records)[0].node_id
         stack.processes.kill_service(f"agent-{victim}")
+        cut = {u.request_id for u in partials(usage.records) if u.node_id == victim}
         await results.until(lambda recs: ids <= set(results_by_id(recs)), 120, "all results")
+        await usage.drain(2.0)  # the last usage records
     finally:
         await results.stop()
+        await usage.stop()
         for spec in agent_specs(stack, AGENT_NODES):
             stack.processes.start_service(spec)  # no-op for the one still running
     done = results_by_id(results.records)
     moved = [i for i, n in where.items() if n == victim]
-    assert moved
+    assert cut and set(cut) <= set(moved)
     for i in ids:
         finals = [r for r in done[i] if r.status == "completed"]
         assert finals, f"{i} never completed"
     for i in moved:
         assert any(r.node_id != victim and r.status == "completed" for r in done[i])
+    records = [USAGE.validate_json(v) for _k, v, _t in usage.records]
+    for i in cut:
+        [result] = [r for r in done[i] if r.status == "completed"]
+        # its records bill the prompt twice: the killed attempt's and the one started over
+        mine = {u.event_id: u for u in records if u.request_id == i}.values()
+        assert sum(u.prompt_tokens for u in mine) == 200
+
+        async def billed_once(rid: str = i, want: int = result.completion_tokens) -> dict | None:
+            async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+                r = await http.get(f"/v1/usage/requests/{rid}", headers=ADMIN)
+            got = r.json() if r.status_code == 200 else None
+            return got if got and got["final"] and got["completion_tokens"] >= want else None
+        billed = await eventually(billed_once, what=f"{i}'s usage in accounting")
+        assert (billed["prompt_tokens"], billed["completion_tokens"]) == \
+            (100, result.completion_tokens), billed
     await until_fleet(stack, AGENT_NODES, "the killed agent back")
 
 

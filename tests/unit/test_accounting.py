@@ -4,12 +4,15 @@ answers to a window it cannot read."""
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from faststream.kafka import TestKafkaBroker
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -29,17 +32,20 @@ from gpusched_accounting.domain.usage import (
     ModelPrice,
     PriceTable,
     Totals,
+    billed,
     bucket_deltas,
     content_digest,
     cover,
     dedup_expires_at_ms,
     fields_of,
     finest_kept,
+    guess_billed,
     guess_outcomes,
     load_prices,
     pack,
     recompute,
     row_for,
+    take,
     unpack,
 )
 from gpusched_accounting.handlers import enforce_budgets
@@ -129,7 +135,7 @@ def test_bucket_deltas_of_the_guessed_outcomes_sum_to_the_recomputed_totals() ->
     assert outcomes[-1] == STALE and outcomes[-2] == CONFLICT
     assert outcomes.count(COUNTED) == 7 and DUPLICATE in outcomes
     retention = {"minute": 0, "hour": 0, "day": 0}
-    buckets, tenants = bucket_deltas(rows, outcomes, retention)
+    buckets, tenants = bucket_deltas(rows, outcomes, guess_billed(rows, outcomes), retention)
     assert tenants == ["t0", "t1", "t2"]
     want = recompute((r for r in rows if r.ended_at_ms >= 1), dedup_ttl_s=WEEK_S)
     added = {(t, s): Totals(*f[TOTAL_FIELD]) for (t, g, s), (_, f) in buckets.items()
@@ -182,6 +188,72 @@ def test_old_windows_fall_back_to_coarser_buckets() -> None:
     assert finest_kept(0, 10 * H, keep) == "hour"
     assert finest_kept(0, 3 * D, keep) == "day"
     assert cover(H + 60_000, 3 * H, "hour").buckets == (("hour", 3600), ("hour", 7200))
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 25)), max_size=12))
+def test_take_bills_only_the_positions_not_taken_before(ranges) -> None:
+    spans: list[int] = []
+    held: set[int] = set()
+    for start, n in ranges:
+        new = set(range(start, start + n)) - held
+        assert take(spans, start, n) == len(new)
+        held |= new
+        pairs = list(zip(spans[::2], spans[1::2]))
+        assert set().union(*(range(a, b) for a, b in pairs)) == held
+        assert all(a < b for a, b in pairs)  # sorted, apart, none empty
+        assert all(b1 < a2 for (_, b1), (a2, _) in zip(pairs, pairs[1:]))
+
+
+def started_over() -> list:
+    """A request's records, in the order they end: its first attempt billed the prompt and 35
+    tokens, then its node died; the next attempt started over and was preempted after 50
+    tokens; the third resumed after them and made 10 more."""
+    return [usage(event_id="r#0:1", placement_id="r#0", final=False, prompt_tokens=100,
+                  prompt_from=0, completion_tokens=20, completion_from=0, ended_at_ms=1),
+            usage(event_id="r#0:2", placement_id="r#0", final=False, prompt_tokens=0,
+                  prompt_from=100, completion_tokens=15, completion_from=20, ended_at_ms=2),
+            usage(event_id="r#1:final", placement_id="r#1", prompt_tokens=100, prompt_from=0,
+                  completion_tokens=50, completion_from=0, ended_at_ms=3),
+            usage(event_id="r#2:final", placement_id="r#2", prompt_tokens=0, prompt_from=100,
+                  completion_tokens=10, completion_from=50, ended_at_ms=4)]
+
+
+def test_a_request_started_over_bills_its_prompt_and_each_reply_position_once() -> None:
+    """Its node died mid-reply: the next attempt ran the prompt and the first 35 tokens again,
+    and its records bill them again. Accounting bills each position once (100 prompt and 60
+    completion tokens here, not 200 and 95), and all of its GPU time; in one batch or
+    record by record, and the recomputation agrees."""
+    rows = [row_for(u, PRICES) for u in started_over()]
+    want = Totals(100, 60, 1, sum(r.gpu_us for r in rows),
+                  sum(r.rates.gpu_nusd for r in rows) + 100 * 1000 + 60 * 2000)
+    [total] = recompute(rows, dedup_ttl_s=WEEK_S).values()
+    assert total == replace(want, cost_nusd=total.cost_nusd)
+    assert total.cost_nusd == pytest.approx(want.cost_nusd, abs=len(rows))  # rounded per row
+    outcomes = guess_outcomes(rows, oldest_ms=0)
+    bills = guess_billed(rows, outcomes)
+    assert [b[:2] for b in bills] == [(100, 20), (0, 15), (0, 15), (0, 10)]
+    buckets, _ = bucket_deltas(rows, outcomes, bills, {"minute": 0, "hour": 0, "day": 0})
+    assert Totals(*buckets[("acme", "day", 0)][1][TOTAL_FIELD]) == total
+    # record by record, even with the records of one attempt out of order
+    positions: dict = {}
+    assert [billed(r, positions)[:2] for r in (rows[1], rows[0], rows[2], rows[3])] == \
+        [(0, 15), (100, 20), (0, 15), (0, 10)]
+
+
+def test_a_record_without_positions_bills_all_it_carries() -> None:
+    """An agent one release behind sends none: its tokens are billed as they come, and it
+    notes no position."""
+    old = [u.model_copy(update={"prompt_from": None, "completion_from": None})
+           for u in started_over()]
+    rows = [row_for(u, PRICES) for u in old]
+    [total] = recompute(rows, dedup_ttl_s=WEEK_S).values()
+    assert (total.prompt_tokens, total.completion_tokens) == (200, 95)
+    assert total.cost_nusd == sum(r.cost_nusd for r in rows)
+
+
+def test_positions_are_set_together_or_not_at_all() -> None:
+    with pytest.raises(ValidationError, match="set together"):
+        usage(prompt_from=0)
 
 
 def test_recompute_ignores_repeats_and_counts_a_request_once() -> None:

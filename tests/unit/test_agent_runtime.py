@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,16 @@ async def until_tokens(sink: Sink, n: int) -> int:
 
 
 def usage_sum(sink: Sink, rid: str) -> tuple[int, int, float]:
+    """What the request's records bill; their positions tile the prompt and the reply from
+    0, each position in one record (accounting bills a position once)."""
     records = [u for u in sink.of(UsageRecord) if u.request_id == rid]
     assert len({u.event_id for u in records}) == len(records)  # unique event ids
+    for start, count in (("prompt_from", "prompt_tokens"),
+                         ("completion_from", "completion_tokens")):
+        spans = sorted((getattr(u, start), getattr(u, count)) for u in records
+                       if getattr(u, count))
+        tiled = itertools.accumulate((n for _, n in spans[:-1]), initial=0)
+        assert [a for a, _ in spans] == list(tiled)[:len(spans)], f"{rid}: {count} at {spans}"
     return (sum(u.prompt_tokens for u in records), sum(u.completion_tokens for u in records),
             sum(u.gpu_seconds for u in records))
 

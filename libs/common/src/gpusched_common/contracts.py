@@ -441,6 +441,22 @@ class UsageRecord(Message):
     final: bool = Field(default=True, strict=True)
     started_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
     ended_at_ms: int = Field(ge=0, le=MAX_EPOCH_MS, strict=True)
+    prompt_from: int | None = Field(
+        default=None, ge=0, le=MAX_USAGE_TOKENS, strict=True,
+        description="Position in the request's prompt of the first prompt token this record "
+        "bills; accounting bills each position of a request once, whichever attempts ran it "
+        "(a request started over after its node died). Unset (older agents): billed as sent.")
+    completion_from: int | None = Field(
+        default=None, ge=0, le=MAX_USAGE_TOKENS, strict=True,
+        description="Position in the request's reply of the first completion token this "
+        "record bills (a resumed attempt goes on after the tokens it carries); set with "
+        "prompt_from.")
+
+    @model_validator(mode="after")
+    def _positions_together(self) -> UsageRecord:
+        if (self.prompt_from is None) != (self.completion_from is None):
+            raise ValueError("prompt_from and completion_from are set together or not at all")
+        return self
 
     @model_validator(mode="after")
     def _ids_agree(self) -> UsageRecord:

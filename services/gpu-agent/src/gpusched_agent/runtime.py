@@ -877,8 +877,11 @@ class AgentRuntime:
             log.error("%s used %.0f GPU-seconds since its last record, more than a record "
                       "holds: billed as %d", pid, gpu_seconds, MAX_USAGE_GPU_SECONDS)
             gpu_seconds = MAX_USAGE_GPU_SECONDS  # no record could carry it, nor its end
-        prompt = run.prompt_tokens - run.billed_prompt
-        completion = run.completion_tokens - run.billed_completion
+        # what it bills, by position: a request started over elsewhere (its node died)
+        # bills the positions its earlier attempts billed again, which accounting drops
+        prompt_from, completion_from = run.billed_prompt, run.billed_completion
+        prompt = run.prompt_tokens - prompt_from
+        completion = run.completion_tokens - completion_from
         run.billed_prompt, run.billed_completion = run.prompt_tokens, run.completion_tokens
         started, run.last_billed_ms = run.last_billed_ms, now_ms
         if final:
@@ -892,7 +895,8 @@ class AgentRuntime:
             tenant=request.tenant, model=request.model, priority_class=request.priority_class,
             node_id=self.node_id, gpu_type=run.gpu_type, prompt_tokens=prompt,
             completion_tokens=completion, gpu_seconds=round(gpu_seconds, 6), final=final,
-            started_at_ms=started or now_ms, ended_at_ms=now_ms), topics.USAGE.name,
+            started_at_ms=started or now_ms, ended_at_ms=now_ms, prompt_from=prompt_from,
+            completion_from=completion_from), topics.USAGE.name,
             request.tenant)
 
     def _gpu_seconds(self, run: _Running, final: bool) -> float:

@@ -6,11 +6,13 @@ Layout (counters are packed as five little-endian int64: prompt tokens, completi
 requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
   gpusched:usage:req:<request_id>      string: the request's counters, a final record seen
                                        (byte), request counted (byte), "tenant model" (length
-                                       uint16, then text), then the applied event ids, each
-                                       followed by a newline, then its content digest as a
-                                       line of its own: byte 0xFF, 16 hex digits, a newline
-                                       (absent for ids applied before digests were kept);
-                                       TTL dedup_ttl_s
+                                       uint16, then text), a newline, the token positions
+                                       billed when any were (byte 0xFE, the prompt's spans,
+                                       ';', the reply's: from,to,from,to..., a newline), then
+                                       the applied event ids, each followed by a newline,
+                                       then its content digest as a line of its own: byte
+                                       0xFF, 16 hex digits, a newline (absent for ids applied
+                                       before digests were kept); TTL dedup_ttl_s
   gpusched:usage:t:<tenant>:<g>:<s>    hash per tenant and bucket (g = m|h|d, s = start, epoch
                                        seconds): t, m:<model>, n:<node>, g:<gpu>, c:<class>
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
@@ -20,12 +22,18 @@ record. Rows older than the dedup window are refused (-1): they could be duplica
 can no longer be recognised. A row whose event id was applied with another content digest
 is refused too (-2, a conflict): it is another record under a reused id, not a redelivery.
 A digest line starts with a byte UTF-8 never holds, so no id ever matches it, and a
-release that keeps no digests still finds every id (a rolling upgrade).
+release that keeps no digests still finds every id (a rolling upgrade); so does the
+positions line, which a release that keeps no positions leaves as it is.
+
+A record with positions bills only the prompt and completion positions its request has not
+billed yet (`domain.usage.billed`): a request started over after its node died bills its
+prompt and each reply position once.
 
 Speed: Redis runs scripts one at a time, so the script does as little as it can. Python
 guesses each row's outcome (new and counting its request, new, duplicate, stale, conflict)
-and sums the bucket deltas of that guess; the script checks the guess against the request
-records and applies it only if every row matches, else changes nothing and answers the true
+and what each bills (every token, but for positions repeated in the batch), and sums the
+bucket deltas of that guess; the script checks the guess against the request records and
+applies it only if every row matches, else changes nothing and answers the true
 outcomes, and Python sums again. Redelivered or concurrent batches cost one more round
 trip, never a wrong count.
 """
@@ -52,8 +60,10 @@ from gpusched_accounting.domain.usage import (
     Granularity,
     Totals,
     UsageRow,
+    bill_of,
     bucket_deltas,
     content_digest,
+    guess_billed,
     guess_outcomes,
     unpack,
 )
@@ -72,15 +82,50 @@ local rows = cjson.decode(ARGV[1])
 local want = cjson.decode(ARGV[2])
 local now_ms = tonumber(ARGV[3])
 local dedup_ttl = tonumber(ARGV[4])
+local want_billed = cjson.decode(ARGV[7])
 local oldest_ms = now_ms - dedup_ttl * 1000
 local HEAD = '<lllllBBH'
 
+-- the twin of domain/usage.py:take: adds positions [start, start + n) to spans (sorted
+-- disjoint [from, to) ranges, flattened; touching ones merged) and answers how many of them
+-- it did not hold, and the new spans
+local function take(spans, start, n)
+  if n <= 0 then return 0, spans end
+  local stop, lo, hi, covered, out, placed = start + n, start, start + n, 0, {}, false
+  for i = 1, #spans, 2 do
+    local a, b = spans[i], spans[i + 1]
+    if b < lo or a > hi then
+      if a > hi and not placed then out[#out + 1] = lo; out[#out + 1] = hi; placed = true end
+      out[#out + 1] = a; out[#out + 1] = b
+    else
+      covered = covered + math.max(0, math.min(b, stop) - math.max(a, start))
+      lo = math.min(lo, a); hi = math.max(hi, b)
+    end
+  end
+  if not placed then out[#out + 1] = lo; out[#out + 1] = hi end
+  return n - covered, out
+end
+
+local function spans_of(text)
+  local t = {}
+  for n in string.gmatch(text, '%d+') do t[#t + 1] = tonumber(n) end
+  return t
+end
+
+local function text_of(spans)
+  local t = {}
+  for i, n in ipairs(spans) do t[i] = string.format('%d', n) end
+  return table.concat(t, ',')
+end
+
 -- 1. the true outcome of every row: -2 conflict, -1 stale, 0 duplicate, 1 new, 2 new and
--- first to count its request; reads only, so a wrong guess leaves Redis untouched
-local outcome, req, same = {}, {}, true
+-- first to count its request, and the prompt and completion tokens it bills; reads only,
+-- so a wrong guess leaves Redis untouched
+local outcome, billed, req, same = {}, {}, {}, true
 for i, e in ipairs(rows) do
   local s
-  if e[10] < oldest_ms then
+  local bp, bc = 0, 0
+  if e[9] < oldest_ms then
     s = -1
   else
     local rkey = e[2]
@@ -94,6 +139,13 @@ for i, e in ipairs(rows) do
       else
         q = {0, 0, 0, 0, 0, 0, 0, e[3], '\n'}
       end
+      q[12] = {{}, {}}  -- the prompt and completion positions billed
+      if string.byte(q[9], 2) == 254 then
+        local nl = string.find(q[9], '\n', 3, true)
+        local ps, cs = string.match(string.sub(q[9], 3, nl - 1), '^([%d,]*);([%d,]*)$')
+        q[12] = {spans_of(ps), spans_of(cs)}
+        q[9] = string.sub(q[9], nl)
+      end
       req[rkey] = q
     end
     local id = '\n' .. e[1] .. '\n'
@@ -104,29 +156,39 @@ for i, e in ipairs(rows) do
       -- applied before: a duplicate, unless its digest (the line after it) is another
       -- one's; an id kept without a digest (an older release's) is a duplicate
       local d = at + #id
-      if string.byte(q[9], d) == 255 and string.sub(q[9], d + 1, d + #e[11]) ~= e[11]
-         and (e[4] ~= 0 or e[5] ~= 0 or e[6] ~= 0 or e[9] == 1) then
+      if string.byte(q[9], d) == 255 and string.sub(q[9], d + 1, d + #e[10]) ~= e[10]
+         and (e[4] ~= 0 or e[5] ~= 0 or e[6] ~= 0 or e[8] == 1) then
         s = -2
       else
         s = 0
       end
     else
-      q[9] = q[9] .. e[1] .. '\n\255' .. e[11] .. '\n'
+      q[9] = q[9] .. e[1] .. '\n\255' .. e[10] .. '\n'
       s = 1
-      if e[9] == 1 and q[7] == 0 then s = 2; q[7] = 1 end
-      q[1] = q[1] + e[4]; q[2] = q[2] + e[5]; q[3] = q[3] + (s == 2 and 1 or 0)
-      q[4] = q[4] + e[6]; q[5] = q[5] + e[7]
-      if e[8] == 1 then q[6] = 1 end
+      if e[8] == 1 and q[7] == 0 then s = 2; q[7] = 1 end
+      bp, bc = e[4], e[5]
+      if e[11] >= 0 then  -- positions its request billed before are not billed again
+        bp, q[12][1] = take(q[12][1], e[11], e[4])
+        bc, q[12][2] = take(q[12][2], e[12], e[5])
+      end
+      -- their cost is the guess's (the caller's prices): a wrong guess of bp or bc writes
+      -- nothing, and a right one has the right cost
+      q[1] = q[1] + bp; q[2] = q[2] + bc; q[3] = q[3] + (s == 2 and 1 or 0)
+      q[4] = q[4] + e[6]; q[5] = q[5] + want_billed[i][3]
+      if e[7] == 1 then q[6] = 1 end
       q[10] = true
       -- a record ending after now (its agent's clock is ahead) stays redeliverable until
       -- its end + the window: its ids must be kept as long
-      if e[10] > now_ms then q[11] = math.max(q[11] or 0, e[10]) end
+      if e[9] > now_ms then q[11] = math.max(q[11] or 0, e[9]) end
     end
   end
   outcome[i] = s
-  if s ~= want[i] then same = false end
+  billed[i] = {bp, bc}
+  if s ~= want[i] or bp ~= want_billed[i][1] or bc ~= want_billed[i][2] then
+    same = false
+  end
 end
-if not same then return {0, outcome} end
+if not same then return {0, outcome, billed} end
 
 -- 2. the requests' new totals and event ids
 for rkey, q in pairs(req) do
@@ -135,8 +197,12 @@ for rkey, q in pairs(req) do
     -- (domain/usage.py:dedup_expires_at_ms states this rule, which recompute follows)
     local ttl = math.max(dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
                          redis.call('TTL', rkey))
+    local pos = ''
+    if #q[12][1] > 0 or #q[12][2] > 0 then
+      pos = '\n\254' .. text_of(q[12][1]) .. ';' .. text_of(q[12][2])
+    end
     redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])
-               .. q[8] .. q[9], 'EX', ttl)
+               .. q[8] .. pos .. q[9], 'EX', ttl)
   end
 end
 
@@ -176,10 +242,11 @@ return {1, outcome}
 """
 """ARGV: rows as JSON (`_lua_row`), the guessed outcome of each row (JSON), now_ms,
 dedup_ttl_s, the bucket deltas of that guess as JSON ([key, expire_at_s, field, prompt,
-completion, requests, gpu_us, cost_nusd, field, ...], ...) and the tenants with a new row
-(JSON). Returns {1, outcomes} when the guess was right and applied, else {0, true outcomes}
-and nothing changed. Keys are built by the caller, so this needs one Redis (or a cluster slot
-per batch), not Redis Cluster across slots."""
+completion, requests, gpu_us, cost_nusd, field, ...], ...), the tenants with a new row
+(JSON) and what each row bills in that guess (JSON, [[prompt, completion, cost_nusd], ...]).
+Returns {1, outcomes} when the guess was right and applied, else {0, true outcomes, true
+tokens billed} and nothing changed. Keys are built by the caller, so this needs one Redis
+(or a cluster slot per batch), not Redis Cluster across slots."""
 
 
 _WINDOW = """
@@ -246,11 +313,12 @@ def _dedup_field(row: UsageRow) -> str:
 
 def _lua_row(row: UsageRow) -> list[str | int]:
     """What the Lua apply reads of a row (1-based there): 1 dedup field, 2 request key,
-    3 "tenant model", 4-7 prompt, completion, gpu_us, cost_nusd, 8 final, 9 counts the
-    request, 10 ended_at_ms, 11 content digest."""
+    3 "tenant model", 4-6 prompt, completion, gpu_us, 7 final, 8 counts the request,
+    9 ended_at_ms, 10 content digest, 11-12 prompt_from, completion_from."""
     return [_dedup_field(row), _REQUEST_PREFIX + row.request_id, row.tenant + " " + row.model,
-            row.prompt_tokens, row.completion_tokens, row.gpu_us, row.cost_nusd, int(row.final),
-            int(row.counts_request), row.ended_at_ms, content_digest(row)]
+            row.prompt_tokens, row.completion_tokens, row.gpu_us, int(row.final),
+            int(row.counts_request), row.ended_at_ms, content_digest(row), row.prompt_from,
+            row.completion_from]
 
 
 def bucket_key(tenant: str | None, granularity: Granularity, start_s: int) -> str:
@@ -269,6 +337,7 @@ class PendingApply:
         self._store, self._rows, self._now_ms = store, rows, now_ms
         self._payload = pydantic_core.to_json([_lua_row(r) for r in rows])
         self._outcomes = guess_outcomes(rows, now_ms - store.dedup_ttl_s * 1000)
+        self._bills = guess_billed(rows, self._outcomes)
         self._conn: Connection | None = None
 
     async def send(self) -> None:
@@ -282,7 +351,7 @@ class PendingApply:
 
     async def _send(self) -> None:
         assert self._conn is not None
-        buckets, tenants = bucket_deltas(self._rows, self._outcomes,
+        buckets, tenants = bucket_deltas(self._rows, self._outcomes, self._bills,
                                          self._store.retention.as_dict())
         deltas = []
         for bucket, (expire_at_s, fields) in buckets.items():
@@ -294,7 +363,8 @@ class PendingApply:
         await self._conn.send_command(
             "EVALSHA", await self._store.apply_sha(), 0, self._payload,
             pydantic_core.to_json(self._outcomes), self._now_ms, self._store.dedup_ttl_s,
-            pydantic_core.to_json(deltas), pydantic_core.to_json(tenants))
+            pydantic_core.to_json(deltas), pydantic_core.to_json(tenants),
+            pydantic_core.to_json(self._bills))
 
     async def result(self) -> list[int]:
         """Statuses per row (APPLIED, DUPLICATE, STALE, CONFLICT), once the rows are
@@ -303,12 +373,15 @@ class PendingApply:
         try:
             for _ in range(_MAX_ATTEMPTS):
                 try:
-                    done, outcomes = await self._conn.read_response()
+                    done, outcomes, *bills = await self._conn.read_response()
                 except NoScriptError:  # Redis restarted and lost its script cache
                     await self._store.apply_sha(reload=True)
                     await self._send()
                     continue
                 self._outcomes = [int(o) for o in outcomes]
+                if bills:
+                    self._bills = [bill_of(row, int(p), int(c))
+                                   for row, (p, c) in zip(self._rows, bills[0])]
                 if done:
                     return [APPLIED if o in (NEW, COUNTED) else o for o in self._outcomes]
                 await self._send()  # a guess was wrong: nothing was written; sum again

@@ -123,16 +123,31 @@ class PriceTable(BaseModel):
     gpu_hour_usd: dict[str, GpuHourUsd] = Field(default_factory=dict)
     model_usd_per_million_tokens: dict[str, ModelPrice] = Field(default_factory=dict)
 
-    def cost_nusd(self, gpu_type: str, gpu_us: int, model: str, prompt_tokens: int,
-                  completion_tokens: int) -> int:
-        """Nano-USD of one record, rounded once per record (so it never depends on order)."""
+    def rates(self, gpu_type: str, gpu_us: int, model: str) -> Rates:
         gpu_hour = 0.0 if gpu_type == NO_GPU else self.gpu_hour_usd.get(
             gpu_type, self.gpu_hour_usd.get("default", 0.0))
         price = self.model_usd_per_million_tokens.get(model) or \
             self.model_usd_per_million_tokens.get("default") or _FREE
-        nusd = (gpu_us * gpu_hour / 3600 * 1000  # gpu_us/1e6 h/3600 x USD x 1e9 nUSD
-                + prompt_tokens * price.prompt * 1000 + completion_tokens * price.completion * 1000)
-        return round(nusd)
+        return Rates(gpu_us * gpu_hour / 3600 * 1000,  # gpu_us/1e6 h/3600 x USD x 1e9 nUSD
+                     price.prompt, price.completion)
+
+    def cost_nusd(self, gpu_type: str, gpu_us: int, model: str, prompt_tokens: int,
+                  completion_tokens: int) -> int:
+        """Nano-USD of one record, rounded once per record (so it never depends on order)."""
+        return self.rates(gpu_type, gpu_us, model).cost_nusd(prompt_tokens, completion_tokens)
+
+
+class Rates(NamedTuple):
+    """What one record's parts cost: its GPU time in nano-USD, and USD per million prompt
+    and completion tokens."""
+
+    gpu_nusd: float
+    prompt_usd: float
+    completion_usd: float
+
+    def cost_nusd(self, prompt_tokens: int, completion_tokens: int) -> int:
+        return round(self.gpu_nusd + prompt_tokens * self.prompt_usd * 1000
+                     + completion_tokens * self.completion_usd * 1000)
 
 
 def load_prices(config_dir: Path) -> PriceTable:
@@ -166,16 +181,82 @@ class UsageRow(NamedTuple):
     final: bool
     counts_request: bool
     ended_at_ms: int
+    prompt_from: int = -1
+    completion_from: int = -1
+    """Positions of the first prompt and completion token the record bills; -1 (an older
+    agent's record): its tokens are billed as they are, and no position is noted."""
+    rates: Rates = Rates(0.0, 0.0, 0.0)
+    """What its parts cost, for the cost of fewer tokens than it carries."""
 
 
 def row_for(usage: UsageRecord, prices: PriceTable) -> UsageRow:
     gpu_us = round(usage.gpu_seconds * 1_000_000)
+    rates = prices.rates(usage.gpu_type, gpu_us, usage.model)
     return UsageRow(  # positional: this runs once per usage record
         usage.event_id, usage.request_id, usage.tenant, usage.model, usage.node_id,
         usage.gpu_type, usage.priority_class, usage.prompt_tokens, usage.completion_tokens,
-        gpu_us, prices.cost_nusd(usage.gpu_type, gpu_us, usage.model, usage.prompt_tokens,
-                                 usage.completion_tokens),
-        usage.final, usage.final and usage.gpu_type != NO_GPU, usage.ended_at_ms)
+        gpu_us, rates.cost_nusd(usage.prompt_tokens, usage.completion_tokens),
+        usage.final, usage.final and usage.gpu_type != NO_GPU, usage.ended_at_ms,
+        -1 if usage.prompt_from is None else usage.prompt_from,
+        -1 if usage.completion_from is None else usage.completion_from, rates)
+
+
+# ---- token positions: each one of a request billed once -----------------------------------
+
+def take(spans: list[int], start: int, n: int) -> int:
+    """Adds positions [start, start + n) to `spans` (sorted disjoint [from, to) ranges,
+    flattened; touching ones merged) and returns how many of them it did not hold. The apply
+    script's `take` (adapters/store.py) is its twin."""
+    if n <= 0:
+        return 0
+    end, lo, hi, covered = start + n, start, start + n, 0
+    out: list[int] = []
+    placed = False
+    for i in range(0, len(spans), 2):
+        a, b = spans[i], spans[i + 1]
+        if b < lo or a > hi:  # apart: neither overlapping nor touching
+            if a > hi and not placed:
+                out += (lo, hi)
+                placed = True
+            out += (a, b)
+        else:
+            covered += max(0, min(b, end) - max(a, start))
+            lo, hi = min(lo, a), max(hi, b)
+    if not placed:
+        out += (lo, hi)
+    spans[:] = out
+    return n - covered
+
+
+class Billed(NamedTuple):
+    """What one row bills: the positions no earlier row of its request billed, and their
+    cost; GPU time is always its own."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cost_nusd: int
+
+
+NOTHING = Billed(0, 0, 0)
+
+
+def billed(row: UsageRow, positions: dict[str, tuple[list[int], list[int]]]) -> Billed:
+    """What `row` bills after the rows whose positions are in `positions` (request id ->
+    prompt and completion spans, updated here): a request started over after its node died
+    bills its prompt, and each completion position, once."""
+    if row.prompt_from < 0:
+        return Billed(row.prompt_tokens, row.completion_tokens, row.cost_nusd)
+    prompt, completion = positions.setdefault(row.request_id, ([], []))
+    return bill_of(row, take(prompt, row.prompt_from, row.prompt_tokens),
+                   take(completion, row.completion_from, row.completion_tokens))
+
+
+def bill_of(row: UsageRow, prompt_tokens: int, completion_tokens: int) -> Billed:
+    """`row` billing that many of its tokens (all of them: its own cost, exactly)."""
+    if (prompt_tokens, completion_tokens) == (row.prompt_tokens, row.completion_tokens):
+        return Billed(prompt_tokens, completion_tokens, row.cost_nusd)
+    return Billed(prompt_tokens, completion_tokens,
+                  row.rates.cost_nusd(prompt_tokens, completion_tokens))
 
 
 def content_digest(row: UsageRow) -> str:
@@ -270,20 +351,28 @@ Bucket = tuple[str | None, Granularity, int]
 """(tenant, or None for all tenants; granularity; start, epoch seconds)."""
 
 
-def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int],
+def guess_billed(rows: Sequence[UsageRow], outcomes: Sequence[int]) -> list[Billed]:
+    """What each row bills if no position of its request was billed before the batch
+    (NOTHING for a row that is not new)."""
+    positions: dict[str, tuple[list[int], list[int]]] = {}
+    return [billed(row, positions) if outcome >= NEW else NOTHING
+            for row, outcome in zip(rows, outcomes)]
+
+
+def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int], bills: Sequence[Billed],
                   retention_s: dict[Granularity, int]
                   ) -> tuple[dict[Bucket, tuple[int, dict[str, list[int]]]], list[str]]:
-    """What the new rows (outcome NEW or COUNTED) add to each bucket: per tenant and for all
-    tenants, in minute, hour and day buckets: (the time it expires, epoch s; {field: [prompt,
-    completion, requests, gpu_us, cost_nusd]}); and the tenants that have new rows. Rows are
-    summed per (tenant, minute) first, so the cost of the coarser buckets does not grow with
-    the batch."""
+    """What the new rows (outcome NEW or COUNTED) add to each bucket, each its `bills` entry:
+    per tenant and for all tenants, in minute, hour and day buckets: (the time it expires,
+    epoch s; {field: [prompt, completion, requests, gpu_us, cost_nusd]}); and the tenants
+    that have new rows. Rows are summed per (tenant, minute) first, so the cost of the
+    coarser buckets does not grow with the batch."""
     per_minute: dict[tuple[str, int], dict[str, list[int]]] = {}
-    for row, outcome in zip(rows, outcomes):
+    for row, outcome, bill in zip(rows, outcomes, bills):
         if outcome < NEW:
             continue
-        add = (row.prompt_tokens, row.completion_tokens, 1 if outcome == COUNTED else 0,
-               row.gpu_us, row.cost_nusd)
+        add = (bill.prompt_tokens, bill.completion_tokens, 1 if outcome == COUNTED else 0,
+               row.gpu_us, bill.cost_nusd)
         fields = per_minute.setdefault((row.tenant, row.ended_at_ms // 60_000 * 60), {})
         for name in fields_of(row, all_tenants=False):
             _add(fields, name, add)
@@ -382,11 +471,14 @@ def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
     event id, the first counts (the live apply dead-letters a later one with other content),
     and a request id is another tenant's or model's only while its ids are kept: once they
     are forgotten (`dedup_expires_at_ms`), a request under the same id is a new one, billed
-    and counted again, as live (README: ids are unique within the dedup window only)."""
+    and counted again, as live (README: ids are unique within the dedup window only). Token
+    positions a request billed before are not billed again (`billed`) and are forgotten
+    with its ids."""
     events: dict[str, set[str]] = {}
     owner: dict[str, tuple[str, str]] = {}
     counted: set[str] = set()
     expires_at_ms: dict[str, int] = {}
+    positions: dict[str, tuple[list[int], list[int]]] = {}
     out: dict[tuple[str, int], Totals] = {}
     for row in sorted(rows, key=attrgetter("ended_at_ms")):  # stable: topic order at a tie
         rid = row.request_id
@@ -395,6 +487,7 @@ def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
         if expires_at_ms.get(rid, row.ended_at_ms + 1) <= row.ended_at_ms:
             del events[rid], owner[rid], expires_at_ms[rid]
             counted.discard(rid)
+            positions.pop(rid, None)
         seen = events.setdefault(rid, set())
         if row.event_id in seen or _another_owner(owner, row):
             continue
@@ -404,6 +497,7 @@ def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
         request = 1 if row.counts_request and rid not in counted else 0
         if request:
             counted.add(rid)
-        out[key] = total + Totals(row.prompt_tokens, row.completion_tokens, request,
-                                  row.gpu_us, row.cost_nusd)
+        bill = billed(row, positions)
+        out[key] = total + Totals(bill.prompt_tokens, bill.completion_tokens, request,
+                                  row.gpu_us, bill.cost_nusd)
     return out
