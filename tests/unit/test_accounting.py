@@ -231,13 +231,20 @@ def test_a_request_started_over_bills_its_prompt_and_each_reply_position_once() 
     assert total.cost_nusd == pytest.approx(want.cost_nusd, abs=len(rows))  # rounded per row
     outcomes = guess_outcomes(rows, oldest_ms=0)
     bills = guess_billed(rows, outcomes)
-    assert [b[:2] for b in bills] == [(100, 20), (0, 15), (0, 15), (0, 10)]
+    assert [(b.prompt_tokens, b.completion_tokens) for b in bills] == \
+        [(100, 20), (0, 15), (0, 15), (0, 10)]
     buckets, _ = bucket_deltas(rows, outcomes, bills, {"minute": 0, "hour": 0, "day": 0})
     assert Totals(*buckets[("acme", "day", 0)][1][TOTAL_FIELD]) == total
     # record by record, even with the records of one attempt out of order
-    positions: dict = {}
-    assert [billed(r, positions)[:2] for r in (rows[1], rows[0], rows[2], rows[3])] == \
+    spans: tuple = ([], [])
+    assert [billed(r, spans)[:2] for r in (rows[1], rows[0], rows[2], rows[3])] == \
         [(0, 15), (100, 20), (0, 15), (0, 10)]
+    # reconcile bills them in topic order, as the live apply met them, whatever their ends
+    # (the second attempt's agent, its clock a day ahead, got its final record in first)
+    ahead = rows[2]._replace(ended_at_ms=D)
+    by_day = recompute([ahead, rows[0], rows[1], rows[3]], dedup_ttl_s=WEEK_S)
+    assert by_day[("acme", D // 1000)].as_tuple()[:3] == (100, 50, 1)
+    assert by_day[("acme", 0)].as_tuple()[:3] == (0, 10, 0)
 
 
 def test_a_record_without_positions_bills_all_it_carries() -> None:

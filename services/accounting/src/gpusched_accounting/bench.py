@@ -61,7 +61,8 @@ def usage_events(n: int, tenants: list[str], now_ms: int, seed: int,
             priority_class=rnd.choice(CLASSES), node_id=f"node-{rnd.randrange(8)}",
             gpu_type=rnd.choice(GPU_TYPES), prompt_tokens=rnd.randrange(1, 2000),
             completion_tokens=rnd.randrange(0, 500), gpu_seconds=rnd.randrange(1, 10**7) / 1e6,
-            final=True, started_at_ms=ended - 1000, ended_at_ms=ended))
+            final=True, started_at_ms=ended - 1000, ended_at_ms=ended, prompt_from=0,
+            completion_from=0))
     return out
 
 
@@ -196,7 +197,8 @@ async def day_of_buckets(redis_url: str, prices: PriceTable, tenants: int, queri
                     priority_class=CLASSES[t % 3], node_id=f"node-{(t + m) % 8}",
                     gpu_type=GPU_TYPES[m % 2], prompt_tokens=100 if final else 0,
                     completion_tokens=50, gpu_seconds=1.5, final=final,
-                    started_at_ms=at - 1000, ended_at_ms=at), prices))
+                    started_at_ms=at - 1000, ended_at_ms=at, prompt_from=0,
+                    completion_from=minute % 5 * 50), prices))
         if len(rows) >= 5000 or minute == 1439:
             applied += sum(await store.apply(rows, now + 60_000))
             rows = []

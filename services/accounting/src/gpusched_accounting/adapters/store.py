@@ -57,6 +57,7 @@ from gpusched_accounting.domain.usage import (
     GRANULARITY_CODE,
     NEW,
     TOTAL_FIELD,
+    Billed,
     Granularity,
     Totals,
     UsageRow,
@@ -82,7 +83,11 @@ local rows = cjson.decode(ARGV[1])
 local want = cjson.decode(ARGV[2])
 local now_ms = tonumber(ARGV[3])
 local dedup_ttl = tonumber(ARGV[4])
-local want_billed = cjson.decode(ARGV[7])
+local guessed = {}  -- row -> {prompt, completion, cost} it bills, where not all it carries
+do
+  local g = cjson.decode(ARGV[7])
+  for j = 1, #g, 4 do guessed[g[j]] = {g[j + 1], g[j + 2], g[j + 3]} end
+end
 local oldest_ms = now_ms - dedup_ttl * 1000
 local HEAD = '<lllllBBH'
 
@@ -91,6 +96,14 @@ local HEAD = '<lllllBBH'
 -- it did not hold, and the new spans
 local function take(spans, start, n)
   if n <= 0 then return 0, spans end
+  local last = #spans
+  if last == 0 or start > spans[last] then  -- after every span: the common cases
+    spans[last + 1] = start; spans[last + 2] = start + n
+    return n, spans
+  elseif start == spans[last] then
+    spans[last] = start + n
+    return n, spans
+  end
   local stop, lo, hi, covered, out, placed = start + n, start, start + n, 0, {}, false
   for i = 1, #spans, 2 do
     local a, b = spans[i], spans[i + 1]
@@ -112,16 +125,11 @@ local function spans_of(text)
   return t
 end
 
-local function text_of(spans)
-  local t = {}
-  for i, n in ipairs(spans) do t[i] = string.format('%d', n) end
-  return table.concat(t, ',')
-end
 
 -- 1. the true outcome of every row: -2 conflict, -1 stale, 0 duplicate, 1 new, 2 new and
 -- first to count its request, and the prompt and completion tokens it bills; reads only,
 -- so a wrong guess leaves Redis untouched
-local outcome, billed, req, same = {}, {}, {}, true
+local outcome, billed_p, billed_c, req, same = {}, {}, {}, {}, true
 for i, e in ipairs(rows) do
   local s
   local bp, bc = 0, 0
@@ -139,11 +147,10 @@ for i, e in ipairs(rows) do
       else
         q = {0, 0, 0, 0, 0, 0, 0, e[3], '\n'}
       end
-      q[12] = {{}, {}}  -- the prompt and completion positions billed
-      if string.byte(q[9], 2) == 254 then
+      if string.byte(q[9], 2) == 254 then  -- the prompt and completion positions billed
         local nl = string.find(q[9], '\n', 3, true)
         local ps, cs = string.match(string.sub(q[9], 3, nl - 1), '^([%d,]*);([%d,]*)$')
-        q[12] = {spans_of(ps), spans_of(cs)}
+        q[12], q[13] = spans_of(ps), spans_of(cs)
         q[9] = string.sub(q[9], nl)
       end
       req[rkey] = q
@@ -168,13 +175,17 @@ for i, e in ipairs(rows) do
       if e[8] == 1 and q[7] == 0 then s = 2; q[7] = 1 end
       bp, bc = e[4], e[5]
       if e[11] >= 0 then  -- positions its request billed before are not billed again
-        bp, q[12][1] = take(q[12][1], e[11], e[4])
-        bc, q[12][2] = take(q[12][2], e[12], e[5])
+        bp, q[12] = take(q[12] or {}, e[11], e[4])
+        bc, q[13] = take(q[13] or {}, e[12], e[5])
       end
-      -- their cost is the guess's (the caller's prices): a wrong guess of bp or bc writes
-      -- nothing, and a right one has the right cost
+      -- the guess's tokens; their cost is the guess's (the caller's prices): a wrong guess
+      -- of the tokens writes nothing, and a right one has the right cost
+      local gp, gc, cost = e[4], e[5], e[13]
+      local g = guessed[i]
+      if g then gp, gc, cost = g[1], g[2], g[3] end
+      if bp ~= gp or bc ~= gc then same = false end
       q[1] = q[1] + bp; q[2] = q[2] + bc; q[3] = q[3] + (s == 2 and 1 or 0)
-      q[4] = q[4] + e[6]; q[5] = q[5] + want_billed[i][3]
+      q[4] = q[4] + e[6]; q[5] = q[5] + cost
       if e[7] == 1 then q[6] = 1 end
       q[10] = true
       -- a record ending after now (its agent's clock is ahead) stays redeliverable until
@@ -183,12 +194,10 @@ for i, e in ipairs(rows) do
     end
   end
   outcome[i] = s
-  billed[i] = {bp, bc}
-  if s ~= want[i] or bp ~= want_billed[i][1] or bc ~= want_billed[i][2] then
-    same = false
-  end
+  billed_p[i] = bp; billed_c[i] = bc
+  if s ~= want[i] then same = false end
 end
-if not same then return {0, outcome, billed} end
+if not same then return {0, outcome, billed_p, billed_c} end
 
 -- 2. the requests' new totals and event ids
 for rkey, q in pairs(req) do
@@ -198,8 +207,8 @@ for rkey, q in pairs(req) do
     local ttl = math.max(dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
                          redis.call('TTL', rkey))
     local pos = ''
-    if #q[12][1] > 0 or #q[12][2] > 0 then
-      pos = '\n\254' .. text_of(q[12][1]) .. ';' .. text_of(q[12][2])
+    if q[12] and (#q[12] > 0 or #q[13] > 0) then
+      pos = '\n\254' .. table.concat(q[12], ',') .. ';' .. table.concat(q[13], ',')
     end
     redis.call('SET', rkey, struct.pack(HEAD, q[1], q[2], q[3], q[4], q[5], q[6], q[7], #q[8])
                .. q[8] .. pos .. q[9], 'EX', ttl)
@@ -243,10 +252,12 @@ return {1, outcome}
 """ARGV: rows as JSON (`_lua_row`), the guessed outcome of each row (JSON), now_ms,
 dedup_ttl_s, the bucket deltas of that guess as JSON ([key, expire_at_s, field, prompt,
 completion, requests, gpu_us, cost_nusd, field, ...], ...), the tenants with a new row
-(JSON) and what each row bills in that guess (JSON, [[prompt, completion, cost_nusd], ...]).
+(JSON) and what the new rows that do not bill all they carry bill in that guess (JSON,
+[row (1-based), prompt, completion, cost_nusd, row, ...]).
 Returns {1, outcomes} when the guess was right and applied, else {0, true outcomes, true
-tokens billed} and nothing changed. Keys are built by the caller, so this needs one Redis
-(or a cluster slot per batch), not Redis Cluster across slots."""
+prompt tokens billed, true completion tokens billed} and nothing changed. Keys are built by
+the caller, so this needs one Redis (or a cluster slot per batch), not Redis Cluster across
+slots."""
 
 
 _WINDOW = """
@@ -314,11 +325,24 @@ def _dedup_field(row: UsageRow) -> str:
 def _lua_row(row: UsageRow) -> list[str | int]:
     """What the Lua apply reads of a row (1-based there): 1 dedup field, 2 request key,
     3 "tenant model", 4-6 prompt, completion, gpu_us, 7 final, 8 counts the request,
-    9 ended_at_ms, 10 content digest, 11-12 prompt_from, completion_from."""
+    9 ended_at_ms, 10 content digest, 11-12 prompt_from, completion_from, 13 cost_nusd."""
     return [_dedup_field(row), _REQUEST_PREFIX + row.request_id, row.tenant + " " + row.model,
             row.prompt_tokens, row.completion_tokens, row.gpu_us, int(row.final),
             int(row.counts_request), row.ended_at_ms, content_digest(row), row.prompt_from,
-            row.completion_from]
+            row.completion_from, row.cost_nusd]
+
+
+def _partly(rows: Sequence[UsageRow], outcomes: Sequence[int],
+            bills: Sequence[Billed | UsageRow]) -> list[int]:
+    """The apply script's guess of what new rows bill, where one does not bill all its
+    tokens (the script takes the others' as they are): [row (1-based), prompt, completion,
+    cost, ...]."""
+    out: list[int] = []
+    for i, (row, outcome, bill) in enumerate(zip(rows, outcomes, bills), 1):
+        if outcome >= NEW and (bill.prompt_tokens != row.prompt_tokens
+                               or bill.completion_tokens != row.completion_tokens):
+            out += (i, bill.prompt_tokens, bill.completion_tokens, bill.cost_nusd)
+    return out
 
 
 def bucket_key(tenant: str | None, granularity: Granularity, start_s: int) -> str:
@@ -364,7 +388,7 @@ class PendingApply:
             "EVALSHA", await self._store.apply_sha(), 0, self._payload,
             pydantic_core.to_json(self._outcomes), self._now_ms, self._store.dedup_ttl_s,
             pydantic_core.to_json(deltas), pydantic_core.to_json(tenants),
-            pydantic_core.to_json(self._bills))
+            pydantic_core.to_json(_partly(self._rows, self._outcomes, self._bills)))
 
     async def result(self) -> list[int]:
         """Statuses per row (APPLIED, DUPLICATE, STALE, CONFLICT), once the rows are
@@ -381,7 +405,7 @@ class PendingApply:
                 self._outcomes = [int(o) for o in outcomes]
                 if bills:
                     self._bills = [bill_of(row, int(p), int(c))
-                                   for row, (p, c) in zip(self._rows, bills[0])]
+                                   for row, p, c in zip(self._rows, *bills)]
                 if done:
                     return [APPLIED if o in (NEW, COUNTED) else o for o in self._outcomes]
                 await self._send()  # a guess was wrong: nothing was written; sum again

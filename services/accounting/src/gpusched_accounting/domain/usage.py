@@ -11,7 +11,6 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
@@ -209,6 +208,12 @@ def take(spans: list[int], start: int, n: int) -> int:
     script's `take` (adapters/store.py) is its twin."""
     if n <= 0:
         return 0
+    if not spans or start > spans[-1]:  # after every span: the common cases
+        spans += (start, start + n)
+        return n
+    if start == spans[-1]:
+        spans[-1] = start + n
+        return n
     end, lo, hi, covered = start + n, start, start + n, 0
     out: list[int] = []
     placed = False
@@ -240,13 +245,13 @@ class Billed(NamedTuple):
 NOTHING = Billed(0, 0, 0)
 
 
-def billed(row: UsageRow, positions: dict[str, tuple[list[int], list[int]]]) -> Billed:
-    """What `row` bills after the rows whose positions are in `positions` (request id ->
-    prompt and completion spans, updated here): a request started over after its node died
+def billed(row: UsageRow, spans: tuple[list[int], list[int]]) -> Billed:
+    """What `row` bills after the earlier rows of its request, whose prompt and completion
+    positions are in `spans` (updated here): a request started over after its node died
     bills its prompt, and each completion position, once."""
     if row.prompt_from < 0:
         return Billed(row.prompt_tokens, row.completion_tokens, row.cost_nusd)
-    prompt, completion = positions.setdefault(row.request_id, ([], []))
+    prompt, completion = spans
     return bill_of(row, take(prompt, row.prompt_from, row.prompt_tokens),
                    take(completion, row.completion_from, row.completion_tokens))
 
@@ -351,15 +356,35 @@ Bucket = tuple[str | None, Granularity, int]
 """(tenant, or None for all tenants; granularity; start, epoch seconds)."""
 
 
-def guess_billed(rows: Sequence[UsageRow], outcomes: Sequence[int]) -> list[Billed]:
+def guess_billed(rows: Sequence[UsageRow], outcomes: Sequence[int]
+                 ) -> list[Billed | UsageRow]:
     """What each row bills if no position of its request was billed before the batch
-    (NOTHING for a row that is not new)."""
-    positions: dict[str, tuple[list[int], list[int]]] = {}
-    return [billed(row, positions) if outcome >= NEW else NOTHING
-            for row, outcome in zip(rows, outcomes)]
+    (NOTHING for a row that is not new). A row that bills all it carries stands for itself
+    (it has the fields of a `Billed`): the common case costs no allocation."""
+    earlier: dict[str, UsageRow | tuple[list[int], list[int]]] = {}
+    out: list[Billed | UsageRow] = []
+    for row, outcome in zip(rows, outcomes):
+        if outcome < NEW:
+            out.append(NOTHING)
+            continue
+        if row.prompt_from < 0:
+            out.append(row)
+            continue
+        before = earlier.get(row.request_id)
+        if before is None:  # the first of its request in the batch
+            earlier[row.request_id] = row
+            out.append(row)
+            continue
+        if isinstance(before, UsageRow):  # the second: note the first's positions
+            spans: tuple[list[int], list[int]] = ([], [])
+            billed(before, spans)
+            before = earlier[row.request_id] = spans
+        out.append(billed(row, before))
+    return out
 
 
-def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int], bills: Sequence[Billed],
+def bucket_deltas(rows: Sequence[UsageRow], outcomes: Sequence[int],
+                  bills: Sequence[Billed | UsageRow],
                   retention_s: dict[Granularity, int]
                   ) -> tuple[dict[Bucket, tuple[int, dict[str, list[int]]]], list[str]]:
     """What the new rows (outcome NEW or COUNTED) add to each bucket, each its `bills` entry:
@@ -462,42 +487,51 @@ def dedup_expires_at_ms(expires_at_ms: int, applied_at_ms: int, ended_at_ms: int
 
 def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
               dedup_ttl_s: int) -> dict[tuple[str, int], Totals]:
-    """Totals per (tenant, bucket start) from raw rows, with the same dedup (event id),
-    request-counting and forgetting rules as the live apply: what the live counters must
-    equal. Every (tenant, bucket) with a row has an entry, zero where every row was dropped.
+    """Totals per (tenant, bucket start) from raw rows in topic order, with the same dedup
+    (event id), request-counting, position and forgetting rules as the live apply: what the
+    live counters must equal. Every (tenant, bucket) with a row has an entry, zero where
+    every row was dropped.
 
-    Rows are taken in the order they ended, as the live apply meets them (the topic is read
-    a partition after another), each as if applied when it ended. Of records that share an
-    event id, the first counts (the live apply dead-letters a later one with other content),
-    and a request id is another tenant's or model's only while its ids are kept: once they
-    are forgotten (`dedup_expires_at_ms`), a request under the same id is a new one, billed
-    and counted again, as live (README: ids are unique within the dedup window only). Token
-    positions a request billed before are not billed again (`billed`) and are forgotten
-    with its ids."""
+    Which rows apply is decided in the order they ended, each as if applied when it ended.
+    Of records that share an event id, the first counts (the live apply dead-letters a later
+    one with other content), and a request id is another tenant's or model's only while its
+    ids are kept: once they are forgotten (`dedup_expires_at_ms`), a request under the same
+    id is a new one, billed and counted again, as live (README: ids are unique within the
+    dedup window only). What each applied row bills of its request (the positions no
+    earlier row billed, `billed`) and whether it is the one counting the request follow the
+    order the rows come in: the live apply meets a request's records in topic order (all on
+    its tenant's partition), whatever their ends say (agents' clocks differ)."""
+    rows = list(rows)
     events: dict[str, set[str]] = {}
     owner: dict[str, tuple[str, str]] = {}
-    counted: set[str] = set()
     expires_at_ms: dict[str, int] = {}
-    positions: dict[str, tuple[list[int], list[int]]] = {}
+    incarnation: dict[str, int] = {}
+    applied: dict[int, int] = {}  # row index -> its request id's incarnation
     out: dict[tuple[str, int], Totals] = {}
-    for row in sorted(rows, key=attrgetter("ended_at_ms")):  # stable: topic order at a tie
+    for i in sorted(range(len(rows)), key=lambda i: rows[i].ended_at_ms):  # stable
+        row = rows[i]
         rid = row.request_id
-        key = (row.tenant, bucket_start_s(row.ended_at_ms, granularity))
-        total = out.setdefault(key, Totals())
+        out.setdefault((row.tenant, bucket_start_s(row.ended_at_ms, granularity)), Totals())
         if expires_at_ms.get(rid, row.ended_at_ms + 1) <= row.ended_at_ms:
             del events[rid], owner[rid], expires_at_ms[rid]
-            counted.discard(rid)
-            positions.pop(rid, None)
+            incarnation[rid] += 1
         seen = events.setdefault(rid, set())
         if row.event_id in seen or _another_owner(owner, row):
             continue
         seen.add(row.event_id)
         expires_at_ms[rid] = dedup_expires_at_ms(expires_at_ms.get(rid, 0), row.ended_at_ms,
                                                  row.ended_at_ms, dedup_ttl_s)
-        request = 1 if row.counts_request and rid not in counted else 0
-        if request:
-            counted.add(rid)
-        bill = billed(row, positions)
-        out[key] = total + Totals(bill.prompt_tokens, bill.completion_tokens, request,
-                                  row.gpu_us, bill.cost_nusd)
+        applied[i] = incarnation.setdefault(rid, 0)
+    counted: set[tuple[str, int]] = set()
+    positions: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    for i in sorted(applied):
+        row = rows[i]
+        request = (row.request_id, applied[i])
+        counts = row.counts_request and request not in counted
+        if counts:
+            counted.add(request)
+        bill = billed(row, positions.setdefault(request, ([], [])))
+        key = (row.tenant, bucket_start_s(row.ended_at_ms, granularity))
+        out[key] += Totals(bill.prompt_tokens, bill.completion_tokens, int(counts), row.gpu_us,
+                           bill.cost_nusd)
     return out
