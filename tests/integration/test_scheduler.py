@@ -528,11 +528,39 @@ async def placed_on(stack, ids: set[str]) -> dict[str, str]:
     return await eventually(all_placed, timeout_s=30, what=f"all {len(ids)} placed")
 
 
+async def billed_in_part(usage: TopicWatch, where: dict[str, str]) -> tuple[str, set[str]]:
+    """Wait until one of the requests placed as in `where` has billed its prompt in a
+    partial usage record (every GPUSCHED_USAGE_INTERVAL_S = 1 s here) on its node: that
+    node, and the requests it billed so."""
+    def partials(recs) -> list[UsageRecord]:
+        return [u for u in (USAGE.validate_json(v) for _k, v, _t in recs)
+                if u.request_id in where and not u.final and u.prompt_tokens
+                and u.node_id == where[u.request_id]]
+    await usage.until(lambda recs: bool(partials(recs)), 20, "a request billed in part")
+    node = partials(usage.records)[0].node_id
+    return node, {u.request_id for u in partials(usage.records) if u.node_id == node}
+
+
+async def billed_as_results_report(stack, done: dict[str, list]) -> None:
+    """Accounting bills each completed request in `done` the prompt and reply its result
+    reports: once, however many of its attempts ran."""
+    for rid, events in done.items():
+        [result] = [r for r in events if r.status == "completed"]
+
+        async def billed(want: int = result.completion_tokens, rid: str = rid) -> dict | None:
+            async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
+                r = await http.get(f"/v1/usage/requests/{rid}", headers=ADMIN)
+            got = r.json() if r.status_code == 200 else None
+            return got if got and got["final"] and got["completion_tokens"] >= want else None
+        got = await eventually(billed, what=f"{rid}'s usage in accounting")
+        assert (got["prompt_tokens"], got["completion_tokens"]) == \
+            (result.prompt_tokens, result.completion_tokens), (rid, got)
+
+
 async def test_work_of_a_killed_agent_completes_on_another_node_billed_once(stack) -> None:
-    """The node is killed once it has billed a request's prompt and first tokens (a partial
-    usage record, every GPUSCHED_USAGE_INTERVAL_S = 1 s here): the request starts over on
-    another node, whose records bill the prompt and those tokens again, and accounting
-    bills each once: the prompt and the reply its result reports."""
+    """The node is killed once it has billed a request's prompt and first tokens: the
+    request starts over on another node, whose records bill the prompt and those tokens
+    again, and accounting bills each once."""
     results = await watch(stack, topics.RESULTS.name)
     usage = await watch(stack, topics.USAGE.name)
     try:
@@ -540,15 +568,8 @@ async def test_work_of_a_killed_agent_completes_on_another_node_billed_once(stac
         await produce(stack, work)
         ids = {r["request_id"] for r in work}
         where = await placed_on(stack, ids)
-
-        def partials(recs) -> list[UsageRecord]:
-            return [u for u in (USAGE.validate_json(v) for _k, v, _t in recs)
-                    if u.request_id in ids and not u.final and u.prompt_tokens
-                    and u.node_id == where[u.request_id]]
-        await usage.until(lambda recs: bool(partials(recs)), 20, "a request billed in part")
-        victim = partials(usage.records)[0].node_id
+        victim, cut = await billed_in_part(usage, where)
         stack.processes.kill_service(f"agent-{victim}")
-        cut = {u.request_id for u in partials(usage.records) if u.node_id == victim}
         await results.until(lambda recs: ids <= set(results_by_id(recs)), 120, "all results")
         await usage.drain(2.0)  # the last usage records
     finally:
@@ -558,42 +579,33 @@ async def test_work_of_a_killed_agent_completes_on_another_node_billed_once(stac
             stack.processes.start_service(spec)  # no-op for the one still running
     done = results_by_id(results.records)
     moved = [i for i, n in where.items() if n == victim]
-    assert cut and set(cut) <= set(moved)
+    assert cut <= set(moved)
     for i in ids:
         finals = [r for r in done[i] if r.status == "completed"]
         assert finals, f"{i} never completed"
     for i in moved:
         assert any(r.node_id != victim and r.status == "completed" for r in done[i])
     records = [USAGE.validate_json(v) for _k, v, _t in usage.records]
-    for i in cut:
-        [result] = [r for r in done[i] if r.status == "completed"]
-        # its records bill the prompt twice: the killed attempt's and the one started over
+    for i in cut:  # its records bill the prompt twice: the killed attempt's and the next
         mine = {u.event_id: u for u in records if u.request_id == i}.values()
         assert sum(u.prompt_tokens for u in mine) == 200
-
-        async def billed_once(rid: str = i, want: int = result.completion_tokens) -> dict | None:
-            async with httpx.AsyncClient(base_url=stack.accounting_url) as http:
-                r = await http.get(f"/v1/usage/requests/{rid}", headers=ADMIN)
-            got = r.json() if r.status_code == 200 else None
-            return got if got and got["final"] and got["completion_tokens"] >= want else None
-        billed = await eventually(billed_once, what=f"{i}'s usage in accounting")
-        assert (billed["prompt_tokens"], billed["completion_tokens"]) == \
-            (100, result.completion_tokens), billed
+    await billed_as_results_report(stack, done)
     await until_fleet(stack, AGENT_NODES, "the killed agent back")
 
 
 async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stack) -> None:
     """The node comes back within the scheduler's node time-out, so it is never declared
-    lost: its new run hands back what the killed one left, and each request completes once."""
+    lost: its new run hands back what the killed one left (once it had billed part of a
+    request), and each request completes once, billed once."""
     results = await watch(stack, topics.RESULTS.name)
+    usage = await watch(stack, topics.USAGE.name)
     try:
         work = [request("globex", "standard", 6000, "crash", prompt_tokens=100)
                 for _ in range(4)]
         await produce(stack, work)
         ids = {r["request_id"] for r in work}
         where = await placed_on(stack, ids)
-        victim = sorted(set(where.values()))[0]
-        await asyncio.sleep(1.0)  # mid-generation
+        victim, cut = await billed_in_part(usage, where)
         [spec] = [s for s in agent_specs(stack, AGENT_NODES) if s.name == f"agent-{victim}"]
         stack.processes.kill_service(spec.name)
         await asyncio.to_thread(stack.processes.start_service, spec)
@@ -601,10 +613,12 @@ async def test_work_of_an_agent_killed_and_restarted_at_once_completes_once(stac
         await results.drain()
     finally:
         await results.stop()
+        await usage.stop()
     done = results_by_id(results.records)
-    assert [i for i, n in where.items() if n == victim]
+    assert cut
     for i in ids:
         assert [r.status for r in done[i]] == ["completed"], f"{i}: {done[i]}"
+    await billed_as_results_report(stack, done)
     await until_fleet(stack, AGENT_NODES, "the restarted agent ready")
 
 
