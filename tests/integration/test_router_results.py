@@ -99,6 +99,9 @@ async def test_a_keys_retry_runs_past_a_refusal_that_may_pass_later(stack) -> No
             ran = await send(429)
             assert ran.status_code == 200, ran.text
             assert ran.headers["x-request-id"] != refused[429]
+            # kept a day from the take-over (the router's status TTL), not the first use's
+            # 60 s: it stands for a request that started now
+            assert await redis.ttl(IdempotencyKeys._name("acme", key[429])) > 3600
             again = await send(429)  # the key now stands for the request that ran
             assert again.headers["x-request-id"] == ran.headers["x-request-id"]
             assert again.json()["choices"][0]["text"] == ran.json()["choices"][0]["text"]

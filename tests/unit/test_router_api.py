@@ -931,3 +931,11 @@ async def test_a_client_that_hangs_up_mid_upload_is_no_server_error(router_app) 
                     (b"content-length", str(len(body)).encode())]}, receive, send)
     [start] = [m for m in sent if m["type"] == "http.response.start"]
     assert start["status"] == 499
+
+
+def test_a_spent_budgets_429_has_openais_insufficient_quota_type() -> None:
+    """As OpenAI's own: clients telling a spent quota from a rate limit read `type` too."""
+    error = ApiError(429, "the day budget is spent", code="insufficient_quota").body()["error"]
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert ApiError(429, "over tokens per minute").body()["error"]["type"] == \
+        "invalid_request_error"

@@ -12,7 +12,7 @@ from gpusched_router.domain.idempotency import FirstUse
 KEY = "gpusched:router:idempotency:{}:{}"
 _REPLACE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   return 1
 end
 return 0
@@ -44,9 +44,11 @@ class IdempotencyKeys:
     async def take_over(self, tenant: str, key: str, holder: FirstUse, use: FirstUse) -> bool:
         """Give the key to `use` (`holder`'s request claimed afresh, or a new request), if
         `holder` still holds it; of several retries taking over at once, exactly one gets
-        True."""
+        True. The key is kept as long as a first use's from now: the request it stands for
+        starts now (with the first use's time left, a key taken over late in its day
+        expired while its request ran, and a retry ran the request again)."""
         return bool(await self._replace(keys=[self._name(tenant, key)],
-                                        args=[str(holder), str(use)]))
+                                        args=[str(holder), str(use), self._ttl_s]))
 
     async def release(self, tenant: str, key: str, use: FirstUse) -> None:
         """Give the key up, if `use` still holds it: its request was never taken in, so a

@@ -52,8 +52,9 @@ _CODE_OF_STATUS = {401: "invalid_api_key", 404: "not_found", 409: "conflict",
 @dataclass(frozen=True)
 class ApiError:
     """An error as OpenAI's API shapes it: `type` is the class (`invalid_request_error` for
-    4xx, `server_error` for 5xx), `code` the string a client matches on (SDKs read it as
-    `e.code`), `param` the request field at fault."""
+    4xx, `server_error` for 5xx, `insufficient_quota` for a spent budget, as OpenAI's own),
+    `code` the string a client matches on (SDKs read it as `e.code`), `param` the request
+    field at fault."""
 
     status_code: int
     message: str
@@ -61,7 +62,8 @@ class ApiError:
     param: str | None = None
 
     def body(self) -> dict[str, Any]:
-        kind = "server_error" if self.status_code >= 500 else "invalid_request_error"
+        kind = "server_error" if self.status_code >= 500 else \
+            "insufficient_quota" if self.code == "insufficient_quota" else "invalid_request_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code or _CODE_OF_STATUS.get(self.status_code)}}
 
