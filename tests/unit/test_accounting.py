@@ -2,6 +2,7 @@
 buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
 answers to a window it cannot read."""
 
+import asyncio
 import json
 import re
 from dataclasses import replace
@@ -948,3 +949,25 @@ async def test_head_answers_as_get_does_without_the_body(usage_app, path: str, k
     assert head.headers == got.headers
     schema = (await ask(usage_app, "/openapi.json")).json()
     assert not any("head" in operations for operations in schema["paths"].values())
+
+
+async def test_a_budget_recheck_that_fails_is_tried_again_and_then_runs_every_period(
+        monkeypatch) -> None:
+    """Checked once at start, a flag whose check failed (Redis away) stayed until its period
+    ended although its budget was raised; and a replica's stale flag was never checked."""
+    calls, pauses = [], []
+
+    async def recheck() -> None:
+        calls.append(len(calls))
+        if len(calls) < 3:
+            raise RedisConnectionError("Redis is away")
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 4:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(handlers.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await handlers.recheck_forever(recheck, every_s=60)
+    assert len(calls) == 4 and pauses == [handlers.RECHECK_RETRY_S] * 2 + [60, 60]

@@ -3,6 +3,7 @@ commit, then the budgets of the tenants in the batch checked."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -198,9 +199,24 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
             await enforce_budgets(store, budgets, tenants, now_ms, publish)
 
     async def recheck() -> None:
-        try:
-            await recheck_budgets(store, budgets, clock(), publish)
-        except Exception:  # Redis or Kafka away: start all the same, serving 503s meanwhile
-            log.exception("re-checking the budget flags at start failed")
+        await recheck_budgets(store, budgets, clock(), publish)
 
     return recheck
+
+
+RECHECK_RETRY_S = 5.0
+
+
+async def recheck_forever(recheck: Callable[[], Awaitable[None]], every_s: float) -> None:
+    """`recheck` the budget flags now and every `every_s`; one that fails (Redis or Kafka
+    away) is tried again within RECHECK_RETRY_S. Checked once, at start, a flag whose check
+    failed then stayed until its period ended, the raised budget notwithstanding."""
+    while True:
+        try:
+            await recheck()
+            pause_s = every_s
+        except Exception:  # the service goes on, serving 503s while Redis is away
+            log.exception("re-checking the budget flags failed; trying again in %g s",
+                          RECHECK_RETRY_S)
+            pause_s = min(every_s, RECHECK_RETRY_S)
+        await asyncio.sleep(pause_s)

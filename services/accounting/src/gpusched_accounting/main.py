@@ -3,6 +3,9 @@ API; `create_app(settings)` wires broker, Redis, config tables and routes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -35,10 +38,22 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
         broker, store, prices, budgets, clock, settings.consumer_group,
         settings.fetch_max_records, settings.apply_chunk_records, provider.get_tracer(SERVICE),
         registry)
+    rechecking: list[asyncio.Task[None]] = []
+
+    async def start_rechecking() -> None:
+        rechecking.append(asyncio.create_task(handlers.recheck_forever(
+            recheck_budgets, settings.budget_recheck_s), name="budget-recheck"))
+
+    async def stop_rechecking() -> None:
+        for task in rechecking:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [redis.aclose],
+                                      [stop_rechecking, redis.aclose],
                                       starting=[lambda: warn_unless_durable(redis),
-                                                recheck_budgets])
+                                                start_rechecking])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")

@@ -34,6 +34,12 @@ class AccountingSettings(ServiceSettings):
         "step). A fetch is applied in chunks; the next chunk is parsed while Redis applies "
         "the previous one, and larger chunks share more bucket updates.")
 
+    budget_recheck_s: float = Field(
+        default=60.0, gt=0, le=86_400, description="Every this often (and at start) each "
+        "budget flag is checked against budgets.yaml as this instance read it: a budget raised "
+        "or removed unblocks its tenant, whose refused requests bill nothing that would check "
+        "it. A check that fails (Redis away) is tried again within 5 s.")
+
     gc_young_threshold: int = Field(
         default=50_000, ge=700, le=1_000_000, description="As for every service; 50,000 here: a "
         "fetch keeps tens of thousands of records alive, and with Python's 700 they were "
