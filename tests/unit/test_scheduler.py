@@ -1329,8 +1329,12 @@ async def test_work_a_lost_nodes_agent_had_ended_is_not_retried() -> None:
 async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
     await one.place()
+    tenant = one.engine.running["taken#0"].request.tenant
+    assert one.engine.fair.level(tenant, 12) > 0  # charged the placements' estimates
     one.now = 12_000  # silent for 11 s
     await one.engine.cycle()
+    # given back: each retry is charged again when placed (before, the tenant paid twice)
+    assert one.engine.fair.level(tenant, 12) == pytest.approx(0, abs=1e-9)
     assert sorted(one.fences.fenced) == ["taken#0", "untaken#0"]  # late deliveries never run
     assert sorted((r.request_id, r.attempt) for r in one.retries()) == [("taken", 1),
                                                                         ("untaken", 1)]

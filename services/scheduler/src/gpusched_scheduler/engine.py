@@ -1285,10 +1285,13 @@ class SchedulingEngine:
         the last attempt a request may have ends failed instead (an attempt after it is no
         request anyone reads)."""
         what = RETRY_WHY[why]
+        now_s = self._clock() / 1000
         for r in gone:
             del self.running[r.placement_id]
             self.view.release(r.placement_id)
             self._moved_on[r.placement_id] = None
+            # its next attempt is charged when placed: before, the tenant kept both charges
+            self._give_back_estimate(r.placement_id, r.request.tenant, now_s)
             request = r.request
             if request.attempt >= LAST_ATTEMPT:
                 log.warning("node %s %s: %s ends failed on its last attempt", r.node_id, what,
