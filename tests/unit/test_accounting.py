@@ -741,6 +741,27 @@ def test_a_key_with_two_owners_stops_the_start(tmp_path, change, needle) -> None
         load_tenants(tmp_path)
 
 
+@pytest.mark.parametrize("quota,needle", [
+    ("quota: {tokens_per_minute: 1000}\n    quota: {max_inflight_requests: 2}",
+     "found the key 'quota' twice"),
+    ("quota: {tokens_per_minute: 1000, tokens_per_minute: 5}",
+     "found the key 'tokens_per_minute' twice"),
+    ("quota: {tokens_per_minute: }", "tokens_per_minute has no value"),
+    ("quota: {tokens_per_minute: true}", "tokens_per_minute"),
+    ("weight: .inf", "weight"),
+], ids=["quota-twice", "limit-twice", "empty-limit", "bool-limit", "infinite-weight"])
+def test_a_tenant_written_so_it_is_read_otherwise_stops_the_start(tmp_path, quota, needle
+                                                                  ) -> None:
+    """Each was taken silently: a second `quota:` block replaced the first (its limits
+    gone), a repeated key's last value won, an empty limit meant none, `true` a limit of 1
+    token (every request a 400), and an infinite weight put one tenant first in every
+    class."""
+    (tmp_path / "tenants.yaml").write_text(
+        f"tenants:\n  - name: hooli\n    api_keys: [sk-h]\n    {quota}\n")
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_tenants(tmp_path)
+
+
 NOW = 1_764_504_000_000  # 2025-11-30T12:00:00Z, the query API's clock below
 
 

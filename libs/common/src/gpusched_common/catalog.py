@@ -70,11 +70,21 @@ class TenantQuota(BaseModel):
     guarantee."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    tokens_per_minute: int | None = Field(default=None, gt=0,
+    # strict: `true` is no 1, and a limit left empty is no "unlimited" (leave it out for that)
+    tokens_per_minute: int | None = Field(default=None, gt=0, strict=True,
                                           description="Prompt + max tokens admitted per minute.")
-    max_inflight_requests: int | None = Field(default=None, gt=0)
+    max_inflight_requests: int | None = Field(default=None, gt=0, strict=True)
     guaranteed_gpu_memory_mib: int | None = Field(
-        default=None, ge=0, description="None: no guarantee and nothing borrowed (unlimited).")
+        default=None, ge=0, strict=True,
+        description="None: no guarantee and nothing borrowed (unlimited).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_empty_limit(cls, data: object) -> object:
+        if isinstance(data, dict) and (empty := sorted(k for k, v in data.items() if v is None)):
+            raise ValueError(f"{', '.join(empty)} has no value: give a number, or leave the "
+                             "line out for no limit")
+        return data
 
 
 class Tenant(BaseModel):
@@ -82,7 +92,8 @@ class Tenant(BaseModel):
     name: Name
     api_keys: tuple[str, ...]
     default_priority_class: PriorityClass = "standard"
-    weight: float = Field(default=1.0, gt=0, description="Fair-share weight inside a class.")
+    weight: float = Field(default=1.0, gt=0, strict=True, allow_inf_nan=False,
+                          description="Fair-share weight inside a class.")
     quota: TenantQuota = Field(default_factory=TenantQuota)
 
     def never_admitted(self, tokens: int) -> str | None:
@@ -171,14 +182,33 @@ def load_tenants(config_dir: Path) -> TenantDirectory:
     return TenantDirectory.model_validate(read_config(config_dir / "tenants.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: the last one silently
+    won, so a second `quota:` block under a tenant dropped the first one's limits."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found the key {key!r} twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_config(path: Path) -> dict:
     """The YAML mapping a file of the config folder holds; raises ValueError naming the file
-    when it is missing (saying how to name the folder) or holds no mapping."""
+    when it is missing (saying how to name the folder), is not YAML, gives a key twice in one
+    mapping, or holds no mapping."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError as exc:
         raise ValueError(
             f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping")
     return data
