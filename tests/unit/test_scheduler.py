@@ -3340,3 +3340,33 @@ def test_with_no_node_restricting_its_models_the_solver_input_is_unchanged() -> 
                    restricted.state.type_names)
     assert [batch.type_sets[t] for t in batch.type_set] == [
         {"H100-80GB", "H100-80GB|qwen2.5-1.5b"}, {"H100-80GB"}]
+
+
+async def test_retries_on_their_way_back_through_kafka_count_in_flight_for_their_tenant(
+        ) -> None:
+    """hooli (3 requests in flight at most) has 3 running when their node is lost: the
+    retries leave `running` before they are read back. Before, 3 new requests were admitted
+    meanwhile and hooli ran 6."""
+    now = [1000]
+    engine, sent = leading_engine(clock=lambda: now[0], node_timeout_ms=10_000)
+    standard = topics.REQUESTS["standard"].name
+
+    def body(request_id: str) -> bytes:
+        return json.dumps({"request_id": request_id, "tenant": "hooli", "model": SMALL.name,
+                           "prompt": "hi", "prompt_tokens": 1, "max_tokens": 9}).encode()
+
+    engine.view.apply_node_state(node("n1", [80000]), now[0], 10_000)
+    await engine.admit([request_record(standard, i, body(f"a{i}")) for i in range(3)])
+    await engine.cycle()
+    assert engine.running.count("hooli") == 3
+    now[0] = 62_000  # n1 silent for a minute (the tokens-per-minute window is past too)
+    engine.view.apply_node_state(node("n2", [80000]), now[0], 10_000)
+    await engine.cycle()
+    retries = [v for v in sent[standard]]
+    assert len(retries) == 3 and not engine.running.count("hooli")
+    await engine.admit([request_record(standard, 10 + i, body(f"b{i}")) for i in range(3)])
+    refused = [RESULT_EVENT.validate_json(v) for v in sent.get(topics.RESULTS.name, [])]
+    assert sorted(r.request_id for r in refused if r.status_code == 429) == ["b0", "b1", "b2"]
+    # read back, the retries count as queued, and in transit no more
+    await engine.admit([request_record(standard, 20 + i, v) for i, v in enumerate(retries)])
+    assert engine.queue.by_tenant["hooli"] == 3 and not engine._in_transit("hooli", now[0])

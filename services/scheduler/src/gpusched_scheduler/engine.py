@@ -76,6 +76,9 @@ RECENT_DECISIONS = 20_000
 Send = Callable[[list[Outgoing]], Awaitable[asyncio.Future]]
 """Hand records to Kafka together, in order; the future returned completes once Kafka
 acknowledged all of them (and fails if any failed)."""
+RETRY_IN_TRANSIT_MS = 60_000
+"""How long a retry sent through Kafka counts in flight for its tenant before it is read back
+(`_in_transit`); one read later was taken by another leader, or its topic is far behind."""
 MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 SAVE_RETRY_S = 0.5
@@ -301,6 +304,11 @@ class SchedulingEngine:
         self._moved_on = Recent(RECENT_DECISIONS)
         """Placements retried (their node lost, never taken) or found ended in the agents'
         ledger: with `_ended`, what a cycle settled or undone late must not place again."""
+        self._retried: dict[str, tuple[str, int]] = {}
+        """Request id -> (tenant, when) of a retry this instance sent (`_retry`) and has not
+        read back: still in flight for its tenant's max_inflight_requests until then, at
+        most RETRY_IN_TRANSIT_MS (before, a tenant at its limit whose node was lost was
+        admitted as many new requests as it had retries in Kafka)."""
         self._in_cycle: dict[tuple[str, int], Pending] = {}
         """(request id, attempt) -> its item, decided in a cycle whose answer from Kafka has
         not come yet: a record of it read again commits once that decision stands."""
@@ -385,6 +393,7 @@ class SchedulingEngine:
             self._refund(item)  # read and charged again by whichever instance leads next
         self.offsets.clear()
         self._decide_when_retried.clear()
+        self._retried.clear()  # the next leader reads them as queued work
         self._preempting.clear()  # a next term plans again: its preempts go under its token
         self._victims.clear()
         self._metrics.gpus_wanted.clear()  # a standby's last demand would outlive the leader's
@@ -460,6 +469,8 @@ class SchedulingEngine:
                     continue
                 self.quotas.admit(request.tenant, request_tokens(request), now)
                 self._arrivals[request.model] = self._arrivals.get(request.model, 0) + 1
+            if request.attempt:
+                self._retried.pop(request.request_id, None)  # queued now: counted there
             item = waiting  # a redelivery of work still pending keeps its item
             if item is None:
                 item = Pending(request, outcome.carrier, now, waiting_since_ms=min(
@@ -1036,9 +1047,17 @@ class SchedulingEngine:
         # counting the hand-backs looks through the queue: only where a limit reads it
         inflight = 0 if tenant.quota.max_inflight_requests is None else (
             self.queue.by_tenant[tenant.name] + self.running.count(tenant.name)
-            - self._handed_back_while_running(tenant.name))
+            - self._handed_back_while_running(tenant.name)
+            + self._in_transit(tenant.name, now_ms))
         return self.quotas.check(tenant.name, tenant.quota, request_tokens(request), inflight,
                                  now_ms)
+
+    def _in_transit(self, tenant: str, now_ms: int) -> int:
+        """Requests of `tenant` retried by this instance and not read back yet (one not read
+        within RETRY_IN_TRANSIT_MS is no longer counted: it went to another leader)."""
+        self._retried = {rid: (t, at) for rid, (t, at) in self._retried.items()
+                         if now_ms - at < RETRY_IN_TRANSIT_MS}
+        return sum(1 for t, _ in self._retried.values() if t == tenant)
 
     def _handed_back_while_running(self, tenant: str) -> int:
         """Requests of `tenant` counted twice in flight: a later attempt queued while an
@@ -1306,6 +1325,7 @@ class SchedulingEngine:
                 continue
             retry = request.model_copy(update={"attempt": request.attempt + 1,
                                                "requeued": "node_lost"})
+            self._retried[request.request_id] = (request.tenant, int(now_s * 1000))
             log.warning("node %s %s: retrying %s as attempt %d", r.node_id, what,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.labels(why).inc()
