@@ -33,6 +33,9 @@ SERVICE_TEST_ENV = {
     "GPUSCHED_UNTAKEN_TIMEOUT_S": "10",
     "GPUSCHED_LEASE_TTL_MS": "2000",
     "GPUSCHED_USAGE_INTERVAL_S": "1",  # partial usage records, as in production, but sooner
+    # budget flags are checked at start only: a test sets one by hand for a tenant with no
+    # budget, which a periodic check would clear under it
+    "GPUSCHED_BUDGET_RECHECK_S": "86400",
 }
 
 

@@ -741,6 +741,29 @@ def test_a_key_with_two_owners_stops_the_start(tmp_path, change, needle) -> None
         load_tenants(tmp_path)
 
 
+def test_merge_keys_still_load_and_a_budget_written_twice_stops_the_start(tmp_path) -> None:
+    """A key brought in by `<<:` and set again is no key given twice; budgets.yaml is read
+    as strictly as the other files (its second `budgets:` block replaced the first)."""
+    (tmp_path / "tenants.yaml").write_text(
+        "tenants:\n  - name: hooli\n    api_keys: [sk-h]\n    quota: &small\n"
+        "      tokens_per_minute: 3000\n      max_inflight_requests: 3\n"
+        "  - name: pied\n    api_keys: [sk-p]\n"
+        "    quota: {<<: *small, max_inflight_requests: 5}\n")
+    pied = load_tenants(tmp_path).get("pied")
+    assert (pied.quota.tokens_per_minute, pied.quota.max_inflight_requests) == (3000, 5)
+    (tmp_path / "budgets.yaml").write_text(
+        "budgets:\n  - {tenant: hooli, period: day, limit: 10, unit: tokens}\n"
+        "budgets:\n  - {tenant: pied, period: day, limit: true, unit: tokens}\n")
+    with pytest.raises(ValueError, match="found the key 'budgets' twice"):
+        b.load_budgets(tmp_path, {"hooli", "pied"})
+    (tmp_path / "budgets.yaml").write_text(
+        "budgets:\n  - {tenant: pied, period: day, limit: true, unit: tokens}\n")
+    with pytest.raises(ValueError, match="limit"):
+        b.load_budgets(tmp_path, {"hooli", "pied"})
+    (tmp_path / "budgets.yaml").write_text("# none yet\n")
+    assert not b.load_budgets(tmp_path, {"hooli", "pied"}).budgets
+
+
 @pytest.mark.parametrize("quota,needle", [
     ("quota: {tokens_per_minute: 1000}\n    quota: {max_inflight_requests: 2}",
      "found the key 'quota' twice"),

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpusched_common.contracts import Name, PriorityClass
 
@@ -179,7 +179,11 @@ def load_models(config_dir: Path) -> ModelCatalog:
 
 def load_tenants(config_dir: Path) -> TenantDirectory:
     """Read `tenants.yaml`; raises ValueError naming the file when it is invalid."""
-    return TenantDirectory.model_validate(read_config(config_dir / "tenants.yaml"))
+    path = config_dir / "tenants.yaml"
+    try:
+        return TenantDirectory.model_validate(read_config(path))
+    except ValidationError as exc:
+        raise ValueError(f"{path} is invalid: {exc}") from exc
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -189,6 +193,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: what it brings
+                continue  # in may be overridden here, as YAML means it
             key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -198,10 +204,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_config(path: Path) -> dict:
-    """The YAML mapping a file of the config folder holds; raises ValueError naming the file
-    when it is missing (saying how to name the folder), is not YAML, gives a key twice in one
-    mapping, or holds no mapping."""
+def read_config(path: Path, empty_ok: bool = False) -> dict:
+    """The YAML mapping a file of the config folder holds ({} for a file holding nothing,
+    where `empty_ok`); raises ValueError naming the file when it is missing (saying how to
+    name the folder), is not YAML, gives a key twice in one mapping, or holds no mapping."""
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError as exc:
@@ -209,6 +215,8 @@ def read_config(path: Path) -> dict:
             f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
     except yaml.YAMLError as exc:
         raise ValueError(f"{path} is not valid YAML: {exc}") from exc
+    if data is None and empty_ok:
+        return {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a YAML mapping")
     return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiokafka import ConsumerRecord
@@ -95,7 +96,10 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
              tracer: trace.Tracer, registry: CollectorRegistry | None = None
              ) -> Callable[[], Awaitable[None]]:
     """Subscribe the usage consumer; returns `recheck_budgets` bound to this service, to run
-    once the broker has started."""
+    once the broker has started (`recheck_forever`)."""
+    checking_budgets = asyncio.Lock()
+    """One budget check at a time in this instance: the consumer's and the recheck's, run
+    together, both found a new flag and published its event twice."""
     outcomes = Counter("gpusched_accounting_usage_records_total",
                        "Usage records by outcome (applied, duplicate, stale, conflict, "
                        "invalid).", ["outcome"], registry=registry)
@@ -196,27 +200,36 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
             if sent is not None:  # sent but never read: a parse or publish failed
                 await sent[0].abandon()
         if budgets.budgets:
-            await enforce_budgets(store, budgets, tenants, now_ms, publish)
+            async with checking_budgets:
+                await enforce_budgets(store, budgets, tenants, now_ms, publish)
 
     async def recheck() -> None:
-        await recheck_budgets(store, budgets, clock(), publish)
+        async with checking_budgets:
+            await recheck_budgets(store, budgets, clock(), publish)
 
     return recheck
 
 
 RECHECK_RETRY_S = 5.0
+RECHECK_LOGGED_S = 300.0
+"""While the recheck keeps failing (Redis away), its error is logged with the traceback once
+and then once per this many seconds, not at every try."""
 
 
 async def recheck_forever(recheck: Callable[[], Awaitable[None]], every_s: float) -> None:
     """`recheck` the budget flags now and every `every_s`; one that fails (Redis or Kafka
     away) is tried again within RECHECK_RETRY_S. Checked once, at start, a flag whose check
     failed then stayed until its period ended, the raised budget notwithstanding."""
+    logged_at: float | None = None
     while True:
         try:
             await recheck()
-            pause_s = every_s
+            pause_s, logged_at = every_s, None
         except Exception:  # the service goes on, serving 503s while Redis is away
-            log.exception("re-checking the budget flags failed; trying again in %g s",
-                          RECHECK_RETRY_S)
+            now = time.monotonic()
+            if logged_at is None or now - logged_at >= RECHECK_LOGGED_S:
+                log.exception("re-checking the budget flags failed; trying again every %g s",
+                              RECHECK_RETRY_S)
+                logged_at = now
             pause_s = min(every_s, RECHECK_RETRY_S)
         await asyncio.sleep(pause_s)

@@ -11,10 +11,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpusched_accounting.domain.usage import Totals
+from gpusched_common.catalog import read_config
 
 Period = Literal["day", "month"]
 Unit = Literal["tokens", "usd"]
@@ -24,7 +24,8 @@ class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tenant: str
     period: Period = Field(description="Calendar day or month, UTC.")
-    limit: float = Field(gt=0, description="Tokens (prompt + completion) or USD per period.")
+    limit: float = Field(gt=0, strict=True, allow_inf_nan=False,
+                         description="Tokens (prompt + completion) or USD per period.")
     unit: Unit
 
 
@@ -54,7 +55,7 @@ def load_budgets(config_dir: Path, tenants: Collection[str]) -> BudgetTable:
     if not path.is_file():
         return BudgetTable()
     try:
-        table = BudgetTable.model_validate(yaml.safe_load(path.read_text()) or {})
+        table = BudgetTable.model_validate(read_config(path, empty_ok=True))
     except ValueError as exc:
         raise ValueError(f"{path} is invalid: {exc}") from exc
     unknown = sorted({b.tenant for b in table.budgets} - set(tenants))
