@@ -1885,3 +1885,15 @@ def test_gpusched_models_must_name_catalog_models() -> None:
     assert AgentSettings().served_models(CATALOG) is None
     with pytest.raises(ValueError, match="GPUSCHED_MODELS names qwen-2.5, not in the catalog"):
         AgentSettings(models="qwen2.5-1.5b,qwen-2.5").served_models(CATALOG)
+
+
+async def test_an_engine_refusal_is_counted_by_model_and_status_for_operators() -> None:
+    """The client gets the engine's 4xx as its own fault; a node whose engine refuses what
+    the catalog allows (its --max-model-len below models.yaml's) showed nowhere."""
+    calls = []
+    for status, reply in ((400, {"json": VLLM_CONTEXT_400}), (500, {"text": "engine bug"})):
+        sent, runtime = make_runtime(refusing(status, **reply))
+        runtime._refused = lambda model, code: calls.append((model, code))
+        request = job("r", prompt="x" * 40).request
+        await place(runtime, request)
+    assert calls == [(request.model, 400)]  # a 500 is the engine's own failure, not counted

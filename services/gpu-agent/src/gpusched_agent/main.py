@@ -132,6 +132,11 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         if not wait:  # nobody awaits Kafka's answer: say here if it dropped the record
             sent.add_done_callback(functools.partial(dropped, message, key))
 
+    refusals = Counter(
+        "gpusched_agent_engine_refusals_total", "Requests the inference engine refused as "
+        "invalid (answered to the client with the engine's 4xx), by model and status: a "
+        "steady rate on one node says its engine's limits are below config/models.yaml's.",
+        ["model", "status"], registry=registry)
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
@@ -139,7 +144,8 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         settings.node_id, node, catalog, executor, publish,
         RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,
         heartbeat_s=settings.heartbeat_s, usage_interval_s=settings.usage_interval_s,
-        read_inventory=read_inventory, models=settings.served_models(catalog))
+        read_inventory=read_inventory, models=settings.served_models(catalog),
+        refused=lambda model, status: refusals.labels(model, str(status)).inc())
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)

@@ -156,13 +156,18 @@ class AgentRuntime:
                  clock: WallClockMs, *, chunk_tokens: int, heartbeat_s: float,
                  usage_interval_s: float = 5.0, read_inventory: ReadInventory | None = None,
                  monotonic: Callable[[], float] = time.monotonic,
-                 models: tuple[str, ...] | None = None) -> None:
+                 models: tuple[str, ...] | None = None,
+                 refused: Callable[[str, int], None] = lambda model, status: None) -> None:
         self.node_id = node_id
         self.node = node
         self.catalog = catalog
         self.executor = executor
         self._models = models
         """GPUSCHED_MODELS (None: unset; see `served_models`)."""
+        self._refused = refused
+        """Told (model, status code) of each request the engine refused as invalid: its
+        client gets the 4xx, and operators a count, since a steady rate on one node says its
+        engine's limits are below the catalog's (its --max-model-len, say)."""
         self._unmatched: frozenset[str] | None = None
         """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
@@ -721,6 +726,7 @@ class AgentRuntime:
         except Exception as exc:  # an executor fault ends this request, not the agent
             if isinstance(exc, ExecutorRefused):  # its own fault: every engine refuses it
                 log.info("placement %s refused by the engine: %s", pid, exc)
+                self._refused(model.name, exc.status_code)
                 finish_reason, engine_status_code = str(exc), exc.status_code
             else:
                 log.exception("placement %s failed", pid)
