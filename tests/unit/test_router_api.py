@@ -826,6 +826,20 @@ async def test_every_429_over_a_quota_says_when_to_retry(monkeypatch, refusal: d
     assert reply.headers.get("retry-after") == retry_after
 
 
+async def test_the_schedulers_429_for_a_spent_budget_is_not_retried_by_the_sdk(
+        monkeypatch) -> None:
+    """A request produced before its tenant's budget was spent, refused by the scheduler
+    once it was: refused again until the period ends, so the openai SDK must not send it
+    again on its own a second later, as it does a rate limit's 429."""
+    reason = "tenant 'acme' has spent its day budget; new requests are accepted again from ..."
+    reply = await refused(monkeypatch, status_code=429, code="insufficient_quota",
+                          reason=reason, retry_after_s=3600)
+    assert reply.status_code == 429
+    assert (reply.headers["retry-after"], reply.headers["x-should-retry"]) == ("3600", "false")
+    assert reply.json()["error"] == {"message": reason, "type": "insufficient_quota",
+                                     "param": None, "code": "insufficient_quota"}
+
+
 async def test_a_rejection_is_readable_only_by_its_own_tenant(router_app, monkeypatch) -> None:
     """GET /v1/requests/{id} answers only the tenant the status names. A rejection of a
     request produced straight to Kafka was stored without its tenant, and a status with

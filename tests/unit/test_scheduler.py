@@ -35,9 +35,10 @@ from gpusched_common.contracts import (
     Resume,
     UsageRecord,
 )
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import KafkaSettings
 from gpusched_scheduler import handlers
-from gpusched_scheduler.adapters.redis_state import Filed, RunningStore
+from gpusched_scheduler.adapters.redis_state import Filed, RunningStore, SpentBudget
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -422,7 +423,8 @@ def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) ->
             assert queue.by_tenant[t] == sum(p.request.tenant == t for p in queue.in_order())
 
 
-def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None, **config
+def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None,
+                   store=None, **config  # noqa: ANN001
                    ) -> tuple[SchedulingEngine, dict[str, list[bytes]]]:
     """A leading engine whose publishes Kafka acknowledges at once, and what it sent per
     topic; `config` overrides EngineConfig (no micro-batch wait, nodes never time out)."""
@@ -435,7 +437,7 @@ def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None
 
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, clock, NoOpTracer(),
                               EngineConfig(**{"cycle_window_ms": 0, "node_timeout_ms": 10**12,
-                                              **config}), registry=registry)
+                                              **config}), store=store, registry=registry)
     engine.lead(3, [])
     return engine, sent
 
@@ -908,6 +910,123 @@ async def test_a_request_cancelled_while_it_waited_gives_its_quota_back() -> Non
     assert not [r.reason for r in results if isinstance(r, Rejection)]
     assert [(r.request_id, r.status) for r in results] == [("waits", "cancelled")]
     assert [p.request.request_id for p in engine.queue.in_order()] == ["next"]
+
+
+class BudgetFlags:
+    """The running store with accounting's budget flags as Redis holds them (`spent`), or
+    refusing to read them while `down`; `reads` are the tenants each read asked for."""
+
+    def __init__(self, spent: dict[str, SpentBudget]) -> None:
+        self.spent, self.down, self.reads = spent, False, []
+
+    async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
+        self.reads.append(sorted(tenants))
+        if self.down:
+            raise ConnectionError("Redis is away")
+        return {t: flag for t, flag in self.spent.items() if t in tenants}
+
+    async def save(self, placements) -> None:
+        pass
+
+
+def budget_record(offset: int, request_id: str, tenant: str, **extra) -> ConsumerRecord:
+    return request_record(topics.REQUESTS["standard"].name, offset, json.dumps({
+        "request_id": request_id, "tenant": tenant, "model": SMALL.name, "prompt": "hi",
+        "prompt_tokens": 1, "max_tokens": 1999, **extra}).encode())
+
+
+async def test_work_of_a_tenant_whose_budget_is_spent_ends_unrun_before_it_starts() -> None:
+    """hooli's budget is spent while its request, produced straight to Kafka, waits: it ends
+    with the router's 429 for a spent budget (insufficient_quota, the flag's reason, a retry
+    when the flag expires, an hour at most) and gives back its 2,000 tokens of hooli's
+    minute; acme's request is placed in the same cycle, and hooli's preempted request, which
+    ran and streamed part of its reply, runs on. Before, only the router read the flag:
+    everything queued or produced to Kafka ran and was billed past the budget. The flags
+    are read once for the cycle."""
+    registry = CollectorRegistry()
+    spent = "tenant 'hooli' has spent its day budget; new requests are accepted again from ..."
+    flags = BudgetFlags({"hooli": SpentBudget(spent, left_ms=90_500),
+                         "initech": SpentBudget("initech's month is spent", left_ms=86_400_000)})
+    engine, sent = leading_engine(registry=registry, store=flags)
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    resumed = {"attempt": 1, "requeued": "preempted", "max_tokens": 8,
+               "resume": {"tokens": [" a"], "streamed_tokens": 1, "next_seq": 1}}
+    await engine.admit([budget_record(0, "fresh", "hooli"), budget_record(1, "other", "acme"),
+                        budget_record(2, "resumed", "hooli", **resumed),
+                        budget_record(3, "later", "initech")])
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 2000
+    assert await engine.cycle() == 4
+    rejections = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert [(r.request_id, r.status_code, r.code, r.reason, r.retry_after_s)
+            for r in rejections] == [
+        ("fresh", 429, "insufficient_quota", spent, 91),
+        ("later", 429, "insufficient_quota", "initech's month is spent", 3600)]
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
+    placed = {PLACEMENT.validate_json(v).request.request_id
+              for v in sent[topics.PLACEMENTS.name]}
+    assert placed == {"other", "resumed"} and not len(engine.queue)
+    assert flags.reads == [["acme", "hooli", "initech"]]
+    assert registry.get_sample_value("gpusched_scheduler_rejections_total",
+                                     {"reason": "budget_spent"}) == 2
+
+
+async def test_work_is_placed_while_redis_cannot_say_whose_budget_is_spent(caplog) -> None:
+    """Billing goes on without Redis's flags: a Redis outage must not stop all scheduling.
+    The failed read is logged once a minute, not once a cycle."""
+    now = [1000]
+    flags = BudgetFlags({"initech": SpentBudget("spent", left_ms=90_000)})
+    flags.down = True
+    engine, sent = leading_engine(lambda: now[0], store=flags)
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    for offset, at_ms in enumerate((1000, 30_000)):
+        now[0] = at_ms
+        await engine.admit([budget_record(offset, f"r{offset}", "initech")])
+        assert await engine.cycle() == 1
+    assert [PLACEMENT.validate_json(v).request.request_id
+            for v in sent[topics.PLACEMENTS.name]] == ["r0", "r1"]
+    assert len(flags.reads) == 2 and caplog.text.count("reading the budget flags failed") == 1
+
+
+async def test_budget_flags_are_read_with_their_reason_and_time_left() -> None:
+    """One round trip for all tenants; a flag without an expiry has no time left to tell,
+    and one that expired between the two reads is no flag."""
+    flagged = {BUDGET_EXHAUSTED_KEY.format("hooli"): (b'{"reason": "day spent"}', 5_000),
+               BUDGET_EXHAUSTED_KEY.format("initech"): (b"not json", -1),
+               BUDGET_EXHAUSTED_KEY.format("stark"): (b'{"reason": "gone"}', -2)}
+
+    class Redis:
+        round_trips = 0
+
+        def pipeline(self, transaction: bool):  # noqa: ANN202
+            return Pipeline(self)
+
+    class Pipeline:
+        def __init__(self, redis: Redis) -> None:
+            self.redis, self.answers = redis, []
+
+        async def __aenter__(self):  # noqa: ANN204
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        def mget(self, keys: list[str]) -> None:
+            self.answers.append([flagged.get(k, (None,))[0] for k in keys])
+
+        def pttl(self, key: str) -> None:
+            self.answers.append(flagged.get(key, (None, -2))[1])
+
+        async def execute(self) -> list:
+            self.redis.round_trips += 1
+            return self.answers
+
+    redis = Redis()
+    read = await RunningStore(redis).spent_budgets(  # type: ignore[arg-type]
+        ["acme", "hooli", "initech", "stark"])
+    assert read == {"hooli": SpentBudget("day spent", 5_000),
+                    "initech": SpentBudget(
+                        "this tenant's budget for the current period is spent", None)}
+    assert redis.round_trips == 1
 
 
 async def test_the_queue_is_shown_in_the_order_the_next_cycle_takes_it(wired) -> None:

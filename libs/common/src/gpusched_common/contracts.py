@@ -388,6 +388,10 @@ class RequestResult(Message):
         return self
 
 
+MAX_RETRY_AFTER_S = 3600
+"""The latest a rejection may say a retry fits: a reader one release behind refuses more."""
+
+
 class Rejection(Message):
     """A request refused before running; the client's terminal answer, with a reason."""
 
@@ -399,10 +403,11 @@ class Rejection(Message):
     code: str | None = Field(
         default=None, max_length=64, description="What a client matches on where the status "
         "alone does not say (OpenAI's error `code`): queue_time_exceeded, "
-        "tokens_per_minute_exceeded.")
+        "tokens_per_minute_exceeded, insufficient_quota (a spent budget).")
     retry_after_s: int | None = Field(
-        default=None, ge=1, le=3600, description="When a retry may be admitted, where the "
-        "scheduler can tell (a tokens-per-minute quota); the router's Retry-After.")
+        default=None, ge=1, le=MAX_RETRY_AFTER_S, description="When a retry may be admitted, "
+        "where the scheduler can tell (a tokens-per-minute quota; a spent budget, at most "
+        "this far ahead); the router's Retry-After.")
 
 
 MAX_USAGE_GPU_SECONDS = 8 * 31 * 86_400

@@ -1,6 +1,8 @@
 """Redis keys that more than one service reads or writes (each service keeps its own keys
 beside its code)."""
 
+import json
+
 SCHEDULER_EPOCH_KEY = "gpusched:scheduler:epoch"
 """The current scheduler leader's fencing token; agents refuse placements with a lower one."""
 SCHEDULER_RUNNING_KEY = "gpusched:scheduler:running"
@@ -29,5 +31,14 @@ never read it, still ends the request unrun when it is placed there later."""
 CANCELLED_TTL_S = 86_400
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
-reads it per request and answers 429. Value: JSON with period, limit, spent, unit and a
-`reason`."""
+reads it per request and answers 429, and the scheduler once a cycle for the tenants whose
+work waits to start (it ends such work with a 429). Value: JSON with period, limit, spent,
+unit and a `reason`."""
+
+
+def budget_reason(flag: bytes) -> str:
+    """What a client refused for a spent budget is told: the flag's `reason`."""
+    try:
+        return str(json.loads(flag)["reason"])
+    except (ValueError, KeyError, TypeError):
+        return "this tenant's budget for the current period is spent"

@@ -38,7 +38,12 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
-from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY, CANCELLED_KEY, CANCELLED_TTL_S
+from gpusched_common.redis_keys import (
+    BUDGET_EXHAUSTED_KEY,
+    CANCELLED_KEY,
+    CANCELLED_TTL_S,
+    budget_reason,
+)
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import (
     add_ops_routes,
@@ -503,11 +508,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
 def _budget_error(flag: bytes) -> ApiError:
     """429 for a tenant whose budget is spent, with accounting's reason."""
-    try:
-        reason = str(json.loads(flag)["reason"])
-    except (ValueError, KeyError, TypeError):
-        reason = "this tenant's budget for the current period is spent"
-    return ApiError(429, reason, code="insufficient_quota")
+    return ApiError(429, budget_reason(flag), code="insufficient_quota")
 
 
 async def _disconnected(request: Request) -> None:
@@ -554,9 +555,10 @@ def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
     context, or cancelled: 409), and one that timed out (504) and is still running, unless
     it has an Idempotency-Key (its retry then waits for the same request); and where an
     automatic one only adds load: a request that waited past its queue time limit, on a
-    fleet that is full."""
+    fleet that is full, and one the scheduler refused for a spent budget (refused again
+    until the period ends)."""
     return not ((400 <= failed.status_code < 500 and failed.status_code not in (408, 429))
-                or failed.code == "queue_time_exceeded"
+                or failed.code in ("queue_time_exceeded", "insufficient_quota")
                 or (failed.status_code == 504 and not keyed))
 
 

@@ -27,6 +27,7 @@ from gpusched_common.contracts import (
     LAST_ATTEMPT,
     MAX_HANDBACK_BYTES,
     MAX_REQUEST_BYTES,
+    MAX_RETRY_AFTER_S,
     NODE_STATE,
     PRIORITY_CLASSES,
     REQUEST,
@@ -46,7 +47,7 @@ from gpusched_common.recent import Recent
 from gpusched_common.telemetry import record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
-from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore
+from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore, SpentBudget
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -92,6 +93,8 @@ as milliseconds land in January 1970, 56 years behind."""
 ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
+BUDGET_WARN_INTERVAL_MS = 60_000
+"""How often a failing read of the budget flags is logged (it is tried every cycle)."""
 RetryWhy = Literal["node_lost", "untaken", "takeover"]
 RETRY_WHY: dict[RetryWhy, str] = {
     "node_lost": "lost",
@@ -344,6 +347,8 @@ class SchedulingEngine:
         """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
         self._alive_read_ms = -ALIVE_READ_INTERVAL_MS
         """When Redis was last asked whether silent nodes are alive."""
+        self._budgets_warned_ms = -BUDGET_WARN_INTERVAL_MS
+        """When a failed read of the budget flags was last logged."""
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
@@ -669,10 +674,11 @@ class SchedulingEngine:
         await self._remove([])
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
+        spent = await self._spent_budgets(now)
         epoch = self.epoch  # the token this cycle's commands go with (the awaits are behind)
         if epoch is None:
             return 0  # stepped down meanwhile
-        ended = self._take_cancelled(now) + self._take_expired(now)
+        ended = self._take_cancelled(now) + self._take_spent(spent) + self._take_expired(now)
         if not len(self.queue) and not ended:
             return 0
         started = time.perf_counter()
@@ -962,6 +968,40 @@ class SchedulingEngine:
         threshold) or its class."""
         return [(chunk.name, item) for chunk in self._ordered(now_ms) for item in chunk.items]
 
+    async def _spent_budgets(self, now_ms: int) -> dict[str, SpentBudget]:
+        """The tenants with work waiting here whose budget accounting has flagged as spent,
+        read once a cycle. Redis away: none (logged at most once a minute), so scheduling
+        goes on; the work placed meanwhile is billed as any other."""
+        if self._store is None or not self.queue.by_tenant:
+            return {}
+        try:
+            return await self._store.spent_budgets(list(self.queue.by_tenant))
+        except Exception:
+            if now_ms - self._budgets_warned_ms >= BUDGET_WARN_INTERVAL_MS:
+                self._budgets_warned_ms = now_ms
+                log.warning("reading the budget flags failed; placing work as if no budget "
+                            "were spent", exc_info=True)
+            return {}
+
+    def _take_spent(self, spent: dict[str, SpentBudget]) -> list[tuple[Pending, Outgoing]]:
+        """The work of tenants in `spent` that never started, out of the queue, each with
+        its terminal 429 (`insufficient_quota`, the router's answer to their new requests):
+        work produced straight to Kafka, or queued before the flag, would otherwise run and
+        be billed past the budget. Work placed once goes on (as running work does): it was
+        taken in under the budget, and may have streamed part of its reply already."""
+        out: list[tuple[Pending, Outgoing]] = []
+        if not spent:
+            return out
+        for item in list(self.queue.in_order()):
+            flag = spent.get(item.request.tenant)
+            if flag is None or not item.never_placed:
+                continue
+            left_s = MAX_RETRY_AFTER_S if flag.left_ms is None else -(-flag.left_ms // 1000)
+            out.append(self._end_unrun(item, "budget_spent", status_code=429,
+                                       code="insufficient_quota", reason=flag.reason,
+                                       retry_after_s=min(max(1, left_s), MAX_RETRY_AFTER_S)))
+        return out
+
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The requests still waiting for their first placement past their queue time limit
         (their own `max_queue_ms` or their class's, the lower), out of the queue, each with
@@ -973,20 +1013,28 @@ class SchedulingEngine:
         for item in list(self.queue.in_order()):
             request = item.request
             limit_ms, source = self.queue_limit(request)
-            if item.placed_once or not _past(limit_ms, request, now_ms):
+            if not item.never_placed or not _past(limit_ms, request, now_ms):
                 continue
             waited_ms = now_ms - request.created_at_ms
-            self.queue.remove(item)
-            self._refund(item)
-            self._metrics.rejected.labels("expired").inc()
-            out.append((item, Outgoing(Rejection(
-                request_id=request.request_id, tenant=request.tenant, status_code=503,
-                code="queue_time_exceeded", reason=f"request {request.request_id} waited "
-                f"{_duration(waited_ms)} for a GPU in the {request.priority_class} queue, past "
-                f"its limit of {_duration(limit_ms)} ({source}); it ends unrun: send it again "
-                "later"),
-                topics.RESULTS.name, request.request_id, item.trace_carrier)))
+            out.append(self._end_unrun(
+                item, "expired", status_code=503, code="queue_time_exceeded",
+                reason=f"request {request.request_id} waited {_duration(waited_ms)} for a GPU "
+                f"in the {request.priority_class} queue, past its limit of "
+                f"{_duration(limit_ms)} ({source}); it ends unrun: send it again later"))
         return out
+
+    def _end_unrun(self, item: Pending, why: str, status_code: int, code: str, reason: str,
+                   retry_after_s: int | None = None) -> tuple[Pending, Outgoing]:
+        """Take waiting work out of the queue to end it unrun: its quota charge is given back
+        and it is counted as rejected for `why`; returns it with its rejection to publish."""
+        request = item.request
+        self.queue.remove(item)
+        self._refund(item)
+        self._metrics.rejected.labels(why).inc()
+        return item, Outgoing(Rejection(
+            request_id=request.request_id, tenant=request.tenant, status_code=status_code,
+            code=code, reason=reason, retry_after_s=retry_after_s),
+            topics.RESULTS.name, request.request_id, item.trace_carrier)
 
     def _refund(self, item: Pending) -> None:
         """Give back the quota charge of work that ends unrun, if its admission took one."""
@@ -1502,7 +1550,7 @@ class _Metrics:
         self.rejected = Counter("gpusched_scheduler_rejections_total",
                                 "Requests refused; invalid: every record dead-lettered "
                                 "(requests, node states).", ["reason"], registry=registry)
-        for reason in ("quota", "unschedulable", "expired", "invalid"):
+        for reason in ("quota", "unschedulable", "expired", "budget_spent", "invalid"):
             # at 0 from the start: a series first seen at 1 is no increase() to alert on
             self.rejected.labels(reason)
         self.retried = Counter("gpusched_scheduler_retries_total",

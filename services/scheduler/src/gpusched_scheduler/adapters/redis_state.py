@@ -1,5 +1,6 @@
 """Scheduler state in Redis: the leader lease with its fencing token, the placements in
-flight (so a new leader knows what runs where) and the request records answered 429."""
+flight (so a new leader knows what runs where) and the request records answered 429; and
+what it reads of others' state (agents' claims, accounting's budget flags)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from redis.asyncio import Redis
 
 from gpusched_common import outbox
 from gpusched_common.redis_keys import (
+    BUDGET_EXHAUSTED_KEY,
     CANCELLED_KEY,
     CANCELLED_TTL_S,
     CLAIM_TTL_S,
@@ -19,6 +21,7 @@ from gpusched_common.redis_keys import (
     PLACEMENT_CLAIM_KEY,
     SCHEDULER_EPOCH_KEY,
     SCHEDULER_RUNNING_KEY,
+    budget_reason,
 )
 from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
 
@@ -82,6 +85,15 @@ class Filed:
     records: list[outbox.Final]
 
 
+@dataclass(frozen=True)
+class SpentBudget:
+    """Accounting's flag on a tenant whose budget is spent."""
+
+    reason: str
+    left_ms: int | None
+    """Until the flag expires (the period's end); None for a flag set without an expiry."""
+
+
 class RunningStore:
     """Placements in flight, one hash field each; written once per cycle (pipelined)."""
 
@@ -139,6 +151,19 @@ class RunningStore:
             except ValueError:
                 log.warning("ignoring the unreadable note of a 429 %r", member)
         return out
+
+    async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
+        """The tenants among `tenants` whose budget accounting has flagged as spent, each
+        with its flag; one round trip."""
+        keys = [BUDGET_EXHAUSTED_KEY.format(t) for t in tenants]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.mget(keys)
+            for key in keys:
+                pipe.pttl(key)
+            flags, *left_ms = await pipe.execute()
+        return {t: SpentBudget(budget_reason(flag), ms if ms >= 0 else None)
+                for t, flag, ms in zip(tenants, flags, left_ms, strict=True)
+                if flag is not None and ms != -2}  # -2: expired since the MGET
 
     async def alive(self, node_ids: list[str]) -> list[bool]:
         """For each node, whether its agent said lately (in Redis) that it is alive."""
