@@ -93,8 +93,12 @@ as milliseconds land in January 1970, 56 years behind."""
 ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
+BUDGET_READ_INTERVAL_MS = 1000
+"""How often the budget flags are read (`_spent_budgets`): once a second, not every cycle
+(a round trip on the cycle's path); work of a tenant flagged meanwhile may start for up to
+that long, within the usage batch's delay that sets the flag."""
 BUDGET_WARN_INTERVAL_MS = 60_000
-"""How often a failing read of the budget flags is logged (it is tried every cycle)."""
+"""How often a failing read of the budget flags is logged (it is tried at each read)."""
 RetryWhy = Literal["node_lost", "untaken", "takeover"]
 RETRY_WHY: dict[RetryWhy, str] = {
     "node_lost": "lost",
@@ -349,6 +353,9 @@ class SchedulingEngine:
         """When Redis was last asked whether silent nodes are alive."""
         self._budgets_warned_ms = -BUDGET_WARN_INTERVAL_MS
         """When a failed read of the budget flags was last logged."""
+        self._spent: dict[str, SpentBudget] = {}
+        self._spent_read_ms = -BUDGET_READ_INTERVAL_MS
+        """The budget flags last read, and when (`_spent_budgets`)."""
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
@@ -970,18 +977,22 @@ class SchedulingEngine:
 
     async def _spent_budgets(self, now_ms: int) -> dict[str, SpentBudget]:
         """The tenants with work waiting here whose budget accounting has flagged as spent,
-        read once a cycle. Redis away: none (logged at most once a minute), so scheduling
-        goes on; the work placed meanwhile is billed as any other."""
+        read at most once per BUDGET_READ_INTERVAL_MS. Redis away: none (logged at most once
+        a minute), so scheduling goes on; the work placed meanwhile is billed as any other."""
         if self._store is None or not self.queue.by_tenant:
             return {}
+        if now_ms - self._spent_read_ms < BUDGET_READ_INTERVAL_MS:
+            return self._spent
+        self._spent_read_ms = now_ms
         try:
-            return await self._store.spent_budgets(list(self.queue.by_tenant))
+            self._spent = await self._store.spent_budgets(list(self.queue.by_tenant))
         except Exception:
+            self._spent = {}
             if now_ms - self._budgets_warned_ms >= BUDGET_WARN_INTERVAL_MS:
                 self._budgets_warned_ms = now_ms
                 log.warning("reading the budget flags failed; placing work as if no budget "
                             "were spent", exc_info=True)
-            return {}
+        return self._spent
 
     def _take_spent(self, spent: dict[str, SpentBudget]) -> list[tuple[Pending, Outgoing]]:
         """The work of tenants in `spent` that never started, out of the queue, each with
