@@ -33,7 +33,7 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_accounting.settings import DEDUP_TTL_S
 from gpusched_common import topics
-from gpusched_common.contracts import DEAD_LETTER, EVENT, UsageRecord
+from gpusched_common.contracts import DEAD_LETTER, EVENT, RESULT_EVENT, UsageRecord
 from gpusched_ops.stack import ServiceSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -463,9 +463,28 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
                 "model": MODELS[0], "prompt": "before", "max_tokens": 3})
             r = await http.post("/v1/completions", json={"model": MODELS[0], "prompt": "hi"},
                                 headers={"Authorization": "Bearer sk-acme-demo"})
+        # one produced straight to Kafka is refused by the scheduler, with the same reason
+        rid = f"budget-kafka-{uuid.uuid4().hex[:8]}"
+        producer = AIOKafkaProducer(bootstrap_servers=stack.endpoints.kafka_bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.REQUESTS["standard"].name, json.dumps({
+                "request_id": rid, "tenant": "acme", "model": MODELS[0], "prompt": "x",
+                "max_tokens": 3}).encode(), key=rid.encode())
+        finally:
+            await producer.stop()
+
+        async def answered():
+            found = await read_topic(stack.endpoints.kafka_bootstrap, topics.RESULTS.name,
+                                     lambda k, v: k == rid.encode(), timeout_s=2)
+            return found and RESULT_EVENT.validate_json(found[0][1])
+        refused = await eventually(answered, timeout_s=30, what="the scheduler's answer")
     finally:
         await shared.delete("gpusched:budget:exhausted:acme")
         await shared.aclose()
+    assert (refused.type, refused.status_code, refused.code) == (
+        "rejection", 429, "insufficient_quota")
+    assert "day budget" in refused.reason
     assert r.status_code == 429
     assert "day budget" in r.json()["error"]["message"]
     # no retry fits before the period ends: say when it does, and that the SDK not retry

@@ -916,14 +916,23 @@ class BudgetFlags:
     """The running store with accounting's budget flags as Redis holds them (`spent`), or
     refusing to read them while `down`; `reads` are the tenants each read asked for."""
 
-    def __init__(self, spent: dict[str, SpentBudget]) -> None:
-        self.spent, self.down, self.reads = spent, False, []
+    def __init__(self, spent: dict[str, SpentBudget], claimed: tuple[str, ...] = ()) -> None:
+        self.spent, self.down, self.reads, self.claimed = spent, False, [], set(claimed)
+        self.noted: list = []
 
     async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
         self.reads.append(sorted(tenants))
         if self.down:
             raise ConnectionError("Redis is away")
         return {t: flag for t, flag in self.spent.items() if t in tenants}
+
+    async def ever_claimed(self, placement_id: str) -> bool:
+        if self.down:
+            raise ConnectionError("Redis is away")
+        return placement_id in self.claimed
+
+    async def note_over_quota(self, position, timestamp: int, keep: int) -> None:
+        self.noted.append(position)
 
     async def save(self, placements) -> None:
         pass
@@ -935,44 +944,49 @@ def budget_record(offset: int, request_id: str, tenant: str, **extra) -> Consume
         "prompt_tokens": 1, "max_tokens": 1999, **extra}).encode())
 
 
-async def test_work_of_a_tenant_whose_budget_is_spent_ends_unrun_before_it_starts() -> None:
-    """hooli's budget is spent while its request, produced straight to Kafka, waits: it ends
-    with the router's 429 for a spent budget (insufficient_quota, the flag's reason, a retry
-    when the flag expires, an hour at most) and gives back its 2,000 tokens of hooli's
-    minute; acme's request is placed in the same cycle, and hooli's preempted request, which
-    ran and streamed part of its reply, runs on. Before, only the router read the flag:
-    everything queued or produced to Kafka ran and was billed past the budget. The flags
-    are read once for the cycle."""
+async def test_work_of_a_tenant_whose_budget_is_spent_is_refused_as_it_is_admitted() -> None:
+    """hooli's budget is spent; its request produced straight to Kafka is answered the
+    router's 429 for a spent budget (insufficient_quota, the flag's reason, a retry when the
+    flag expires, an hour at most) and takes none of hooli's minute; acme's request is
+    placed, and hooli's preempted request, which ran and streamed part of its reply, runs
+    on, as does a first attempt an agent claimed once (read again: it ran). Before, only the
+    router read the flag: everything produced to Kafka ran and was billed past the budget.
+    Each tenant's flag is read once a second at most, and a refused record read again
+    stays refused (noted as the over-quota ones are), though the flag is gone by then."""
     registry = CollectorRegistry()
     spent = "tenant 'hooli' has spent its day budget; new requests are accepted again from ..."
     flags = BudgetFlags({"hooli": SpentBudget(spent, left_ms=90_500),
-                         "initech": SpentBudget("initech's month is spent", left_ms=86_400_000)})
+                         "initech": SpentBudget("initech's month is spent", left_ms=86_400_000)},
+                        claimed=("ran#0",))
     engine, sent = leading_engine(registry=registry, store=flags)
     engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
     resumed = {"attempt": 1, "requeued": "preempted", "max_tokens": 8,
                "resume": {"tokens": [" a"], "streamed_tokens": 1, "next_seq": 1}}
-    await engine.admit([budget_record(0, "fresh", "hooli"), budget_record(1, "other", "acme"),
+    fresh = budget_record(0, "fresh", "hooli")
+    await engine.admit([fresh, budget_record(1, "other", "acme"),
                         budget_record(2, "resumed", "hooli", **resumed),
-                        budget_record(3, "later", "initech")])
-    assert engine.quotas.tokens_last_minute("hooli", 1000) == 2000
-    assert await engine.cycle() == 4
+                        budget_record(3, "later", "initech"), budget_record(4, "ran", "hooli")])
     rejections = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
     assert [(r.request_id, r.status_code, r.code, r.reason, r.retry_after_s)
             for r in rejections] == [
         ("fresh", 429, "insufficient_quota", spent, 91),
         ("later", 429, "insufficient_quota", "initech's month is spent", 3600)]
-    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 2000  # `ran`'s alone
+    assert await engine.cycle() == 3
     placed = {PLACEMENT.validate_json(v).request.request_id
               for v in sent[topics.PLACEMENTS.name]}
-    assert placed == {"other", "resumed"} and not len(engine.queue)
-    assert flags.reads == [["acme", "hooli", "initech"]]
-    assert registry.get_sample_value("gpusched_scheduler_rejections_total",
-                                     {"reason": "budget_spent"}) == 2
+    assert placed == {"other", "resumed", "ran"} and not len(engine.queue)
+    assert flags.reads == [["hooli"], ["acme"], ["initech"]]
+    assert len(flags.noted) == 2 and registry.get_sample_value(
+        "gpusched_scheduler_rejections_total", {"reason": "budget_spent"}) == 2
+    flags.spent.clear()  # the budget raised: `fresh`, read again, is still refused
+    await engine.admit([fresh])
+    assert len(sent[topics.RESULTS.name]) == 2 and not len(engine.queue)
 
 
-async def test_work_is_placed_while_redis_cannot_say_whose_budget_is_spent(caplog) -> None:
+async def test_work_is_admitted_while_redis_cannot_say_whose_budget_is_spent(caplog) -> None:
     """Billing goes on without Redis's flags: a Redis outage must not stop all scheduling.
-    The failed read is logged once a minute, not once a cycle."""
+    The failed read is logged once a minute, not at every read."""
     now = [1000]
     flags = BudgetFlags({"initech": SpentBudget("spent", left_ms=90_000)})
     flags.down = True

@@ -31,9 +31,9 @@ never read it, still ends the request unrun when it is placed there later."""
 CANCELLED_TTL_S = 86_400
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
-reads it per request and answers 429, and the scheduler once a second for the tenants whose
-work waits to start (it ends such work with a 429). Value: JSON with period, limit, spent,
-unit and a `reason`."""
+reads it per request and answers 429, and so does the scheduler for a tenant's first
+attempts it admits (reading it once a second per tenant). Value: JSON with period, limit,
+spent, unit and a `reason`."""
 
 
 def budget_reason(flag: bytes) -> str:

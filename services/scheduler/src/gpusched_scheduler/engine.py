@@ -94,9 +94,9 @@ ALIVE_READ_INTERVAL_MS = 1000
 """How often Redis is asked whether silent nodes are alive: as often as agents say so, not
 every cycle (a node whose reports do not reach this instance stays silent for a long time)."""
 BUDGET_READ_INTERVAL_MS = 1000
-"""How often the budget flags are read (`_spent_budgets`): once a second, not every cycle
-(a round trip on the cycle's path); work of a tenant flagged meanwhile may start for up to
-that long, within the usage batch's delay that sets the flag."""
+"""How often a tenant's budget flag is read (`_budget_flag`): once a second, not for every
+request (a round trip on the admission path); work of a tenant flagged meanwhile may be
+admitted for up to that long, within the usage batch's delay that sets the flag."""
 BUDGET_WARN_INTERVAL_MS = 60_000
 """How often a failing read of the budget flags is logged (it is tried at each read)."""
 RetryWhy = Literal["node_lost", "untaken", "takeover"]
@@ -353,9 +353,9 @@ class SchedulingEngine:
         """When Redis was last asked whether silent nodes are alive."""
         self._budgets_warned_ms = -BUDGET_WARN_INTERVAL_MS
         """When a failed read of the budget flags was last logged."""
-        self._spent: dict[str, SpentBudget] = {}
-        self._spent_read_ms = -BUDGET_READ_INTERVAL_MS
-        """The budget flags last read, and when (`_spent_budgets`)."""
+        self._flags: dict[str, tuple[int, SpentBudget | None]] = {}
+        """Tenant -> (when read, its budget flag or None): read again once older than
+        BUDGET_READ_INTERVAL_MS (`_budget_flag`)."""
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
@@ -466,13 +466,24 @@ class SchedulingEngine:
                                    self._decide_when_retried.get(_placement_id(*key)), commit)
                 continue
             if waiting is None and self._charges_quota(request, now):
-                over = self._over_quota(request, now)
-                if over is not None:
-                    self._metrics.rejected.labels("quota").inc()
+                # a spent budget (accounting's flag), then the tenant's hard quotas: refused
+                # for good, and so again when the record is read again (`_over_quota_records`)
+                refusal: tuple[str, str, str | None, int | None] | None = None
+                spent = await self._budget_flag(request.tenant, now)
+                if spent is not None and not await self._ran_before(request):
+                    left_s = MAX_RETRY_AFTER_S if spent.left_ms is None else \
+                        -(-spent.left_ms // 1000)
+                    refusal = ("budget_spent", spent.reason, "insufficient_quota",
+                               min(max(1, left_s), MAX_RETRY_AFTER_S))
+                elif (over := self._over_quota(request, now)) is not None:
+                    refusal = ("quota", over.reason, None, over.retry_after_s)
+                if refusal is not None:
+                    why, reason, code, retry_after_s = refusal
+                    self._metrics.rejected.labels(why).inc()
                     await self._publish([Outgoing(
                         Rejection(request_id=request.request_id, tenant=request.tenant,
-                                  status_code=429, reason=over.reason,
-                                  retry_after_s=over.retry_after_s),
+                                  status_code=429, code=code, reason=reason,
+                                  retry_after_s=retry_after_s),
                         topics.RESULTS.name, request.request_id, outcome.carrier)])
                     await self._remember_over_quota(record)
                     if self.epoch != epoch:
@@ -681,11 +692,10 @@ class SchedulingEngine:
         await self._remove([])
         await self._recover_lost_nodes(now)
         await self._recover_untaken(now)
-        spent = await self._spent_budgets(now)
         epoch = self.epoch  # the token this cycle's commands go with (the awaits are behind)
         if epoch is None:
             return 0  # stepped down meanwhile
-        ended = self._take_cancelled(now) + self._take_spent(spent) + self._take_expired(now)
+        ended = self._take_cancelled(now) + self._take_expired(now)
         if not len(self.queue) and not ended:
             return 0
         started = time.perf_counter()
@@ -975,43 +985,37 @@ class SchedulingEngine:
         threshold) or its class."""
         return [(chunk.name, item) for chunk in self._ordered(now_ms) for item in chunk.items]
 
-    async def _spent_budgets(self, now_ms: int) -> dict[str, SpentBudget]:
-        """The tenants with work waiting here whose budget accounting has flagged as spent,
-        read at most once per BUDGET_READ_INTERVAL_MS. Redis away: none (logged at most once
-        a minute), so scheduling goes on; the work placed meanwhile is billed as any other."""
-        if self._store is None or not self.queue.by_tenant:
-            return {}
-        if now_ms - self._spent_read_ms < BUDGET_READ_INTERVAL_MS:
-            return self._spent
-        self._spent_read_ms = now_ms
-        try:
-            self._spent = await self._store.spent_budgets(list(self.queue.by_tenant))
-        except Exception:
-            self._spent = {}
-            if now_ms - self._budgets_warned_ms >= BUDGET_WARN_INTERVAL_MS:
-                self._budgets_warned_ms = now_ms
-                log.warning("reading the budget flags failed; placing work as if no budget "
-                            "were spent", exc_info=True)
-        return self._spent
+    async def _budget_flag(self, tenant: str, now_ms: int) -> SpentBudget | None:
+        """`tenant`'s budget flag, as accounting set it when the budget was spent; read at
+        most once per BUDGET_READ_INTERVAL_MS (a round trip on the admission path). Redis
+        away: none (logged at most once a minute), so admission goes on; the work admitted
+        meanwhile is billed as any other."""
+        read = self._flags.get(tenant)
+        if read is not None and abs(now_ms - read[0]) < BUDGET_READ_INTERVAL_MS:
+            return read[1]  # abs: a clock stepped back must not keep an old read for long
+        flag = None
+        if self._store is not None:
+            try:
+                flag = (await self._store.spent_budgets([tenant])).get(tenant)
+            except Exception:
+                if abs(now_ms - self._budgets_warned_ms) >= BUDGET_WARN_INTERVAL_MS:
+                    self._budgets_warned_ms = now_ms
+                    log.warning("reading the budget flags failed; admitting work as if no "
+                                "budget were spent", exc_info=True)
+        self._flags[tenant] = (now_ms, flag)
+        return flag
 
-    def _take_spent(self, spent: dict[str, SpentBudget]) -> list[tuple[Pending, Outgoing]]:
-        """The work of tenants in `spent` that never started, out of the queue, each with
-        its terminal 429 (`insufficient_quota`, the router's answer to their new requests):
-        work produced straight to Kafka, or queued before the flag, would otherwise run and
-        be billed past the budget. Work placed once goes on (as running work does): it was
-        taken in under the budget, and may have streamed part of its reply already."""
-        out: list[tuple[Pending, Outgoing]] = []
-        if not spent:
-            return out
-        for item in list(self.queue.in_order()):
-            flag = spent.get(item.request.tenant)
-            if flag is None or not item.never_placed:
-                continue
-            left_s = MAX_RETRY_AFTER_S if flag.left_ms is None else -(-flag.left_ms // 1000)
-            out.append(self._end_unrun(item, "budget_spent", status_code=429,
-                                       code="insufficient_quota", reason=flag.reason,
-                                       retry_after_s=min(max(1, left_s), MAX_RETRY_AFTER_S)))
-        return out
+    async def _ran_before(self, request: InferenceRequest) -> bool:
+        """Whether an agent ever claimed `request`'s first placement (or it was fenced): a
+        first attempt read again (an earlier record held its offset back, or a new leader
+        reads it) may have run, ended or gone on as a retry; it is not refused then. Redis
+        away: it may have."""
+        if self._store is None:
+            return False
+        try:
+            return await self._store.ever_claimed(_placement_id(request.request_id, 0))
+        except Exception:
+            return True
 
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The requests still waiting for their first placement past their queue time limit
