@@ -984,6 +984,20 @@ async def test_work_of_a_tenant_whose_budget_is_spent_is_refused_as_it_is_admitt
     assert len(sent[topics.RESULTS.name]) == 2 and not len(engine.queue)
 
 
+async def test_a_cancelled_request_read_again_is_not_refused_for_a_spent_budget() -> None:
+    """It ended cancelled (its result went out); read again, its cancel ends it again, as
+    before the budget check: not a 429 beside the cancellation."""
+    flags = BudgetFlags({"hooli": SpentBudget("spent", left_ms=90_000)})
+    engine, sent = leading_engine(store=flags)
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.cancels([request_record(topics.CONTROL.name, 0, Cancel(
+        request_id="gone", reason="client left", at_ms=1000).to_bytes())])
+    await engine.admit([budget_record(0, "gone", "hooli")])
+    await engine.cycle()
+    [ended] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (ended.type, ended.status) == ("request_result", "cancelled")
+
+
 async def test_work_is_admitted_while_redis_cannot_say_whose_budget_is_spent(caplog) -> None:
     """Billing goes on without Redis's flags: a Redis outage must not stop all scheduling.
     The failed read is logged once a minute, not at every read."""

@@ -469,8 +469,12 @@ class SchedulingEngine:
                 # a spent budget (accounting's flag), then the tenant's hard quotas: refused
                 # for good, and so again when the record is read again (`_over_quota_records`)
                 refusal: tuple[str, str, str | None, int | None] | None = None
-                spent = await self._budget_flag(request.tenant, now)
-                if spent is not None and not await self._ran_before(request):
+                spent = None if request.request_id in self._cancelled else \
+                    await self._budget_flag(request.tenant, now)  # a cancel ends it anyway
+                ran = spent is not None and await self._ran_before(request)
+                if self.epoch != epoch:
+                    return  # stepped down meanwhile: this batch is the next leader's
+                if spent is not None and not ran:
                     left_s = MAX_RETRY_AFTER_S if spent.left_ms is None else \
                         -(-spent.left_ms // 1000)
                     refusal = ("budget_spent", spent.reason, "insufficient_quota",

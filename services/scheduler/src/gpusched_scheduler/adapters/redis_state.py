@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 LEADER_KEY = "gpusched:scheduler:leader"
 OVER_QUOTA_KEY = "gpusched:scheduler:over-quota"
 """Sorted set: '<topic>:<partition>:<offset>' of each request record answered 429 (over
-quota), scored by the record's timestamp (which tells it from another record at its
-position, a topic deleted and made again); a leader that reads one again, the same one or
-the next, keeps it refused. The latest `keep` (see `note_over_quota`) are kept."""
+quota, or a spent budget), scored by the record's timestamp (which tells it from another
+record at its position, a topic deleted and made again); a leader that reads one again,
+the same one or the next, keeps it refused. The latest `keep` (see `note_over_quota`) are
+kept."""
 
 Position = tuple[str, int, int]
 """A Kafka record's (topic, partition, offset)."""
