@@ -36,7 +36,7 @@ from gpusched_common.contracts import (
     UsageRecord,
 )
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
-from gpusched_common.settings import KafkaSettings
+from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.redis_state import Filed, RunningStore, SpentBudget
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
@@ -1540,9 +1540,13 @@ async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rer
     assert one.engine.fair.level("acme", one.now / 1000) == charged
 
 
-async def test_filed_final_records_kafka_refused_are_published_next_cycle_not_rerun() -> None:
+@pytest.mark.parametrize("leads_again", [False, True])
+async def test_filed_final_records_kafka_refused_are_published_next_cycle_not_rerun(
+        leads_again: bool) -> None:
     """Kafka refuses the records the lost node's agent filed for `taken`: the request is
-    not retried (it has finished), and the records go out on the next cycle."""
+    not retried (it has finished), and the records go out on the next cycle, also when the
+    instance stepped down and leads again meanwhile (a Redis blip): before, leading again
+    dropped them, and the node, lost to it already, was never found lost again."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
     await one.place()
     result = RequestResult(request_id="taken", tenant="acme", model="qwen2.5-1.5b",
@@ -1560,6 +1564,10 @@ async def test_filed_final_records_kafka_refused_are_published_next_cycle_not_re
     await one.engine.cycle()
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
     assert "taken#0" in one.fences.filed
+    if leads_again:
+        running = list(one.engine.running.values())
+        one.engine.step_down()
+        one.engine.lead(4, running, {r.placement_id: "held" for r in running})
     one.engine._send = send  # noqa: SLF001 - Kafka is back
     one.now = 13_000
     await one.engine.cycle()
@@ -1593,6 +1601,23 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("fenced", 1), ("lost", 1)]
     assert sorted(one.engine.running) == ["running#0"]
     assert one.retried() == {"node_lost": 0, "untaken": 1, "takeover": 1}
+
+
+async def test_a_new_leader_forgets_inherited_work_whose_final_usage_it_read_as_a_standby(
+        ) -> None:
+    """`done` ended and this instance, standing by, read its final usage; its claim still
+    reads held (its agent's release failed). Before, the new leader kept it running for
+    good: memory reserved, in flight for its tenant's limit, a preemption victim."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
+    one.engine._ended["done#0"] = None  # what `usage` notes of a final record
+    done = RunningPlacement(
+        placement_id="done#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=req("done"))
+    one.engine.lead(4, [done], {"done#0": "held"})
+    await one.engine.cycle()
+    assert not one.engine.running and not one.engine.view.reservations
+    assert one.fences.removed == ["done#0"] and not one.retries()
 
 
 async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_time_out() -> None:
@@ -2813,6 +2838,28 @@ async def test_a_record_answered_429_stays_refused_when_a_new_leader_reads_it_ag
         assert [p.request.request_id for p in old.queue.in_order()] == ["first"]
 
 
+async def test_a_429_answered_as_the_leader_steps_down_is_noted_for_the_next_one() -> None:
+    """The step-down cancels the consumer while Kafka takes the 429: it goes out (it is in
+    the producer's batch), and before, no note did; the next leader ran the request."""
+    notes = QuotaNotes()
+    old, acks, kafka = _held_engine(store=notes)
+    old.quotas.admit("hooli", 2000, 1000)
+    admitting = asyncio.create_task(old.admit([_records_behind_waiting_work()[1]],
+                                              kafka.commit))
+    for _ in range(50):
+        await asyncio.sleep(0)
+        if acks:
+            break
+    assert acks  # the 429 is in the producer's batch, Kafka's answer pending
+    old.step_down()
+    admitting.cancel()  # as requests.stop() does, right after the step-down
+    await asyncio.gather(admitting, return_exceptions=True)
+    acks[0].set_result(None)  # Kafka takes it
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [position for position, _ in notes.kept] == [(topics.REQUESTS["standard"].name, 0, 1)]
+
+
 async def test_a_note_of_a_429_does_not_refuse_another_record_at_its_position() -> None:
     """The request topic was deleted and made again (offsets start at 0 again) while Redis
     kept its notes: a new request at a noted position was committed unanswered, neither
@@ -3517,3 +3564,73 @@ async def test_retries_on_their_way_back_through_kafka_count_in_flight_for_their
     # read back, the retries count as queued, and in transit no more
     await engine.admit([request_record(standard, 20 + i, v) for i, v in enumerate(retries)])
     assert engine.queue.by_tenant["hooli"] == 3 and not engine._in_transit("hooli", now[0])
+
+
+async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_renewal(
+        monkeypatch) -> None:
+    """Kafka unreachable for a moment as this instance takes the lead: before, it led with
+    no request consumer (the engine had its token, so no renewal tried again) and, renewing
+    its lease, kept every standby out; no request was read until a restart."""
+    from aiokafka.errors import KafkaConnectionError
+
+    import gpusched_scheduler.adapters.requests as requests_adapter
+    import gpusched_scheduler.main as scheduler_main
+    from gpusched_scheduler.adapters.decisions import DecisionProducer
+    from gpusched_scheduler.adapters.redis_state import LeaderLease
+    from gpusched_scheduler.settings import SchedulerSettings
+
+    starts: list[str] = []
+
+    class Consumer:  # the first start fails, as against a broker not back yet
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        async def start(self) -> None:
+            starts.append("failed" if not starts else "ok")
+            if starts[-1] == "failed":
+                raise KafkaConnectionError("Unable to bootstrap")
+
+        async def getmany(self, **kwargs) -> dict:
+            await asyncio.sleep(0.05)
+            return {}
+
+        async def stop(self) -> None:
+            pass
+
+    async def nothing(*args, **kwargs) -> list:
+        return []
+
+    class Broker:
+        async def start(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+    async def holds_the_lease(self) -> int:
+        return 7
+
+    async def no_claims(self, running) -> dict:
+        return {}
+
+    monkeypatch.setattr(requests_adapter, "AIOKafkaConsumer", Consumer)
+    monkeypatch.setattr(scheduler_main.topics, "ensure_topics", nothing)
+    monkeypatch.setattr(scheduler_main, "warm_up", lambda policy: None)
+    monkeypatch.setattr(scheduler_main, "make_broker", lambda *args, **kwargs: Broker())
+    monkeypatch.setattr(scheduler_main.handlers, "register_cluster", lambda *args: None)
+    monkeypatch.setattr(DecisionProducer, "start", nothing)
+    monkeypatch.setattr(DecisionProducer, "stop", nothing)
+    monkeypatch.setattr(LeaderLease, "acquire_or_renew", holds_the_lease)
+    monkeypatch.setattr(LeaderLease, "release", nothing)
+    monkeypatch.setattr(RunningStore, "load", nothing)
+    monkeypatch.setattr(RunningStore, "over_quota", nothing)
+    monkeypatch.setattr(RunningStore, "claims", no_claims)
+    app = scheduler_main.create_app(SchedulerSettings(
+        telemetry=TelemetrySettings(otlp_endpoint=""),
+        redis=RedisSettings(url="redis://127.0.0.1:1/0"), lease_ttl_ms=600))
+    async with app.router.lifespan_context(app):
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if "ok" in starts:
+                break
+    assert starts[0] == "failed" and "ok" in starts  # the next renewal led again

@@ -392,7 +392,9 @@ class SchedulingEngine:
         self.running = RunningSet(running)
         self.view.drop_reservations()  # `_take_over` reserves what is inherited
         self._inherited = dict(claims or {})
-        self._unpublished = []  # a leader finds them filed when their node is lost to it
+        # `_unpublished` stays: their node is lost to this instance already (`view.lost`
+        # outlives a term), so it would not find them filed again; published twice (another
+        # leader did meanwhile), each is applied once
         self._retries = []  # still running in Redis: a leader finds them fenced, retries them
         self._wake.set()
 
@@ -484,12 +486,13 @@ class SchedulingEngine:
                 if refusal is not None:
                     why, reason, code, retry_after_s = refusal
                     self._metrics.rejected.labels(why).inc()
-                    await self._publish([Outgoing(
+                    # shielded together: a step-down cancels this loop, and a 429 in the
+                    # producer's batch goes out; unnoted, the next leader ran its request
+                    await asyncio.shield(self._answer_429(record, Outgoing(
                         Rejection(request_id=request.request_id, tenant=request.tenant,
                                   status_code=429, code=code, reason=reason,
                                   retry_after_s=retry_after_s),
-                        topics.RESULTS.name, request.request_id, outcome.carrier)])
-                    await self._remember_over_quota(record)
+                        topics.RESULTS.name, request.request_id, outcome.carrier)))
                     if self.epoch != epoch:
                         return
                     self.offsets.track(record, None, commit)
@@ -508,6 +511,10 @@ class SchedulingEngine:
             self.offsets.track(record, item, commit)
         self._wake.set()
         self._commit_decided()
+
+    async def _answer_429(self, record: ConsumerRecord, answer: Outgoing) -> None:
+        await self._publish([answer])
+        await self._remember_over_quota(record)
 
     async def _remember_over_quota(self, record: ConsumerRecord) -> None:
         """Note that `record` was answered 429 (Kafka took the answer), here and in Redis for
@@ -1204,8 +1211,8 @@ class SchedulingEngine:
             if r is None:
                 continue
             self.view.expect(r.node_id, now)
-            if claim == "ended":
-                ended.append(pid)
+            if claim == "ended" or pid in self._ended:  # its final usage read meanwhile (a
+                ended.append(pid)  # standby's, or this leader's before a Redis blip)
             elif claim == "fenced":
                 fenced.append(r)
             else:

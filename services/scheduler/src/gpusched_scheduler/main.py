@@ -81,11 +81,20 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                 await _step_down()
             if epoch is not None:
                 log.info("leading with fencing token %d", epoch)
-                running = await store.load()
-                engine.lead(epoch, running, await store.claims(running),
-                            await store.over_quota())
-                leader.set(1)
-                await requests.start()
+                try:
+                    running = await store.load()
+                    engine.lead(epoch, running, await store.claims(running),
+                                await store.over_quota())
+                    leader.set(1)
+                    await requests.start()
+                except Exception:
+                    # all or nothing: a leader whose consumers did not start read no request
+                    # and, renewing its lease, kept every standby out for good; standing
+                    # down, the next renewal tries again
+                    log.exception("taking the lead with token %d failed; trying again at "
+                                  "the next renewal", epoch)
+                    if engine.epoch is not None:
+                        await _step_down()
 
     async def keep_lease() -> None:
         """Renew (or try to take) the lease three times per TTL. Transitions run beside the
