@@ -934,8 +934,8 @@ class BudgetFlags:
     async def note_over_quota(self, position, timestamp: int, keep: int) -> None:
         self.noted.append(position)
 
-    async def save(self, placements) -> None:
-        pass
+    async def save(self, placements, epoch: int) -> bool:
+        return True
 
 
 def budget_record(offset: int, request_id: str, tenant: str, **extra) -> ConsumerRecord:
@@ -1247,12 +1247,38 @@ class FlakyStore:
     """The running store while Redis is away: `save` fails until `up`."""
 
     def __init__(self) -> None:
-        self.up, self.saved = False, []
+        self.up, self.saved, self.token = False, [], None
 
-    async def save(self, placements) -> None:
+    async def save(self, placements, epoch: int) -> bool:
         if not self.up:
             raise ConnectionError("Redis is away")
+        if self.token is not None and epoch != self.token:
+            return False  # a newer leader took the lease: nothing written
         self.saved += [p.placement_id for p in placements]
+        return True
+
+
+async def test_a_leader_deposed_unawares_saves_nothing_and_commits_nothing() -> None:
+    """Another instance took the lease (token 4) and read the hash of placements in flight
+    while this one, stalled, still thinks it leads under 3: before, its save went into the
+    hash after the next leader had read it and its offset was committed; nobody knew the
+    placement, agents refused its old token, and the request was lost."""
+    store, kafka = FlakyStore(), Commits()
+    store.up, store.token = True, 4
+
+    async def send(batch):
+        return asyncio.gather()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           commit_interval_ms=0), store=store)
+    engine.lead(3, [])
+    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
+        {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4}).encode())], kafka.commit)
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.05)
+    assert kafka.offsets == {} and not store.saved and not engine.running
 
 
 async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_again() -> None:
@@ -1332,8 +1358,8 @@ class Fences:
         return {p.placement_id: "ended" if p.placement_id in self.ended else
                 "held" if p.placement_id in self.taken else "untaken" for p in placements}
 
-    async def save(self, placements) -> None:
-        pass
+    async def save(self, placements, epoch: int) -> bool:
+        return True
 
     async def remove(self, placement_ids: list[str]) -> None:
         self.removed += placement_ids
@@ -1951,8 +1977,8 @@ async def test_a_cycle_places_on_while_redis_cannot_fence_an_untaken_placement()
     engine, sent = leading_engine(lambda: now[0], untaken_timeout_ms=30_000)
 
     class RedisAway:
-        async def save(self, placements) -> None:  # noqa: ANN001
-            pass
+        async def save(self, placements, epoch: int) -> bool:  # noqa: ANN001
+            return True
 
         async def fence(self, ids):  # noqa: ANN001, ANN201
             raise ConnectionError("Redis away")

@@ -883,17 +883,19 @@ class SchedulingEngine:
     async def _save(self, new_running: list[RunningPlacement], epoch: int | None) -> bool:
         """Save placements in flight for a next leader, retrying (Redis away) while this
         instance leads under `epoch`, the token they were sent with; False once it does
-        not (their offsets must then stay uncommitted)."""
-        while True:
+        not, or Redis says a newer token was taken (their offsets must then stay
+        uncommitted). The token is checked in Redis, with the write: this instance may not
+        know yet that it was deposed, and the next leader may have read the hash already."""
+        while epoch is not None:
             try:
-                await self._store.save(new_running)  # type: ignore[union-attr]
-                return True
+                return await self._store.save(new_running, epoch)  # type: ignore[union-attr]
             except Exception:
                 log.exception("saving %d placements in flight to Redis failed",
                               len(new_running))
-            if epoch is None or self.epoch != epoch:
+            if self.epoch != epoch:
                 return False
             await asyncio.sleep(SAVE_RETRY_S)
+        return False
 
     def _undo(self, finished: list[Pending], new_running: list[RunningPlacement],
               requeue: bool, later_term: bool = False) -> None:

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from gpusched_common import outbox
 from gpusched_common.redis_keys import (
@@ -56,6 +57,17 @@ return 0
 """
 
 
+# KEYS: epoch, running hash. ARGV: the token the placements went out with, then field,
+# value, ... Writes only while that token is still the current one; returns 1 if it wrote.
+_SAVE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for first = 2, #ARGV, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+return 1
+"""
+
+
 class LeaderLease:
     """One leader among scheduler instances: whoever holds the key leads until it stops
     renewing; each new leadership increments the fencing token."""
@@ -100,14 +112,23 @@ class RunningStore:
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
+        self._save: AsyncScript | None = None  # registered at the first save
 
-    async def save(self, placements: list[RunningPlacement]) -> None:
-        if placements:
-            await self._redis.hset(SCHEDULER_RUNNING_KEY, mapping={
-                # unset optional fields left out, as in Message.to_bytes: readable by a
-                # scheduler one release behind (which knows no `aged`)
-                p.placement_id: p.model_dump_json(exclude_none=True, exclude={"aged"})
-                for p in placements})
+    async def save(self, placements: list[RunningPlacement], epoch: int) -> bool:
+        """Save placements sent under fencing token `epoch`, if it is still the current one;
+        False if a newer leader has taken over (it may have read this hash already: written
+        now, they would be known to no leader, and their requests, committed, lost)."""
+        if not placements:
+            return True
+        fields: list[str] = []
+        for p in placements:
+            # unset optional fields left out, as in Message.to_bytes: readable by a
+            # scheduler one release behind (which knows no `aged`)
+            fields += (p.placement_id, p.model_dump_json(exclude_none=True, exclude={"aged"}))
+        if self._save is None:
+            self._save = self._redis.register_script(_SAVE)
+        return bool(await self._save(keys=[SCHEDULER_EPOCH_KEY, SCHEDULER_RUNNING_KEY],
+                                     args=[str(epoch), *fields]))
 
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:
