@@ -1258,14 +1258,9 @@ class FlakyStore:
         return True
 
 
-async def test_a_leader_deposed_unawares_saves_nothing_and_commits_nothing() -> None:
-    """Another instance took the lease (token 4) and read the hash of placements in flight
-    while this one, stalled, still thinks it leads under 3: before, its save went into the
-    hash after the next leader had read it and its offset was committed; nobody knew the
-    placement, agents refused its old token, and the request was lost."""
-    store, kafka = FlakyStore(), Commits()
-    store.up, store.token = True, 4
-
+def _saving_to(store: FlakyStore) -> SchedulingEngine:
+    """A leader under token 3 on one node, whose publishes Kafka takes at once, saving its
+    placements in flight to `store`."""
     async def send(batch):
         return asyncio.gather()
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
@@ -1273,6 +1268,17 @@ async def test_a_leader_deposed_unawares_saves_nothing_and_commits_nothing() -> 
                                            commit_interval_ms=0), store=store)
     engine.lead(3, [])
     engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    return engine
+
+
+async def test_a_leader_deposed_unawares_saves_nothing_and_commits_nothing() -> None:
+    """Another instance took the lease (token 4) and read the hash of placements in flight
+    while this one, stalled, still thinks it leads under 3: before, its save went into the
+    hash after the next leader had read it and its offset was committed; nobody knew the
+    placement, agents refused its old token, and the request was lost."""
+    store, kafka = FlakyStore(), Commits()
+    store.up, store.token = True, 4
+    engine = _saving_to(store)
     await engine.admit([request_record(topics.REQUESTS["standard"].name, 7, json.dumps(
         {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
          "max_tokens": 4}).encode())], kafka.commit)
@@ -1288,14 +1294,7 @@ async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_agai
     next leader (this instance again, here) reads the requests and places them under its
     own. Before, their offsets were committed unsaved and the requests were lost."""
     store, kafka = FlakyStore(), Commits()
-
-    async def send(batch):
-        return asyncio.gather()
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: 1000, NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           commit_interval_ms=0), store=store)
-    engine.lead(3, [])
-    engine.view.apply_node_state(node("n1", [80000]), 0, NODE_TIMEOUT_MS)
+    engine = _saving_to(store)
     standard = topics.REQUESTS["standard"].name
     record = request_record(standard, 7, json.dumps(
         {"request_id": "r1", "tenant": "acme", "model": SMALL.name, "prompt": "x",
@@ -1602,6 +1601,14 @@ async def test_filed_final_records_kafka_refused_are_published_next_cycle_not_re
     assert [(r.request_id, r.attempt) for r in one.retries()] == [("untaken", 1)]
 
 
+def inherited(rid: str, node_id: str = "n1") -> RunningPlacement:
+    """A previous leader's placement `<rid>#0` of 4,000 MiB on GPU 0 of `node_id`."""
+    return RunningPlacement(
+        placement_id=f"{rid}#0", node_id=node_id, gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=req(rid))
+
+
 async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> None:
     """Inherited from a leader that died: `ended` finished while nobody led (its final
     usage went by unmatched), `fenced` was fenced but not yet retried, `lost` was never
@@ -1609,12 +1616,9 @@ async def test_a_new_leader_settles_what_it_inherits_by_the_agents_ledger() -> N
     one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
     one.engine.view.apply_node_state(node("n1", [80000], seq=2, active=("running#0",)),
                                      one.now, NODE_TIMEOUT_MS)
-    inherited = [RunningPlacement(
-        placement_id=f"{rid}#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
-        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
-        request=req(rid)) for rid in ("ended", "fenced", "lost", "running")]
-    one.engine.lead(4, inherited, {"ended#0": "ended", "fenced#0": "fenced",
-                                   "lost#0": "untaken", "running#0": "held"})
+    one.engine.lead(4, [inherited(rid) for rid in ("ended", "fenced", "lost", "running")],
+                    {"ended#0": "ended", "fenced#0": "fenced", "lost#0": "untaken",
+                     "running#0": "held"})
     await one.engine.cycle()
     assert sorted(one.engine.running) == ["lost#0", "running#0"]
     assert sorted(one.fences.removed) == ["ended#0", "fenced#0"]
@@ -1636,11 +1640,7 @@ async def test_a_new_leader_forgets_inherited_work_whose_final_usage_it_read_as_
     good: memory reserved, in flight for its tenant's limit, a preemption victim."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, untaken_timeout_ms=30_000))
     one.engine._ended["done#0"] = None  # what `usage` notes of a final record
-    done = RunningPlacement(
-        placement_id="done#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
-        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
-        request=req("done"))
-    one.engine.lead(4, [done], {"done#0": "held"})
+    one.engine.lead(4, [inherited("done")], {"done#0": "held"})
     await one.engine.cycle()
     assert not one.engine.running and not one.engine.view.reservations
     assert one.fences.removed == ["done#0"] and not one.retries()
@@ -1651,11 +1651,7 @@ async def test_work_inherited_on_a_node_never_heard_from_is_retried_after_the_ti
     instance never hears from it, so it expects a report within the time-out, then declares
     the node lost and retries the work (n9 is never offered to the solver meanwhile)."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
-    orphan = RunningPlacement(
-        placement_id="orphan#0", node_id="n9", gpu_indices=(0,), memory_mib_per_gpu=4000,
-        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
-        request=req("orphan"))
-    one.engine.lead(4, [orphan], {"orphan#0": "held"})
+    one.engine.lead(4, [inherited("orphan", "n9")], {"orphan#0": "held"})
     await one.engine.cycle()
     assert "n9" not in one.engine.view.live_nodes(one.now, 10_000)
     one.now = 11_000
