@@ -1041,28 +1041,20 @@ class SchedulingEngine:
         for item in list(self.queue.in_order()):
             request = item.request
             limit_ms, source = self.queue_limit(request)
-            if not item.never_placed or not _past(limit_ms, request, now_ms):
+            if item.placed_once or not _past(limit_ms, request, now_ms):
                 continue
             waited_ms = now_ms - request.created_at_ms
-            out.append(self._end_unrun(
-                item, "expired", status_code=503, code="queue_time_exceeded",
-                reason=f"request {request.request_id} waited {_duration(waited_ms)} for a GPU "
-                f"in the {request.priority_class} queue, past its limit of "
-                f"{_duration(limit_ms)} ({source}); it ends unrun: send it again later"))
+            self.queue.remove(item)
+            self._refund(item)
+            self._metrics.rejected.labels("expired").inc()
+            out.append((item, Outgoing(Rejection(
+                request_id=request.request_id, tenant=request.tenant, status_code=503,
+                code="queue_time_exceeded", reason=f"request {request.request_id} waited "
+                f"{_duration(waited_ms)} for a GPU in the {request.priority_class} queue, past "
+                f"its limit of {_duration(limit_ms)} ({source}); it ends unrun: send it again "
+                "later"),
+                topics.RESULTS.name, request.request_id, item.trace_carrier)))
         return out
-
-    def _end_unrun(self, item: Pending, why: str, status_code: int, code: str, reason: str,
-                   retry_after_s: int | None = None) -> tuple[Pending, Outgoing]:
-        """Take waiting work out of the queue to end it unrun: its quota charge is given back
-        and it is counted as rejected for `why`; returns it with its rejection to publish."""
-        request = item.request
-        self.queue.remove(item)
-        self._refund(item)
-        self._metrics.rejected.labels(why).inc()
-        return item, Outgoing(Rejection(
-            request_id=request.request_id, tenant=request.tenant, status_code=status_code,
-            code=code, reason=reason, retry_after_s=retry_after_s),
-            topics.RESULTS.name, request.request_id, item.trace_carrier)
 
     def _refund(self, item: Pending) -> None:
         """Give back the quota charge of work that ends unrun, if its admission took one."""
@@ -1131,6 +1123,8 @@ class SchedulingEngine:
     def _in_transit(self, tenant: str, now_ms: int) -> int:
         """Requests of `tenant` retried by this instance and not read back yet (one not read
         within RETRY_IN_TRANSIT_MS is no longer counted: it went to another leader)."""
+        if not self._retried:  # the common case: nothing to prune on each admission
+            return 0
         self._retried = {rid: (t, at) for rid, (t, at) in self._retried.items()
                          if now_ms - at < RETRY_IN_TRANSIT_MS}
         return sum(1 for t, _ in self._retried.values() if t == tenant)

@@ -250,7 +250,7 @@ def billed(row: UsageRow, spans: tuple[list[int], list[int]]) -> Billed:
     positions are in `spans` (updated here): a request started over after its node died
     bills its prompt, and each completion position, once."""
     if row.prompt_from < 0:
-        return Billed(row.prompt_tokens, row.completion_tokens, row.cost_nusd)
+        return bill_of(row, row.prompt_tokens, row.completion_tokens)
     prompt, completion = spans
     return bill_of(row, take(prompt, row.prompt_from, row.prompt_tokens),
                    take(completion, row.completion_from, row.completion_tokens))

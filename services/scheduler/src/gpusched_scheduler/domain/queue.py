@@ -33,12 +33,6 @@ class Pending:
     again at every hand-back."""
 
     @property
-    def never_placed(self) -> bool:
-        """No placement of its request ever went out: nothing of it ran or was billed (a
-        later attempt's earlier ones were placed; one sent in a cycle undone may run)."""
-        return self.request.attempt == 0 and not self.placed_once
-
-    @property
     def aging_from_ms(self) -> int:
         return self.enqueued_ms if self.waiting_since_ms is None else self.waiting_since_ms
 
