@@ -82,8 +82,9 @@ def test_promtool_accepts_every_dashboard_query(promtool: str, tmp_path: Path) -
 
 
 def _served_series() -> set[tuple[str, frozenset]]:
-    """(sample name, labels) of every gpusched series the four services serve at start,
-    their apps built in-process (Redis and Kafka unreachable: nothing is started)."""
+    """(sample name, labels) of every gpusched series the services serve at start, their
+    apps built in-process (Redis and Kafka unreachable: nothing is started); two agents, as
+    only one fronting an engine counts its refusals."""
     import asyncio
 
     import httpx
@@ -103,7 +104,10 @@ def _served_series() -> set[tuple[str, frozenset]]:
               "redis": RedisSettings(url="redis://127.0.0.1:1/0")}
     apps = [router(RouterSettings(**common)), scheduler(SchedulerSettings(**common)),
             accounting(AccountingSettings(**common)),
-            agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="n"))]
+            agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="n")),
+            # an engine's agent: it alone serves the engine refusal counts
+            agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="e",
+                                executor="openai", openai_base_url="http://127.0.0.1:1"))]
 
     async def scrape() -> set[tuple[str, frozenset]]:
         series = set()

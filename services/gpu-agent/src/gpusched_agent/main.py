@@ -140,11 +140,18 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
+    served = settings.served_models(catalog)
+    if settings.executor == "openai":  # the one executor whose engine refuses requests
+        from gpusched_agent.adapters.openai_executor import REFUSED
+
+        for model_name in served or catalog.names:  # at 0, for the alert's increase()
+            for status in sorted(REFUSED):
+                refusals.labels(model_name, str(status))
     runtime = AgentRuntime(
         settings.node_id, node, catalog, executor, publish,
         RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,
         heartbeat_s=settings.heartbeat_s, usage_interval_s=settings.usage_interval_s,
-        read_inventory=read_inventory, models=settings.served_models(catalog),
+        read_inventory=read_inventory, models=served,
         refused=lambda model, status: refusals.labels(model, str(status)).inc())
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
