@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpusched_agent.adapters.executor import PromptTokens
+from gpusched_agent.adapters.executor import ExecutorUnavailable, PromptTokens
 from gpusched_agent.adapters.ledger import MemoryLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_agent.domain.inventory import parse_simulated
@@ -23,6 +25,7 @@ from gpusched_common.contracts import (
     MAX_USAGE_GPU_SECONDS,
     Cancel,
     InferenceRequest,
+    LoadFailure,
     Message,
     NodeState,
     Placement,
@@ -49,13 +52,15 @@ class Sink:
 
 def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | None = None,
          spec: str = "2xH100-80GB", ledger: MemoryLedger | None = None, now_ms: int = 1_000,
-         sink: Sink | None = None) -> tuple[AgentRuntime, Sink, MemoryLedger]:
-    """A runtime started at `now_ms` (its run id); pass `ledger` to restart on one."""
+         sink: Sink | None = None, clock: Callable[[], int] | None = None, **options: Any
+         ) -> tuple[AgentRuntime, Sink, MemoryLedger]:
+    """A runtime started at `now_ms` (its run id; the time throughout, unless `clock`
+    says otherwise); pass `ledger` to restart on one, `options` to set AgentRuntime's."""
     sink, ledger = sink or Sink(), ledger or MemoryLedger(epoch)
     runtime = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated(spec, "n1")),
                            CATALOG, SimulatedExecutor(time_scale, seed=7), sink, ledger,
-                           lambda: now_ms, chunk_tokens=4, heartbeat_s=1.0,
-                           usage_interval_s=usage_interval_s)
+                           clock or (lambda: now_ms), chunk_tokens=4, heartbeat_s=1.0,
+                           usage_interval_s=usage_interval_s, **options)
     return runtime, sink, ledger
 
 
@@ -891,6 +896,60 @@ async def test_a_model_that_failed_to_load_is_not_reported_loaded_and_its_work_g
     state = runtime.node.state("n1", 2, 0, 0)
     assert [g.loaded_models for g in state.gpus] == [(), ()]
     assert [g.memory_free_mib for g in state.gpus] == free_mib
+
+
+async def test_a_model_that_failed_to_load_is_reported_until_its_cooldown_ends_or_it_loads(
+) -> None:
+    """A node that could not load a model (a corrupt file there) got its work again and
+    again, each time using up one of the request's refusals: after the fifth it failed,
+    while other nodes served the model. The node now reports the model, with the end of its
+    cooldown, before the requests that waited for the load go back, so the scheduler sends
+    them elsewhere; the report drops it once the cooldown ends, or once a load succeeds."""
+    now, failed = [1_000], []
+    runtime, sink, _ = make(clock=lambda: now[0], load_failure_cooldown_s=60.0,
+                            load_failed=failed.append)
+    runtime.executor = LoadsNothing(0.01, seed=7)
+    await runtime.command(placement("a"))
+    await runtime.command(placement("b"))  # waits for the same load
+    await settle(runtime)
+    assert failed == [MODEL]  # once per load, not per waiter
+    cooling = (LoadFailure(model=MODEL, until_ms=61_000),)
+    [(at, reported)] = [(i, m) for i, (m, _, _) in enumerate(sink.sent)
+                        if isinstance(m, NodeState)]
+    assert reported.load_failures == cooling
+    assert all(i > at for i, (m, _, _) in enumerate(sink.sent)
+               if isinstance(m, InferenceRequest))  # the hand-backs come after it
+    now[0] = 60_999
+    assert runtime.node_state().load_failures == cooling
+    now[0] = 61_000
+    assert runtime.node_state().load_failures is None
+    assert b"load_failures" not in runtime.node_state().to_bytes()
+
+    await runtime.command(placement("c"))  # fails again: a new cooldown
+    await settle(runtime)
+    assert runtime.node_state().load_failures == (LoadFailure(model=MODEL, until_ms=121_000),)
+    runtime.executor = SimulatedExecutor(0.01, seed=7)  # the file was fixed
+    await runtime.command(placement("d"))  # placed before the scheduler knew
+    await settle(runtime)
+    assert [r.status for r in sink.of(RequestResult)] == ["completed"]
+    assert runtime.node_state().load_failures is None and failed == [MODEL, MODEL]
+
+
+async def test_a_load_that_fails_as_its_engine_goes_down_starts_no_cooldown() -> None:
+    """The node takes no work at all while its engine is down; once it is back, the model
+    is placed here again at once."""
+    class Down(SimulatedExecutor):
+        async def load(self, model, gpu_index: int) -> None:  # noqa: ANN001
+            raise ExecutorUnavailable("connection refused")
+
+    failed: list[str] = []
+    runtime, sink, _ = make(load_failed=failed.append)
+    runtime.executor = Down(0.01, seed=7)
+    await runtime.command(placement("a"))
+    await settle(runtime)
+    [again] = sink.of(InferenceRequest)
+    assert again.requeued == "node_lost" and runtime.node.down is not None
+    assert runtime.node_state().load_failures is None and not failed
 
 
 async def test_a_load_that_fails_after_its_request_was_cancelled_is_not_reported_loaded(

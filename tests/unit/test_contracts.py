@@ -11,6 +11,8 @@ from gpusched_common.contracts import (
     REQUEST,
     RESULT_EVENT,
     InferenceRequest,
+    LoadFailure,
+    NodeState,
     Placement,
     Rejection,
     TokenChunk,
@@ -120,6 +122,21 @@ def test_a_reader_one_release_behind_takes_records_that_use_no_newer_field() -> 
     with_stop = plain.model_copy(update={"stop": ["\n"]})
     with pytest.raises(ValidationError, match="stop"):  # the new feature needs the new reader
         OlderRequest.model_validate_json(with_stop.to_bytes())
+
+
+def test_node_states_without_load_failures_read_and_write_as_a_release_before() -> None:
+    """An agent a release behind reports no `load_failures`: its node takes every model it
+    runs. An agent that has none leaves the field out, so a scheduler a release behind
+    (which refuses fields it does not know) still reads its reports; one with a failure
+    carries each model with the end of its cooldown on the agent's clock."""
+    old = json.dumps({"type": "node_state", "version": 1, "node_id": "n1", "seq": 3,
+                      "started_at_ms": 1, "reported_at_ms": 2, "gpus": []}).encode()
+    state = NodeState.model_validate_json(old)
+    assert state.load_failures is None
+    assert b"load_failures" not in state.to_bytes()
+    failed = state.model_copy(update={"load_failures": (
+        LoadFailure(model="qwen2.5-1.5b", until_ms=60_002),)})
+    assert NodeState.model_validate_json(failed.to_bytes()) == failed
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe"])

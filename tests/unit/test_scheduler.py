@@ -28,6 +28,7 @@ from gpusched_common.contracts import (
     Cancel,
     GpuState,
     InferenceRequest,
+    LoadFailure,
     NodeState,
     Placement,
     Rejection,
@@ -722,6 +723,52 @@ def test_work_waiting_for_room_to_free_up_still_holds_back_the_classes_below() -
                              max_tokens=4, created_at_ms=0)
     decisions = plan(view, [gang, small])
     assert not decisions.placed and len(decisions.waiting) == 2
+
+
+@pytest.mark.parametrize("fleet", ["other-node", "only-node"])
+async def test_a_model_whose_load_failed_on_a_node_goes_elsewhere_or_waits_its_cooldown(
+        fleet) -> None:
+    """A node that could not load a model (a corrupt file there) got its work again and
+    again, as its report showed nothing: each attempt used up one of the request's
+    refusals, and after the fifth it failed while other nodes served the model. While the
+    node's cooldown lasts its work goes to another node; where none other serves the model
+    it waits (no 422: the node serves it again soon), then goes to the node. The end is on
+    the agent's clock, an hour ahead of the scheduler's here: it is judged by the time left
+    of it when reported."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    agent_ms = 3_600_000 + now[0]
+    a = node("a", [80000], models=(SMALL.name,))  # loaded there: preferred, but for the failure
+    engine.view.apply_node_state(a.model_copy(update={
+        "reported_at_ms": agent_ms,
+        "load_failures": (LoadFailure(model=SMALL.name, until_ms=agent_ms + 60_000),)}),
+        now[0], NODE_TIMEOUT_MS)
+    if fleet == "other-node":
+        engine.view.apply_node_state(node("b", [80000]), now[0], NODE_TIMEOUT_MS)
+    await engine.admit([request_record(topics.REQUESTS["interactive"].name, 0, json.dumps({
+        "request_id": "r", "tenant": "acme", "model": SMALL.name, "prompt": "hi",
+        "max_tokens": 4, "priority_class": "interactive", "created_at_ms": now[0]}).encode()),
+        request_record(topics.REQUESTS["batch"].name, 0, json.dumps({
+            "request_id": "m", "tenant": "acme", "model": "mistral-7b", "prompt": "hi",
+            "max_tokens": 4, "priority_class": "batch", "created_at_ms": now[0]}).encode())])
+
+    def placed() -> list[tuple[str, str]]:
+        return sorted((p.request.request_id, p.node_id) for p in
+                      map(PLACEMENT.validate_json, sent.get(topics.PLACEMENTS.name, [])))
+
+    await engine.cycle()
+    if fleet == "other-node":
+        assert placed() == [("m", "a"), ("r", "b")]
+        return
+    # it waits, without holding back the class below (nothing it could take frees up)
+    assert placed() == [("m", "a")] and topics.RESULTS.name not in sent
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["r"]
+    now[0] += 59_999
+    await engine.cycle()
+    assert placed() == [("m", "a")] and topics.RESULTS.name not in sent
+    now[0] += 1
+    await engine.cycle()
+    assert placed() == [("m", "a"), ("r", "a")]
 
 
 @pytest.mark.parametrize("declared_lost", [True, False], ids=["lost", "alive-in-redis"])

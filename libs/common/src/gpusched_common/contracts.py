@@ -279,6 +279,15 @@ class GpuState(BaseModel):
     unhealthy_reason: str | None = None
 
 
+class LoadFailure(BaseModel):
+    """A model whose load failed on a node lately, and until when the node asks not to get
+    its work (its agent's clock, as `NodeState.reported_at_ms`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: Name
+    until_ms: int
+
+
 class NodeState(Message):
     """The full state of one node; compacted topic keyed by node id, so the latest wins.
 
@@ -300,6 +309,11 @@ class NodeState(Message):
     models: tuple[Name, ...] | None = Field(
         default=None, max_length=4096, description="The catalog models this node can run "
         "(its inference server serves only some); unset: every catalog model.")
+    load_failures: tuple[LoadFailure, ...] | None = Field(
+        default=None, max_length=4096, description="Models whose load failed on this node "
+        "lately (a corrupt file, memory another process holds): the scheduler places none "
+        "of them here until `until_ms`, as if the node were busy, and still counts it as "
+        "serving them (no request is rejected for it). Unset when there are none.")
 
 
 class Placement(Message):

@@ -137,6 +137,11 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         "invalid (answered to the client with the engine's 4xx), by model and status: a "
         "steady rate on one node says its engine's limits are below config/models.yaml's.",
         ["model", "status"], registry=registry)
+    load_failures = Counter(
+        "gpusched_agent_load_failures_total", "Model loads that failed on this node with its "
+        "engine up (a corrupt file, memory another process holds, a driver fault), by model: "
+        "after each, the node takes no work of that model for GPUSCHED_LOAD_FAILURE_COOLDOWN_S.",
+        ["model"], registry=registry)
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
@@ -152,7 +157,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,
         heartbeat_s=settings.heartbeat_s, usage_interval_s=settings.usage_interval_s,
         read_inventory=read_inventory, models=served,
-        refused=lambda model, status: refusals.labels(model, str(status)).inc())
+        refused=lambda model, status: refusals.labels(model, str(status)).inc(),
+        load_failure_cooldown_s=settings.load_failure_cooldown_s,
+        load_failed=lambda model: load_failures.labels(model).inc())
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)
@@ -187,8 +194,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
 
     @get_and_head(app, "/v1/node")
     async def node_state() -> dict:
-        return runtime.node.state(settings.node_id, 0, 0, clock(), runtime.status,
-                                  executor.name, runtime.served_models()).model_dump()
+        return runtime.node_state().model_dump()
 
     app.state.runtime = runtime
     return app

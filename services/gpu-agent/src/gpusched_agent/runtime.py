@@ -44,7 +44,9 @@ from gpusched_common.contracts import (
     PLACEMENT,
     Cancel,
     InferenceRequest,
+    LoadFailure,
     Message,
+    NodeState,
     Placement,
     Preempt,
     RequestResult,
@@ -157,7 +159,9 @@ class AgentRuntime:
                  usage_interval_s: float = 5.0, read_inventory: ReadInventory | None = None,
                  monotonic: Callable[[], float] = time.monotonic,
                  models: tuple[str, ...] | None = None,
-                 refused: Callable[[str, int], None] = lambda model, status: None) -> None:
+                 refused: Callable[[str, int], None] = lambda model, status: None,
+                 load_failure_cooldown_s: float = 60.0,
+                 load_failed: Callable[[str], None] = lambda model: None) -> None:
         self.node_id = node_id
         self.node = node
         self.catalog = catalog
@@ -168,6 +172,12 @@ class AgentRuntime:
         """Told (model, status code) of each request the engine refused as invalid: its
         client gets the 4xx, and operators a count, since a steady rate on one node says its
         engine's limits are below the catalog's (its --max-model-len, say)."""
+        self._load_failure_cooldown_ms = round(load_failure_cooldown_s * 1000)
+        self._load_failed = load_failed
+        """Told the model of each load that failed here with the engine up (`_cool_down`)."""
+        self._cooling: dict[str, int] = {}
+        """Model -> until when (`clock`, ms) the node asks not to get its work: its load
+        failed here lately (`load_failures`)."""
         self._unmatched: frozenset[str] | None = None
         """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
@@ -349,10 +359,23 @@ class AgentRuntime:
             return None
         return served
 
+    def load_failures(self) -> tuple[LoadFailure, ...] | None:
+        """The models whose load failed here within the cooldown, each with its end, which
+        the node reports (None: none)."""
+        now_ms = self._clock()
+        self._cooling = {m: until for m, until in self._cooling.items() if until > now_ms}
+        return tuple(LoadFailure(model=m, until_ms=until)
+                     for m, until in sorted(self._cooling.items())) or None
+
+    def node_state(self, seq: int = 0) -> NodeState:
+        """This node's state as reported (`report`; /v1/node shows it with no seq)."""
+        return self.node.state(self.node_id, seq, self._started_at_ms, self._clock(),
+                               self.status, self.executor.name, self.served_models(),
+                               self.load_failures())
+
     async def report(self) -> None:
         self._seq += 1
-        state = self.node.state(self.node_id, self._seq, self._started_at_ms, self._clock(),
-                                self.status, self.executor.name, self.served_models())
+        state = self.node_state(self._seq)
         sent = self._mono()
         await self._publish(state, topics.NODE_STATE.name, self.node_id)
         self._heard_at = max(self._heard_at, sent)
@@ -457,8 +480,8 @@ class AgentRuntime:
         await self._report_if_kafka_takes_it()
 
     async def _report_if_kafka_takes_it(self) -> None:
-        """A report the drain goes on without: Kafka away must not keep the work running
-        here from being handed back."""
+        """A report the drain, or a failed load, goes on without: Kafka away must not keep
+        the work here from being handed back (the heartbeat tries again)."""
         try:
             await self.report()
         except Exception:
@@ -584,8 +607,9 @@ class AgentRuntime:
                                   before: asyncio.Task[None] | None) -> None:
         """A failed load raises _LoadFailed: the model's weights then no longer count on
         `gpus` where nothing runs on them, and each placement that waited for them forgets
-        them as it ends (`_execute`), so the node does not report them loaded. Any failure
-        is logged here (its waiters may all have been stopped)."""
+        them as it ends (`_execute`), so the node does not report them loaded; with the
+        engine up, the model's cooldown on this node starts first (`_cool_down`). Any
+        failure is logged here (its waiters may all have been stopped)."""
         gpu, at_load = gpus[0], False
         if before is not None and not before.done():  # one load of a model on a GPU at once
             await asyncio.wait([before])
@@ -604,6 +628,8 @@ class AgentRuntime:
             if load:
                 at_load = True
                 await self.executor.load(model, gpu)
+                if self._cooling.pop(model.name, None) is not None:
+                    self._dirty.set()  # the scheduler may place it here again
         except Exception as exc:
             log.error("%s %s on GPU %d failed", "loading" if at_load else "making room for",
                       model.name, gpu, exc_info=True)
@@ -611,7 +637,20 @@ class AgentRuntime:
                 raise
             if self.node.forget_weights(model.name, gpus):
                 self._dirty.set()
+            if not isinstance(exc, ExecutorUnavailable):  # else the node takes no work at all
+                await self._cool_down(model.name)
             raise _LoadFailed(f"loading {model.name} on GPU {gpu} failed: {exc}") from exc
+
+    async def _cool_down(self, model: str) -> None:
+        """Loading `model` failed here with the engine up (a corrupt file on this node,
+        memory another process holds, a driver fault), and would likely fail again: for the
+        cooldown the node asks the scheduler not to place it here. Reported before the
+        placements that waited for the load hand their requests back, so that their next
+        attempts go to other nodes, or wait, instead of using up their refusals here. A load
+        of it here that succeeds (placed before the scheduler knew) ends it."""
+        self._load_failed(model)
+        self._cooling[model] = self._clock() + self._load_failure_cooldown_ms
+        await self._report_if_kafka_takes_it()
 
     async def _execute(self, run: _Running, load: asyncio.Task[None] | None,
                        model: ModelSpec) -> None:

@@ -50,6 +50,10 @@ class AgentSettings(ServiceSettings):
     usage_interval_s: float = Field(
         default=5.0, gt=0, le=3600, description="Partial usage records of a running request "
         "at most this far apart (a crash loses at most one interval of billing).")
+    load_failure_cooldown_s: float = Field(
+        default=60.0, ge=0, le=86400, description="A model whose load failed on this node "
+        "(its engine up) is not placed here again for this long, unless a load of it here "
+        "succeeds first; its work goes to other nodes, or waits (0: placed again at once).")
     drain_timeout_s: float = Field(
         default=20.0, ge=0, le=3600, description="On SIGTERM, running requests get this long "
         "to finish before they are handed back to the scheduler.")

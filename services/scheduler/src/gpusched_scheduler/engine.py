@@ -711,7 +711,7 @@ class SchedulingEngine:
             return 0
         started = time.perf_counter()
         live = self.view.live_nodes(now, cfg.node_timeout_ms)
-        snap = snapshot(self.view, live, self._node_specs)
+        snap = snapshot(self.view, live, self._node_specs, now_ms=now, catalog=self.catalog)
         if snap.crowded != self._crowded:
             self._crowded = snap.crowded
             if snap.crowded:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from gpusched_agent.domain.gpu_share import ShareMeter
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_common.catalog import SHARD_MARK, ModelSpec, weights_name
-from gpusched_common.contracts import GpuState, NodeState, Placement
+from gpusched_common.contracts import GpuState, LoadFailure, NodeState, Placement
 
 GANG_MARK = "@"
 """Joins a gang's shard name and its GPUs in `held_weights`."""
@@ -182,11 +182,13 @@ class NodeModel:
 
     def state(self, node_id: str, seq: int, started_at_ms: int, now_ms: int,
               status: str = "ready", executor: str | None = None,
-              models: tuple[str, ...] | None = None) -> NodeState:
+              models: tuple[str, ...] | None = None,
+              load_failures: tuple[LoadFailure, ...] | None = None) -> NodeState:
         return NodeState(
             node_id=node_id, status=status, seq=seq, started_at_ms=started_at_ms,  # type: ignore[arg-type]
             reported_at_ms=now_ms, driver_version=self.driver_version,
             cuda_version=self.cuda_version, executor=executor, models=models,
+            load_failures=load_failures,
             gpus=tuple(
                 GpuState(index=s.info.index, uuid=s.info.uuid, gpu_type=s.info.gpu_type,
                          # what gpusched may ever use: the scheduler rejects, or waits

@@ -131,6 +131,20 @@ class ClusterView:
             del self._by_node[r.node_id][placement_id]
             self._bump(r.node_id)
 
+    def load_failed(self, node_id: str, now_ms: int) -> frozenset[str]:
+        """The models whose load failed on the node lately that it asks not to get at
+        `now_ms` (`NodeState.load_failures`). Each end is on the agent's clock, so it is
+        compared only with that clock's `reported_at_ms`, as other agent times are: what was
+        left of it then runs from when this instance took the report (`last_seen_ms`), late
+        by the report's transit at most. Compared with this instance's clock, a node whose
+        clock is ahead would have kept the model out for as much longer."""
+        state = self.nodes.get(node_id)
+        if state is None or not state.load_failures:
+            return frozenset()
+        taken_ms = self.last_seen_ms.get(node_id, now_ms)
+        return frozenset(f.model for f in state.load_failures
+                         if taken_ms + f.until_ms - state.reported_at_ms > now_ms)
+
     def live_nodes(self, now_ms: int, node_timeout_ms: int) -> set[str]:
         return {n for n, seen in self.last_seen_ms.items() if now_ms - seen <= node_timeout_ms
                 and (state := self.nodes.get(n)) is not None and state.status != "stopped"}

@@ -83,46 +83,59 @@ class Snapshot:
     solver type than its 64-bit type mask holds (`MAX_GPU_TYPES`)."""
 
 
+SpecKey = tuple[int, frozenset[str]]
+"""What a node's spec is built from: the view's version of the node, and the models whose
+load failed there that it asks not to get now (`ClusterView.load_failed`)."""
+
+
 class NodeSpecCache:
-    """The last snapshot and each node's spec (and idle memory) with the view's version of
-    that node it was built from. Between two cycles most nodes keep their GPUs and
-    reservations: their specs are reused, and only the GPUs whose spec changed are rewritten
-    in the solver arrays."""
+    """The last snapshot and each node's spec (and idle memory) with what it was built from
+    (`SpecKey`). Between two cycles most nodes keep their GPUs and reservations: their specs
+    are reused, and only the GPUs whose spec changed are rewritten in the solver arrays."""
 
     def __init__(self) -> None:
-        self.specs: dict[str, tuple[int, NodeSpec, Evictable]] = {}
+        self.specs: dict[str, tuple[SpecKey, NodeSpec, Evictable]] = {}
         self.last: Snapshot | None = None
 
 
-def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = None
-             ) -> Snapshot:
+def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = None, *,
+             now_ms: int | None = None, catalog: ModelCatalog | None = None) -> Snapshot:
     """Ready, live nodes with every GPU (unhealthy ones marked, so indices stay the node's
     own); free memory is net of reservations the agents have not reported yet. With a
     cache, a node whose GPUs and reservations did not change since the last call keeps its
-    spec, and the last snapshot's arrays are copied with only the changed GPUs rewritten."""
+    spec, and the last snapshot's arrays are copied with only the changed GPUs rewritten.
+
+    At `now_ms` (None: load failures are not looked at), a node takes no work of the
+    models whose load failed there lately (`ClusterView.load_failed`): its GPUs are typed
+    as running the others (of the `catalog`, where it names none), so that work goes to
+    other nodes or waits, as it does for a node that is away, until the node's cooldown
+    ends. `fleet_gpu_mib`, which decides what is rejected, still counts the node as
+    running them: a cooldown never makes a request unschedulable."""
     nodes = view.nodes
     specs: list[NodeSpec] = []
-    kept: dict[str, tuple[int, NodeSpec, Evictable]] = {}
+    kept: dict[str, tuple[SpecKey, NodeSpec, Evictable]] = {}
     evictable: dict[str, Evictable] = {}
     # node index -> (its new spec, the spec the last snapshot was built from)
     changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
     types: set[str] = set()
     crowded: list[str] = []
     for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
-        version = view.version.get(node_id, 0)
+        key = (view.version.get(node_id, 0),
+               frozenset() if now_ms is None else view.load_failed(node_id, now_ms))
         hit = cache.specs.get(node_id) if cache is not None else None
-        if hit is not None and hit[0] == version:
+        if hit is not None and hit[0] == key:
             _, spec, idle = hit
         else:
-            spec, idle = _node_spec(view, node_id)
+            spec, idle = _node_spec(view, node_id, _taking(nodes[node_id].models, key[1],
+                                                           catalog))
         new = {g.type_name for g in spec.gpus} - types  # not a copy of `types` per node
         if len(types) + len(new) > MAX_GPU_TYPES:
             crowded.append(node_id)
             continue
         types |= new
-        if hit is None or hit[0] != version:
+        if hit is None or hit[0] != key:
             changed[len(specs)] = (spec, hit[1] if hit is not None else None)
-        kept[node_id] = (version, spec, idle)
+        kept[node_id] = (key, spec, idle)
         specs.append(spec)
         if idle:
             evictable[node_id] = idle
@@ -141,14 +154,27 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     return cache.last
 
 
-def _node_spec(view: ClusterView, node_id: str) -> tuple[NodeSpec, Evictable]:
-    """The node's solver spec (free memory net of reservations the agent has not reported;
-    models those placements load count as loaded), and what unloading its idle models would
-    free per GPU, net of the same reservations (they may rely on it). A GPU where such a
+def _taking(models: Collection[str] | None, failed: frozenset[str],
+            catalog: ModelCatalog | None) -> Collection[str] | None:
+    """The models a node that runs `models` (None: every one of the `catalog`) takes work
+    of now: all but those whose load `failed` there lately."""
+    if not failed:
+        return models
+    if models is None:
+        assert catalog is not None, "a node running every model needs the catalog"
+        models = catalog.names
+    return frozenset(models) - failed
+
+
+def _node_spec(view: ClusterView, node_id: str, models: Collection[str] | None
+               ) -> tuple[NodeSpec, Evictable]:
+    """The node's solver spec, its GPUs typed as running `models` (None: every one; see
+    `_taking`), with free memory net of reservations the agent has not reported (models
+    those placements load count as loaded), and what unloading its idle models would free
+    per GPU, net of the same reservations (they may rely on it). A GPU where such a
     placement uses one of its idle models has none (that model is busy)."""
     reserved, loading = view.node_reservations(node_id)
     gpus = sorted(view.nodes[node_id].gpus, key=lambda g: g.index)
-    models = view.nodes[node_id].models
     spec = NodeSpec(node_id, NODE_CAPACITY, NODE_CAPACITY, tuple(
         GpuSpec(_solver_type(g.gpu_type, models), 1000 - min(999, g.running_requests),
                 max(0, g.memory_free_mib - reserved.get(g.index, 0)), g.memory_total_mib,
@@ -159,14 +185,14 @@ def _node_spec(view: ClusterView, node_id: str) -> tuple[NodeSpec, Evictable]:
     for g in gpus:
         if not g.idle_models or g.kv_cache_free_mib is None:
             continue
-        models = frozenset(g.idle_models)
-        if models & loading.get(g.index, set()):
+        unused = frozenset(g.idle_models)
+        if unused & loading.get(g.index, set()):
             continue
         free = g.memory_free_mib - reserved.get(g.index, 0)
         # the spec's free memory is max(0, free); with the idle models unloaded, free + theirs
         gain = free + (g.kv_cache_free_mib - g.memory_free_mib) - max(0, free)
         if gain > 0:
-            idle.append((g.index, gain, models))
+            idle.append((g.index, gain, unused))
     return spec, tuple(idle)
 
 
