@@ -146,10 +146,11 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
     served = settings.served_models(catalog)
-    if settings.executor == "openai":  # the one executor whose engine refuses requests
-        from gpusched_agent.adapters.openai_executor import REFUSED
+    for model_name in served or catalog.names:  # at 0, for the alerts' increase()
+        load_failures.labels(model_name)
+        if settings.executor == "openai":  # the one executor whose engine refuses requests
+            from gpusched_agent.adapters.openai_executor import REFUSED
 
-        for model_name in served or catalog.names:  # at 0, for the alert's increase()
             for status in sorted(REFUSED):
                 refusals.labels(model_name, str(status))
     runtime = AgentRuntime(
