@@ -332,7 +332,7 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
         # judged by the node that claimed it: still held there, not ended
         elsewhere = RunningPlacement(
             placement_id=running.placement_id, node_id="another-node", gpu_indices=(0,),
-            memory_mib_per_gpu=1, kv_cache_mib=1, borrowed=False, estimate_gpu_s=1.0,
+            memory_mib_per_gpu=1, kv_cache_mib=1, estimate_gpu_s=1.0,
             placed_at_ms=0, request=running.request)
         assert await store.claims([elsewhere]) == {running.placement_id: "held"}
     finally:

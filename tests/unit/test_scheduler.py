@@ -79,12 +79,13 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
 
 def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
          running: list | None = None, may_preempt: dict | None = None,
-         reclaiming: tuple[str, ...] = ()):
+         reclaiming: tuple[str, ...] = (), borrowed: tuple[str, ...] = ()):
     items = [Pending(r, {}, 0) for r in requests]
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view), reclaiming=reclaiming)
+                      fleet=lambda: fleet_gpu_mib(view), reclaiming=reclaiming,
+                      borrowed=borrowed)
 
 
 def req(rid: str, cls: str = "standard", model: str = "qwen2.5-1.5b", tenant: str = "acme",
@@ -341,7 +342,7 @@ def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
-                                kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=False,
+                                kv_cache_mib=SMALL.kv_cache_mib(8100),
                                 estimate_gpu_s=1.0, placed_at_ms=at,
                                 request=req(f"b{i}", "batch", max_tokens=8000))
                for i, at in enumerate((0, 9_000))]
@@ -360,15 +361,16 @@ def test_borrowed_work_is_no_victim_of_its_own_tenant() -> None:
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     borrowed = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                  memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
-                                 kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
+                                 kv_cache_mib=SMALL.kv_cache_mib(8100),
                                  estimate_gpu_s=1.0, placed_at_ms=0,
                                  request=req(f"u{i}", "interactive", tenant="umbrella",
                                              max_tokens=8000)) for i in range(2)]
+    ids = ("v0", "v1")
     own = plan(view, [req("p", "interactive", tenant="umbrella", max_tokens=100)],
-               now=10_000, running=borrowed, may_preempt={"p": 1})
+               now=10_000, running=borrowed, may_preempt={"p": 1}, borrowed=ids)
     assert not own.preemptions and not own.placed
     other = plan(view, [req("p", "interactive", tenant="acme", max_tokens=100)],
-                 now=10_000, running=borrowed, may_preempt={"p": 1})
+                 now=10_000, running=borrowed, may_preempt={"p": 1}, borrowed=ids)
     assert len(other.preemptions) == 1
 
 
@@ -400,28 +402,40 @@ def test_a_tokens_per_minute_refusal_says_when_enough_admissions_have_left_the_w
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "remove", "requeue"]), st.integers(0, 7),
                           st.sampled_from(["acme", "globex", "initech"]),
-                          st.integers(1, 4), st.integers(100, 9000)), max_size=40))
+                          st.integers(1, 4), st.integers(100, 9000), st.integers(0, 2)),
+                max_size=40))
 def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) -> None:
+    """What each tenant holds, runs, waits for and has borrowed, kept as placements come
+    and go, against a recount (borrowed: oldest first up to the guarantee are inside)."""
     running, queue = RunningSet(), PendingQueue()
     waiting: dict[int, Pending] = {}
-    for op, i, tenant, gpus, mib in ops:
+    guarantees = {"acme": None, "globex": 9000, "initech": 0}
+    for op, i, tenant, gpus, mib, placed_at_ms in ops:
         pid = f"p{i}"
         if op == "add":  # a new placement, or one replacing the same id
             running[pid] = RunningPlacement(
                 placement_id=pid, node_id="n", gpu_indices=tuple(range(gpus)),
-                memory_mib_per_gpu=mib, kv_cache_mib=mib, borrowed=False, estimate_gpu_s=1.0,
-                placed_at_ms=0, request=req(pid, tenant=tenant))
+                memory_mib_per_gpu=mib, kv_cache_mib=mib, estimate_gpu_s=1.0,
+                placed_at_ms=placed_at_ms, request=req(pid, tenant=tenant))
         elif op == "remove":
             running.pop(pid, None)
             if i in waiting:
                 queue.remove(waiting.pop(i))
         elif queue.push(item := Pending(req(pid, tenant=tenant), {}, 0)):
             waiting[i] = item
-        for t in ("acme", "globex", "initech"):
+        borrowed: set[str] = set()
+        for t, guarantee in guarantees.items():
             assert running.memory_mib(t) == sum(r.memory_mib_per_gpu * len(r.gpu_indices)
                                                 for r in running.values() if r.tenant == t)
             assert running.count(t) == sum(r.tenant == t for r in running.values())
             assert queue.by_tenant[t] == sum(p.request.tenant == t for p in queue.in_order())
+            held = 0
+            for r in sorted((r for r in running.values() if r.tenant == t),
+                            key=lambda r: (r.placed_at_ms, r.placement_id)):
+                held += r.memory_mib
+                if guarantee is not None and held > guarantee:
+                    borrowed.add(r.placement_id)
+        assert running.borrowed(guarantees.get) == borrowed
 
 
 def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None,
@@ -1367,7 +1381,7 @@ async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog
     and never led, and no other instance could take it."""
     readable = RunningPlacement(
         placement_id="ok#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
-        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        kv_cache_mib=1000, estimate_gpu_s=1.0, placed_at_ms=500,
         request=req("ok"))
 
     class Hash:
@@ -1376,6 +1390,39 @@ async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog
                     b"odd#0": b'{"placement_id": "odd#0", "from_a_newer_release": 1}'}
     assert await RunningStore(Hash()).load() == [readable]
     assert "ignoring the unreadable placement in flight odd#0" in caplog.text
+
+
+async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_requires(
+) -> None:
+    """That release decided whether work is borrowed at placement, and requires the mark on
+    each placement it takes over (forbidding fields it does not know); this one judges it
+    afresh each cycle and reads no mark: saved with it (false), read back without it, as a
+    placement that release saved with its own."""
+    placement = RunningPlacement(
+        placement_id="r#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
+        kv_cache_mib=1000, estimate_gpu_s=1.0, placed_at_ms=500,
+        request=InferenceRequest(request_id="r", tenant="acme", model=SMALL.name,
+                                 prompt="hi", messages=[{"role": "user", "content": "hi"}],
+                                 created_at_ms=0))
+    saved: dict[str, str] = {}
+
+    class Hash:
+        def register_script(self, script: str):  # noqa: ANN202
+            async def run(keys: list[str], args: list[str]) -> int:
+                saved.update(zip(args[1::2], args[2::2], strict=True))
+                return 1
+            return run
+
+        async def hgetall(self, key: str) -> dict[bytes, bytes]:
+            return {k.encode(): v.encode() for k, v in saved.items()}
+
+    store = RunningStore(Hash())  # type: ignore[arg-type]
+    assert await store.save([placement], 3)
+    assert set(json.loads(saved["r#0"])) == set(placement.model_dump(exclude_none=True)) | {
+        "borrowed"} and json.loads(saved["r#0"])["borrowed"] is False
+    saved["old#0"] = saved["r#0"].replace('"r#0"', '"old#0"').replace("false", "true")
+    assert await store.load() == [placement, placement.model_copy(
+        update={"placement_id": "old#0"})]
 
 
 class Fences:
@@ -1652,7 +1699,7 @@ def inherited(rid: str, node_id: str = "n1") -> RunningPlacement:
     """A previous leader's placement `<rid>#0` of 4,000 MiB on GPU 0 of `node_id`."""
     return RunningPlacement(
         placement_id=f"{rid}#0", node_id=node_id, gpu_indices=(0,), memory_mib_per_gpu=4000,
-        kv_cache_mib=1000, borrowed=False, estimate_gpu_s=1.0, placed_at_ms=500,
+        kv_cache_mib=1000, estimate_gpu_s=1.0, placed_at_ms=500,
         request=req(rid))
 
 
@@ -2075,7 +2122,7 @@ async def test_work_that_would_be_borrowed_preempts_no_work_a_guarantee_keeps() 
     engine.running["S#0"] = _victim("S#0", batch, (0,), kv, kv)
     mistral = req("W", model="mistral-7b", tenant="umbrella")  # past its 4,000 MiB
     engine.running["W#0"] = _victim("W#0", mistral, (0,), 13_826, 2).model_copy(
-        update={"node_id": "b", "borrowed": True})
+        update={"node_id": "b"})
     interactive = topics.REQUESTS["interactive"].name
     for offset, tenant in enumerate(["umbrella", "acme"]):
         await engine.admit([request_record(interactive, offset, req(
@@ -2084,6 +2131,45 @@ async def test_work_that_would_be_borrowed_preempts_no_work_a_guarantee_keeps() 
         await engine.cycle()
     [preempt] = [json.loads(v) for v in sent[topics.PLACEMENTS.name]]
     assert preempt["placement_id"] == "S#0" and "request acme " in preempt["reason"]
+
+
+async def _cycle_at(engine: SchedulingEngine, now: list[int], at_ms: int,
+                   requests: list[InferenceRequest], report: NodeState | None = None) -> None:
+    """At `at_ms`: `report` applied, `requests` admitted (each from its class's topic),
+    and one cycle run."""
+    now[0] = at_ms
+    if report is not None:
+        engine.view.apply_node_state(report, at_ms, NODE_TIMEOUT_MS)
+    for i, request in enumerate(requests):
+        await engine.admit([request_record(topics.REQUESTS[request.priority_class].name,
+                                           at_ms + i, request.to_bytes())])
+    await engine.cycle()
+
+
+def _preempted(sent: dict[str, list[bytes]]) -> list[str]:
+    return [c["placement_id"] for c in map(json.loads, sent.get(topics.PLACEMENTS.name, []))
+            if c["type"] == "preempt"]
+
+
+async def test_work_inside_its_guarantee_once_older_work_ended_is_no_longer_borrowed(
+) -> None:
+    """soylent's mistral job was placed while its 8B job held 15,329 MiB of its 20,000
+    guaranteed: marked borrowed then, it stayed so after the 8B job ended, and umbrella
+    reclaiming its own guarantee preempted it, though soylent held 13,837 MiB."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    await _cycle_at(engine, now, 1000, [req("old", "batch", EIGHT_B.name, "soylent")],
+                    node("a", [40_000]))
+    await _cycle_at(engine, now, 2000, [req("new", "batch", "mistral-7b", "soylent")])
+    assert engine.borrowed() == {"new#0"}
+    await engine.usage([request_record(topics.USAGE.name, 0, UsageRecord(
+        event_id="old#0:final", request_id="old", placement_id="old#0", tenant="soylent",
+        model=EIGHT_B.name, priority_class="batch", node_id="a", gpu_type="H100-80GB",
+        prompt_tokens=1, completion_tokens=10, gpu_seconds=1.0, started_at_ms=1000,
+        ended_at_ms=2500).to_bytes())])
+    await _cycle_at(engine, now, 3000, [req("u", "batch", SMALL.name, "umbrella")],
+                    node("a", [0], (EIGHT_B.name, "mistral-7b"), 2, ("new#0",)))
+    assert not _preempted(sent) and not engine.borrowed()
 
 
 async def _two_placements_loading_the_8b(engine: SchedulingEngine
@@ -2106,7 +2192,7 @@ async def test_placements_loading_one_model_on_a_gpu_in_one_cycle_reserve_its_we
     engine, _ = leading_engine()
     x, y = await _two_placements_loading_the_8b(engine)
     assert x.memory_mib_per_gpu == x.kv_cache_mib + EIGHT_B.weight_memory_mib
-    assert y.memory_mib_per_gpu == y.kv_cache_mib and not y.borrowed
+    assert y.memory_mib_per_gpu == y.kv_cache_mib and not engine.borrowed()
     assert snapshot(engine.view, {"a"}).state.gpu_mem_free_mib[0] == \
         40_000 - EIGHT_B.weight_memory_mib - x.kv_cache_mib - y.kv_cache_mib
 
@@ -2304,21 +2390,23 @@ def test_work_placed_as_aged_is_no_victim_of_class_priority() -> None:
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
-                                kv_cache_mib=SMALL.kv_cache_mib(8100), borrowed=True,
+                                kv_cache_mib=SMALL.kv_cache_mib(8100),
                                 estimate_gpu_s=1.0, placed_at_ms=at, aged=aged,
                                 request=req(f"b{i}", "batch", tenant="umbrella",
                                             max_tokens=8000))
                for i, (at, aged) in enumerate(((0, None), (9_000, True)))]
     [pre] = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
-                 running=victims, may_preempt={"i": 1}).preemptions
+                 running=victims, may_preempt={"i": 1}, borrowed=("v0", "v1")).preemptions
     assert [v.placement_id for v in pre.victims] == ["v0"]  # not the cheaper, aged v1
     [reclaim] = plan(view, [req("g", "standard", max_tokens=100)], now=10_000,
-                     running=victims, may_preempt={"g": 0}, reclaiming=("g",)).preemptions
+                     running=victims, may_preempt={"g": 0}, reclaiming=("g",),
+                     borrowed=("v0", "v1")).preemptions
     assert [v.placement_id for v in reclaim.victims] == ["v1"]
     # interactive work inside its tenant's guarantee reclaims it too (it may preempt batch
     # work as well: its ceiling stays 1)
     [interactive] = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
-                         running=victims, may_preempt={"i": 1}, reclaiming=("i",)).preemptions
+                         running=victims, may_preempt={"i": 1}, reclaiming=("i",),
+                         borrowed=("v0", "v1")).preemptions
     assert [v.placement_id for v in interactive.victims] == ["v1"]
 
 
@@ -2548,7 +2636,7 @@ async def test_a_record_refused_over_quota_and_read_again_stays_refused() -> Non
 def _victim(pid: str, request: InferenceRequest, gpus: tuple[int, ...], mib: int,
             kv: int) -> RunningPlacement:
     return RunningPlacement(placement_id=pid, node_id="a", gpu_indices=gpus,
-                            memory_mib_per_gpu=mib, kv_cache_mib=kv, borrowed=False,
+                            memory_mib_per_gpu=mib, kv_cache_mib=kv,
                             estimate_gpu_s=1.0, placed_at_ms=0, request=request)
 
 
@@ -3317,7 +3405,7 @@ def _eight_b(pid: str, gpu: int, placed_at_ms: int = 0, cls: str = "batch",
     request = req(pid.split("#")[0], cls, model=EIGHT_B.name, max_tokens=4000)
     kv = EIGHT_B.kv_cache_mib(request.prompt_token_count + 4000)
     return RunningPlacement(placement_id=pid, node_id="a", gpu_indices=(gpu,),
-                            memory_mib_per_gpu=kv, kv_cache_mib=kv, borrowed=False,
+                            memory_mib_per_gpu=kv, kv_cache_mib=kv,
                             estimate_gpu_s=1.0, placed_at_ms=placed_at_ms, request=request,
                             aged=aged)
 
@@ -3557,7 +3645,7 @@ def test_preemption_picks_no_victims_on_a_node_that_does_not_serve_the_model() -
                           0, NODE_TIMEOUT_MS)
     view.apply_node_state(serving(node("b", [0]), SMALL.name), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id="v", node_id="a", gpu_indices=(0,),
-                                memory_mib_per_gpu=40000, kv_cache_mib=40000, borrowed=False,
+                                memory_mib_per_gpu=40000, kv_cache_mib=40000,
                                 estimate_gpu_s=1.0, placed_at_ms=0,
                                 request=req("b", "batch", model="llama-3.1-8b"))]
     decisions = plan(view, [req("i", "interactive")], now=10_000, running=victims,

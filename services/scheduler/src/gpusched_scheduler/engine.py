@@ -740,7 +740,8 @@ class SchedulingEngine:
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
             now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming,
-            borrowing=borrowing, guarded=self._guarded() if borrowing else (),
+            borrowing=borrowing, borrowed=self.borrowed() if may_preempt else (),
+            guarded=self._guarded() if borrowing else (),
             rooms={r: room for r, (_, room) in self._preempting.items()},
             stopping=self._stopping())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
@@ -753,13 +754,9 @@ class SchedulingEngine:
             placement = Placement(placement_id=pid, node_id=place.node_id,
                                   gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
                                   scheduler_epoch=epoch, placed_at_ms=now, request=request)
-            held = self.running.memory_mib(request.tenant) + \
-                place.memory_mib_per_gpu * len(place.gpu_indices)
-            guarantee = self._guarantee(request.tenant)
             running = RunningPlacement(
                 placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
-                borrowed=guarantee is not None and held > guarantee,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
                 request=request, aged=True if self._aged(place.item, now) else None)
             self.view.reserve(self._reservation(running))
@@ -1153,12 +1150,14 @@ class SchedulingEngine:
             request = item.request
             if request.request_id in self._preempting:
                 continue
-            inside = self._stays_inside_guarantee(request)
+            guarantee, need = self._guarantee_need(request)
+            inside = guarantee is not None and \
+                self.running.memory_mib(request.tenant) + need <= guarantee
             if inside:
                 reclaiming.add(request.request_id)
             if request.priority_class == "interactive":
                 ceilings[request.request_id] = 1
-                if not inside and self._guarantee(request.tenant) is not None:
+                if not inside and guarantee is not None:
                     borrowing.add(request.request_id)
             elif inside:
                 ceilings[request.request_id] = 0
@@ -1173,22 +1172,34 @@ class SchedulingEngine:
         return Reservation(r.placement_id, r.node_id, r.gpu_indices, r.memory_mib_per_gpu,
                            request_weights(r.request), relies)
 
-    def _guarded(self) -> set[str]:
-        """The running work a request that would itself be borrowed may not preempt: not
-        borrowed, and handed back it stays inside its tenant's guarantee (the guarantee is
-        what a tenant keeps under contention, and the hand-back would reclaim its room)."""
-        return {r.placement_id for r in self.running.values() if not r.borrowed
-                and self._stays_inside_guarantee(r.request, freed_mib=r.memory_mib)}
+    def borrowed(self) -> set[str]:
+        """The placements in flight beyond their tenant's GPU memory guarantee now
+        (`RunningSet.borrowed`): reclaimable by preemption."""
+        return self.running.borrowed(self._guarantee)
 
-    def _stays_inside_guarantee(self, request: InferenceRequest, freed_mib: int = 0) -> bool:
-        """Whether `request`, placed, leaves its tenant inside its GPU memory guarantee
-        (weights counted), once `freed_mib` of what the tenant holds now is free."""
+    def _guarded(self) -> set[str]:
+        """The running work a request that would itself be borrowed may not preempt: handed
+        back, it stays inside its tenant's guarantee (the guarantee is what a tenant keeps
+        under contention, and the hand-back would reclaim its room). No borrowed work is
+        guarded (`borrowed`): its tenant's work up to it holds more than the guarantee
+        already, and its hand-back needs no less than it holds (weights counted)."""
+        out: set[str] = set()
+        for r in self.running.values():
+            guarantee, need = self._guarantee_need(r.request)
+            if guarantee is not None and \
+                    self.running.memory_mib(r.tenant) - r.memory_mib + need <= guarantee:
+                out.add(r.placement_id)
+        return out
+
+    def _guarantee_need(self, request: InferenceRequest) -> tuple[int | None, int]:
+        """(The GPU memory guarantee of `request`'s tenant, MiB; the MiB it holds of it once
+        placed, on all its GPUs, weights counted): a guarantee of None where it has none
+        (unlimited: nothing it runs is borrowed) or the request's model left the catalog."""
         guarantee = self._guarantee(request.tenant)
         model = self.catalog.get(request.model)
         if guarantee is None or model is None:
-            return False
-        need = sum(memory_per_gpu(request, model)) * request.num_gpus  # weights counted
-        return self.running.memory_mib(request.tenant) - freed_mib + need <= guarantee
+            return None, 0
+        return guarantee, sum(memory_per_gpu(request, model)) * request.num_gpus
 
     async def _take_over(self) -> None:
         """Settle the placements inherited from the previous leader by what the agents'

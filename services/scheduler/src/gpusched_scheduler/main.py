@@ -173,12 +173,15 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
 
     @get_and_head(app, "/v1/placements")
     async def placements() -> dict:
-        """Placements in flight (leader's view): where each request runs."""
+        """Placements in flight (leader's view): where each request runs, and whether it is
+        borrowed now (beyond its tenant's guarantee)."""
+        borrowed = engine.borrowed()
         return {"placements": [
             {"placement_id": r.placement_id, "request_id": r.request.request_id,
              "tenant": r.tenant, "priority_class": r.request.priority_class,
-             "node_id": r.node_id, "gpu_indices": list(r.gpu_indices), "borrowed": r.borrowed,
-             "placed_at_ms": r.placed_at_ms} for r in engine.running.values()]}
+             "node_id": r.node_id, "gpu_indices": list(r.gpu_indices),
+             "borrowed": r.placement_id in borrowed, "placed_at_ms": r.placed_at_ms}
+            for r in engine.running.values()]}
 
     @get_and_head(app, "/v1/queue")
     async def queue(limit: int = Query(100, ge=1, le=10_000)) -> dict:

@@ -4,6 +4,7 @@ what it reads of others' state (agents' claims, accounting's budget flags)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -122,9 +123,12 @@ class RunningStore:
             return True
         fields: list[str] = []
         for p in placements:
-            # unset optional fields left out, as in Message.to_bytes: readable by a
-            # scheduler one release behind (which knows no `aged`)
-            fields += (p.placement_id, p.model_dump_json(exclude_none=True, exclude={"aged"}))
+            # readable by a scheduler one release behind: unset optional fields left out, as
+            # in Message.to_bytes, and `aged` (it forbids fields it does not know), and the
+            # `borrowed` mark it requires, false (this release reads no mark: it judges what
+            # is borrowed afresh each cycle; that one reclaims none of the work it inherits)
+            saved = p.model_dump_json(exclude_none=True, exclude={"aged"})
+            fields += (p.placement_id, saved[:-1] + ',"borrowed":false}')
         if self._save is None:
             self._save = self._redis.register_script(_SAVE)
         return bool(await self._save(keys=[SCHEDULER_EPOCH_KEY, SCHEDULER_RUNNING_KEY],
@@ -247,7 +251,10 @@ class RunningStore:
         out = []
         for pid, value in raw.items():
             try:
-                out.append(RunningPlacement.model_validate_json(value))
+                saved = json.loads(value)
+                if isinstance(saved, dict):  # for (or by) an earlier release: unread here
+                    saved.pop("borrowed", None)
+                out.append(RunningPlacement.model_validate(saved))
             except ValueError as exc:
                 log.warning("ignoring the unreadable placement in flight %s: %s",
                             pid.decode(errors="replace"), exc)

@@ -277,19 +277,20 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                may_preempt: dict[str, int], *,
                fleet: Callable[[], Collection[FleetNode]],
                max_preemptions: int = 4, reclaiming: Collection[str] = (),
-               borrowing: Collection[str] = (), guarded: Collection[str] = (),
-               rooms: Mapping[str, Room] | None = None,
+               borrowing: Collection[str] = (), borrowed: Collection[str] = (),
+               guarded: Collection[str] = (), rooms: Mapping[str, Room] | None = None,
                stopping: Collection[RunningPlacement] = ()) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait for room to free up, later chunks wait too (they would take that
     room). Work that no live, healthy node could hold even empty (its GPUs are away or
     sick) waits without holding later chunks back: nothing they take would make it fit.
     `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
-    and borrowed work, 0: borrowed work only); `reclaiming` holds those that stay inside
-    their tenant's guarantee once placed, which alone may preempt borrowed work placed as
-    aged. `borrowing` holds those that would be borrowed once placed: they may not preempt
-    `guarded` work (placement ids: not borrowed, and handed back it stays inside its
-    tenant's guarantee), whose hand-back would reclaim its room from them, and so on
+    and borrowed work, 0: borrowed work only); `borrowed` holds the running work beyond
+    its tenant's guarantee (placement ids, judged this cycle); `reclaiming` the requests
+    that stay inside their tenant's guarantee once placed, which alone may preempt
+    borrowed work placed as aged. `borrowing` holds those that would be borrowed once
+    placed: they may not preempt `guarded` work (placement ids: handed back it stays inside
+    its tenant's guarantee), whose hand-back would reclaim its room from them, and so on
     forever. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
     (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
     with the reason.
@@ -405,7 +406,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
         preemptions += _plan_preemptions(
             eligible, state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
-            reclaiming, borrowing, guarded, max_preemptions,
+            reclaiming, borrowing, borrowed, guarded, max_preemptions,
             # the state once the victims stopping already have stopped and their
             # preemptors run
             _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None,
@@ -417,7 +418,8 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
                       catalog: ModelCatalog, policy: str, shapes: ShapeDistribution | None,
                       running: Collection[RunningPlacement], now_ms: int,
                       may_preempt: dict[str, int], reclaiming: Collection[str],
-                      borrowing: Collection[str], guarded: Collection[str], most: int,
+                      borrowing: Collection[str], borrowed: Collection[str],
+                      guarded: Collection[str], most: int,
                       freed: ClusterState | None, users: Mapping[WeightsAt, set[str]],
                       busy: dict[tuple[str, int], set[str]]) -> list[Preemption]:
     """Plans for `eligible` (waiting work that may preempt), in order. `freed` is the state
@@ -457,7 +459,7 @@ def _plan_preemptions(eligible: list[Pending], state: ClusterState, snap: Snapsh
         request_id = item.request.request_id
         plan = _plan(freed or state, snap, item, catalog, running, now_ms,
                      may_preempt[request_id], taken, request_id in reclaiming,
-                     guarded if request_id in borrowing else (), users, busy)
+                     request_id in borrowing, borrowed, guarded, users, busy)
         if plan is not None:
             taken |= {v.placement_id for v in plan.victims}
             freed, room = _stopped(freed or state, snap, plan,
@@ -849,12 +851,14 @@ class _Victim:
 
 def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCatalog,
           running: Collection[RunningPlacement], now_ms: int, ceiling: int, taken: set[str],
-          reclaims: bool, guarded: Collection[str], users: Mapping[WeightsAt, set[str]],
+          reclaims: bool, borrows: bool, borrowed: Collection[str],
+          guarded: Collection[str], users: Mapping[WeightsAt, set[str]],
           busy: Mapping[tuple[str, int], set[str]]) -> Preemption | None:
-    """Victims: running work on live nodes with priority <= ceiling (borrowed = 0, batch =
-    1), not already being preempted, not `guarded` (kept from a preemptor that would be
-    borrowed), and not placed as aged work unless borrowed and taken back by work that
-    `reclaims` its tenant's guarantee; cost = GPU-seconds of progress lost.
+    """Victims: running work on live nodes with priority <= ceiling (`_victim_priority`:
+    borrowed = 0, batch = 1), not already being preempted, not `guarded` from a preemptor
+    that `borrows` (would be borrowed once placed), and not placed as aged work unless
+    `borrowed` and taken back by work that `reclaims` its tenant's guarantee; cost =
+    GPU-seconds of progress lost.
 
     Stopping a victim frees its KV cache; its model stays loaded. Only when that finds no
     plan is it planned again with the weights too: where every user of a whole model on a
@@ -864,11 +868,12 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     admit the request. Before, a 70B gang waited behind batch 8B work for as long as it ran.
     Gangs are never such a victim: agents report each gang's shards alike, so whose shards
     a GPU holds is unknown."""
+    tenant = item.request.tenant
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
               and r.placement_id not in taken
-              and (r.placement_id not in guarded or r.request.tenant == item.request.tenant)
-              and (priority := _victim_priority(r, item.request.tenant)) <= ceiling
-              and (not r.aged or (reclaims and r.borrowed))]
+              and (not borrows or r.placement_id not in guarded or r.request.tenant == tenant)
+              and (priority := _victim_priority(r, tenant, borrowed)) <= ceiling
+              and (not r.aged or (reclaims and r.placement_id in borrowed))]
     if not ranked:
         return None
     unit = _batch([item.request], catalog, state.type_names, [ceiling + 1])
@@ -975,10 +980,12 @@ def _idle_once_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalo
     return out
 
 
-def _victim_priority(r: RunningPlacement, preemptor_tenant: str) -> int:
-    """Borrowed work is anyone's victim but its own tenant's, which gains nothing by it (its
-    hand-back preempted a sibling in turn, every preemption time-out); else its class."""
-    if r.borrowed and r.request.tenant != preemptor_tenant:
+def _victim_priority(r: RunningPlacement, preemptor_tenant: str,
+                     borrowed: Collection[str]) -> int:
+    """`borrowed` work is anyone's victim but its own tenant's, which gains nothing by it
+    (its hand-back preempted a sibling in turn, every preemption time-out); else its
+    class."""
+    if r.request.tenant != preemptor_tenant and r.placement_id in borrowed:
         return 0
     return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
 

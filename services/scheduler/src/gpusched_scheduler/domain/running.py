@@ -3,8 +3,9 @@ recovery, quotas and fairness reason about. Plain data; persisted by an adapter.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Iterable, Iterator, MutableMapping, ValuesView
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, ValuesView
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -21,8 +22,6 @@ class RunningPlacement(BaseModel):
     """KV cache per GPU plus the weights share when the placement loads its model."""
     kv_cache_mib: int
     """What preempting it frees on each GPU (its model stays loaded)."""
-    borrowed: bool
-    """Placed beyond the tenant's guaranteed GPU memory: reclaimable by preemption."""
     estimate_gpu_s: float
     placed_at_ms: int
     request: InferenceRequest
@@ -45,13 +44,16 @@ class RunningPlacement(BaseModel):
 
 class RunningSet(MutableMapping[str, RunningPlacement]):
     """The placements in flight by placement id, with what each tenant holds kept as they
-    come and go: quotas and guarantees read a tenant's share in O(1), not by walking every
-    placement in flight on each cycle or admission."""
+    come and go: quotas and guarantees read a tenant's share in O(1), and its borrowed work
+    in O(what is borrowed), not by walking every placement in flight on each cycle or
+    admission."""
 
     def __init__(self, placements: Iterable[RunningPlacement] = ()) -> None:
         self._by_id: dict[str, RunningPlacement] = {}
         self._memory_mib: Counter[str] = Counter()
-        self._count: Counter[str] = Counter()
+        self._oldest_first: dict[str, list[tuple[int, str, int]]] = {}
+        """Per tenant, (placed_at_ms, placement id, MiB held) of each of its placements,
+        oldest first."""
         for r in placements:
             self[r.placement_id] = r
 
@@ -63,7 +65,8 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
             self._untally(self._by_id[placement_id])
         self._by_id[placement_id] = placement
         self._memory_mib[placement.tenant] += placement.memory_mib
-        self._count[placement.tenant] += 1
+        insort(self._oldest_first.setdefault(placement.tenant, []),
+               (placement.placed_at_ms, placement.placement_id, placement.memory_mib))
 
     def __delitem__(self, placement_id: str) -> None:
         self._untally(self._by_id.pop(placement_id))
@@ -89,13 +92,36 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
         return self._memory_mib[tenant]
 
     def count(self, tenant: str) -> int:
-        return self._count[tenant]
+        return len(self._oldest_first.get(tenant, ()))
+
+    def borrowed(self, guarantee: Callable[[str], int | None]) -> set[str]:
+        """The placements beyond their tenant's GPU memory guarantee (`guarantee(tenant)`,
+        MiB; None: unlimited, nothing borrowed), judged from what each tenant holds now:
+        its oldest placements (by `placed_at_ms`, then placement id) are inside while
+        together they hold no more than the guarantee, the rest are borrowed. Judged
+        afresh at each call, not once at placement: a mark decided then outlived the work
+        that had put its tenant past its guarantee, and the tenant's work, inside it now,
+        was preempted as borrowed. O(tenants + borrowed placements)."""
+        out: set[str] = set()
+        for tenant, held in self._memory_mib.items():
+            limit = guarantee(tenant)
+            if limit is None:
+                continue
+            for _, placement_id, mib in reversed(self._oldest_first[tenant]):
+                if held <= limit:  # this one and all older ones together: inside
+                    break
+                out.add(placement_id)
+                held -= mib
+        return out
 
     def _untally(self, placement: RunningPlacement) -> None:
-        self._memory_mib[placement.tenant] -= placement.memory_mib
-        self._count[placement.tenant] -= 1
-        if not self._count[placement.tenant]:
-            del self._memory_mib[placement.tenant], self._count[placement.tenant]
+        tenant = placement.tenant
+        self._memory_mib[tenant] -= placement.memory_mib
+        placements = self._oldest_first[tenant]
+        del placements[bisect_left(placements, (placement.placed_at_ms,
+                                                placement.placement_id))]
+        if not placements:
+            del self._memory_mib[tenant], self._oldest_first[tenant]
 
 
 ClaimState = Literal["untaken", "held", "ended", "fenced"]
