@@ -2103,7 +2103,7 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "request_id": request_id, "tenant": "umbrella", "model": model, "prompt": "hi",
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
-    may_preempt, reclaiming, _ = engine._preemption_rights()
+    may_preempt, reclaiming, _ = engine._preemption_rights(engine._ordered(1000))
     assert may_preempt == {"inside": 0}
     assert reclaiming == {"inside"}
 
@@ -2149,6 +2149,26 @@ async def _cycle_at(engine: SchedulingEngine, now: list[int], at_ms: int,
 def _preempted(sent: dict[str, list[bytes]]) -> list[str]:
     return [c["placement_id"] for c in map(json.loads, sent.get(topics.PLACEMENTS.name, []))
             if c["type"] == "preempt"]
+
+
+async def test_a_tenants_waiting_requests_reclaim_no_more_than_its_guarantee_together(
+) -> None:
+    """umbrella (4,000 MiB guaranteed, holding nothing) had two 1.5B requests waiting, each
+    3,765 MiB with the weights: each was judged inside the guarantee against what umbrella
+    held alone, and one cycle preempted soylent's borrowed work for both, 7,530 MiB
+    reclaimed on 4,000. The second waits now; its turn comes as umbrella's work ends."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    long = 30_000  # tokens: 1.5B work of 821 MiB KV cache, 3,765 MiB with the weights
+    await _cycle_at(engine, now, 1000, [req("in", "batch", EIGHT_B.name, "soylent", 7990)],
+                    node("a", [40_000]))
+    await _cycle_at(engine, now, 2000, [req(f"b{i}", "batch", SMALL.name, "soylent", long)
+                                        for i in range(2)])
+    assert engine.borrowed() == {"b0#0", "b1#0"}  # past soylent's 20,000 MiB
+    await _cycle_at(engine, now, 3000, [req(f"u{i}", "batch", SMALL.name, "umbrella", long)
+                                        for i in range(2)],
+                    node("a", [0], (EIGHT_B.name, SMALL.name), 2, ("in#0", "b0#0", "b1#0")))
+    assert len(_preempted(sent)) == 1
 
 
 async def test_work_inside_its_guarantee_once_older_work_ended_is_no_longer_borrowed(

@@ -735,7 +735,7 @@ class SchedulingEngine:
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
-        may_preempt, reclaiming, borrowing = self._preemption_rights()
+        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks)
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
@@ -1134,33 +1134,46 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _preemption_rights(self) -> tuple[dict[str, int], set[str], set[str]]:
-        """In one look through the queue, what each waiting request may preempt: its ceiling
-        (interactive work may preempt batch and borrowed work, 1; work of a tenant that stays
-        inside its GPU memory guarantee once placed may reclaim borrowed work, 0; work that
-        would itself be borrowed may not: its victim, handed back inside its own tenant's
-        guarantee, would preempt it in turn, and so on forever); which requests stay inside
-        their guarantee, interactive ones too: they alone may take back borrowed work placed
-        as aged; and which interactive requests would be borrowed once placed: for the same
-        reason they may not take the work `_guarded` by its tenant's guarantee."""
+    def _preemption_rights(self, chunks: list[Chunk]
+                           ) -> tuple[dict[str, int], set[str], set[str]]:
+        """In one look through this cycle's work, in its order, what each request may
+        preempt: its ceiling (interactive work may preempt batch and borrowed work, 1; work
+        of a tenant that stays inside its GPU memory guarantee once placed may reclaim
+        borrowed work, 0; work that would itself be borrowed may not: its victim, handed
+        back inside its own tenant's guarantee, would preempt it in turn, and so on
+        forever); which requests stay inside their guarantee, interactive ones too: they
+        alone may take back borrowed work placed as aged; and which interactive requests
+        would be borrowed once placed: for the same reason they may not take the work
+        `_guarded` by its tenant's guarantee.
+
+        A request stays inside only if what its tenant holds, what the tenant's earlier
+        requests judged inside need (those whose victims are stopping too) and its own need
+        fit the guarantee together: judged each against the holdings alone, a tenant just
+        under its guarantee reclaimed room for every request it had waiting in one cycle."""
         ceilings: dict[str, int] = {}
         reclaiming: set[str] = set()
         borrowing: set[str] = set()
-        for item in self.queue.in_order():
-            request = item.request
-            if request.request_id in self._preempting:
-                continue
-            guarantee, need = self._guarantee_need(request)
-            inside = guarantee is not None and \
-                self.running.memory_mib(request.tenant) + need <= guarantee
-            if inside:
-                reclaiming.add(request.request_id)
-            if request.priority_class == "interactive":
-                ceilings[request.request_id] = 1
-                if not inside and guarantee is not None:
-                    borrowing.add(request.request_id)
-            elif inside:
-                ceilings[request.request_id] = 0
+        claimed: dict[str, int] = {}  # tenant -> MiB held and needed by work judged inside
+        for chunk in chunks:
+            for item in chunk.items:
+                request = item.request
+                tenant = request.tenant
+                guarantee, need = self._guarantee_need(request)
+                inside = False
+                if guarantee is not None:
+                    held = claimed.get(tenant, self.running.memory_mib(tenant))
+                    if inside := held + need <= guarantee:
+                        claimed[tenant] = held + need
+                if request.request_id in self._preempting:
+                    continue
+                if inside:
+                    reclaiming.add(request.request_id)
+                if request.priority_class == "interactive":
+                    ceilings[request.request_id] = 1
+                    if not inside and guarantee is not None:
+                        borrowing.add(request.request_id)
+                elif inside:
+                    ceilings[request.request_id] = 0
         return ceilings, reclaiming, borrowing
 
     def _reservation(self, r: RunningPlacement) -> Reservation:
