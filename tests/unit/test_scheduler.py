@@ -20,7 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
-from gpusched_common.catalog import TenantQuota, load_models, load_tenants, weights_name
+from gpusched_common.catalog import (
+    Tenant,
+    TenantDirectory,
+    TenantQuota,
+    load_models,
+    load_tenants,
+    weights_name,
+)
 from gpusched_common.contracts import (
     DEAD_LETTER,
     PLACEMENT,
@@ -439,10 +446,12 @@ def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) ->
 
 
 def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None,
-                   store=None, **config  # noqa: ANN001
+                   store=None, tenants: TenantDirectory | None = None,
+                   **config  # noqa: ANN001
                    ) -> tuple[SchedulingEngine, dict[str, list[bytes]]]:
     """A leading engine whose publishes Kafka acknowledges at once, and what it sent per
-    topic; `config` overrides EngineConfig (no micro-batch wait, nodes never time out)."""
+    topic; `config` overrides EngineConfig (no micro-batch wait, nodes never time out);
+    `tenants` are config/tenants.yaml's unless given."""
     sent: dict[str, list[bytes]] = {}
 
     async def publish(batch):
@@ -450,7 +459,8 @@ def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None
             sent.setdefault(out.topic, []).append(out.message.to_bytes())
         return asyncio.gather()  # acknowledged at once
 
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, clock, NoOpTracer(),
+    engine = SchedulingEngine(CATALOG, tenants or load_tenants(CONFIG), publish, clock,
+                              NoOpTracer(),
                               EngineConfig(**{"cycle_window_ms": 0, "node_timeout_ms": 10**12,
                                               **config}), store=store, registry=registry)
     engine.lead(3, [])
@@ -2190,6 +2200,28 @@ async def test_work_inside_its_guarantee_once_older_work_ended_is_no_longer_borr
     await _cycle_at(engine, now, 3000, [req("u", "batch", SMALL.name, "umbrella")],
                     node("a", [0], (EIGHT_B.name, "mistral-7b"), 2, ("new#0",)))
     assert not _preempted(sent) and not engine.borrowed()
+
+
+async def test_work_that_would_be_borrowed_takes_borrowed_work_by_class_priority_alone(
+) -> None:
+    """ping and pong, guaranteed 0 MiB: all their work is borrowed. ping's interactive
+    request preempted pong's interactive work (borrowed work was any other tenant's
+    victim), whose hand-back preempted ping's in turn, each losing its progress until the
+    hand-backs aged. Now it takes pong's batch work, as class priority allows, though
+    that loses more (placed earlier)."""
+    zero = TenantQuota(guaranteed_gpu_memory_mib=0)
+    config = load_tenants(CONFIG)
+    tenants = config.model_copy(update={"tenants": config.tenants + tuple(
+        Tenant(name=name, api_keys=(f"sk-{name}",), quota=zero) for name in ("ping", "pong"))})
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0], tenants=tenants)
+    long = 30_000
+    await _cycle_at(engine, now, 1000, [req("batch", "batch", SMALL.name, "pong", long)],
+                    node("a", [40_000]))
+    await _cycle_at(engine, now, 2000, [req("chat", "interactive", SMALL.name, "pong", long)])
+    await _cycle_at(engine, now, 3000, [req("x", "interactive", SMALL.name, "ping", long)],
+                    node("a", [0], (SMALL.name,), 2, ("batch#0", "chat#0")))
+    assert _preempted(sent) == ["batch#0"]
 
 
 async def _two_placements_loading_the_8b(engine: SchedulingEngine

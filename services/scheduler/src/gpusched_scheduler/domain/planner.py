@@ -291,9 +291,10 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     borrowed work placed as aged. `borrowing` holds those that would be borrowed once
     placed: they may not preempt `guarded` work (placement ids: handed back it stays inside
     its tenant's guarantee), whose hand-back would reclaim its room from them, and so on
-    forever. Work that fits nowhere now waits, unless it is invalid or no GPU of `fleet()`
-    (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then it is rejected
-    with the reason.
+    forever; nor another tenant's borrowed work beyond what class priority allows
+    (`_victim_priority`). Work that fits nowhere now waits, unless it is invalid or no GPU
+    of `fleet()` (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then
+    it is rejected with the reason.
 
     `rooms` maps a request whose preemption is under way to its room (the GPUs its plan
     runs it on once its victims stop): it is solved first, and while it waits the memory it
@@ -872,7 +873,7 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
               and r.placement_id not in taken
               and (not borrows or r.placement_id not in guarded or r.request.tenant == tenant)
-              and (priority := _victim_priority(r, tenant, borrowed)) <= ceiling
+              and (priority := _victim_priority(r, tenant, borrows, borrowed)) <= ceiling
               and (not r.aged or (reclaims and r.placement_id in borrowed))]
     if not ranked:
         return None
@@ -980,12 +981,15 @@ def _idle_once_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalo
     return out
 
 
-def _victim_priority(r: RunningPlacement, preemptor_tenant: str,
+def _victim_priority(r: RunningPlacement, preemptor_tenant: str, borrows: bool,
                      borrowed: Collection[str]) -> int:
-    """`borrowed` work is anyone's victim but its own tenant's, which gains nothing by it
-    (its hand-back preempted a sibling in turn, every preemption time-out); else its
-    class."""
-    if r.request.tenant != preemptor_tenant and r.placement_id in borrowed:
+    """0 for `borrowed` work of another tenant than the preemptor's, where the preemptor
+    will not be borrowed itself (it does not `borrow`); else by class (batch 1, the rest
+    above every ceiling). Its own tenant gains nothing by its borrowed work (its hand-back
+    preempted a sibling in turn, every preemption time-out), and a preemptor that borrows
+    swaps one loan for another: two tenants past their guarantees (0, say) stopped each
+    other's interactive work, hand-back for hand-back, until the hand-backs aged."""
+    if not borrows and r.request.tenant != preemptor_tenant and r.placement_id in borrowed:
         return 0
     return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
 
