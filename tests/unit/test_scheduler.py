@@ -2202,13 +2202,16 @@ async def test_work_inside_its_guarantee_once_older_work_ended_is_no_longer_borr
     assert not _preempted(sent) and not engine.borrowed()
 
 
-async def test_work_that_would_be_borrowed_takes_borrowed_work_by_class_priority_alone(
-) -> None:
+@pytest.mark.parametrize(("pong_class", "victim"), [("interactive", "batch#0"),
+                                                     ("standard", "other#0")])
+async def test_work_that_would_be_borrowed_takes_no_borrowed_work_of_its_class(
+        pong_class: str, victim: str) -> None:
     """ping and pong, guaranteed 0 MiB: all their work is borrowed. ping's interactive
     request preempted pong's interactive work (borrowed work was any other tenant's
     victim), whose hand-back preempted ping's in turn, each losing its progress until the
     hand-backs aged. Now it takes pong's batch work, as class priority allows, though
-    that loses more (placed earlier)."""
+    that loses more (placed earlier). pong's borrowed standard work it still takes (the
+    cheaper victim): a standard hand-back takes nothing back from interactive work."""
     zero = TenantQuota(guaranteed_gpu_memory_mib=0)
     config = load_tenants(CONFIG)
     tenants = config.model_copy(update={"tenants": config.tenants + tuple(
@@ -2218,10 +2221,10 @@ async def test_work_that_would_be_borrowed_takes_borrowed_work_by_class_priority
     long = 30_000
     await _cycle_at(engine, now, 1000, [req("batch", "batch", SMALL.name, "pong", long)],
                     node("a", [40_000]))
-    await _cycle_at(engine, now, 2000, [req("chat", "interactive", SMALL.name, "pong", long)])
+    await _cycle_at(engine, now, 2000, [req("other", pong_class, SMALL.name, "pong", long)])
     await _cycle_at(engine, now, 3000, [req("x", "interactive", SMALL.name, "ping", long)],
-                    node("a", [0], (SMALL.name,), 2, ("batch#0", "chat#0")))
-    assert _preempted(sent) == ["batch#0"]
+                    node("a", [0], (SMALL.name,), 2, ("batch#0", "other#0")))
+    assert _preempted(sent) == [victim]
 
 
 async def _two_placements_loading_the_8b(engine: SchedulingEngine

@@ -1144,8 +1144,8 @@ class SchedulingEngine:
         forever); which requests stay inside their guarantee, interactive ones too: they
         alone may take back borrowed work placed as aged; and which interactive requests
         would be borrowed once placed: for the same reason they may not take the work
-        `_guarded` by its tenant's guarantee, nor another tenant's borrowed work beyond
-        what class priority allows (`plan_cycle`).
+        `_guarded` by its tenant's guarantee, nor another tenant's borrowed interactive
+        work (`plan_cycle`).
 
         A request stays inside only if what its tenant holds, what the tenant's earlier
         requests judged inside need (those whose victims are stopping too) and its own need

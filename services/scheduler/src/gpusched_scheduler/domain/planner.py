@@ -291,7 +291,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     borrowed work placed as aged. `borrowing` holds those that would be borrowed once
     placed: they may not preempt `guarded` work (placement ids: handed back it stays inside
     its tenant's guarantee), whose hand-back would reclaim its room from them, and so on
-    forever; nor another tenant's borrowed work beyond what class priority allows
+    forever; nor another tenant's borrowed work of their own class or above
     (`_victim_priority`). Work that fits nowhere now waits, unless it is invalid or no GPU
     of `fleet()` (`fleet_gpu_mib`, read once, when first needed) could ever hold it: then
     it is rejected with the reason.
@@ -873,7 +873,8 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     ranked = [(r, priority) for r in running if r.node_id in snap.node_index
               and r.placement_id not in taken
               and (not borrows or r.placement_id not in guarded or r.request.tenant == tenant)
-              and (priority := _victim_priority(r, tenant, borrows, borrowed)) <= ceiling
+              and (priority := _victim_priority(r, item.request, borrows, borrowed))
+              <= ceiling
               and (not r.aged or (reclaims and r.placement_id in borrowed))]
     if not ranked:
         return None
@@ -981,15 +982,19 @@ def _idle_once_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalo
     return out
 
 
-def _victim_priority(r: RunningPlacement, preemptor_tenant: str, borrows: bool,
+def _victim_priority(r: RunningPlacement, preemptor: InferenceRequest, borrows: bool,
                      borrowed: Collection[str]) -> int:
-    """0 for `borrowed` work of another tenant than the preemptor's, where the preemptor
-    will not be borrowed itself (it does not `borrow`); else by class (batch 1, the rest
-    above every ceiling). Its own tenant gains nothing by its borrowed work (its hand-back
-    preempted a sibling in turn, every preemption time-out), and a preemptor that borrows
-    swaps one loan for another: two tenants past their guarantees (0, say) stopped each
-    other's interactive work, hand-back for hand-back, until the hand-backs aged."""
-    if not borrows and r.request.tenant != preemptor_tenant and r.placement_id in borrowed:
+    """0 for `borrowed` work of another tenant than the preemptor's, unless the preemptor
+    `borrows` (will be borrowed itself) and the work is of its class or above; else by
+    class (batch 1, the rest above every ceiling). Its own tenant gains nothing by its
+    borrowed work (its hand-back preempted a sibling in turn, every preemption time-out),
+    and a loan traded for a loan of the same class gains the fleet nothing: two tenants
+    past their guarantees (0, say) stopped each other's interactive work, hand-back for
+    hand-back, until the hand-backs aged. A borrowing interactive request may still take
+    borrowed standard work, whose hand-back may take nothing back from it."""
+    if r.request.tenant != preemptor.tenant and r.placement_id in borrowed and (
+            not borrows or CLASS_PRIORITY[r.request.priority_class]
+            < CLASS_PRIORITY[preemptor.priority_class]):
         return 0
     return 1 if r.request.priority_class == "batch" else CLASS_PRIORITY["interactive"] + 1
 
