@@ -906,8 +906,8 @@ async def test_a_model_that_failed_to_load_is_reported_until_its_cooldown_ends_o
     cooldown, before the requests that waited for the load go back, so the scheduler sends
     them elsewhere; the report drops it once the cooldown ends, or once a load succeeds."""
     now, failed = [1_000], []
-    runtime, sink, _ = make(clock=lambda: now[0], load_failure_cooldown_s=60.0,
-                            load_failed=failed.append)
+    runtime, sink, _ = make(clock=lambda: now[0], monotonic=lambda: now[0] / 1000,
+                            load_failure_cooldown_s=60.0, load_failed=failed.append)
     runtime.executor = LoadsNothing(0.01, seed=7)
     await runtime.command(placement("a"))
     await runtime.command(placement("b"))  # waits for the same load
@@ -933,6 +933,31 @@ async def test_a_model_that_failed_to_load_is_reported_until_its_cooldown_ends_o
     await settle(runtime)
     assert [r.status for r in sink.of(RequestResult)] == ["completed"]
     assert runtime.node_state().load_failures is None and failed == [MODEL, MODEL]
+
+
+async def test_a_load_failure_counts_once_and_its_cooldown_keeps_to_the_monotonic_clock(
+) -> None:
+    """A failed load on each of a node's GPUs in one go is one incident (the alert reads
+    three in half an hour as a node that keeps failing). A wall clock set back an hour (an
+    NTP step) lengthened the cooldown by that hour; the node now reports what is left of it
+    on the monotonic clock."""
+    wall, mono, failed = [1_000_000], [50.0], []
+    runtime, _, _ = make(clock=lambda: wall[0], monotonic=lambda: mono[0],
+                         load_failure_cooldown_s=60.0, load_failed=failed.append)
+    runtime.executor = LoadsNothing(0.01, seed=7)
+    await runtime.command(placement("a", gpu=0))
+    await runtime.command(placement("b", gpu=1))
+    await settle(runtime)
+    assert failed == [MODEL]
+    wall[0] -= 3_600_000  # set back an hour
+    mono[0] += 30.0
+    assert runtime.node_state().load_failures == (
+        LoadFailure(model=MODEL, until_ms=wall[0] + 30_000),)
+    mono[0] += 30.0
+    assert runtime.node_state().load_failures is None
+    await runtime.command(placement("c"))  # a new incident once the cooldown is over
+    await settle(runtime)
+    assert failed == [MODEL, MODEL]
 
 
 async def test_a_load_that_fails_as_its_engine_goes_down_starts_no_cooldown() -> None:

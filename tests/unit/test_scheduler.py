@@ -795,6 +795,41 @@ async def test_a_model_whose_load_failed_on_a_node_goes_elsewhere_or_waits_its_c
     assert placed() == [("m", "a"), ("r", "a")]
 
 
+def test_a_cooldown_crowds_no_node_out_and_one_of_a_model_not_served_changes_nothing(
+) -> None:
+    """A cooling node's GPUs are typed anew. With the solver's types all taken (62 kinds
+    here), that new type left another node out of every placement for the cooldown; and a
+    failure naming a model the node does not serve made a type of its own all the same.
+    The cooldown is now dropped where it would crowd a node out, and a failure of a model
+    not served is none."""
+    import itertools
+
+    from gpusched_scheduler.domain.solver import MAX_GPU_TYPES
+
+    def state(node_id: str, models: tuple[str, ...] | None, gpu_type: str = "H100-80GB",
+              failed: str | None = None) -> NodeState:
+        return NodeState(node_id=node_id, seq=1, started_at_ms=0, reported_at_ms=0,
+                         models=models, load_failures=None if failed is None else (
+                             LoadFailure(model=failed, until_ms=60_000),),
+                         gpus=(GpuState(index=0, uuid=node_id, gpu_type=gpu_type,
+                                        memory_total_mib=81559, memory_free_mib=20_000),))
+
+    names = sorted(CATALOG.names)
+    kinds = [(gpu, models) for gpu in ("H200-141GB", "A100-80GB", "A100-40GB", "L4-24GB")
+             for k in range(1, len(names) + 1) for models in itertools.combinations(names, k)
+             ] + [("H100-80GB", (SMALL.name,))]
+    assert len(kinds) == MAX_GPU_TYPES - 1  # with a and b's H100s: every kind taken
+    for failed in (SMALL.name, "not-in-the-catalog"):  # cooling a would make a 63rd kind
+        view = ClusterView()
+        view.apply_node_state(state("a", None, failed=failed), 0, NODE_TIMEOUT_MS)
+        view.apply_node_state(state("b", None), 0, NODE_TIMEOUT_MS)
+        for i, (gpu, models) in enumerate(kinds):
+            view.apply_node_state(state(f"m{i:02d}", models, gpu), 0, NODE_TIMEOUT_MS)
+        snap = snapshot(view, set(view.nodes), NodeSpecCache(), now_ms=1, catalog=CATALOG)
+        assert not snap.crowded and len(set(snap.state.type_names)) == MAX_GPU_TYPES
+        assert snap.state.type_names[snap.state.gpu_type[0]] == "H100-80GB"  # as before
+
+
 @pytest.mark.parametrize("declared_lost", [True, False], ids=["lost", "alive-in-redis"])
 def test_a_node_that_started_again_with_its_clock_set_back_is_heard_once_silent(
         declared_lost) -> None:

@@ -312,7 +312,7 @@ class NodeState(Message):
     load_failures: tuple[LoadFailure, ...] | None = Field(
         default=None, max_length=4096, description="Models whose load failed on this node "
         "lately (a corrupt file, memory another process holds): the scheduler places none "
-        "of them here until `until_ms`, as if the node were busy, and still counts it as "
+        "of them here until `until_ms`, as if the node were away, and still counts it as "
         "serving them (no request is rejected for it). Unset when there are none.")
 
 

@@ -138,21 +138,22 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         "steady rate on one node says its engine's limits are below config/models.yaml's.",
         ["model", "status"], registry=registry)
     load_failures = Counter(
-        "gpusched_agent_load_failures_total", "Model loads that failed on this node with its "
-        "engine up (a corrupt file, memory another process holds, a driver fault), by model: "
-        "after each, the node takes no work of that model for GPUSCHED_LOAD_FAILURE_COOLDOWN_S.",
+        "gpusched_agent_load_failures_total", "Cooldowns started on this node by a model load "
+        "that failed with its engine up (a corrupt file, memory another process holds, a "
+        "driver fault), by model: the node takes no work of that model for "
+        "GPUSCHED_LOAD_FAILURE_COOLDOWN_S (loads on several GPUs failing at once count once).",
         ["model"], registry=registry)
     node = NodeModel.from_inventory(inventory.gpus, inventory.driver_version,
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
     served = settings.served_models(catalog)
+    refused_statuses: frozenset[int] = frozenset()
+    if settings.executor == "openai":  # the one executor whose engine refuses requests
+        from gpusched_agent.adapters.openai_executor import REFUSED as refused_statuses
     for model_name in served or catalog.names:  # at 0, for the alerts' increase()
         load_failures.labels(model_name)
-        if settings.executor == "openai":  # the one executor whose engine refuses requests
-            from gpusched_agent.adapters.openai_executor import REFUSED
-
-            for status in sorted(REFUSED):
-                refusals.labels(model_name, str(status))
+        for status in sorted(refused_statuses):
+            refusals.labels(model_name, str(status))
     runtime = AgentRuntime(
         settings.node_id, node, catalog, executor, publish,
         RedisLedger(redis), clock, chunk_tokens=settings.chunk_tokens,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -172,12 +173,13 @@ class AgentRuntime:
         """Told (model, status code) of each request the engine refused as invalid: its
         client gets the 4xx, and operators a count, since a steady rate on one node says its
         engine's limits are below the catalog's (its --max-model-len, say)."""
-        self._load_failure_cooldown_ms = round(load_failure_cooldown_s * 1000)
+        self._load_failure_cooldown_s = load_failure_cooldown_s
         self._load_failed = load_failed
         """Told the model of each load that failed here with the engine up (`_cool_down`)."""
-        self._cooling: dict[str, int] = {}
-        """Model -> until when (`clock`, ms) the node asks not to get its work: its load
-        failed here lately (`load_failures`)."""
+        self._cooling: dict[str, float] = {}
+        """Model -> until when (`monotonic`, s) the node asks not to get its work: its load
+        failed here lately (`load_failures`). Not on the wall clock: set back (an NTP step),
+        it lengthened the cooldown by as much."""
         self._unmatched: frozenset[str] | None = None
         """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
@@ -362,9 +364,9 @@ class AgentRuntime:
     def load_failures(self) -> tuple[LoadFailure, ...] | None:
         """The models whose load failed here within the cooldown, each with its end, which
         the node reports (None: none)."""
-        now_ms = self._clock()
-        self._cooling = {m: until for m, until in self._cooling.items() if until > now_ms}
-        return tuple(LoadFailure(model=m, until_ms=until)
+        now, now_ms = self._mono(), self._clock()
+        self._cooling = {m: until for m, until in self._cooling.items() if until > now}
+        return tuple(LoadFailure(model=m, until_ms=now_ms + math.ceil((until - now) * 1000))
                      for m, until in sorted(self._cooling.items())) or None
 
     def node_state(self, seq: int = 0) -> NodeState:
@@ -485,8 +487,8 @@ class AgentRuntime:
         try:
             await self.report()
         except Exception:
-            log.warning("node state %s not published; draining all the same", self.status,
-                        exc_info=True)
+            log.warning("node state %s not published; handing work back all the same",
+                        self.status, exc_info=True)
 
     # --- one placement -------------------------------------------------------------------
     async def _run(self, run: _Running) -> None:
@@ -648,8 +650,10 @@ class AgentRuntime:
         placements that waited for the load hand their requests back, so that their next
         attempts go to other nodes, or wait, instead of using up their refusals here. A load
         of it here that succeeds (placed before the scheduler knew) ends it."""
-        self._load_failed(model)
-        self._cooling[model] = self._clock() + self._load_failure_cooldown_ms
+        now = self._mono()
+        if self._cooling.get(model, now) <= now:  # one incident, however many GPUs failed
+            self._load_failed(model)
+        self._cooling[model] = now + self._load_failure_cooldown_s
         await self._report_if_kafka_takes_it()
 
     async def _execute(self, run: _Running, load: asyncio.Task[None] | None,

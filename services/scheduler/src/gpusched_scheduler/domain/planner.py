@@ -119,9 +119,10 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     changed: dict[int, tuple[NodeSpec, NodeSpec | None]] = {}
     types: set[str] = set()
     crowded: list[str] = []
-    for node_id in sorted(n for n in nodes if n in live and nodes[n].status == "ready"):
-        key = (view.version.get(node_id, 0),
-               frozenset() if now_ms is None else view.load_failed(node_id, now_ms))
+    ready = sorted(n for n in nodes if n in live and nodes[n].status == "ready")
+    cooling = _cooling(view, ready, now_ms, catalog) if now_ms is not None else {}
+    for node_id in ready:
+        key = (view.version.get(node_id, 0), cooling.get(node_id, frozenset()))
         hit = cache.specs.get(node_id) if cache is not None else None
         if hit is not None and hit[0] == key:
             _, spec, idle = hit
@@ -154,10 +155,38 @@ def snapshot(view: ClusterView, live: set[str], cache: NodeSpecCache | None = No
     return cache.last
 
 
+def _cooling(view: ClusterView, ready: list[str], now_ms: int,
+             catalog: ModelCatalog | None) -> dict[str, frozenset[str]]:
+    """Per node of `ready`, the models it serves whose load failed there lately and that
+    it asks not to get now (`ClusterView.load_failed`; a model it does not serve, or one
+    the catalog lacks, changes nothing). None at all where the types they give the nodes'
+    GPUs (`_taking`) would be more than the solver holds (`MAX_GPU_TYPES`): a cooldown is
+    the node's request, not worth another node's every placement."""
+    cooling: dict[str, frozenset[str]] = {}
+    for node_id in ready:
+        failed = view.load_failed(node_id, now_ms)
+        if failed:
+            served = view.nodes[node_id].models
+            assert catalog is not None, "load failures are judged against the catalog"
+            failed &= frozenset(catalog.names if served is None else served)
+            if failed:
+                cooling[node_id] = failed
+    if not cooling:
+        return cooling
+
+    def types(node_id: str, models: Collection[str] | None) -> set[str]:
+        return {_solver_type(g.gpu_type, models) for g in view.nodes[node_id].gpus}
+
+    kinds = set().union(*(types(n, view.nodes[n].models) for n in ready), *(
+        types(n, _taking(view.nodes[n].models, failed, catalog))
+        for n, failed in cooling.items()))
+    return cooling if len(kinds) <= MAX_GPU_TYPES else {}
+
+
 def _taking(models: Collection[str] | None, failed: frozenset[str],
             catalog: ModelCatalog | None) -> Collection[str] | None:
     """The models a node that runs `models` (None: every one of the `catalog`) takes work
-    of now: all but those whose load `failed` there lately."""
+    of now: all but those whose load `failed` there lately (`_cooling`)."""
     if not failed:
         return models
     if models is None:
