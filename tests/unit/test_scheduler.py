@@ -2148,7 +2148,8 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "request_id": request_id, "tenant": "umbrella", "model": model, "prompt": "hi",
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
-    may_preempt, reclaiming, _ = engine._preemption_rights(engine._ordered(1000))
+    may_preempt, reclaiming, _ = engine._preemption_rights(
+        engine._ordered(1000), snapshot(engine.view, set()))
     assert may_preempt == {"inside": 0}
     assert reclaiming == {"inside"}
 
@@ -2235,6 +2236,47 @@ async def test_work_inside_its_guarantee_once_older_work_ended_is_no_longer_borr
     await _cycle_at(engine, now, 3000, [req("u", "batch", SMALL.name, "umbrella")],
                     node("a", [0], (EIGHT_B.name, "mistral-7b"), 2, ("new#0",)))
     assert not _preempted(sent) and not engine.borrowed()
+
+
+async def test_work_told_to_stop_counts_no_more_in_what_its_tenant_holds() -> None:
+    """soylent (20,000 MiB guaranteed) holds old 8B work and new 1.5B work, over its
+    guarantee together. acme's interactive request preempts the old work by class; while
+    that stops, the new work was still judged borrowed (the old work counted), and
+    umbrella reclaimed it too, leaving soylent nothing of its guarantee."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    await _cycle_at(engine, now, 1000, [req("old", "batch", EIGHT_B.name, "soylent", 8000)],
+                    node("a", [40_000]))
+    await _cycle_at(engine, now, 2000, [req("new", "batch", SMALL.name, "soylent", 30_000)])
+    assert engine.borrowed() == {"new#0"}
+    await _cycle_at(engine, now, 3000,
+                    [req("chat", "interactive", EIGHT_B.name, "acme", 8000)],
+                    node("a", [0], (EIGHT_B.name, SMALL.name), 2, ("old#0", "new#0")))
+    assert _preempted(sent) == ["old#0"] and not engine.borrowed()
+    await _cycle_at(engine, now, 4000, [req("u", "batch", SMALL.name, "umbrella", 20_000)],
+                    node("a", [0], (EIGHT_B.name, SMALL.name), 3, ("old#0", "new#0")))
+    assert _preempted(sent) == ["old#0"]
+
+
+async def test_work_only_away_nodes_could_hold_claims_none_of_its_tenants_guarantee(
+) -> None:
+    """umbrella (4,000 MiB guaranteed) waits with a 2-GPU request only a draining node
+    could hold, then a 1.5B one. The first, judged inside, claimed the guarantee's room
+    for as long as the node was away, and the second could reclaim nothing."""
+    now = [1000]
+    engine, sent = leading_engine(lambda: now[0])
+    long = 30_000
+    await _cycle_at(engine, now, 1000, [req("in", "batch", EIGHT_B.name, "soylent", 7990)],
+                    node("a", [40_000]))
+    await _cycle_at(engine, now, 2000, [req(f"b{i}", "batch", SMALL.name, "soylent", long)
+                                        for i in range(2)])
+    assert engine.borrowed() == {"b0#0", "b1#0"}
+    drained = node("b", [81559, 81559]).model_copy(update={"status": "draining"})
+    engine.view.apply_node_state(drained, 3000, NODE_TIMEOUT_MS)
+    gang = req("u1", "batch", SMALL.name, "umbrella", 100, num_gpus=2)
+    await _cycle_at(engine, now, 3000, [gang, req("u2", "batch", SMALL.name, "umbrella", long)],
+                    node("a", [0], (EIGHT_B.name, SMALL.name), 2, ("in#0", "b0#0", "b1#0")))
+    assert len(_preempted(sent)) == 1
 
 
 @pytest.mark.parametrize(("pong_class", "victim"), [("interactive", "batch#0"),

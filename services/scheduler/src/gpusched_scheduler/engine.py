@@ -53,6 +53,7 @@ from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_
 from gpusched_scheduler.domain.planner import (
     NodeSpecCache,
     Room,
+    Snapshot,
     estimate_gpu_s,
     fleet_gpu_mib,
     memory_per_gpu,
@@ -735,7 +736,7 @@ class SchedulingEngine:
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
-        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks)
+        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks, snap)
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
@@ -1134,26 +1135,30 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _preemption_rights(self, chunks: list[Chunk]
+    def _preemption_rights(self, chunks: list[Chunk], snap: Snapshot
                            ) -> tuple[dict[str, int], set[str], set[str]]:
         """In one look through this cycle's work, in its order, what each request may
         preempt: its ceiling (interactive work may preempt batch and borrowed work, 1; work
         of a tenant that stays inside its GPU memory guarantee once placed may reclaim
-        borrowed work, 0; work that would itself be borrowed may not: its victim, handed
-        back inside its own tenant's guarantee, would preempt it in turn, and so on
-        forever); which requests stay inside their guarantee, interactive ones too: they
-        alone may take back borrowed work placed as aged; and which interactive requests
-        would be borrowed once placed: for the same reason they may not take the work
-        `_guarded` by its tenant's guarantee, nor another tenant's borrowed interactive
-        work (`plan_cycle`).
+        borrowed work, 0; standard and batch work that would itself be borrowed may not: it
+        would trade one loan for another); which requests stay inside their guarantee,
+        interactive ones too: they alone may take back borrowed work placed as aged; and
+        which interactive requests would be borrowed once placed: they may not take the
+        work `_guarded` by its tenant's guarantee (its hand-back would reclaim the room, and
+        so on), nor another tenant's borrowed interactive work (`plan_cycle`).
 
-        A request stays inside only if what its tenant holds, what the tenant's earlier
-        requests judged inside need (those whose victims are stopping too) and its own need
-        fit the guarantee together: judged each against the holdings alone, a tenant just
-        under its guarantee reclaimed room for every request it had waiting in one cycle."""
+        A request stays inside only if what its tenant holds (`_holdings`), what the
+        tenant's earlier requests judged inside need (those whose victims are stopping too)
+        and its own need fit the guarantee together: judged each against the holdings
+        alone, a tenant just under its guarantee reclaimed room for every request it had
+        waiting in one cycle. A request only nodes that are away could hold (`out_of_reach`)
+        claims none: the cycle can do nothing for it, and it kept its tenant's next request
+        from reclaiming for as long as those nodes were away."""
         ceilings: dict[str, int] = {}
         reclaiming: set[str] = set()
         borrowing: set[str] = set()
+        holdings = self._holdings()
+        away: Callable[[InferenceRequest], bool] | None = None  # read once, if needed
         claimed: dict[str, int] = {}  # tenant -> MiB held and needed by work judged inside
         for chunk in chunks:
             for item in chunk.items:
@@ -1162,9 +1167,12 @@ class SchedulingEngine:
                 guarantee, need = self._guarantee_need(request)
                 inside = False
                 if guarantee is not None:
-                    held = claimed.get(tenant, self.running.memory_mib(tenant))
+                    held = claimed[tenant] if tenant in claimed else holdings(tenant)
                     if inside := held + need <= guarantee:
-                        claimed[tenant] = held + need
+                        if away is None:
+                            away = out_of_reach(snap, fleet_gpu_mib(self.view), self.catalog)
+                        if not away(request):
+                            claimed[tenant] = held + need
                 if request.request_id in self._preempting:
                     continue
                 if inside:
@@ -1188,8 +1196,19 @@ class SchedulingEngine:
 
     def borrowed(self) -> set[str]:
         """The placements in flight beyond their tenant's GPU memory guarantee now
-        (`RunningSet.borrowed`): reclaimable by preemption."""
-        return self.running.borrowed(self._guarantee)
+        (`RunningSet.borrowed`), work told to stop left out: reclaimable by preemption."""
+        return self.running.borrowed(self._guarantee, leaving=self._victims.keys())
+
+    def _holdings(self) -> Callable[[str], int]:
+        """What each tenant holds of its guarantee now (MiB), its work told to stop left
+        out: counted until it stopped, it made the tenant's newer work borrowed for the
+        whole preemption time-out, and another tenant reclaimed that too, taking the tenant
+        below its guarantee."""
+        leaving: dict[str, int] = {}
+        for placement_id in self._victims:
+            if (r := self.running.get(placement_id)) is not None:
+                leaving[r.tenant] = leaving.get(r.tenant, 0) + r.memory_mib
+        return lambda tenant: self.running.memory_mib(tenant) - leaving.get(tenant, 0)
 
     def _guarded(self) -> set[str]:
         """The running work a request that would itself be borrowed may not preempt: handed
@@ -1198,10 +1217,10 @@ class SchedulingEngine:
         guarded (`borrowed`): its tenant's work up to it holds more than the guarantee
         already, and its hand-back needs no less than it holds (weights counted)."""
         out: set[str] = set()
+        holdings = self._holdings()
         for r in self.running.values():
             guarantee, need = self._guarantee_need(r.request)
-            if guarantee is not None and \
-                    self.running.memory_mib(r.tenant) - r.memory_mib + need <= guarantee:
+            if guarantee is not None and holdings(r.tenant) - r.memory_mib + need <= guarantee:
                 out.add(r.placement_id)
         return out
 

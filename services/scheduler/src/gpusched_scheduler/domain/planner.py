@@ -1020,7 +1020,8 @@ def _victim_priority(r: RunningPlacement, preemptor: InferenceRequest, borrows: 
     and a loan traded for a loan of the same class gains the fleet nothing: two tenants
     past their guarantees (0, say) stopped each other's interactive work, hand-back for
     hand-back, until the hand-backs aged. A borrowing interactive request may still take
-    borrowed standard work, whose hand-back may take nothing back from it."""
+    borrowed standard work: its hand-back reclaims the room at most once (where its tenant
+    is inside its guarantee by then), and is then guarded from the interactive one's."""
     if r.request.tenant != preemptor.tenant and r.placement_id in borrowed and (
             not borrows or CLASS_PRIORITY[r.request.priority_class]
             < CLASS_PRIORITY[preemptor.priority_class]):

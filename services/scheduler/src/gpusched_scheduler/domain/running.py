@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, ValuesView
+from collections.abc import Callable, Collection, Iterable, Iterator, MutableMapping, ValuesView
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -94,24 +94,33 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
     def count(self, tenant: str) -> int:
         return len(self._oldest_first.get(tenant, ()))
 
-    def borrowed(self, guarantee: Callable[[str], int | None]) -> set[str]:
+    def borrowed(self, guarantee: Callable[[str], int | None],
+                 leaving: Collection[str] = ()) -> set[str]:
         """The placements beyond their tenant's GPU memory guarantee (`guarantee(tenant)`,
         MiB; None: unlimited, nothing borrowed), judged from what each tenant holds now:
         its oldest placements (by `placed_at_ms`, then placement id) are inside while
         together they hold no more than the guarantee, the rest are borrowed. Judged
         afresh at each call, not once at placement: a mark decided then outlived the work
         that had put its tenant past its guarantee, and the tenant's work, inside it now,
-        was preempted as borrowed. O(tenants + borrowed placements)."""
+        was preempted as borrowed. The placements `leaving` (told to stop) are neither
+        counted nor judged: counted, they made their tenant's other work borrowed until
+        they stopped. O(tenants + leaving + borrowed placements)."""
+        gone: Counter[str] = Counter()
+        for placement_id in leaving:
+            if (r := self._by_id.get(placement_id)) is not None:
+                gone[r.tenant] += r.memory_mib
         out: set[str] = set()
         for tenant, held in self._memory_mib.items():
             limit = guarantee(tenant)
             if limit is None:
                 continue
+            held -= gone[tenant]
             for _, placement_id, mib in reversed(self._oldest_first[tenant]):
                 if held <= limit:  # this one and all older ones together: inside
                     break
-                out.add(placement_id)
-                held -= mib
+                if placement_id not in leaving:
+                    out.add(placement_id)
+                    held -= mib
         return out
 
     def _untally(self, placement: RunningPlacement) -> None:
