@@ -51,6 +51,7 @@ from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStor
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_pending
 from gpusched_scheduler.domain.planner import (
+    FleetNode,
     NodeSpecCache,
     Room,
     Snapshot,
@@ -163,6 +164,10 @@ class EngineConfig:
     untaken_timeout_ms: int = 30_000
     """A placement its node never took (never listed as active, no final usage) while the
     node kept reporting this long after it was sent is fenced and retried elsewhere."""
+    fleet_known_after_ms: int = 0
+    """How long after it starts this instance rejects nothing as fitting no node of the
+    fleet (`_fleet`): the service sets its node time-out, within which every live node
+    reports; 0 (tests, benchmarks): at once."""
 
 
 def parse_request_record(
@@ -276,6 +281,7 @@ class SchedulingEngine:
         self.catalog = catalog
         self.tenants = tenants
         self.config = config
+        self._started_ms = clock()
         self.view = ClusterView()
         self.queue = PendingQueue()
         self.running = RunningSet()
@@ -729,18 +735,18 @@ class SchedulingEngine:
         if len(self.queue) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
             # left out, or a flood of it ahead kept every later unit out of every cycle
-            away = out_of_reach(snap, fleet_gpu_mib(self.view), self.catalog)
+            away = out_of_reach(snap, self._fleet(now), self.catalog)
             ordered = [Chunk(c.name, [i for i in c.items if not away(i.request)])
                        for c in ordered]
         chunks = _first(ordered, cfg.max_units_per_cycle)
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
-        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks, snap)
+        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks, snap, now)
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
-            now, may_preempt, fleet=lambda: fleet_gpu_mib(self.view), reclaiming=reclaiming,
+            now, may_preempt, fleet=lambda: self._fleet(now), reclaiming=reclaiming,
             borrowing=borrowing, borrowed=self.borrowed() if may_preempt else (),
             guarded=self._guarded() if borrowing else (),
             rooms={r: room for r, (_, room) in self._preempting.items()},
@@ -1135,7 +1141,7 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _preemption_rights(self, chunks: list[Chunk], snap: Snapshot
+    def _preemption_rights(self, chunks: list[Chunk], snap: Snapshot, now_ms: int
                            ) -> tuple[dict[str, int], set[str], set[str]]:
         """In one look through this cycle's work, in its order, what each request may
         preempt: its ceiling (interactive work may preempt batch and borrowed work, 1; work
@@ -1170,7 +1176,7 @@ class SchedulingEngine:
                     held = claimed[tenant] if tenant in claimed else holdings(tenant)
                     if inside := held + need <= guarantee:
                         if away is None:
-                            away = out_of_reach(snap, fleet_gpu_mib(self.view), self.catalog)
+                            away = out_of_reach(snap, self._fleet(now_ms), self.catalog)
                         if not away(request):
                             claimed[tenant] = held + need
                 if request.request_id in self._preempting:
@@ -1184,6 +1190,16 @@ class SchedulingEngine:
                 elif inside:
                     ceilings[request.request_id] = 0
         return ceilings, reclaiming, borrowing
+
+    def _fleet(self, now_ms: int) -> list[FleetNode]:
+        """The fleet that decides whether work that fits nowhere now waits or is rejected
+        (`fleet_gpu_mib`): none (nothing is rejected) until this instance has read node
+        state for `fleet_known_after_ms`. Started cold, its first cycles had read some
+        nodes' reports and not yet others', and rejected for good (422) work only those
+        others could hold; a standby that takes over has read them all long since."""
+        if now_ms - self._started_ms < self.config.fleet_known_after_ms:
+            return []
+        return fleet_gpu_mib(self.view, now_ms)
 
     def _reservation(self, r: RunningPlacement) -> Reservation:
         """What the view holds for placement `r` until its node's report shows it; one that

@@ -290,15 +290,26 @@ class CycleDecisions:
     preemptions: list[Preemption]
 
 
-def fleet_gpu_mib(view: ClusterView) -> list[FleetNode]:
-    """The memory of each GPU, and the models it runs, of every node that has not stopped:
-    live, silent past the time-out or draining, healthy or not. What can run on it one day
-    decides whether a request that fits nowhere now waits or is rejected: a node that went
-    quiet (Kafka restarting, a network blip) or an agent restarting does not make work
-    impossible."""
+STOPPED_GRACE_MS = 600_000
+"""How long a node that reported `stopped` still counts in the fleet that decides
+rejections (`fleet_gpu_mib`): an agent restarting (a rolling update, a pod pulling its
+image and loading its engine) is back within it, and work only it could hold waits for it.
+A node stopped for good (scaled down without deleting its record) no longer counts after
+it, and such work gets its 422."""
+
+
+def fleet_gpu_mib(view: ClusterView, now_ms: int) -> list[FleetNode]:
+    """The memory of each GPU, and the models it runs, of every node that has not stopped,
+    or stopped within `STOPPED_GRACE_MS` of `now_ms`: live, silent past the time-out or
+    draining, healthy or not. What can run on it one day decides whether a request that
+    fits nowhere now waits or is rejected: a node that went quiet (Kafka restarting, a
+    network blip) or an agent restarting does not make work impossible (a graceful restart
+    reports `stopped`: the work it handed back, and new work only it could hold, got a 422
+    until it was back, where a crash made it wait)."""
     return [(tuple(g.memory_total_mib for g in state.gpus),
              None if state.models is None else frozenset(state.models))
-            for state in view.nodes.values() if state.status != "stopped"]
+            for node_id, state in view.nodes.items() if state.status != "stopped"
+            or now_ms - view.last_seen_ms.get(node_id, now_ms) <= STOPPED_GRACE_MS]
 
 
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,
