@@ -5,6 +5,7 @@ consumer hands them: valid requests are placed, bad records are dead-lettered.""
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,6 +69,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "config"
 CATALOG = load_models(CONFIG)
 SMALL = CATALOG.get("qwen2.5-1.5b")
 TARGETS = {"interactive": 1000, "standard": 10_000, "batch": 60_000}
+STOPPED_GRACE_MS = EngineConfig().stopped_grace_ms
 NODE_TIMEOUT_MS = 10_000
 
 
@@ -84,6 +86,11 @@ def node(node_id: str, free: list[int], models: tuple[str, ...] = (), seq: int =
                                 for i, f in enumerate(free)))
 
 
+def fleet_of(view: ClusterView, now: int = 0) -> Callable[[], list]:
+    """`plan_cycle`'s `fleet` as the engine reads it at `now`."""
+    return lambda: fleet_gpu_mib(view, now, STOPPED_GRACE_MS)
+
+
 def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
          running: list | None = None, may_preempt: dict | None = None,
          reclaiming: tuple[str, ...] = (), borrowed: tuple[str, ...] = ()):
@@ -91,7 +98,7 @@ def plan(view: ClusterView, requests: list[InferenceRequest], now: int = 0,
     chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     snap = snapshot(view, view.live_nodes(now, 10_000))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view, now), reclaiming=reclaiming,
+                      fleet=fleet_of(view, now), reclaiming=reclaiming,
                       borrowed=borrowed)
 
 
@@ -295,10 +302,8 @@ def test_work_only_a_node_restarting_could_hold_waits_for_it_then_gets_its_422()
     """A graceful restart reports `stopped`: with another node in the fleet, the 70B work
     only the restarting node could hold got a 422 (the hand-back its drain promised would
     keep its client waiting too), where a crash made it wait. It waits now, for as long
-    as an agent restarting takes (`STOPPED_GRACE_MS`); a node stopped for good counts no
+    as an agent restarting takes (`stopped_grace_ms`); a node stopped for good counts no
     more after that."""
-    from gpusched_scheduler.domain.planner import STOPPED_GRACE_MS
-
     view = ClusterView()
     l4 = node("l4", [22_000]).model_copy(update={"gpus": (node("l4", [22_000]).gpus[0]
                                                           .model_copy(update={
@@ -318,15 +323,19 @@ async def test_a_scheduler_started_cold_rejects_nothing_before_every_node_could_
 ) -> None:
     """Its first cycles had read the L4 node's report and not yet the H100 node's, and
     rejected for good (422) the 70B work only the H100 node could hold. For its node
-    time-out (`fleet_known_after_ms`), within which every live node reports, it waits."""
-    now = [1000]
+    time-out (`fleet_known_after_ms`) after its first report, within which every live node
+    reports, it waits; timed from that report, not from its start (a new pod compiles its
+    solver for about 20 s first)."""
+    now = [0]
     engine, sent = leading_engine(lambda: now[0], fleet_known_after_ms=10_000)
     l4 = node("l4", [22_000])
     l4 = l4.model_copy(update={"gpus": (l4.gpus[0].model_copy(update={
         "gpu_type": "L4-24GB", "memory_total_mib": 22_528}),)})
-    await _cycle_at(engine, now, 1000, [req("r", model="llama-3.1-70b", num_gpus=2)], l4)
+    await _cycle_at(engine, now, 20_000, [req("r", model="llama-3.1-70b", num_gpus=2)], l4)
     assert topics.RESULTS.name not in sent and len(engine.queue) == 1
-    await _cycle_at(engine, now, 11_000, [])
+    await _cycle_at(engine, now, 29_999, [])
+    assert topics.RESULTS.name not in sent
+    await _cycle_at(engine, now, 30_000, [])
     [rejected] = [json.loads(v) for v in sent[topics.RESULTS.name]]
     assert rejected["status_code"] == 422
 
@@ -2111,7 +2120,7 @@ async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> N
     one.engine.view.apply_node_state(small, one.now, NODE_TIMEOUT_MS)
     await one.engine.node_states([ConsumerRecord(topics.NODE_STATE.name, 0, 5, 1000, 0, b"n1",
                                                  None, None, 0, 0, ())])
-    assert fleet_gpu_mib(one.engine.view, one.now) == [((1000,), None)]
+    assert fleet_gpu_mib(one.engine.view, one.now, STOPPED_GRACE_MS) == [((1000,), None)]
     assert "n1" not in one.engine.view.live_nodes(one.now, 10_000)
     one.now = 12_000  # epoch milliseconds: any real clock is past the time-out since 0
     await one.engine.cycle()
@@ -2820,7 +2829,7 @@ def _plan_with_rooms(view: ClusterView, requests: list[InferenceRequest], now: i
                            preempting=rooms or {})
     snap = snapshot(view, view.live_nodes(now, 10**12))
     return plan_cycle(snap, chunks, CATALOG, "gpusched", running or [], now, may_preempt or {},
-                      fleet=lambda: fleet_gpu_mib(view, 0), rooms=rooms)
+                      fleet=fleet_of(view), rooms=rooms)
 
 
 def test_a_gangs_kept_room_holds_the_free_gpu_its_plan_counts_on_too() -> None:
@@ -2877,7 +2886,7 @@ def test_work_that_fits_but_waits_behind_held_work_preempts_nothing() -> None:
     assert [c.name for c in chunks] == ["aged", "interactive"]
     decisions = plan_cycle(snapshot(view, view.live_nodes(400_000, 10**12)), chunks, CATALOG,
                            "gpusched", [victim], 400_000, {"i": 1},
-                           fleet=lambda: fleet_gpu_mib(view, 0))
+                           fleet=fleet_of(view))
     assert [p.request.request_id for p in decisions.waiting] == ["G", "i"]
     assert all(p.victims for p in decisions.preemptions)
     assert "i" not in {p.item.request.request_id for p in decisions.preemptions}
@@ -3288,7 +3297,7 @@ def test_a_stopping_victim_on_a_node_reporting_fewer_gpus_is_no_crash() -> None:
     chunks = order_pending(items, 0, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     decisions = plan_cycle(snapshot(view, view.live_nodes(0, 10**12)), chunks, CATALOG,
                            "gpusched", [_victim("w#0", req("w", "batch"), (0,), 50, 50)], 0,
-                           {"q": 1}, fleet=lambda: fleet_gpu_mib(view, 0), stopping=[stopping])
+                           {"q": 1}, fleet=fleet_of(view), stopping=[stopping])
     assert [p.request.request_id for p in decisions.waiting] == ["q"]
 
 
@@ -3435,7 +3444,7 @@ def test_an_earlier_preemptor_is_planned_before_later_work_takes_the_room_coming
     chunks = [Chunk("interactive", [Pending(earlier, {}, 0), Pending(later, {}, 0)])]
     decisions = plan_cycle(snapshot(view, view.live_nodes(0, 10**12)), chunks, CATALOG,
                            "gpusched", [running], 0, {"E": 1, "L": 1},
-                           fleet=lambda: fleet_gpu_mib(view, 0), stopping=[stopping])
+                           fleet=fleet_of(view), stopping=[stopping])
     assert [(p.item.request.request_id, [v.placement_id for v in p.victims])
             for p in decisions.preemptions] == [("E", ["V#0"])]
 
@@ -3628,7 +3637,7 @@ def test_weights_another_user_keeps_busy_are_not_counted_as_coming_free(blocker:
     chunks = order_pending(items, 10_000, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     d = plan_cycle(snapshot(view, view.live_nodes(10_000, 10**12)), chunks, CATALOG,
                    "gpusched", victims + ([] if blocker == "stopping" else [other]), 10_000,
-                   {"i": 1}, fleet=lambda: fleet_gpu_mib(view, 0),
+                   {"i": 1}, fleet=fleet_of(view),
                    stopping=[other] if blocker == "stopping" else ())
     [pre] = d.preemptions
     assert sorted(v.placement_id for v in pre.victims) == ["b0#0", "b1#0"]
@@ -3765,7 +3774,7 @@ def test_weights_work_waiting_for_room_counts_on_are_not_counted_as_coming_free(
                            FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
     d = plan_cycle(snapshot(view, view.live_nodes(10_000, 10**12)), chunks, CATALOG,
                    "gpusched", [u], 10_000, {"r1": 1, "i": 1},
-                   fleet=lambda: fleet_gpu_mib(view, 0), stopping=[s, t])
+                   fleet=fleet_of(view), stopping=[s, t])
     assert [w.request.request_id for w in d.waiting] == ["r1", "i"] and not d.preemptions
 
 
@@ -3787,7 +3796,7 @@ def test_a_change_of_a_nodes_models_alone_reaches_the_cached_snapshot() -> None:
     chunks = order_pending([Pending(req("m", model="mistral-7b"), {}, 0)], 0, FairShare(), {},
                            TARGETS, 5.0, lambda p: 1.0)
     decisions = plan_cycle(snap, chunks, CATALOG, "gpusched", [], 0, {},
-                           fleet=lambda: fleet_gpu_mib(view, 0))
+                           fleet=fleet_of(view))
     assert [p.node_id for p in decisions.placed] == ["a"]
 
 
@@ -3839,7 +3848,7 @@ def test_a_model_no_node_serves_is_rejected_saying_so() -> None:
     view.apply_node_state(serving(node("b", [80000]), SMALL.name), -20_000, NODE_TIMEOUT_MS)
     snap = snapshot(view, view.live_nodes(0, 10_000))
     assert "b" not in snap.node_index  # silent past the time-out
-    assert out_of_reach(snap, fleet_gpu_mib(view, 0), CATALOG)(req("q"))
+    assert out_of_reach(snap, fleet_gpu_mib(view, 0, STOPPED_GRACE_MS), CATALOG)(req("q"))
     decisions = plan(view, [req("q")])
     assert not decisions.rejected and [i.request.request_id for i in decisions.waiting] == ["q"]
 

@@ -165,9 +165,11 @@ class EngineConfig:
     """A placement its node never took (never listed as active, no final usage) while the
     node kept reporting this long after it was sent is fenced and retried elsewhere."""
     fleet_known_after_ms: int = 0
-    """How long after it starts this instance rejects nothing as fitting no node of the
-    fleet (`_fleet`): the service sets its node time-out, within which every live node
-    reports; 0 (tests, benchmarks): at once."""
+    """How long after it reads its first node state this instance rejects nothing as
+    fitting no node of the fleet (`_fleet`): the service sets its node time-out, within
+    which every live node reports; 0 (tests, benchmarks): at once."""
+    stopped_grace_ms: int = 600_000
+    """How long a node that reported `stopped` still counts in the fleet (`fleet_gpu_mib`)."""
 
 
 def parse_request_record(
@@ -281,7 +283,6 @@ class SchedulingEngine:
         self.catalog = catalog
         self.tenants = tenants
         self.config = config
-        self._started_ms = clock()
         self.view = ClusterView()
         self.queue = PendingQueue()
         self.running = RunningSet()
@@ -1193,13 +1194,16 @@ class SchedulingEngine:
 
     def _fleet(self, now_ms: int) -> list[FleetNode]:
         """The fleet that decides whether work that fits nowhere now waits or is rejected
-        (`fleet_gpu_mib`): none (nothing is rejected) until this instance has read node
-        state for `fleet_known_after_ms`. Started cold, its first cycles had read some
-        nodes' reports and not yet others', and rejected for good (422) work only those
-        others could hold; a standby that takes over has read them all long since."""
-        if now_ms - self._started_ms < self.config.fleet_known_after_ms:
-            return []
-        return fleet_gpu_mib(self.view, now_ms)
+        (`fleet_gpu_mib`): none (nothing is rejected) until `fleet_known_after_ms` after
+        this instance read its first node state. Started cold, its first cycles had read
+        some nodes' reports and not yet others', and rejected for good (422) work only
+        those others could hold; a standby that takes over has read them all long since.
+        Timed from the first report, not from the start: a new pod compiling its solver
+        (about 20 s) had used up the wait before it read any."""
+        heard = self.view.first_heard_ms
+        if heard is None or now_ms - heard < self.config.fleet_known_after_ms:
+            return []  # an empty view's fleet is none all the same
+        return fleet_gpu_mib(self.view, now_ms, self.config.stopped_grace_ms)
 
     def _reservation(self, r: RunningPlacement) -> Reservation:
         """What the view holds for placement `r` until its node's report shows it; one that
@@ -1220,11 +1224,7 @@ class SchedulingEngine:
         out: counted until it stopped, it made the tenant's newer work borrowed for the
         whole preemption time-out, and another tenant reclaimed that too, taking the tenant
         below its guarantee."""
-        leaving: dict[str, int] = {}
-        for placement_id in self._victims:
-            if (r := self.running.get(placement_id)) is not None:
-                leaving[r.tenant] = leaving.get(r.tenant, 0) + r.memory_mib
-        return lambda tenant: self.running.memory_mib(tenant) - leaving.get(tenant, 0)
+        return self.running.holdings(self._victims.keys())
 
     def _guarded(self) -> set[str]:
         """The running work a request that would itself be borrowed may not preempt: handed

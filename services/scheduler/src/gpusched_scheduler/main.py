@@ -54,6 +54,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         node_timeout_ms=int(settings.node_timeout_s * 1000),
         untaken_timeout_ms=int(settings.untaken_timeout_s * 1000),
         fleet_known_after_ms=int(settings.node_timeout_s * 1000),
+        stopped_grace_ms=int(settings.stopped_node_grace_s * 1000),
         class_target_ms=(("interactive", settings.interactive_target_ms),
                          ("standard", settings.standard_target_ms),
                          ("batch", settings.batch_target_ms)),

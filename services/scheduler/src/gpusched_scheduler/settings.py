@@ -23,6 +23,12 @@ class SchedulerSettings(ServiceSettings):
     node_timeout_s: float = Field(
         default=10.0, gt=0, le=600, description="A node silent this long is lost: it gets no "
         "new work and its running work is retried elsewhere.")
+    stopped_node_grace_s: float = Field(
+        default=600.0, ge=0, le=86_400, description="A node whose agent reported `stopped` (a "
+        "graceful restart) still counts this long in the fleet that decides whether work "
+        "that fits nowhere now waits or is rejected (422): work only it could hold waits for "
+        "it to come back. Counted from when this instance read the report (a scheduler "
+        "started later counts a node stopped for good this long after its start).")
     untaken_timeout_s: float = Field(
         default=30.0, gt=0, le=3600, description="A placement its node has not taken (not "
         "listed as active, not finished) this long after it was sent, while the node kept "

@@ -36,6 +36,8 @@ class ClusterView:
     last_seen_ms: dict[str, int] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     """Nodes declared lost (silent past the time-out) and not heard from since."""
+    first_heard_ms: int | None = None
+    """When the first node report was taken (None: none yet)."""
     version: dict[str, int] = field(default_factory=dict)
     """Per node, bumped whenever its GPUs or its reservations change: what a snapshot is
     built from (a report of the same GPUs leaves it alone)."""
@@ -59,6 +61,8 @@ class ClusterView:
             return False
         self.nodes[node_id] = state
         self.last_seen_ms[node_id] = now_ms
+        if self.first_heard_ms is None:
+            self.first_heard_ms = now_ms
         self.lost.discard(node_id)
         if old is None or old.gpus != state.gpus or old.models != state.models:
             self._bump(node_id)  # its solver spec (model sets are in its GPUs' types) changed

@@ -290,17 +290,11 @@ class CycleDecisions:
     preemptions: list[Preemption]
 
 
-STOPPED_GRACE_MS = 600_000
-"""How long a node that reported `stopped` still counts in the fleet that decides
-rejections (`fleet_gpu_mib`): an agent restarting (a rolling update, a pod pulling its
-image and loading its engine) is back within it, and work only it could hold waits for it.
-A node stopped for good (scaled down without deleting its record) no longer counts after
-it, and such work gets its 422."""
-
-
-def fleet_gpu_mib(view: ClusterView, now_ms: int) -> list[FleetNode]:
+def fleet_gpu_mib(view: ClusterView, now_ms: int, stopped_grace_ms: int) -> list[FleetNode]:
     """The memory of each GPU, and the models it runs, of every node that has not stopped,
-    or stopped within `STOPPED_GRACE_MS` of `now_ms`: live, silent past the time-out or
+    or whose `stopped` report this instance read within `stopped_grace_ms` of `now_ms`
+    (an agent restarting is back within it; a node stopped for good counts no more after
+    it, and work only it could hold gets its 422): live, silent past the time-out or
     draining, healthy or not. What can run on it one day decides whether a request that
     fits nowhere now waits or is rejected: a node that went quiet (Kafka restarting, a
     network blip) or an agent restarting does not make work impossible (a graceful restart
@@ -309,7 +303,7 @@ def fleet_gpu_mib(view: ClusterView, now_ms: int) -> list[FleetNode]:
     return [(tuple(g.memory_total_mib for g in state.gpus),
              None if state.models is None else frozenset(state.models))
             for node_id, state in view.nodes.items() if state.status != "stopped"
-            or now_ms - view.last_seen_ms.get(node_id, now_ms) <= STOPPED_GRACE_MS]
+            or now_ms - view.last_seen_ms.get(node_id, now_ms) <= stopped_grace_ms]
 
 
 def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, policy: str,

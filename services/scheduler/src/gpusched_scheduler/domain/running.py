@@ -94,6 +94,14 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
     def count(self, tenant: str) -> int:
         return len(self._oldest_first.get(tenant, ()))
 
+    def holdings(self, leaving: Collection[str] = ()) -> Callable[[str], int]:
+        """What each tenant holds (MiB), the placements `leaving` (told to stop) left out."""
+        gone: Counter[str] = Counter()
+        for placement_id in leaving:
+            if (r := self._by_id.get(placement_id)) is not None:
+                gone[r.tenant] += r.memory_mib
+        return lambda tenant: self._memory_mib[tenant] - gone[tenant]
+
     def borrowed(self, guarantee: Callable[[str], int | None],
                  leaving: Collection[str] = ()) -> set[str]:
         """The placements beyond their tenant's GPU memory guarantee (`guarantee(tenant)`,
@@ -105,16 +113,13 @@ class RunningSet(MutableMapping[str, RunningPlacement]):
         was preempted as borrowed. The placements `leaving` (told to stop) are neither
         counted nor judged: counted, they made their tenant's other work borrowed until
         they stopped. O(tenants + leaving + borrowed placements)."""
-        gone: Counter[str] = Counter()
-        for placement_id in leaving:
-            if (r := self._by_id.get(placement_id)) is not None:
-                gone[r.tenant] += r.memory_mib
+        holds = self.holdings(leaving)
         out: set[str] = set()
-        for tenant, held in self._memory_mib.items():
+        for tenant in self._memory_mib:
             limit = guarantee(tenant)
             if limit is None:
                 continue
-            held -= gone[tenant]
+            held = holds(tenant)
             for _, placement_id, mib in reversed(self._oldest_first[tenant]):
                 if held <= limit:  # this one and all older ones together: inside
                     break
