@@ -1367,7 +1367,7 @@ class Commits:
         self.offsets.update(offsets)
 
 
-async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_replanned(
+async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_sent_again(
 ) -> None:
     acks: list[asyncio.Future] = []
 
@@ -1389,9 +1389,10 @@ async def test_offsets_commit_once_kafka_acknowledged_and_a_failed_publish_is_re
     assert len(engine.running) == 1 and not engine.queue.depth()["standard"]
     acks[0].set_exception(ConnectionError("broker gone"))  # the placement may be lost
     await asyncio.sleep(0.01)
-    assert not engine.running and engine.queue.depth()["standard"] == 1  # planned again
+    # or it may run: held where it went, not planned again
+    assert len(engine.running) == 1 and not engine.queue.depth()["standard"]
     assert kafka.offsets == {}
-    assert await engine.cycle() == 1  # the same placement id again: agents run it once
+    assert await engine.cycle() == 1  # the same placement again: agents run it once
     acks[1].set_result(None)
     await asyncio.sleep(0.01)
     assert kafka.offsets == {TopicPartition(standard, 0): 8}
@@ -1941,13 +1942,15 @@ async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_ag
     assert kafka.offsets == {TopicPartition(standard, 0): 8}
 
 
-def _held_engine(send=None, store=None  # noqa: ANN001
+def _held_engine(send=None, store=None, sent: list | None = None  # noqa: ANN001
                  ) -> tuple[SchedulingEngine, list[asyncio.Future], Commits]:
     """A leading engine whose publishes wait for the test to answer them (`acks`), unless
-    it gives its own `send`."""
+    it gives its own `send`; `sent`, if given, collects what it publishes."""
     acks: list[asyncio.Future] = []
 
     async def held(batch):
+        if sent is not None:
+            sent.extend(batch)
         acks.append(asyncio.get_running_loop().create_future())
         return acks[-1]
     engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send or held, lambda: 1000,
@@ -2047,6 +2050,152 @@ async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_t
     await retried
     await asyncio.sleep(0.01)
     assert kafka.offsets == {TopicPartition(standard, 0): 8} and not engine._retries
+
+
+async def test_a_placement_kafka_may_have_taken_is_sent_again_where_it_went() -> None:
+    """Kafka refused the cycle that sent r1#0 to one node (another record of the cycle
+    failed, or the answer timed out after the write), but that node's agent had it and ran
+    it. The cycle was undone and r1#0 planned again, to the other node, whose agent ignored
+    it as a duplicate: the scheduler held that node's GPU for the whole run, and when that
+    node was lost it retried the request while it still ran. Now the placement goes out
+    again unchanged (node, GPUs, KV cache, time, token), held where it went meanwhile."""
+    now, acks, sent = [1000], [], []
+
+    async def send(batch):
+        sent.extend(batch)
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000,
+                                           commit_interval_ms=0), store=Fences(taken=set()))
+    engine.lead(3, [])
+    for n in ("n1", "n2"):  # room for one 8B request each
+        engine.view.apply_node_state(node(n, [20_000]), now[0], NODE_TIMEOUT_MS)
+    engine.queue.push(Pending(req("r1", model=EIGHT_B.name, max_tokens=1000), {}, 0))
+    await engine.cycle()
+    [first] = [o.message for o in sent if isinstance(o.message, Placement)]
+    ran_on, other = first.node_id, ({"n1", "n2"} - {first.node_id}).pop()
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    assert list(engine.view.reservations) == ["r1#0"]  # nothing else may take its room
+    now[0] = 1500  # its agent runs it: that GPU is full now
+    engine.view.apply_node_state(node(ran_on, [60], models=(EIGHT_B.name,), seq=2,
+                                      active=("r1#0",)), now[0], NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 1
+    assert [o.message for o in sent if isinstance(o.message, Placement)] == [first, first]
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert engine.running["r1#0"].node_id == ran_on
+    assert not engine.view.node_reservations(other)[0]
+    now[0] = 12_000  # the other node goes silent and is lost: it ran nothing of r1
+    engine.view.apply_node_state(node(ran_on, [60], models=(EIGHT_B.name,), seq=3,
+                                      active=("r1#0",)), now[0], NODE_TIMEOUT_MS)
+    await engine.cycle()
+    assert not [o for o in sent if isinstance(o.message, InferenceRequest)]
+    assert list(engine.running) == ["r1#0"]
+
+
+@pytest.mark.parametrize("after_refusal", [True, False],
+                         ids=["cancelled-after-the-refusal", "cancelled-before-the-refusal"])
+async def test_a_placement_sent_again_goes_out_though_its_request_was_cancelled(
+        after_refusal: bool) -> None:
+    """Cancelled while its placement waits to go out again: its agent may run it already
+    (the cancel stops it) or take it later (agents read cancels in Redis too, and end it
+    unrun), so it goes out again, and no 'cancelled before it was placed' result says that
+    nothing ran."""
+    sent: list = []
+    store = FlakyStore()
+    store.up = True
+    engine, acks, kafka = _held_engine(store=store, sent=sent)
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    assert await engine.cycle() == 1
+    cancel = ConsumerRecord(topics.CONTROL.name, 0, 0, 1000, 0, b"r1", Cancel(
+        request_id="r1", reason="client disconnected", at_ms=1000).to_bytes(), None, 0, 0, ())
+    if not after_refusal:
+        await engine.cancels([cancel])
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    if after_refusal:
+        await engine.cancels([cancel])
+    assert await engine.cycle() == 1
+    assert [type(o.message) for o in sent] == [Placement, Placement]
+    assert sent[0].message == sent[1].message
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert list(engine.running) == ["r1#0"] and not len(engine.queue)
+    assert store.saved == ["r1#0"]
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+
+
+@pytest.mark.parametrize("stepped_down", [True, False],
+                         ids=["stepped-down", "led-again-without-stepping-down"])
+async def test_a_placement_left_to_send_again_is_decided_afresh_by_a_later_term(
+        stepped_down: bool) -> None:
+    """Kafka refused the cycle, then the instance stepped down (or led under a new token)
+    before the placement went out again: agents refuse its old token, so the next term
+    places the request afresh under its own; nothing of the old placement stays running,
+    reserved or charged, and the record commits once the new placement is taken."""
+    sent: list = []
+    store = FlakyStore()
+    store.up = True
+    engine, acks, kafka = _held_engine(store=store, sent=sent)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    charged = engine.fair.level("acme", 1)
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    if stepped_down:
+        engine.step_down()
+        assert not engine.running and not engine.view.reservations
+        assert engine.fair.level("acme", 1) == pytest.approx(0, abs=1e-9)
+        engine.lead(4, [], {})
+        await engine.admit([record], kafka.commit)  # the new term reads it again
+    else:
+        engine.lead(4, [], {})
+    assert kafka.offsets == {}
+    assert await engine.cycle() == 1
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert [o.message.scheduler_epoch for o in sent] == [3, 4]
+    assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
+    assert engine.fair.level("acme", 1) == pytest.approx(charged)
+    assert store.saved == ["r1#0"]
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+
+
+async def test_a_placement_kafka_refuses_twice_is_saved_and_committed_once_taken() -> None:
+    """r1#0 is refused twice while r2#0, placed by a cycle planned before the first refusal
+    came, is taken: r1#0 goes out unchanged each time, r2's record (behind r1's) commits
+    only once r1#0 is taken, and each placement is saved once."""
+    sent: list = []
+    commits: list[dict] = []
+    store = FlakyStore()
+    store.up = True
+    engine, acks, _ = _held_engine(store=store, sent=sent)
+
+    async def commit(offsets) -> None:  # noqa: ANN001
+        commits.append(dict(offsets))
+    await engine.admit([_standard_record(7, "r1")], commit)
+    assert await engine.cycle() == 1
+    await engine.admit([_standard_record(8, "r2")], commit)
+    assert await engine.cycle() == 1  # while r1#0's answer is pending
+    _answer(acks[0], refused=True)
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert store.saved == ["r2#0"] and not commits
+    assert await engine.cycle() == 1
+    _answer(acks[2], refused=True)
+    await asyncio.sleep(0.01)
+    assert await engine.cycle() == 1
+    _answer(acks[3], refused=False)
+    await asyncio.sleep(0.01)
+    placements = [o.message for o in sent]
+    assert [p.placement_id for p in placements] == ["r1#0", "r2#0", "r1#0", "r1#0"]
+    assert placements[0] == placements[2] == placements[3]
+    assert store.saved == ["r2#0", "r1#0"]
+    assert commits == [{TopicPartition(topics.REQUESTS["standard"].name, 0): 9}]
+    assert sorted(engine.running) == ["r1#0", "r2#0"]
 
 
 async def test_an_untaken_placement_fenced_before_is_retried() -> None:
@@ -3068,9 +3217,10 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
     assert store.saved == [] and not engine.running
 
 
-async def test_a_cycle_kafka_refused_gives_back_its_fair_share_estimate() -> None:
+async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:
     """Kafka refused the cycle and its request was placed again by the next: its tenant was
-    charged the estimate twice, and weighed as if it had run twice as long."""
+    charged the estimate twice, and weighed as if it had run twice as long. Now the
+    placement is held, charged, while it goes out again."""
     engine, acks, kafka = _held_engine()
     await engine.admit([_standard_record(7, "r1")], kafka.commit)
     assert await engine.cycle() == 1
@@ -3078,8 +3228,8 @@ async def test_a_cycle_kafka_refused_gives_back_its_fair_share_estimate() -> Non
     assert charged > 0
     _answer(acks[0], refused=True)
     await asyncio.sleep(0.01)
-    assert engine.fair.level("acme", 1) == 0
-    assert await engine.cycle() == 1  # placed again
+    assert engine.fair.level("acme", 1) == pytest.approx(charged)
+    assert await engine.cycle() == 1  # sent again
     assert engine.fair.level("acme", 1) == pytest.approx(charged)
 
 
@@ -3320,7 +3470,8 @@ async def test_a_preemption_whose_room_is_on_a_draining_node_lets_its_request_go
 
 async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> None:
     """Its preemption ended when the cycle placed it: undone, it waited again without its
-    room, and the victims' hand-backs could take that room back once more."""
+    room, and the victims' hand-backs could take that room back once more. Now it is held
+    in its room and sent there again; its preemption ends once Kafka took it."""
     from gpusched_scheduler.domain.planner import Room
 
     send_ok = [False]
@@ -3332,7 +3483,8 @@ async def test_a_preemptor_placed_in_a_cycle_kafka_refuses_keeps_its_room() -> N
     with contextlib.suppress(ConnectionError):
         await engine.cycle()
     await asyncio.sleep(0.01)
-    assert [name for name, _ in engine.in_line(1000)] == ["preempting"]
+    assert [(r.node_id, r.gpu_indices) for r in engine.running.values()] == [("n1", (0,))]
+    assert "i" in engine._preempting
     send_ok[0] = True
     assert await engine.cycle() == 1
     await asyncio.sleep(0.01)
@@ -3407,7 +3559,8 @@ async def test_a_record_read_again_while_its_lost_nodes_retry_waits_for_kafka_wa
 async def test_a_record_read_again_while_its_cycle_is_in_flight_waits_for_its_answer() -> None:
     """Read again (a re-lead under the same token, a seek-back) while its cycle waited for
     Kafka, the record was committed as decided; Kafka then refused the cycle, its work
-    waited in memory only, and the next step-down lost it."""
+    waited in memory only, and the next step-down lost it. Now it commits once Kafka has
+    taken the placement, sent again."""
     engine, acks, kafka = _held_engine()
     record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
@@ -3419,7 +3572,12 @@ async def test_a_record_read_again_while_its_cycle_is_in_flight_waits_for_its_an
     assert kafka.offsets == {}
     acks[0].set_exception(ConnectionError("broker gone"))
     await asyncio.sleep(0.01)
-    assert kafka.offsets == {} and [p.key for p in engine.queue.in_order()] == [("r1", 0)]
+    assert kafka.offsets == {} and list(engine.running) == ["r1#0"]
+    assert list(engine.view.reservations) == ["r1#0"]  # `lead` had dropped it: held again
+    assert await engine.cycle() == 1
+    acks[1].set_result(None)
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
 
 
 def test_an_earlier_preemptor_is_planned_before_later_work_takes_the_room_coming_free(

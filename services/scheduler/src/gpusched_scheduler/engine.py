@@ -367,6 +367,13 @@ class SchedulingEngine:
         self._retries: list[tuple[str, Outgoing]] = []
         """(placement id, its request's next attempt) Kafka has not taken yet; published
         again each cycle, and the placements leave Redis only once it has."""
+        self._resend: list[tuple[Pending, RunningPlacement, int]] = []
+        """Placements of cycles Kafka refused, each with its work and the token it went with:
+        sent again unchanged with the next cycle of that term, held meanwhile (running,
+        reserved, charged). One may have reached Kafka all the same (another record of the
+        cycle failed, or the answer timed out after the write), its agent claiming and
+        running it: planned again, it could go to another node, whose agent ignores it as a
+        duplicate while this scheduler counts it as running there."""
         self._decide_when_retried: dict[str, Pending] = {}
         """Placement id -> the work of an undone cycle that was retried meanwhile (its node
         was lost before Kafka refused the cycle): decided once Kafka has taken the retry."""
@@ -413,6 +420,10 @@ class SchedulingEngine:
         for item in list(self.queue.in_order()):
             self.queue.remove(item)
             self._refund(item)  # read and charged again by whichever instance leads next
+        resend, self._resend = self._resend, []
+        if resend:  # the next term decides their work afresh
+            self._undo([item for item, _, _ in resend], [r for _, r, _ in resend],
+                       requeue=False)
         self.offsets.clear()
         self._decide_when_retried.clear()
         self._retried.clear()  # the next leader reads them as queued work
@@ -714,8 +725,9 @@ class SchedulingEngine:
         epoch = self.epoch  # the token this cycle's commands go with (the awaits are behind)
         if epoch is None:
             return 0  # stepped down meanwhile
+        resent = self._take_resends(epoch)
         ended = self._take_cancelled(now) + self._take_expired(now)
-        if not len(self.queue) and not ended:
+        if not len(self.queue) and not ended and not resent:
             return 0
         started = time.perf_counter()
         live = self.view.live_nodes(now, cfg.node_timeout_ms)
@@ -754,14 +766,14 @@ class SchedulingEngine:
             stopping=self._stopping())
         self._metrics.solver_seconds.observe(time.perf_counter() - solve_started)
 
-        messages: list[tuple[Pending, Outgoing]] = list(ended)
-        new_running: list[RunningPlacement] = []
+        # placements sent again go first: a preempt of one this cycle follows it to its node
+        messages: list[tuple[Pending, Outgoing]] = [
+            (item, self._placement(r, epoch, item.trace_carrier)) for item, r in resent]
+        messages += ended
+        new_running = [r for _, r in resent]
         for place in decisions.placed:
             request = place.item.request
             pid = _placement_id(request.request_id, request.attempt)
-            placement = Placement(placement_id=pid, node_id=place.node_id,
-                                  gpu_indices=place.gpu_indices, kv_cache_mib=place.kv_cache_mib,
-                                  scheduler_epoch=epoch, placed_at_ms=now, request=request)
             running = RunningPlacement(
                 placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
@@ -775,8 +787,8 @@ class SchedulingEngine:
             self._give_back_estimate(pid, request.tenant, now / 1000)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
             self._estimated[pid] = Estimated(id(running), now, running.estimate_gpu_s)
-            messages.append((place.item, Outgoing(placement, topics.PLACEMENTS.name,
-                                                  place.node_id, place.item.trace_carrier)))
+            messages.append((place.item, self._placement(running, epoch,
+                                                         place.item.trace_carrier)))
             self._metrics.placement_latency[request.priority_class].observe(
                 max(0.0, now - request.created_at_ms) / 1000)
         for reject in decisions.rejected:
@@ -810,8 +822,8 @@ class SchedulingEngine:
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
             acked = await self._send([out for _, out in messages])
-        finished = [p.item for p in decisions.placed] + [r.item for r in decisions.rejected] \
-            + [item for item, _ in ended]
+        finished = [item for item, _ in resent] + [p.item for p in decisions.placed] \
+            + [r.item for r in decisions.rejected] + [item for item, _ in ended]
         # led again under another token during the send: no decision is noted, that term
         # decides its records read again afresh (a note made now would pass for its own)
         stale = self._led_with != epoch
@@ -837,16 +849,21 @@ class SchedulingEngine:
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
                       new_running: list[RunningPlacement], epoch: int | None) -> None:
         """Once Kafka acknowledged a cycle's records: save its placements, mark its work
-        decided and commit the offsets that frees. If publishing failed, the cycle is undone
-        and its work waits again (a placement that did reach Kafka and is sent again runs
-        once: agents claim each placement id). `epoch` is the token the cycle sent them
-        with (this task may first run after a change of leadership)."""
+        decided and commit the offsets that frees. If publishing failed, its placements are
+        sent again unchanged while this term leads (`_send_again`) and the rest of its work
+        waits again; under another term, or none, the cycle is undone. `epoch` is the token
+        the cycle sent them with (this task may first run after a change of leadership)."""
         try:
             await acked
         except Exception:
+            if self.epoch is not None and self.epoch == epoch:
+                log.exception("publishing a cycle's decisions failed; sending its placements "
+                              "again, planning the rest of its work again")
+                self._send_again(finished, new_running, epoch)
+                return
             log.exception("publishing a cycle's decisions failed; planning its work again")
             self._undo(finished, new_running, requeue=self.epoch is not None,
-                       later_term=self.epoch is not None and self.epoch != epoch)
+                       later_term=self.epoch is not None)
             return
         if self.epoch != epoch:
             # Stepped down, or led again with a new token, meanwhile: agents refuse what went
@@ -864,10 +881,7 @@ class SchedulingEngine:
         # the node was lost) are not running
         new_running = [r for r in new_running if not self._gone(r.placement_id)]
         for r in new_running:
-            if r.placement_id not in self.running and self.epoch == epoch:
-                # led again meanwhile: `lead` took Redis's list, which it is not in yet
-                self.running[r.placement_id] = r
-                self.view.reserve_unlisted(self._reservation(r))
+            self._hold(r)
         if self._store is not None and new_running and not await self._save(new_running,
                                                                             epoch):
             # Deposed before they were saved, a next leader would not know these
@@ -880,8 +894,8 @@ class SchedulingEngine:
         for item in finished:
             item.decided = True
             self._out_of_cycle(item)
-            # its preemption is over once Kafka took its placement: a cycle undone keeps
-            # it first in line, with its room
+            # its preemption is over once Kafka took its placement: one sent again keeps
+            # its room meanwhile, a cycle undone keeps it first in line, with its room
             self._preempting.pop(item.request.request_id, None)
         self._commit_decided()
 
@@ -901,6 +915,51 @@ class SchedulingEngine:
                 return False
             await asyncio.sleep(SAVE_RETRY_S)
         return False
+
+    def _hold(self, r: RunningPlacement) -> None:
+        """Count placement `r`, sent under the token leading now, as running here: led again
+        under that token since, `lead` took Redis's list, which it is not in yet."""
+        if r.placement_id not in self.running:
+            self.running[r.placement_id] = r
+            self.view.reserve_unlisted(self._reservation(r))
+
+    def _send_again(self, finished: list[Pending], new_running: list[RunningPlacement],
+                    epoch: int) -> None:
+        """A cycle Kafka refused under the token leading now: its placements that have not
+        ended or moved on stand as decided, held here and sent again, unchanged, with the
+        next cycle (`_resend`) until Kafka takes them; the rest of its work (rejections,
+        ends) is planned again. A placement delivered twice runs once: agents claim its id."""
+        again = {r.placement_id: r for r in new_running if not self._gone(r.placement_id)}
+        for r in again.values():
+            self._hold(r)
+        self._resend += [(item, again[pid], epoch) for item in finished
+                         if (pid := _placement_id(*item.key)) in again]
+        self._undo([item for item in finished if _placement_id(*item.key) not in again],
+                   [r for r in new_running if r.placement_id not in again], requeue=True)
+
+    def _take_resends(self, epoch: int) -> list[tuple[Pending, RunningPlacement]]:
+        """The placements Kafka refused that go out again with this cycle, each with its
+        work: those sent under `epoch` that have not ended or moved on. The others are
+        undone: ended or retried meanwhile, their work went on without them; sent under an
+        earlier token (led again under another without stepping down), agents refuse them
+        and this term decides their work afresh."""
+        resend, self._resend = self._resend, []
+        again = []
+        for item, r, token in resend:
+            if token == epoch and not self._gone(r.placement_id):
+                again.append((item, r))
+            else:
+                self._undo([item], [r], requeue=True, later_term=token != epoch)
+        return again
+
+    def _placement(self, r: RunningPlacement, epoch: int, carrier: dict[str, str]
+                   ) -> Outgoing:
+        """The command that sends placement `r` to its node under token `epoch`: the same
+        record each time it is sent."""
+        return Outgoing(Placement(
+            placement_id=r.placement_id, node_id=r.node_id, gpu_indices=r.gpu_indices,
+            kv_cache_mib=r.kv_cache_mib, scheduler_epoch=epoch, placed_at_ms=r.placed_at_ms,
+            request=r.request), topics.PLACEMENTS.name, r.node_id, carrier)
 
     def _undo(self, finished: list[Pending], new_running: list[RunningPlacement],
               requeue: bool, later_term: bool = False) -> None:

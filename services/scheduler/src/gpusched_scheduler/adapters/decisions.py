@@ -6,7 +6,8 @@ This is the scheduler's hot path, so it talks to aiokafka directly (the broker's
 middlewares cost more than the decision itself); each record still carries the W3C
 context of a `schedule` span opened in the request's own trace. Like the broker's, its
 producer is replaced once Kafka refuses it as out of order (`gpusched_common.broker.Broker`);
-the cycle whose records were refused is planned and published again.
+the placements of the cycle whose records were refused are published again, unchanged,
+and the rest of its work is decided again.
 """
 
 from __future__ import annotations
