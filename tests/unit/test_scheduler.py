@@ -2450,10 +2450,50 @@ async def test_work_told_to_stop_counts_no_more_in_what_its_tenant_holds() -> No
     await _cycle_at(engine, now, 3000,
                     [req("chat", "interactive", EIGHT_B.name, "acme", 8000)],
                     node("a", [0], (EIGHT_B.name, SMALL.name), 2, ("old#0", "new#0")))
+    await asyncio.sleep(0)  # Kafka took the preempt
     assert _preempted(sent) == ["old#0"] and not engine.borrowed()
     await _cycle_at(engine, now, 4000, [req("u", "batch", SMALL.name, "umbrella", 20_000)],
                     node("a", [0], (EIGHT_B.name, SMALL.name), 3, ("old#0", "new#0")))
     assert _preempted(sent) == ["old#0"]
+
+
+async def test_work_whose_preempt_kafka_refused_still_counts_in_what_its_tenant_holds(
+) -> None:
+    """The preempt of soylent's old work failed to publish, so it ran on; counted as
+    stopping all the same, soylent (over its 20,000 MiB guarantee with it) reclaimed
+    umbrella's borrowed work for its new request for the whole preemption time-out."""
+    now, sent, refuse = [500], {}, [False]
+
+    async def publish(batch):
+        if refuse[0]:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(KafkaConnectionError("Kafka is away"))
+            return failed
+        for out in batch:
+            sent.setdefault(out.topic, []).append(out.message.to_bytes())
+        return asyncio.gather()
+
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), publish, lambda: now[0],
+                              NoOpTracer(), EngineConfig(cycle_window_ms=0,
+                                                         node_timeout_ms=10**12))
+    engine.lead(3, [])
+    a_full = node("a", [0], (EIGHT_B.name, SMALL.name), 3, ("old#0", "new#0"))
+    await _cycle_at(engine, now, 500, [req("old", "batch", EIGHT_B.name, "soylent", 8000)],
+                    node("a", [20_100]))
+    await _cycle_at(engine, now, 1000, [req("new", "batch", SMALL.name, "soylent", 30_000)])
+    await _cycle_at(engine, now, 2000, [req(f"u{i}", "batch", SMALL.name, "umbrella", 30_000)
+                                        for i in (1, 2, 3)], node("b", [8000]))
+    engine.view.apply_node_state(node("b", [0], (SMALL.name,), 3, ("u1#0", "u2#0", "u3#0")),
+                                 3000, NODE_TIMEOUT_MS)
+    refuse[0] = True
+    await _cycle_at(engine, now, 3000, [req("chat", "interactive", EIGHT_B.name, "acme", 8000)],
+                    a_full)
+    for settling in list(engine._in_flight):
+        await settling
+    refuse[0] = False
+    await _cycle_at(engine, now, 4000, [req("w", "standard", SMALL.name, "soylent", 30_000)],
+                    a_full.model_copy(update={"seq": 4}))
+    assert _preempted(sent) == []
 
 
 async def test_work_only_away_nodes_could_hold_claims_none_of_its_tenants_guarantee(

@@ -346,6 +346,10 @@ class SchedulingEngine:
         """Placement id -> (until when, the victim): running work a preempt was sent for (not
         chosen as a victim again meanwhile, by another request that would then wait for its
         room). Kept after its final usage while its node still lists it (`_stopping`)."""
+        self._told: set[str] = set()
+        """The victims whose preempt Kafka took: they stop, and count no more in what their
+        tenant holds (`_holdings`). One whose preempt Kafka refused runs on, and counted as
+        gone its tenant reclaimed from others while over its guarantee."""
         self._node_specs = NodeSpecCache()
         self._crowded: tuple[str, ...] = ()
         """Nodes the last snapshot left out (`Snapshot.crowded`), logged when they change."""
@@ -429,6 +433,7 @@ class SchedulingEngine:
         self._retried.clear()  # the next leader reads them as queued work
         self._preempting.clear()  # a next term plans again: its preempts go under its token
         self._victims.clear()
+        self._told.clear()
         self._metrics.gpus_wanted.clear()  # a standby's last demand would outlive the leader's
         self._room.set()
 
@@ -744,6 +749,7 @@ class SchedulingEngine:
                             if p[0] > now and p[1].node_id in snap.node_index}
         self._victims = {p: v for p, v in self._victims.items() if v[0] > now
                          and (p in self.running or self._listed(v[1]))}
+        self._told &= self._victims.keys()
         ordered = self._ordered(now)
         if len(self.queue) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
@@ -824,6 +830,7 @@ class SchedulingEngine:
             acked = await self._send([out for _, out in messages])
         finished = [item for item, _ in resent] + [p.item for p in decisions.placed] \
             + [r.item for r in decisions.rejected] + [item for item, _ in ended]
+        stops = [v.placement_id for pre in decisions.preemptions for v in pre.victims]
         # led again under another token during the send: no decision is noted, that term
         # decides its records read again afresh (a note made now would pass for its own)
         stale = self._led_with != epoch
@@ -837,7 +844,7 @@ class SchedulingEngine:
             self._room.set()
         self._in_flight = [t for t in self._in_flight if not t.done()]
         self._in_flight.append(asyncio.create_task(
-            self._settle(acked, finished, new_running, epoch), name="settle-cycle"))
+            self._settle(acked, finished, new_running, epoch, stops), name="settle-cycle"))
         if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
             await self._in_flight.pop(0)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
@@ -847,12 +854,14 @@ class SchedulingEngine:
         return len(messages)
 
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
-                      new_running: list[RunningPlacement], epoch: int | None) -> None:
+                      new_running: list[RunningPlacement], epoch: int | None,
+                      stops: list[str]) -> None:
         """Once Kafka acknowledged a cycle's records: save its placements, mark its work
         decided and commit the offsets that frees. If publishing failed, its placements are
         sent again unchanged while this term leads (`_send_again`) and the rest of its work
         waits again; under another term, or none, the cycle is undone. `epoch` is the token
-        the cycle sent them with (this task may first run after a change of leadership)."""
+        the cycle sent them with (this task may first run after a change of leadership);
+        `stops` the placements it sent preempts for (`_told` once Kafka took them)."""
         try:
             await acked
         except Exception:
@@ -865,6 +874,8 @@ class SchedulingEngine:
             self._undo(finished, new_running, requeue=self.epoch is not None,
                        later_term=self.epoch is not None)
             return
+        if self.epoch == epoch:
+            self._told.update(p for p in stops if p in self._victims)
         if self.epoch != epoch:
             # Stepped down, or led again with a new token, meanwhile: agents refuse what went
             # out under the old one as a deposed leader's (once they see a newer one), and no
@@ -1276,14 +1287,14 @@ class SchedulingEngine:
     def borrowed(self) -> set[str]:
         """The placements in flight beyond their tenant's GPU memory guarantee now
         (`RunningSet.borrowed`), work told to stop left out: reclaimable by preemption."""
-        return self.running.borrowed(self._guarantee, leaving=self._victims.keys())
+        return self.running.borrowed(self._guarantee, leaving=self._told)
 
     def _holdings(self) -> Callable[[str], int]:
         """What each tenant holds of its guarantee now (MiB), its work told to stop left
         out: counted until it stopped, it made the tenant's newer work borrowed for the
         whole preemption time-out, and another tenant reclaimed that too, taking the tenant
         below its guarantee."""
-        return self.running.holdings(self._victims.keys())
+        return self.running.holdings(self._told)
 
     def _guarded(self) -> set[str]:
         """The running work a request that would itself be borrowed may not preempt: handed

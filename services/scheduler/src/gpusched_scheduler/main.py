@@ -176,7 +176,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     @get_and_head(app, "/v1/placements")
     async def placements() -> dict:
         """Placements in flight (leader's view): where each request runs, and whether it is
-        borrowed now (beyond its tenant's guarantee)."""
+        borrowed now (beyond its tenant's guarantee; work being stopped is not judged)."""
         borrowed = engine.borrowed()
         return {"placements": [
             {"placement_id": r.placement_id, "request_id": r.request.request_id,
