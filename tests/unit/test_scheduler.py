@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -2095,6 +2096,83 @@ async def test_a_placement_kafka_may_have_taken_is_sent_again_where_it_went() ->
     assert list(engine.running) == ["r1#0"]
 
 
+async def test_a_placement_to_send_again_survives_a_cycle_that_fails_before_sending(
+) -> None:
+    """The cycle after the refusal raised before it sent anything (run() logs it and cycles
+    on): the placement it had taken to send again was lost with it, neither sent nor
+    decided, so nothing behind its record committed for the rest of the term."""
+    sent: list = []
+    engine, acks, kafka = _held_engine(store=Fences(taken=set()), sent=sent)
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    assert await engine.cycle() == 1
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    with patch("gpusched_scheduler.engine.plan_cycle", side_effect=RuntimeError("fault")), \
+            pytest.raises(RuntimeError):
+        await engine.cycle()
+    assert await engine.cycle() == 1
+    _answer(acks[1], refused=False)
+    await asyncio.sleep(0.01)
+    assert [o.message.placement_id for o in sent] == ["r1#0", "r1#0"]
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+
+
+async def test_a_placement_sent_again_is_untaken_only_that_long_after_kafka_took_it(
+) -> None:
+    """Kafka refused it for 35 s: the untaken time-out (30 s) ran from its first send, so
+    the first cycle after Kafka came back fenced and retried it as never taken by its node,
+    which had never been sent it."""
+    now, acks, sent = [1000], [], []
+
+    async def send(batch):
+        sent.extend(batch)
+        acks.append(asyncio.get_running_loop().create_future())
+        if now[0] < 36_000:
+            acks[-1].set_exception(ConnectionError("broker gone"))
+        return acks[-1]
+    store = Fences(taken=set())
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           untaken_timeout_ms=30_000, commit_interval_ms=0),
+                              store=store)
+    engine.lead(3, [])
+    await engine.admit([_standard_record(7, "r1")])
+    for at in range(1000, 37_001, 1000):  # n1 reports every second, lists nothing yet
+        now[0] = at
+        engine.view.apply_node_state(node("n1", [80000], seq=at), at, NODE_TIMEOUT_MS)
+        await engine.cycle()
+        await asyncio.sleep(0)
+    assert not store.fenced and not [o for o in sent if isinstance(o.message, InferenceRequest)]
+    assert list(engine.running) == ["r1#0"]
+
+
+async def test_a_next_leader_knows_a_placement_kafka_refused_and_settles_it_by_its_claim(
+) -> None:
+    """Kafka refused the cycle, the instance stepped down before sending it again, and the
+    next term did not know the placement: it planned the request afresh, on another node,
+    whose agent ignored it as a duplicate while it ran on the first. It is saved for a next
+    leader when refused, which then counts it where it went."""
+    sent: list = []
+    store = FlakyStore()
+    store.up = True
+    engine, acks, kafka = _held_engine(store=store, sent=sent)
+    engine.view.apply_node_state(node("n2", [80000]), 0, NODE_TIMEOUT_MS)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    [first] = [o.message for o in sent]
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    assert store.saved == ["r1#0"]
+    inherited = engine.running["r1#0"]
+    engine.step_down()
+    engine.lead(4, [inherited], {"r1#0": "held"})  # as Redis lists it, claimed by its agent
+    await engine.admit([record], kafka.commit)  # the new term reads it again
+    await engine.cycle()
+    assert engine.running["r1#0"].node_id == first.node_id
+    assert [o.message.placement_id for o in sent] == ["r1#0"]  # nothing planned afresh
+
+
 @pytest.mark.parametrize("after_refusal", [True, False],
                          ids=["cancelled-after-the-refusal", "cancelled-before-the-refusal"])
 async def test_a_placement_sent_again_goes_out_though_its_request_was_cancelled(
@@ -2123,7 +2201,7 @@ async def test_a_placement_sent_again_goes_out_though_its_request_was_cancelled(
     _answer(acks[1], refused=False)
     await asyncio.sleep(0.01)
     assert list(engine.running) == ["r1#0"] and not len(engine.queue)
-    assert store.saved == ["r1#0"]
+    assert store.saved == ["r1#0", "r1#0"]  # refused, then taken
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
 
 
@@ -2160,14 +2238,14 @@ async def test_a_placement_left_to_send_again_is_decided_afresh_by_a_later_term(
     assert [o.message.scheduler_epoch for o in sent] == [3, 4]
     assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
     assert engine.fair.level("acme", 1) == pytest.approx(charged)
-    assert store.saved == ["r1#0"]
+    assert store.saved == ["r1#0", "r1#0"]  # refused (3), placed (4)
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
 
 
 async def test_a_placement_kafka_refuses_twice_is_saved_and_committed_once_taken() -> None:
     """r1#0 is refused twice while r2#0, placed by a cycle planned before the first refusal
     came, is taken: r1#0 goes out unchanged each time, r2's record (behind r1's) commits
-    only once r1#0 is taken, and each placement is saved once."""
+    only once r1#0 is taken; r1#0 is saved for a next leader at each refusal, and taken."""
     sent: list = []
     commits: list[dict] = []
     store = FlakyStore()
@@ -2183,7 +2261,7 @@ async def test_a_placement_kafka_refuses_twice_is_saved_and_committed_once_taken
     _answer(acks[0], refused=True)
     _answer(acks[1], refused=False)
     await asyncio.sleep(0.01)
-    assert store.saved == ["r2#0"] and not commits
+    assert store.saved == ["r1#0", "r2#0"] and not commits
     assert await engine.cycle() == 1
     _answer(acks[2], refused=True)
     await asyncio.sleep(0.01)
@@ -2193,7 +2271,7 @@ async def test_a_placement_kafka_refuses_twice_is_saved_and_committed_once_taken
     placements = [o.message for o in sent]
     assert [p.placement_id for p in placements] == ["r1#0", "r2#0", "r1#0", "r1#0"]
     assert placements[0] == placements[2] == placements[3]
-    assert store.saved == ["r2#0", "r1#0"]
+    assert store.saved == ["r1#0", "r2#0", "r1#0", "r1#0"]
     assert commits == [{TopicPartition(topics.REQUESTS["standard"].name, 0): 9}]
     assert sorted(engine.running) == ["r1#0", "r2#0"]
 

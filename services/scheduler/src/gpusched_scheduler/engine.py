@@ -354,6 +354,10 @@ class SchedulingEngine:
         self._crowded: tuple[str, ...] = ()
         """Nodes the last snapshot left out (`Snapshot.crowded`), logged when they change."""
         self._untaken_checked_ms = 0
+        self._handed_at: dict[str, int] = {}
+        """Placement id -> when a placement Kafka refused was last sent again (`_resend`):
+        the untaken time-out runs from then, not from `placed_at_ms` (it fenced and retried
+        as "untaken" placements Kafka had not taken during an outage)."""
         self._inherited: dict[str, ClaimState] = {}
         """Claim states of the placements taken over on becoming leader, until settled."""
         self._unpublished: list[Filed] = []
@@ -722,7 +726,6 @@ class SchedulingEngine:
         if self.epoch is None:
             return 0
         now = self._clock()
-        cfg = self.config
         await self._take_over()
         await self._remove([])
         await self._recover_lost_nodes(now)
@@ -731,6 +734,16 @@ class SchedulingEngine:
         if epoch is None:
             return 0  # stepped down meanwhile
         resent = self._take_resends(epoch)
+        try:
+            return await self._decide(now, epoch, resent)
+        finally:  # not handed to a settle (the cycle failed first): sent with the next one
+            self._resend[:0] = [(item, r, epoch) for item, r in resent]
+
+    async def _decide(self, now: int, epoch: int,
+                      resent: list[tuple[Pending, RunningPlacement]]) -> int:
+        """The cycle's decisions, sent with the placements `resent` (emptied once a settle
+        owns them)."""
+        cfg = self.config
         ended = self._take_cancelled(now) + self._take_expired(now)
         if not len(self.queue) and not ended and not resent:
             return 0
@@ -845,6 +858,7 @@ class SchedulingEngine:
         self._in_flight = [t for t in self._in_flight if not t.done()]
         self._in_flight.append(asyncio.create_task(
             self._settle(acked, finished, new_running, epoch, stops), name="settle-cycle"))
+        resent.clear()  # the settle owns them now
         if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
             await self._in_flight.pop(0)
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
@@ -868,7 +882,7 @@ class SchedulingEngine:
             if self.epoch is not None and self.epoch == epoch:
                 log.exception("publishing a cycle's decisions failed; sending its placements "
                               "again, planning the rest of its work again")
-                self._send_again(finished, new_running, epoch)
+                await self._send_again(finished, new_running, epoch)
                 return
             log.exception("publishing a cycle's decisions failed; planning its work again")
             self._undo(finished, new_running, requeue=self.epoch is not None,
@@ -934,12 +948,16 @@ class SchedulingEngine:
             self.running[r.placement_id] = r
             self.view.reserve_unlisted(self._reservation(r))
 
-    def _send_again(self, finished: list[Pending], new_running: list[RunningPlacement],
-                    epoch: int) -> None:
+    async def _send_again(self, finished: list[Pending], new_running: list[RunningPlacement],
+                          epoch: int) -> None:
         """A cycle Kafka refused under the token leading now: its placements that have not
         ended or moved on stand as decided, held here and sent again, unchanged, with the
         next cycle (`_resend`) until Kafka takes them; the rest of its work (rejections,
-        ends) is planned again. A placement delivered twice runs once: agents claim its id."""
+        ends) is planned again. A placement delivered twice runs once: agents claim its id.
+        They are saved for a next leader at once (the save checks the token): one may run
+        already, and a next term that did not know it planned its request afresh, maybe on
+        another node, whose agent ignored it as a duplicate; knowing it, that term settles
+        it by the agents' claims (`_take_over`)."""
         again = {r.placement_id: r for r in new_running if not self._gone(r.placement_id)}
         for r in again.values():
             self._hold(r)
@@ -947,6 +965,8 @@ class SchedulingEngine:
                          if (pid := _placement_id(*item.key)) in again]
         self._undo([item for item in finished if _placement_id(*item.key) not in again],
                    [r for r in new_running if r.placement_id not in again], requeue=True)
+        if self._store is not None and again:
+            await self._save(list(again.values()), epoch)  # False: deposed, step_down undoes
 
     def _take_resends(self, epoch: int) -> list[tuple[Pending, RunningPlacement]]:
         """The placements Kafka refused that go out again with this cycle, each with its
@@ -959,6 +979,7 @@ class SchedulingEngine:
         for item, r, token in resend:
             if token == epoch and not self._gone(r.placement_id):
                 again.append((item, r))
+                self._handed_at[r.placement_id] = self._clock()
             else:
                 self._undo([item], [r], requeue=True, later_term=token != epoch)
         return again
@@ -1441,9 +1462,12 @@ class SchedulingEngine:
             return
         self._untaken_checked_ms = now_ms
         seen = self.view.last_seen_ms
+        self._handed_at = {p: at for p, at in self._handed_at.items() if p in self.running}
+        waiting = {r.placement_id for _, r, _ in self._resend}
         untaken = [r for pid in self.view.reservations if (r := self.running.get(pid))
-                   and now_ms - r.placed_at_ms > timeout
-                   and seen.get(r.node_id, 0) - r.placed_at_ms > timeout]
+                   and pid not in waiting
+                   and now_ms - (sent := self._handed_at.get(pid, r.placed_at_ms)) > timeout
+                   and seen.get(r.node_id, 0) - sent > timeout]
         if untaken and self._store is not None:
             try:
                 fenced = await self._store.fence([r.placement_id for r in untaken])

@@ -25,8 +25,10 @@ class Pending:
     refunded: bool = False
     """Its quota charge was given back (a cycle undone puts it in the queue again)."""
     placed_once: bool = False
-    """A placement of it went out in a cycle then undone (Kafka's answer failed): it may
-    run, so it never expires; it is planned again, and run once by its agent's claim."""
+    """A placement of it went out in a cycle then undone (Kafka's answer failed once the
+    term that sent it no longer led, or that term was deposed before saving it): it may
+    run, so it never expires; it is planned again, and run once by its agent's claim.
+    (Under the term that sent it, a refused placement is sent again unchanged instead.)"""
     waiting_since_ms: int | None = None
     """Since when it counts as waiting for ageing, where not `enqueued_ms`: a preempted or
     lost attempt goes on waiting from its request's creation, so its clock does not start
