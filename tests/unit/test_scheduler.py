@@ -2173,6 +2173,83 @@ async def test_a_next_leader_knows_a_placement_kafka_refused_and_settles_it_by_i
     assert [o.message.placement_id for o in sent] == ["r1#0"]  # nothing planned afresh
 
 
+async def test_a_save_retried_past_its_placements_end_does_not_write_it_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis away: the refused r1#0's save retried while its final usage came and, Redis
+    back, the next cycle removed it from the running hash; then the retry wrote it back,
+    for a next leader to inherit a placement that had ended."""
+    from gpusched_scheduler import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SAVE_RETRY_S", 0.01)
+
+    class Hash(Fences):
+        def __init__(self) -> None:
+            super().__init__(taken=set())
+            self.up, self.hash = True, {}
+
+        async def save(self, placements, epoch: int) -> bool:  # noqa: ANN001
+            if not self.up:
+                raise ConnectionError("Redis is away")
+            self.hash.update({p.placement_id: p for p in placements})
+            return True
+
+        async def remove(self, placement_ids: list[str]) -> None:
+            if not self.up:
+                raise ConnectionError("Redis is away")
+            for pid in placement_ids:
+                self.hash.pop(pid, None)
+
+    store = Hash()
+    engine, acks, kafka = _held_engine(store=store)
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    assert await engine.cycle() == 1
+    store.up = False
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)  # its save retries
+    await engine.usage([request_record(topics.USAGE.name, 0, UsageRecord(
+        event_id="r1#0:final", request_id="r1", placement_id="r1#0", tenant="acme",
+        model=SMALL.name, priority_class="standard", node_id="n1", gpu_type="H100-80GB",
+        prompt_tokens=1, completion_tokens=4, gpu_seconds=0.5, started_at_ms=1000,
+        ended_at_ms=1000).to_bytes())])
+    store.up = True
+    await engine.cycle()  # removes it from the hash
+    await asyncio.sleep(0.05)  # the save's next try
+    assert not store.hash and not engine.running
+
+
+@pytest.mark.parametrize("refused_again", [False, True], ids=["taken", "refused-again"])
+async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
+        refused_again: bool) -> None:
+    """Refused, sent again (its answer pending), then the lease lost and taken again under
+    token 4, which inherits the placement saved for it: the record read again waited on the
+    earlier term's item, which that term's undo never decided, so neither it nor any later
+    record of its partition committed for the whole term."""
+    sent: list = []
+    store = FlakyStore()
+    store.up = True
+    engine, acks, kafka = _held_engine(store=store, sent=sent)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    inherited = engine.running["r1#0"].model_copy()  # as Redis gives it back
+    assert await engine.cycle() == 1  # sent again, its answer pending
+    engine.step_down()
+    engine.lead(4, [inherited], {"r1#0": "held"})
+    await engine.admit([record], kafka.commit)
+    await engine.admit([_standard_record(8, "r2")], kafka.commit)
+    _answer(acks[1], refused=refused_again)
+    await asyncio.sleep(0.01)
+    for _ in range(3):
+        await engine.cycle()
+        for ack in acks:
+            if not ack.done():
+                ack.set_result(None)
+        await asyncio.sleep(0.01)
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 9}
+
+
 @pytest.mark.parametrize("after_refusal", [True, False],
                          ids=["cancelled-after-the-refusal", "cancelled-before-the-refusal"])
 async def test_a_placement_sent_again_goes_out_though_its_request_was_cancelled(

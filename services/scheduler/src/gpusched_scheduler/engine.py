@@ -409,8 +409,12 @@ class SchedulingEngine:
         if epoch != self._led_with:
             # what a term under another token decided: a cycle of it still in flight is
             # undone (its records read again must be placed again), and `running` knows
-            # what runs; under the same token its cycles settle as this term's
+            # what runs; under the same token its cycles settle as this term's. Its work
+            # in a cycle is no longer this term's to wait for: a record read again that
+            # `running` knows (a refused placement saved for this term) waited on an item
+            # the earlier term's undo never decided, and its partition committed no more
             self._placed.clear()
+            self._in_cycle.clear()
         self.epoch = self._led_with = epoch
         self.running = RunningSet(running)
         self.view.drop_reservations()  # `_take_over` reserves what is inherited
@@ -931,6 +935,10 @@ class SchedulingEngine:
         uncommitted). The token is checked in Redis, with the write: this instance may not
         know yet that it was deposed, and the next leader may have read the hash already."""
         while epoch is not None:
+            # ended or retried during a retry: saved again, a next leader would inherit it
+            new_running = [r for r in new_running if not self._gone(r.placement_id)]
+            if not new_running:
+                return True
             try:
                 return await self._store.save(new_running, epoch)  # type: ignore[union-attr]
             except Exception:
