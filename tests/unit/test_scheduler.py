@@ -2217,14 +2217,11 @@ async def test_a_save_retried_past_its_placements_end_does_not_write_it_back(
     assert not store.hash and not engine.running
 
 
-@pytest.mark.parametrize("refused_again", [False, True], ids=["taken", "refused-again"])
-async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
-        refused_again: bool) -> None:
-    """Refused, sent again (its answer pending), then the lease lost and taken again under
-    token 4, which inherits the placement saved for it: the record read again waited on the
-    earlier term's item, which that term's undo never decided, so neither it nor any later
-    record of its partition committed for the whole term."""
-    sent: list = []
+async def _refused_r1(sent: list) -> tuple[SchedulingEngine, list[asyncio.Future], Commits,
+                                           FlakyStore, ConsumerRecord]:
+    """r1 (offset 7) placed on n1 under token 3 by a cycle Kafka refused, with Redis up:
+    the engine, its acks, commits and store, and r1's record; `sent` collects what goes
+    out."""
     store = FlakyStore()
     store.up = True
     engine, acks, kafka = _held_engine(store=store, sent=sent)
@@ -2233,6 +2230,17 @@ async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
     assert await engine.cycle() == 1
     _answer(acks[0], refused=True)
     await asyncio.sleep(0.01)
+    return engine, acks, kafka, store, record
+
+
+@pytest.mark.parametrize("refused_again", [False, True], ids=["taken", "refused-again"])
+async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
+        refused_again: bool) -> None:
+    """Refused, sent again (its answer pending), then the lease lost and taken again under
+    token 4, which inherits the placement saved for it: the record read again waited on the
+    earlier term's item, which that term's undo never decided, so neither it nor any later
+    record of its partition committed for the whole term."""
+    engine, acks, kafka, _, record = await _refused_r1([])
     inherited = engine.running["r1#0"].model_copy()  # as Redis gives it back
     assert await engine.cycle() == 1  # sent again, its answer pending
     engine.step_down()
@@ -2291,15 +2299,8 @@ async def test_a_placement_left_to_send_again_is_decided_afresh_by_a_later_term(
     places the request afresh under its own; nothing of the old placement stays running,
     reserved or charged, and the record commits once the new placement is taken."""
     sent: list = []
-    store = FlakyStore()
-    store.up = True
-    engine, acks, kafka = _held_engine(store=store, sent=sent)
-    record = _standard_record(7, "r1")
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    charged = engine.fair.level("acme", 1)
-    _answer(acks[0], refused=True)
-    await asyncio.sleep(0.01)
+    engine, acks, kafka, store, record = await _refused_r1(sent)
+    charged = engine.fair.level("acme", 1)  # held while it waits to go out again
     if stepped_down:
         engine.step_down()
         assert not engine.running and not engine.view.reservations
