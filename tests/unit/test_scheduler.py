@@ -2117,6 +2117,33 @@ async def test_a_placement_to_send_again_survives_a_cycle_that_fails_before_send
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
 
 
+async def test_a_cycle_the_producer_refuses_at_once_sends_its_placement_again_unchanged(
+) -> None:
+    """The producer raised as the cycle handed it its records (a partition's batch that
+    could not drain): the placement stayed running and reserved while its work waited
+    again, and the next cycle planned it again under the same id, maybe elsewhere."""
+    sent: list = []
+    raised = [False]
+
+    async def send(batch):
+        sent.extend(batch)
+        if not raised[0]:
+            raised[0] = True
+            raise KafkaConnectionError("a partition's batch could not drain")
+        return asyncio.gather()
+    engine, _, kafka = _held_engine(send=send)
+    engine.view.apply_node_state(node("n2", [80000]), 0, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(7, "r1")], kafka.commit)
+    await engine.cycle()
+    await asyncio.sleep(0.01)
+    assert not len(engine.queue) and list(engine.running) == ["r1#0"]
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.01)
+    [first, again] = [o.message for o in sent]
+    assert first == again
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+
+
 async def test_a_placement_sent_again_is_untaken_only_that_long_after_kafka_took_it(
 ) -> None:
     """Kafka refused it for 35 s: the untaken time-out (30 s) ran from its first send, so

@@ -844,7 +844,14 @@ class SchedulingEngine:
                         "gpusched.waiting": len(decisions.waiting),
                         "gpusched.preemptions": len(decisions.preemptions)},
         ):
-            acked = await self._send([out for _, out in messages])
+            try:
+                acked = await self._send([out for _, out in messages])
+            except Exception as exc:  # the producer refused them at once (a partition's
+                # batch that could not drain, a producer retired): settled as Kafka's refusal,
+                # or this cycle's placements stayed running while their work waited again,
+                # to be planned again under the same ids, maybe on other nodes
+                acked = asyncio.get_running_loop().create_future()
+                acked.set_exception(exc)
         finished = [item for item, _ in resent] + [p.item for p in decisions.placed] \
             + [r.item for r in decisions.rejected] + [item for item, _ in ended]
         stops = [v.placement_id for pre in decisions.preemptions for v in pre.victims]
