@@ -2530,7 +2530,7 @@ async def test_only_work_that_stays_inside_its_guarantee_may_reclaim_borrowed_wo
         "max_tokens": 3}).encode()) for offset, (request_id, model) in enumerate(
             [("inside", SMALL.name), ("beyond", "llama-3.1-8b")])])
     may_preempt, reclaiming, _ = engine._preemption_rights(
-        engine._ordered(1000), snapshot(engine.view, set()), 1000)
+        engine._ordered(1000), lambda: out_of_reach(snapshot(engine.view, set()), [], CATALOG))
     assert may_preempt == {"inside": 0}
     assert reclaiming == {"inside"}
 

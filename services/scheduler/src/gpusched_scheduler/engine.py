@@ -6,6 +6,7 @@ an offset is committed only after its decision is published)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -54,7 +55,6 @@ from gpusched_scheduler.domain.planner import (
     FleetNode,
     NodeSpecCache,
     Room,
-    Snapshot,
     estimate_gpu_s,
     fleet_gpu_mib,
     memory_per_gpu,
@@ -768,21 +768,23 @@ class SchedulingEngine:
                          and (p in self.running or self._listed(v[1]))}
         self._told &= self._victims.keys()
         ordered = self._ordered(now)
+        # each read at most once a cycle, and only where needed
+        fleet = functools.cache(lambda: self._fleet(now))
+        away = functools.cache(lambda: out_of_reach(snap, fleet(), self.catalog))
         if len(self.queue) > cfg.max_units_per_cycle:
             # More waits than a cycle takes: work only nodes that are away could hold is
             # left out, or a flood of it ahead kept every later unit out of every cycle
-            away = out_of_reach(snap, self._fleet(now), self.catalog)
-            ordered = [Chunk(c.name, [i for i in c.items if not away(i.request)])
+            ordered = [Chunk(c.name, [i for i in c.items if not away()(i.request)])
                        for c in ordered]
         chunks = _first(ordered, cfg.max_units_per_cycle)
         solve_started = time.perf_counter()
         # Inline: at most max_units_per_cycle units keep it short enough for the event loop;
         # work told to stop already is no victim to choose again (its room is promised)
-        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks, snap, now)
+        may_preempt, reclaiming, borrowing = self._preemption_rights(chunks, away)
         decisions = plan_cycle(
             snap, chunks, self.catalog, cfg.policy,
             [r for r in self.running.values() if r.placement_id not in self._victims],
-            now, may_preempt, fleet=lambda: self._fleet(now), reclaiming=reclaiming,
+            now, may_preempt, fleet=fleet, reclaiming=reclaiming,
             borrowing=borrowing, borrowed=self.borrowed() if may_preempt else (),
             guarded=self._guarded() if borrowing else (),
             rooms={r: room for r, (_, room) in self._preempting.items()},
@@ -1248,7 +1250,8 @@ class SchedulingEngine:
                    and item.request.tenant == tenant
                    and any(_placement_id(rid, a) in self.running for a in range(attempt)))
 
-    def _preemption_rights(self, chunks: list[Chunk], snap: Snapshot, now_ms: int
+    def _preemption_rights(self, chunks: list[Chunk],
+                           away: Callable[[], Callable[[InferenceRequest], bool]]
                            ) -> tuple[dict[str, int], set[str], set[str]]:
         """In one look through this cycle's work, in its order, what each request may
         preempt: its ceiling (interactive work may preempt batch and borrowed work, 1; work
@@ -1264,14 +1267,13 @@ class SchedulingEngine:
         tenant's earlier requests judged inside need (those whose victims are stopping too)
         and its own need fit the guarantee together: judged each against the holdings
         alone, a tenant just under its guarantee reclaimed room for every request it had
-        waiting in one cycle. A request only nodes that are away could hold (`out_of_reach`)
-        claims none: the cycle can do nothing for it, and it kept its tenant's next request
-        from reclaiming for as long as those nodes were away."""
+        waiting in one cycle. A request only nodes that are away could hold (`away()`, the
+        cycle's `out_of_reach`) claims none: the cycle can do nothing for it, and it kept
+        its tenant's next request from reclaiming for as long as those nodes were away."""
         ceilings: dict[str, int] = {}
         reclaiming: set[str] = set()
         borrowing: set[str] = set()
         holdings = self._holdings()
-        away: Callable[[InferenceRequest], bool] | None = None  # read once, if needed
         claimed: dict[str, int] = {}  # tenant -> MiB held and needed by work judged inside
         for chunk in chunks:
             for item in chunk.items:
@@ -1282,9 +1284,7 @@ class SchedulingEngine:
                 if guarantee is not None:
                     held = claimed[tenant] if tenant in claimed else holdings(tenant)
                     if inside := held + need <= guarantee:
-                        if away is None:
-                            away = out_of_reach(snap, self._fleet(now_ms), self.catalog)
-                        if not away(request):
+                        if not away()(request):
                             claimed[tenant] = held + need
                 if request.request_id in self._preempting:
                     continue
