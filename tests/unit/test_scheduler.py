@@ -2173,6 +2173,40 @@ async def test_a_placement_sent_again_is_untaken_only_that_long_after_kafka_took
     assert list(engine.running) == ["r1#0"]
 
 
+async def test_a_placement_kafka_is_slow_to_take_is_untaken_only_that_long_after_it_did(
+) -> None:
+    """Kafka took 35 s to acknowledge the cycle (aiokafka waits up to 40 s), while its node
+    reported every second: the untaken time-out (30 s) ran from the send, so the placement
+    was fenced and retried as never taken before Kafka had even taken it."""
+    now, acks, sent = [1000], [], []
+
+    async def send(batch):
+        sent.extend(batch)
+        acks.append(asyncio.get_running_loop().create_future())
+        if len(acks) > 1:  # only the first cycle's answer is slow
+            acks[-1].set_result([])
+        return acks[-1]
+    store = Fences(taken=set())
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           untaken_timeout_ms=30_000, commit_interval_ms=0),
+                              store=store)
+    engine.lead(3, [])
+    await engine.admit([_standard_record(7, "r1")])
+    for at in range(1000, 66_001, 1000):  # n1 reports every second, lists nothing yet
+        now[0] = at
+        if at == 36_000:
+            acks[0].set_result([])
+        engine.view.apply_node_state(node("n1", [80000], seq=at), at, NODE_TIMEOUT_MS)
+        await engine.cycle()
+        await asyncio.sleep(0)
+    assert not store.fenced and list(engine.running) == ["r1#0"]
+    now[0] = 67_000  # 30 s after Kafka took it, n1 has still not listed it: lost on its way
+    engine.view.apply_node_state(node("n1", [80000], seq=67_000), now[0], NODE_TIMEOUT_MS)
+    await engine.cycle()
+    assert store.fenced == ["r1#0"]
+
+
 async def test_a_next_leader_knows_a_placement_kafka_refused_and_settles_it_by_its_claim(
 ) -> None:
     """Kafka refused the cycle, the instance stepped down before sending it again, and the

@@ -86,6 +86,9 @@ MAX_CYCLES_IN_FLIGHT = 4
 """Cycles whose records Kafka has not acknowledged yet; the next one waits for the oldest."""
 SAVE_RETRY_S = 0.5
 """Pause between tries to save a cycle's placements while Redis is away."""
+UNTAKEN_CHECK_MS = 1_000
+"""How often placements nodes have not taken are looked for (`_recover_untaken`); an answer
+from Kafka slower than this restarts a placement's untaken time-out."""
 MAX_CLOCK_AHEAD_MS = 300_000
 """How far a new request's `created_at_ms` may be ahead of this scheduler's clock (producers'
 clocks drift); later, the waits counted from it (queue time limit, latency) are nonsense."""
@@ -355,9 +358,10 @@ class SchedulingEngine:
         """Nodes the last snapshot left out (`Snapshot.crowded`), logged when they change."""
         self._untaken_checked_ms = 0
         self._handed_at: dict[str, int] = {}
-        """Placement id -> when a placement Kafka refused was last sent again (`_resend`):
-        the untaken time-out runs from then, not from `placed_at_ms` (it fenced and retried
-        as "untaken" placements Kafka had not taken during an outage)."""
+        """Placement id -> when a placement was last sent again (`_resend`) or, where Kafka
+        was slow to take it, when Kafka took it: the untaken time-out runs from then, not
+        from `placed_at_ms` (it fenced and retried as "untaken" placements Kafka had not
+        taken during an outage). One whose cycle Kafka has not answered is not untaken."""
         self._inherited: dict[str, ClaimState] = {}
         """Claim states of the placements taken over on becoming leader, until settled."""
         self._unpublished: list[Filed] = []
@@ -918,8 +922,12 @@ class SchedulingEngine:
         # those that ended or were retried meanwhile (the agent was quicker than the ack,
         # the node was lost) are not running
         new_running = [r for r in new_running if not self._gone(r.placement_id)]
+        taken_ms = self._clock()
         for r in new_running:
             self._hold(r)
+            sent = self._handed_at.get(r.placement_id, r.placed_at_ms)
+            if taken_ms - sent > UNTAKEN_CHECK_MS:  # Kafka was slow: untaken from now on
+                self._handed_at[r.placement_id] = taken_ms
         if self._store is not None and new_running and not await self._save(new_running,
                                                                             epoch):
             # Deposed before they were saved, a next leader would not know these
@@ -1473,12 +1481,13 @@ class SchedulingEngine:
         finished placement, which the agent ignores as a duplicate. Looks at most once a
         second, over the reservations (few: most are taken within a heartbeat)."""
         timeout = self.config.untaken_timeout_ms
-        if now_ms - self._untaken_checked_ms < 1_000:
+        if now_ms - self._untaken_checked_ms < UNTAKEN_CHECK_MS:
             return
         self._untaken_checked_ms = now_ms
         seen = self.view.last_seen_ms
         self._handed_at = {p: at for p, at in self._handed_at.items() if p in self.running}
-        waiting = {r.placement_id for _, r, _ in self._resend}
+        waiting = {r.placement_id for _, r, _ in self._resend} | {
+            _placement_id(*key) for key in self._in_cycle}  # Kafka has not answered yet
         untaken = [r for pid in self.view.reservations if (r := self.running.get(pid))
                    and pid not in waiting
                    and now_ms - (sent := self._handed_at.get(pid, r.placed_at_ms)) > timeout
