@@ -3,10 +3,12 @@
 import json
 
 import pytest
+from aiokafka.structs import ConsumerRecord
 from pydantic import ConfigDict, ValidationError
 
 from gpusched_common.contracts import (
     CANCEL,
+    MAX_RECORD_BYTES,
     PLACEMENT,
     REQUEST,
     RESULT_EVENT,
@@ -21,6 +23,7 @@ from gpusched_common.contracts import (
     decode_json_object,
     invalid_fields,
 )
+from gpusched_common.kafka_records import dead_letter
 from gpusched_common.topics import ALL_TOPICS, NODE_STATE, REQUESTS, partition_for_key
 
 
@@ -143,6 +146,18 @@ def test_node_states_without_load_failures_read_and_write_as_a_release_before() 
 def test_decode_json_object_says_what_is_wrong(raw: bytes) -> None:
     with pytest.raises(ValueError, match="JSON"):
         decode_json_object(raw)
+
+
+def test_a_dead_letter_fits_in_a_record_whatever_it_came_from() -> None:
+    """A 200 KB key of control bytes (Kafka takes it) was copied whole and JSON-escaped to
+    1.2 MB: the producer refused the dead letter, and the scheduler read the record again
+    forever, every request of its class waiting behind it."""
+    worst = b"\x01" * 900_000
+    record = ConsumerRecord(REQUESTS["standard"].name, 0, 7, 1000, 0, worst, worst, None, 0,
+                            len(worst), ())
+    letter = dead_letter(record, "x" * 10_000, "scheduler", 1000)
+    assert len(letter.to_bytes()) < MAX_RECORD_BYTES // 2
+    assert letter.key and letter.payload and letter.offset == 7
 
 
 @pytest.mark.parametrize("adapter,raw,reason", [

@@ -11,7 +11,12 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from gpusched_common.contracts import DEAD_LETTER_PAYLOAD_CHARS, DeadLetter, decode_json_object
+from gpusched_common.contracts import (
+    DEAD_LETTER_KEY_CHARS,
+    DEAD_LETTER_PAYLOAD_CHARS,
+    DeadLetter,
+    decode_json_object,
+)
 from gpusched_common.topics import request_topic_class
 
 WallClockMs = Callable[[], int]
@@ -23,14 +28,15 @@ def wall_clock_ms() -> int:
 
 
 def dead_letter(record: ConsumerRecord, reason: str, service: str, now_ms: int) -> DeadLetter:
-    """A dead-letter record for `record`, keeping where it came from and why it was refused."""
+    """A dead-letter record for `record`, keeping where it came from and why it was refused;
+    its key and value cut short (`DEAD_LETTER_KEY_CHARS`)."""
     raw = record.value or b""
     key = record.key.decode(errors="replace") if isinstance(record.key, bytes) else record.key
     return DeadLetter(
         source_topic=record.topic,
         partition=record.partition,
         offset=record.offset,
-        key=key,
+        key=None if key is None else key[:DEAD_LETTER_KEY_CHARS],
         payload=raw.decode(errors="replace")[:DEAD_LETTER_PAYLOAD_CHARS],
         reason=reason[:2000],
         service=service,
