@@ -652,6 +652,72 @@ async def test_a_retry_of_another_request_under_a_taken_id_is_dead_lettered() ->
         ("victim#0", "acme"), ("victim#1", "acme")]
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["waiting", "placed"])
+@pytest.mark.parametrize("extra", [
+    {"max_token": 5}, {"max_tokens": "5"}, {"tenant": "nobody"}, {"model": "gpt-9"},
+    {"priority_class": "batch"}, {"attempt": 1}, {"max_tokens": 32768},
+    {"created_at_ms": 1000 + 600_000}],
+    ids=["typo", "string", "tenant", "model", "class", "attempt", "context", "ahead"])
+async def test_an_invalid_record_under_a_taken_id_ends_no_request(extra: dict,
+                                                                   placed: bool) -> None:
+    """A record refused as invalid (unparsed, or parsed and refused) under the id of a
+    request taken in sent a rejection under that id: the first request's client was told
+    it failed, and its status at the router rewritten, while it ran on and was billed. A
+    valid record under the id was dead-lettered only, as documented."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "dup", created_at_ms=1000)])
+    if placed:
+        assert await engine.cycle() == 1
+    await engine.admit([_standard_record(1, "dup", **{"created_at_ms": 1000} | extra)])
+    [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "request_id 'dup' is taken by a request this scheduler has taken in" in letter.reason
+    assert topics.RESULTS.name not in sent
+    await engine.cycle()
+    [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
+    assert placement.request.prompt == "x"
+
+
+async def test_a_record_corrected_after_its_rejection_does_not_run_under_the_id() -> None:
+    """A producer's record was rejected (a typo), and the corrected one sent again under
+    the same id ran: its client had been told it failed, and the router's status kept
+    saying so while it ran and was billed (two terminal outcomes under one id). The
+    rejection's tenant, where the record names a configured one, lets it read that status
+    at the router."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "r-42", max_token=5)])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert rejection.status_code == 400 and rejection.tenant == "acme"
+    await engine.admit([_standard_record(1, "r-42")])
+    assert await engine.cycle() == 0 and topics.PLACEMENTS.name not in sent
+    letters = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "request_id 'r-42' is taken by another request" in letters[-1].reason
+    assert len(sent[topics.RESULTS.name]) == 1
+
+
+async def test_a_handback_too_large_to_place_is_still_rejected() -> None:
+    """The refusal of a retry of the request that goes by its id is that request's end:
+    its rejection goes out, though the id is taken (by its own first attempt)."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "big", max_tokens=3)])
+    assert await engine.cycle() == 1
+    await engine.admit([_standard_record(1, "big", max_tokens=3, attempt=1,
+                                         requeued="handback", created_at_ms=1000,
+                                         tenant="nobody")])
+    await engine.admit([_standard_record(2, "big", max_tokens=3, attempt=1,
+                                         requeued="handback", created_at_ms=1000,
+                                         model="gpt-9")])
+    results = [RESULT_EVENT.validate_json(v) for v in sent.get(topics.RESULTS.name, [])]
+    assert results == []  # another request posing as its retry ends nothing
+    with patch("gpusched_scheduler.engine.MAX_HANDBACK_BYTES", 100):
+        await engine.admit([_standard_record(3, "big", max_tokens=3, attempt=1,
+                                             requeued="handback", created_at_ms=1000)])
+    results = [RESULT_EVENT.validate_json(v) for v in sent.get(topics.RESULTS.name, [])]
+    assert [(r.request_id, r.status_code) for r in results] == [("big", 413)]
+
+
 async def test_a_record_without_num_gpus_runs_on_its_models_gang_size(wired) -> None:
     """The 70B's 132 GiB need two 80 GB GPUs: models.yaml gives it num_gpus 2, which a
     record without num_gpus gets; one that sets it keeps its own. Before, every record

@@ -127,6 +127,8 @@ class Refused:
     dead_letter: DeadLetter
     rejection: Rejection | None
     """Sent to the results topic when the record names a request id a client may wait on."""
+    request: InferenceRequest | None = None
+    """The request refused, where the record parsed as one."""
 
 
 @dataclass(frozen=True)
@@ -186,13 +188,15 @@ def parse_request_record(
     """
     topic_class = topics.request_topic_class(record.topic)
 
+    parsed: InferenceRequest | None = None
+
     def refuse(reason: str, request_id: str | None = None, status: int = 400,
                tenant: str | None = None, code: str | None = None) -> Refused:
         rejection = None
         if request_id is not None:
             rejection = Rejection(request_id=request_id, tenant=tenant, status_code=status,
                                   reason=reason, code=code)
-        return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection)
+        return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection, parsed)
 
     try:
         payload = request_payload(record)
@@ -206,10 +210,15 @@ def parse_request_record(
     except ValidationError as exc:
         # The client learns of it only if its request id itself is valid (the rejection
         # carries it); any field may come first among the errors.
-        rid = payload.get("request_id")
+        rid, named = payload.get("request_id"), payload.get("tenant")
         bad_fields = {e["loc"][0] for e in exc.errors() if e["loc"]}
         valid_id = isinstance(rid, str) and "request_id" not in bad_fields
-        return refuse(f"invalid request: {invalid_fields(exc)}", rid if valid_id else None)
+        # a tenant it names rightly reads the rejection's status at the router
+        of_tenant = named if isinstance(named, str) and "tenant" not in bad_fields \
+            and tenants.get(named) is not None else None
+        return refuse(f"invalid request: {invalid_fields(exc)}", rid if valid_id else None,
+                      tenant=of_tenant)
+    parsed = request
     rid, tenant = request.request_id, request.tenant
     if request.priority_class != topic_class and topic_class in PRIORITY_CLASSES:
         return refuse(f"priority_class '{request.priority_class}' does not match topic "
@@ -474,17 +483,17 @@ class SchedulingEngine:
                 outcome = Refused(dead_letter(record, f"unreadable request record: {exc!r}",
                                               SERVICE, now), None)
             if isinstance(outcome, Refused):
+                outcome = self._unless_taken(outcome)
                 await self._refuse(outcome)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
+                self._note_refused(outcome)
                 self.offsets.track(record, None, commit)
                 continue
             request = outcome.request
             key = (request.request_id, request.attempt)
             known = self._known(key)
-            taken = known if known is not None or not request.attempt else next(
-                (k for a in reversed(range(request.attempt))  # a retry of another request?
-                 if (k := self._known((request.request_id, a))) is not None), None)
+            taken = self._known_as(request.request_id, request.attempt)
             if taken is not None and taken[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
@@ -1196,6 +1205,54 @@ class SchedulingEngine:
         waiting = self.queue.get(key)
         return None if waiting is None else (_identity(waiting.request), waiting)
 
+    def _known_as(self, request_id: str, attempt: int) -> tuple[int, Pending | None] | None:
+        """What this scheduler knows under the id of a record posing as `attempt` of
+        `request_id` (`_known`): that attempt, else the latest earlier one it knows (the
+        record is a retry of that request, or another request posing as one)."""
+        for earlier in range(attempt, -1, -1):
+            if (known := self._known((request_id, earlier))) is not None:
+                return known
+        return None
+
+    def _unless_taken(self, refused: Refused) -> Refused:
+        """`refused` with a dead letter only when its request id is taken by work this
+        scheduler has taken in: a rejection under it would end that request's wait and
+        its status at the router, while it runs on and is billed (a producer's record
+        with a typo under a live id; the same request read again, and refused now, once
+        admitted). The rejection of a retry of that request (its hand-back, too large to
+        place) goes out: it ends the request."""
+        rejection, request = refused.rejection, refused.request
+        if rejection is None:
+            return refused
+        rid = rejection.request_id
+        if request is None:  # unparsed: it is no attempt of whatever goes by its id
+            taken = rid in self._retried or any(
+                self._known((rid, attempt)) is not None for attempt in range(LAST_ATTEMPT + 1))
+        else:
+            earlier = self._known_as(rid, request.attempt - 1) if request.attempt else None
+            taken = self._known((rid, request.attempt)) is not None or (
+                earlier is not None and earlier[0] != _identity(request))
+        if not taken:
+            return refused
+        letter = refused.dead_letter
+        return Refused(letter.model_copy(update={"reason": (
+            f"{letter.reason}; request_id '{rid}' is taken by a request this scheduler has "
+            "taken in, so no rejection goes out under it (it would end that request): give "
+            "each request its own id")}), None, request)
+
+    def _note_refused(self, refused: Refused) -> None:
+        """A rejection Kafka took ends its request: noted as decided (`_placed`), so a later
+        record under its id that asks for something else, the producer's corrected one, is
+        refused as taking another request's id, not run after its client was told it
+        failed. An unparsed record's asks for nothing another could equal."""
+        if refused.rejection is None:
+            return
+        request = refused.request
+        key = (refused.rejection.request_id, 0) if request is None else \
+            (request.request_id, request.attempt)
+        if key not in self._placed:
+            self._placed[key] = UNPARSED_IDENTITY if request is None else _identity(request)
+
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
         first attempt, not a retry, that has not already waited past its queue time limit
@@ -1681,6 +1738,11 @@ def _identity(request: InferenceRequest) -> int:
     retried record has a new timestamp). (str hashes are cached: the prompt is hashed
     once.)"""
     return hash(request.asks())
+
+
+UNPARSED_IDENTITY = -1
+"""The `_identity` of a refused record that did not parse as a request: no request's (CPython
+never hashes to -1)."""
 
 
 def _placement_id(request_id: str, attempt: int) -> str:
