@@ -63,7 +63,7 @@ from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
 from gpusched_scheduler.domain.solver import ClusterState
-from gpusched_scheduler.engine import EngineConfig, SchedulingEngine
+from gpusched_scheduler.engine import EngineConfig, SchedulingEngine, parse_request_record
 from gpusched_scheduler.settings import SchedulerSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -593,6 +593,19 @@ async def test_a_request_created_in_the_future_is_refused_beyond_five_minutes(wi
         "than 300 s" in rejections["ahead"].reason
     assert len(sent[topics.DEAD_LETTERS.name]) == 2
     assert [p.request.request_id for p in engine.queue.in_order()] == ["skewed"]
+
+
+def test_a_rejection_quoting_a_records_field_names_fits_in_a_record() -> None:
+    """pydantic names every unknown field, and the rejection's reason quoted them whole:
+    a record of long field names got a rejection as large as itself, past what Kafka takes
+    once JSON escapes its characters again, and its topic stalled behind it."""
+    value = json.dumps({"request_id": "r1", "tenant": "acme", "model": "m", "prompt": "x",
+                        "\x01" * 150_000: 1}).encode()
+    record = ConsumerRecord(topics.REQUESTS["standard"].name, 0, 7, 1000, 0, None, value, None, 0,
+                            len(value), ())
+    refused = parse_request_record(record, CATALOG, load_tenants(CONFIG), 1000)
+    assert refused.rejection is not None
+    assert len(refused.rejection.to_bytes()) + len(refused.dead_letter.to_bytes()) < 200_000
 
 
 async def test_another_request_under_a_taken_id_is_dead_lettered_not_dropped(wired) -> None:

@@ -542,10 +542,12 @@ DEAD_LETTER = TypeAdapter(DeadLetter)
 
 DEAD_LETTER_PAYLOAD_CHARS = 65_536
 DEAD_LETTER_KEY_CHARS = 1_024
-"""How much of a refused record's value and key a dead letter keeps. JSON escapes a control
-character to six bytes, so a dead letter stays far under MAX_RECORD_BYTES whatever it came
-from: one Kafka refused as too large made its service read the record again forever, and
-every record behind it waited."""
+REASON_CHARS = 2_000
+"""How much of a refused record's value and key a dead letter keeps, and of the reason it
+and a rejection give (which may quote the record's field names). JSON escapes a control
+character to six bytes, so a dead letter or rejection stays far under MAX_RECORD_BYTES
+whatever it came from: one Kafka refused as too large made its service read the record
+again forever, and every record behind it waited."""
 
 
 def invalid_fields(exc: ValidationError) -> str:
