@@ -14,6 +14,7 @@ from gpusched_common.contracts import (
     RESULT_EVENT,
     InferenceRequest,
     LoadFailure,
+    NestedTooDeep,
     NodeState,
     Placement,
     Rejection,
@@ -142,7 +143,8 @@ def test_node_states_without_load_failures_read_and_write_as_a_release_before() 
     assert NodeState.model_validate_json(failed.to_bytes()) == failed
 
 
-@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe",
+                                 b'{"n": ' + b"1" * 5000 + b"}"])
 def test_decode_json_object_says_what_is_wrong(raw: bytes) -> None:
     with pytest.raises(ValueError, match="JSON"):
         decode_json_object(raw)
@@ -158,6 +160,15 @@ def test_a_dead_letter_fits_in_a_record_whatever_it_came_from() -> None:
     letter = dead_letter(record, "x" * 10_000, "scheduler", 1000)
     assert len(letter.to_bytes()) < MAX_RECORD_BYTES // 2
     assert letter.key and letter.payload and letter.offset == 7
+
+
+def test_a_record_nested_past_pythons_recursion_limit_is_a_value_error() -> None:
+    """json.loads raised RecursionError, which every reader that skips or dead-letters a bad
+    record with `except ValueError` let through: the routers' requests group read its batch
+    again and again, and the scheduler dead-lettered it as a crash, with a traceback."""
+    deep = b'{"x":' + b"[" * 3000 + b"]" * 3000 + b"}"
+    with pytest.raises(NestedTooDeep, match="nests arrays and objects deeper than Python"):
+        decode_json_object(deep)
 
 
 @pytest.mark.parametrize("adapter,raw,reason", [

@@ -2,9 +2,11 @@
 and how a request that failed reaches its client."""
 
 import asyncio
+import contextlib
 import json
 import re
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NoReturn
@@ -17,6 +19,8 @@ from redis.exceptions import RedisError
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import InferenceRequest, Rejection, RequestResult, TokenChunk
 from gpusched_common.settings import RedisSettings, TelemetrySettings
+from gpusched_common.topics import REQUESTS
+from gpusched_router.adapters.results import STATUS_KEY, ResultsHub
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
     MAX_BODY_DEPTH,
@@ -274,6 +278,59 @@ def test_a_body_nested_to_the_limit_is_read() -> None:
 
     assert not isinstance(decode_body(nested(MAX_BODY_DEPTH)), ApiError)
     assert isinstance(decode_body(nested(MAX_BODY_DEPTH + 1)), ApiError)
+
+
+class ScriptsRun:
+    """Redis as the results hub writes to it: the key of each script run, in order (run in a
+    pipeline, which executes nothing more here)."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def register_script(self, script: str) -> Callable[..., Awaitable[None]]:
+        async def run(keys: list[str], args: list[object], client: object) -> None:
+            self.keys.append(keys[0])
+        return run
+
+    @contextlib.asynccontextmanager
+    async def pipeline(self, **options: object) -> AsyncIterator[SimpleNamespace]:
+        async def execute() -> list[object]:
+            return []
+        yield SimpleNamespace(execute=execute)
+
+
+def _nested(opening: bytes, levels: int) -> bytes:
+    """A JSON object that opens with `opening` and ends in a field `levels` arrays deep."""
+    return opening + b',"x":' + b"[" * levels + b"]" * levels + b"}"
+
+
+async def test_a_record_nested_past_pythons_recursion_limit_stops_none_of_the_hubs_readers(
+        ) -> None:
+    """Produced straight to a request topic, a 6 KB record so nested raised RecursionError
+    out of store_seen, which skipped only a ValueError: its batch was read again forever, and
+    every request behind it went without a queued status (GET 404, cancel impossible). It is
+    skipped now, as the scheduler dead-letters it. A result record so nested is skipped as
+    well (pydantic reads JSON only so deep)."""
+    redis = ScriptsRun()
+    hub = ResultsHub(redis, status_ttl_s=60)  # type: ignore[arg-type]
+    now_ms = int(time.time() * 1000)
+
+    def on_topic(offset: int, value: bytes) -> SimpleNamespace:
+        return SimpleNamespace(topic=REQUESTS["batch"].name, partition=0, offset=offset,
+                               timestamp=now_ms, key=None, value=value, headers=())
+
+    request = b'{"tenant":"acme","model":"qwen2.5-1.5b","prompt":"hi"'
+    deep = _nested(b'{"request_id":"r-deep",' + request[1:], 3000)
+    after = json.dumps({"request_id": "r-after", **json.loads(request + b"}")}).encode()
+    await hub.store_seen([on_topic(0, deep), on_topic(1, after)], now_ms)
+    assert redis.keys == [STATUS_KEY.format("r-after")]
+
+    result = _nested(b'{"type":"rejection","request_id":"r-deep","status_code":400,'
+                     b'"reason":"no"', 3000)
+    waiting = hub.open("r-deep")
+    hub.dispatch([SimpleNamespace(value=result, key=b"r-deep")])
+    await hub.store_finished([SimpleNamespace(value=result, key=b"r-deep")])
+    assert waiting.empty() and redis.keys == [STATUS_KEY.format("r-after")]
 
 
 @pytest.mark.parametrize("content", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -557,12 +558,33 @@ def invalid_fields(exc: ValidationError) -> str:
                      for e in exc.errors())
 
 
-def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """Parse a record value as a JSON object; raises ValueError with a readable reason."""
+class NestedTooDeep(ValueError):
+    """JSON nested deeper than Python's recursion limit lets `json.loads` read."""
+
+
+def decode_json(raw: bytes | str, what: str = "value") -> Any:
+    """The JSON value `raw` holds, read from outside gpusched (a record produced to Kafka, a
+    request body); `what` names it in the reason. Raises ValueError with a reason a producer
+    can act on for anything Python cannot read: not JSON or not UTF-8, a number over its int
+    digit limit (4,300), or nesting deeper than its recursion limit (`NestedTooDeep`).
+    json.loads raises RecursionError for that last, which a reader's `except ValueError` let
+    through: one such record stopped a consumer group that reads a failed batch again."""
     try:
-        value = json.loads(raw)
+        return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"value is not valid JSON: {exc}") from exc
+        raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # json's one other: int() of a number over the digit limit
+        raise ValueError(f"{what} is not valid JSON: a number has more than "
+                         f"{sys.get_int_max_str_digits()} digits") from exc
+    except RecursionError as exc:
+        raise NestedTooDeep(f"{what} nests arrays and objects deeper than Python reads (its "
+                            f"recursion limit, {sys.getrecursionlimit()})") from exc
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a record value as a JSON object; raises ValueError with a readable reason
+    (`decode_json`'s, or that it is no object)."""
+    value = decode_json(raw)
     if not isinstance(value, dict):
         raise ValueError(f"value must be a JSON object, got {type(value).__name__}")
     return value

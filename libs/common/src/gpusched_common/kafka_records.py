@@ -49,7 +49,8 @@ def request_payload(record: ConsumerRecord) -> dict[str, Any]:
     """The fields of a request topic's record, with what a producer may leave out filled in
     as every reader does: `request_id` `kafka-<topic>-<partition>-<offset>` (the same on
     every redelivery), `created_at_ms` the record's timestamp, `priority_class` the topic's.
-    Raises ValueError (with the reason) when the value is no JSON object."""
+    Raises ValueError (with the reason) when the value is no JSON object Python can read
+    (`decode_json`), however malformed: readers skip or dead-letter it on that."""
     payload = decode_json_object(record.value or b"")
     payload.setdefault("request_id", f"kafka-{record.topic}-{record.partition}-{record.offset}")
     payload.setdefault("created_at_ms", record.timestamp)

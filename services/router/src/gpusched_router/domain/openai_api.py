@@ -7,9 +7,7 @@ a user can act on).
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -24,11 +22,13 @@ from gpusched_common.contracts import (
     PRIORITY_CLASSES,
     ChatTurn,
     InferenceRequest,
+    NestedTooDeep,
     Seed,
     StopStrings,
     Temperature,
     TopP,
     count_prompt_tokens,
+    decode_json,
 )
 
 DEFAULT_MAX_TOKENS = 16
@@ -161,14 +161,11 @@ def decode_body(raw: bytes) -> Any:
     on whole: not JSON, a number over Python's int digit limit (4,300), nesting deeper than
     MAX_BODY_DEPTH, or text that is not Unicode (a lone surrogate, which no encoder takes)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return ApiError(400, f"request body is not valid JSON: {exc}")
-    except ValueError:  # json's one other: int() of a number over the digit limit
-        return ApiError(400, "request body is not valid JSON: a number has more than "
-                        f"{sys.get_int_max_str_digits()} digits")
-    except RecursionError:
+        body = decode_json(raw, "request body")
+    except NestedTooDeep:  # named by the router's own limit, which a client must meet
         return _too_deep()
+    except ValueError as exc:
+        return ApiError(400, str(exc))
     return _unreadable(body) or body
 
 
