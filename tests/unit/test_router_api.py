@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import httpx
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 from fastapi import FastAPI
 from redis.exceptions import RedisError
 
@@ -75,6 +76,9 @@ class NoBudgetSpent:
 
     def pipeline(self, **options: object) -> NoReturn:
         raise RedisError("nothing is kept in this test")
+
+    async def set(self, key: str, value: str, **options: object) -> NoReturn:
+        raise RedisError("nothing is kept in this test")  # a cancel goes by Kafka alone
 
     async def aclose(self) -> None:
         return None
@@ -881,6 +885,28 @@ async def test_every_429_over_a_quota_says_when_to_retry(monkeypatch, refusal: d
     assert reply.status_code == refusal["status_code"]
     assert reply.json()["error"]["message"] == refusal["reason"]
     assert reply.headers.get("retry-after") == retry_after
+
+
+async def test_a_503_for_kafka_away_says_when_to_retry(monkeypatch) -> None:
+    """Kafka did not take a request, or a cancel, in time: those 503s came with no
+    Retry-After, while Redis-away's had `Retry-After: 1`; both mean "try again shortly"."""
+    monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+
+    async def refused(message: bytes, topic: str, **options: object) -> NoReturn:
+        raise KafkaTimeoutError  # as aiokafka gives up; the router's own time-out is alike
+
+    async def queued(request_id: str) -> dict:
+        return {"status": "queued", "tenant": "acme"}
+
+    monkeypatch.setattr(app.state.broker, "publish", refused)
+    monkeypatch.setattr(app.state.hub, "status", queued)
+    taken = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    cancel = await post(app, "/v1/requests/r-42/cancel", "")
+    for reply in (taken, cancel):
+        assert (reply.status_code, reply.headers.get("retry-after")) == (503, "1")
+        assert reply.json()["error"]["message"].startswith("Kafka did not take")
 
 
 async def test_the_schedulers_429_for_a_spent_budget_is_not_retried_by_the_sdk(

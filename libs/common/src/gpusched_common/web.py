@@ -22,6 +22,17 @@ from gpusched_common.topics import ensure_topics
 
 Endpoint = Callable[..., Awaitable[Any]]
 log = logging.getLogger(__name__)
+RETRY_SHORTLY_S = 1
+"""Retry-After of an answer that means "try again shortly" with nothing to tell when (Redis
+or Kafka away, a tenant at its limit of requests in flight). A guess: about the openai
+SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so a client that honours it retries no
+faster than the SDK did without it, and none waits long for what a moment may bring."""
+
+
+def retry_shortly() -> dict[str, str]:
+    """The headers of a 503 that means "try again shortly": `Retry-After` RETRY_SHORTLY_S,
+    which the openai SDK waits before its own retry. A new dict: callers add theirs."""
+    return {"retry-after": str(RETRY_SHORTLY_S)}
 
 
 def get_and_head(routes: FastAPI | APIRouter, path: str, **options: Any
@@ -62,7 +73,7 @@ def unavailable_without_redis(app: FastAPI, body: Callable[[str], dict[str, Any]
         # the client reads what failed; where Redis lives is for the operator's log
         reason = f"Redis is unavailable ({type(exc).__name__}); nothing was done, retry shortly"
         log.warning("%s %s: Redis is unavailable: %r", request.method, request.url.path, exc)
-        return JSONResponse(body(reason), status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(body(reason), status_code=503, headers=retry_shortly())
 
 
 def serve(app: FastAPI, settings: ServiceSettings) -> None:

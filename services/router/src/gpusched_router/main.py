@@ -46,9 +46,11 @@ from gpusched_common.redis_keys import (
 )
 from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
 from gpusched_common.web import (
+    RETRY_SHORTLY_S,
     add_ops_routes,
     broker_lifespan,
     get_and_head,
+    retry_shortly,
     unavailable_without_redis,
 )
 from gpusched_router.adapters.idempotency import IdempotencyKeys
@@ -75,11 +77,6 @@ STATUS_GROUP = "gpusched-router-status"
 SEEN_GROUP = "gpusched-router-requests"
 STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
-BUSY_RETRY_AFTER_S = 1
-"""Retry-After of a 429 at a tenant's limit of requests in flight. A guess, as Redis-away's
-503 guesses 1 s: about the openai SDK's own first two back-offs (0.4-0.5 s, 0.75-1 s), so
-a client that honours it retries no faster than the SDK did without it, and none waits long
-for room that one request's end gives."""
 CONTEXT_EXCEEDED = re.compile(
     r"maximum context length"  # vLLM's API server, and OpenAI's own words
     r"|longer than the maximum model length"  # vLLM's engine ("The decoder prompt ...")
@@ -281,7 +278,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
             await free_key()
             return error(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
-                                       "it is cancelled, send it again"), req.priority_class)
+                                       "it is cancelled, send it again"), req.priority_class,
+                         retry_shortly())
         except Exception:
             hub.close(request_id, queue)
             await free_key()
@@ -434,6 +432,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             observe()
             if isinstance(first, Rejection) and (wait_s := _retry_after_s(first)) is not None:
                 headers["retry-after"] = str(wait_s)  # the openai SDK waits it
+            elif isinstance(first, ApiError) and first.status_code == 503:
+                headers |= retry_shortly()  # a replay's: Kafka away, or its first use refused
             if not _worth_retrying(failed, keyed=IDEMPOTENCY_HEADER in request.headers):
                 headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
@@ -498,7 +498,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         done, _ = await asyncio.wait({sent}, timeout=settings.publish_timeout_s)
         if not done or not sent.result():
             return error(_not_taken_in(f"the cancel of request '{request_id}'",
-                                       settings.publish_timeout_s, "send it again"))
+                                       settings.publish_timeout_s, "send it again"),
+                         headers=retry_shortly())
         return JSONResponse({**status, "status": "cancelling"}, status_code=202)
 
     app.state.broker = broker
@@ -542,10 +543,10 @@ async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
 def _retry_after_s(rejection: Rejection) -> int | None:
     """A rejection's Retry-After in seconds: the scheduler's, where it can tell (a
     tokens-per-minute window); for a 429 that names none (the tenant's requests in flight
-    are at its limit: room comes when one ends, which nobody can tell) BUSY_RETRY_AFTER_S;
+    are at its limit: room comes when one ends, which nobody can tell) RETRY_SHORTLY_S;
     None for the rest."""
     if rejection.retry_after_s is None and rejection.status_code == 429:
-        return BUSY_RETRY_AFTER_S
+        return RETRY_SHORTLY_S
     return rejection.retry_after_s
 
 
