@@ -1,10 +1,15 @@
 """Accounting domain: counters a usage record adds (exact integer units), cost, windows as
 buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
-answers to a window it cannot read."""
+answers to a window it cannot read. What only the store's scripts decide is tested against a
+Redis of this module's own, where redis-server is installed."""
 
 import asyncio
 import json
 import re
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,10 +22,11 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
+from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gpusched_accounting import handlers
-from gpusched_accounting.adapters.store import APPLIED
+from gpusched_accounting.adapters.store import APPLIED, Retention, UsageStore
 from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
     CONFLICT,
@@ -56,6 +62,7 @@ from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
+from gpusched_common.redis_client import make_redis
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -1015,3 +1022,87 @@ async def test_a_budget_recheck_that_fails_is_tried_again_and_then_runs_every_pe
     with pytest.raises(asyncio.CancelledError):
         await handlers.recheck_forever(recheck, every_s=60)
     assert len(calls) == 4 and pauses == [handlers.RECHECK_RETRY_S] * 2 + [60, 60]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A Redis of this module's own, on a unix socket (no port to collide on)."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not on PATH; run ops/scripts/install-redis.sh")
+    sock = tmp_path_factory.mktemp("redis") / "redis.sock"
+    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--logfile", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with SyncRedis(unix_socket_path=str(sock)) as ping:
+                    ping.ping()
+                break
+            except RedisConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"unix://{sock}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def redis_store(redis_url: str) -> AsyncIterator[UsageStore]:
+    """The live store over an empty Redis, with the service's default windows."""
+    redis = make_redis(RedisSettings(url=redis_url))
+    await redis.flushall()
+    yield UsageStore(redis, WEEK_S, Retention(2 * 86_400, 35 * 86_400, 400 * 86_400))
+    await redis.aclose()
+
+
+async def test_a_record_delivered_again_while_its_id_is_kept_is_a_silent_duplicate(
+        redis_store: UsageStore) -> None:
+    """Applied a day late, and delivered again 6.5 days later (a restart, a rebalance): its
+    id was still kept, yet it ended before the dedup window, and the apply called it stale.
+    It was dead-lettered as 'not applied, check it with reconcile' and counted stale,
+    although it had been billed once."""
+    broker = make_broker(KafkaSettings(), "accounting", None, None)
+    registry, letters, now = CollectorRegistry(), [], [NOW]
+
+    @broker.subscriber(topics.DEAD_LETTERS.name)
+    async def dead_letter(msg) -> None:  # noqa: ANN001
+        letters.append(DEAD_LETTER.validate_json(msg.body))
+
+    handlers.register(broker, redis_store, PRICES, b.BudgetTable(), lambda: now[0], "g", 100,
+                      100, trace.get_tracer("test"), registry)
+    late = usage(started_at_ms=NOW - D - 1000, ended_at_ms=NOW - D).to_bytes()
+    async with TestKafkaBroker(broker) as br:
+        await br.publish_batch(late, topic=topics.USAGE.name)
+        now[0] = NOW + 6 * D + D // 2
+        await br.publish_batch(late, topic=topics.USAGE.name)
+    assert letters == []
+    counted = {o: registry.get_sample_value("gpusched_accounting_usage_records_total",
+                                            {"outcome": o}) for o in ("applied", "duplicate",
+                                                                      "stale")}
+    assert counted == {"applied": 1, "duplicate": 1, "stale": 0}
+    assert (await redis_store.request_usage("r"))["prompt_tokens"] == 10
+
+
+async def test_the_guessed_outcomes_are_the_apply_scripts_over_an_empty_redis(
+        redis_store: UsageStore) -> None:
+    """The script and `guess_outcomes` decide in one order (a wrong guess costs a round
+    trip, and `FreshRedisStore` stands for the script): an old record repeating an id of
+    the batch with other content is a conflict, not stale; a new id that old is stale,
+    and its request id is then nobody's, so a fresh record of another tenant under it is
+    billed."""
+    oldest_ms = NOW - WEEK_S * 1000
+    rows = [row_for(usage(ended_at_ms=NOW), PRICES),
+            row_for(usage(ended_at_ms=NOW), PRICES),
+            row_for(usage(ended_at_ms=oldest_ms - 1), PRICES),
+            row_for(usage(event_id="q#0:final", request_id="q", placement_id="q#0",
+                          tenant="globex", ended_at_ms=oldest_ms - 1), PRICES),
+            row_for(usage(event_id="q#0:1", request_id="q", placement_id="q#0",
+                          final=False, ended_at_ms=NOW), PRICES)]
+    guessed = guess_outcomes(rows, oldest_ms)
+    assert guessed == [COUNTED, DUPLICATE, CONFLICT, STALE, NEW]
+    assert await redis_store.apply(rows, NOW) == [APPLIED if o >= NEW else o for o in guessed]

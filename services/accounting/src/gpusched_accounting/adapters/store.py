@@ -18,9 +18,10 @@ requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
   gpusched:usage:tenants               set of tenants ever billed
 Buckets expire `retention` after their end; request records `dedup_ttl_s` after their last
-record. Rows older than the dedup window are refused (-1): they could be duplicates that
-can no longer be recognised. A row whose event id was applied with another content digest
-is refused too (-2, a conflict): it is another record under a reused id, not a redelivery.
+record. Rows older than the dedup window whose event id is no longer kept are refused (-1):
+they could be duplicates that can no longer be recognised (one still kept is a duplicate, as
+any). A row whose event id was applied with another content digest is refused too (-2, a
+conflict): it is another record under a reused id, not a redelivery.
 A digest line starts with a byte UTF-8 never holds, so no id ever matches it, and a
 release that keeps no digests still finds every id (a rolling upgrade); so does the
 positions line, which a release that keeps no positions leaves as it is.
@@ -133,30 +134,33 @@ local outcome, billed_p, billed_c, req, same = {}, {}, {}, {}, true
 for i, e in ipairs(rows) do
   local s
   local bp, bc = 0, 0
-  if e[9] < oldest_ms then
+  local rkey = e[2]
+  local q = req[rkey]
+  if not q then
+    local v = redis.call('GET', rkey)
+    if v then
+      local p, c, r, g, n, f, counted, klen, at = struct.unpack(HEAD, v)
+      q = {p, c, r, g, n, f, counted, string.sub(v, at, at + klen - 1),
+           string.sub(v, at + klen)}
+    else
+      q = {0, 0, 0, 0, 0, 0, 0, false, '\n'}  -- its owner: its first row not stale
+    end
+    if string.byte(q[9], 2) == 254 then  -- the prompt and completion positions billed
+      local nl = string.find(q[9], '\n', 3, true)
+      local ps, cs = string.match(string.sub(q[9], 3, nl - 1), '^([%d,]*);([%d,]*)$')
+      q[12], q[13] = spans_of(ps), spans_of(cs)
+      q[9] = string.sub(q[9], nl)
+    end
+    req[rkey] = q
+  end
+  local id = '\n' .. e[1] .. '\n'
+  local at = string.find(q[9], id, 1, true)
+  if not at and e[9] < oldest_ms then
+    -- an id not kept, of a record too old for its id to be kept still: it cannot be told
+    -- apart from a duplicate whose id was forgotten. One kept is judged as any other.
     s = -1
   else
-    local rkey = e[2]
-    local q = req[rkey]
-    if not q then
-      local v = redis.call('GET', rkey)
-      if v then
-        local p, c, r, g, n, f, counted, klen, at = struct.unpack(HEAD, v)
-        q = {p, c, r, g, n, f, counted, string.sub(v, at, at + klen - 1),
-             string.sub(v, at + klen)}
-      else
-        q = {0, 0, 0, 0, 0, 0, 0, e[3], '\n'}
-      end
-      if string.byte(q[9], 2) == 254 then  -- the prompt and completion positions billed
-        local nl = string.find(q[9], '\n', 3, true)
-        local ps, cs = string.match(string.sub(q[9], 3, nl - 1), '^([%d,]*);([%d,]*)$')
-        q[12], q[13] = spans_of(ps), spans_of(cs)
-        q[9] = string.sub(q[9], nl)
-      end
-      req[rkey] = q
-    end
-    local id = '\n' .. e[1] .. '\n'
-    local at = string.find(q[9], id, 1, true)
+    q[8] = q[8] or e[3]
     if q[8] ~= e[3] then
       s = -2  -- another tenant's or model's record under this request id: a reused id
     elseif at then

@@ -305,9 +305,9 @@ def fields_of(row: UsageRow, all_tenants: bool) -> list[str]:
 
 CONFLICT, STALE, DUPLICATE, NEW, COUNTED = -2, -1, 0, 1, 2
 """Outcome of a row in an apply: an event id applied before with other content (refused:
-not billed to either), older than the dedup window (refused), an event id applied before
-with the same content (or before digests were kept), new, or new and the first to count
-its request."""
+not billed to either), an event id no longer kept of a record older than the dedup window
+(refused), an event id applied before with the same content (or before digests were
+kept), new, or new and the first to count its request."""
 
 
 def _another_owner(owner: dict[str, tuple[str, str]], row: UsageRow) -> bool:
@@ -317,20 +317,23 @@ def _another_owner(owner: dict[str, tuple[str, str]], row: UsageRow) -> bool:
 
 
 def guess_outcomes(rows: Sequence[UsageRow], oldest_ms: int) -> list[int]:
-    """The outcomes if nothing in the batch was seen before: stale when it ended before
-    `oldest_ms`, a duplicate when the batch repeats an event (a conflict when with other
-    content: `content_digest`), COUNTED for the first final record of a request in the
-    batch that counts it."""
+    """The outcomes if nothing in the batch was seen before: a duplicate when the batch
+    repeats an event (a conflict when with other content: `content_digest`), even one that
+    ended before `oldest_ms`; else stale when it ended before then; COUNTED for the first
+    final record of a request in the batch that counts it. In the order the apply script
+    decides: an id it still keeps is never stale, and a stale row makes its request id
+    nobody's."""
     first: dict[tuple[str, str], UsageRow] = {}
     owner: dict[str, tuple[str, str]] = {}
     counted: set[str] = set()
     out = []
     for row in rows:
-        if row.ended_at_ms < oldest_ms:
+        seen = first.get((row.request_id, row.event_id))
+        if seen is None and row.ended_at_ms < oldest_ms:
             out.append(STALE)
         elif _another_owner(owner, row):
             out.append(CONFLICT)
-        elif (seen := first.get((row.request_id, row.event_id))) is not None:
+        elif seen is not None:
             # digests only for a repeat: the common batch has none
             out.append(DUPLICATE if bills_nothing(row)
                        or content_digest(seen) == content_digest(row) else CONFLICT)
