@@ -63,6 +63,7 @@ from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
 from gpusched_common.redis_client import make_redis
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -494,11 +495,12 @@ class FlagStore:
     async def spending(self, tenant: str, day_starts_s) -> Totals:
         return self.spending_now
 
-    async def clear_exhausted(self, tenant: str) -> None:
+    async def clear_exhausted(self, tenant: str, judged_at_ms: int) -> None:
         self.calls.append("clear")
         self.flag = None
 
-    async def set_exhausted(self, tenant: str, flag: dict, until_ms: int) -> bool:
+    async def set_exhausted(self, tenant: str, flag: dict, until_ms: int,
+                            judged_at_ms: int) -> bool:
         self.calls.append("set")
         told = self.flag is not None and self.flag["period"] == flag["period"] \
             and self.flag["announced"]
@@ -1106,3 +1108,84 @@ async def test_the_guessed_outcomes_are_the_apply_scripts_over_an_empty_redis(
     guessed = guess_outcomes(rows, oldest_ms)
     assert guessed == [COUNTED, DUPLICATE, CONFLICT, STALE, NEW]
     assert await redis_store.apply(rows, NOW) == [APPLIED if o >= NEW else o for o in guessed]
+
+
+@pytest.mark.parametrize("day_before_spent", [False, True])
+async def test_a_check_as_of_the_day_before_leaves_todays_budget_flag_as_it_is(
+        redis_store: UsageStore, day_before_spent: bool) -> None:
+    """One instance flagged acme for today; another, whose check was as of 2 s before
+    midnight (its batch began then, or its clock is behind), judged the day before: unspent,
+    it cleared today's flag; spent too, it replaced it with the day before's, expiring at
+    midnight (gone at once), and published that stale event after today's. The router then
+    let acme through until the next check."""
+    midnight = (int(time.time()) // 86_400 + 10) * D  # the flags expire in real time
+    table = b.BudgetTable(budgets=(b.Budget(tenant="acme", period="day", limit=100,
+                                            unit="tokens"),))
+    events = []
+
+    async def publish(message, topic, key) -> None:
+        events.append(message.period)
+
+    if day_before_spent:
+        await redis_store.apply([row_for(usage(event_id="y#0:final", request_id="y",
+                                               placement_id="y#0", prompt_tokens=500,
+                                               ended_at_ms=midnight - 60_000), PRICES)],
+                                midnight - 30_000)
+    await redis_store.apply([row_for(usage(prompt_tokens=500, started_at_ms=midnight,
+                                           ended_at_ms=midnight + 20_000), PRICES)],
+                            midnight + 25_000)
+    await enforce_budgets(redis_store, table, {"acme"}, midnight + 25_000, publish)
+    key = BUDGET_EXHAUSTED_KEY.format("acme")
+    today = await redis_store.redis.get(key)
+    assert json.loads(today)["period"] == b.period_of(midnight, "day").label
+    await enforce_budgets(redis_store, table, {"acme"}, midnight - 2_000, publish)
+    assert await redis_store.redis.get(key) == today
+    assert events == [b.period_of(midnight, "day").label]
+    # a check as of today still clears it once the budget is raised
+    raised = b.BudgetTable(budgets=(b.Budget(tenant="acme", period="day", limit=1_000,
+                                             unit="tokens"),))
+    await enforce_budgets(redis_store, raised, {"acme"}, midnight + 30_000, publish)
+    assert await redis_store.redis.get(key) is None
+
+
+async def test_usage_applied_past_midnight_is_judged_as_of_then_not_when_its_batch_began(
+        redis_store: UsageStore) -> None:
+    """The batch began 2 s before midnight and its budgets were checked after it, as of
+    then: today's spent budget was judged as the day before's, unspent, and not flagged."""
+    midnight = (int(time.time()) // 86_400 + 10) * D
+    broker = make_broker(KafkaSettings(), "accounting", None, None)
+    times = [midnight - 2_000, midnight + 25_000]
+    table = b.BudgetTable(budgets=(b.Budget(tenant="acme", period="day", limit=100,
+                                            unit="tokens"),))
+    handlers.register(broker, redis_store, PRICES, table,
+                      lambda: times.pop(0) if len(times) > 1 else times[0], "g", 100, 100,
+                      trace.get_tracer("test"), CollectorRegistry())
+    spent = usage(prompt_tokens=500, started_at_ms=midnight, ended_at_ms=midnight + 20_000)
+    async with TestKafkaBroker(broker) as br:
+        await br.publish_batch(spent.to_bytes(), topic=topics.USAGE.name)
+    flag = await redis_store.redis.get(BUDGET_EXHAUSTED_KEY.format("acme"))
+    assert flag is not None and json.loads(flag)["period"] == b.period_of(midnight, "day").label
+
+
+async def test_marking_a_flags_event_out_writes_back_no_flag_replaced_or_cleared_since(
+        redis_store: UsageStore) -> None:
+    """The mark was a plain SET of the flag as it was set: a check as of the day before set
+    its flag, another instance replaced it with today's (or cleared it: the budget was
+    raised), and the mark put the day before's back, ending at midnight."""
+    midnight = (int(time.time()) // 86_400 + 10) * D
+    key = BUDGET_EXHAUSTED_KEY.format("acme")
+
+    def flag(at_ms: int) -> tuple[dict, int]:
+        window = b.period_of(at_ms, "day")
+        return {"period": window.label, "period_start_ms": window.start_ms,
+                "reason": window.label}, window.end_ms
+
+    before, before_end_ms = flag(midnight - 2_000)
+    today, today_end_ms = flag(midnight + 25_000)
+    assert await redis_store.set_exhausted("acme", before, before_end_ms, midnight - 2_000)
+    assert await redis_store.set_exhausted("acme", today, today_end_ms, midnight + 25_000)
+    await redis_store.announced("acme", before, before_end_ms)
+    assert json.loads(await redis_store.redis.get(key)) == today | {"announced": False}
+    await redis_store.clear_exhausted("acme", midnight + 30_000)
+    await redis_store.announced("acme", today, today_end_ms)
+    assert await redis_store.redis.get(key) is None

@@ -32,8 +32,9 @@ CANCELLED_TTL_S = 86_400
 BUDGET_EXHAUSTED_KEY = "gpusched:budget:exhausted:{}"
 """Set by accounting (TTL to the period's end) while a tenant's budget is spent; the router
 reads it per request and answers 429, and so does the scheduler for a tenant's first
-attempts it admits (reading it once a second per tenant). Value: JSON with period, limit,
-spent, unit and a `reason`."""
+attempts it admits (reading it once a second per tenant). Value: JSON with period,
+period_start_ms, limit, spent, unit, a `reason` and whether its event went out (announced);
+readers take the `reason` alone, so fields may be added."""
 
 
 def budget_reason(flag: bytes) -> str:

@@ -45,11 +45,13 @@ together for longer (the first parse and the last apply of a fetch cannot overla
 
 async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[str],
                           now_ms: int, publish: Publish) -> None:
-    """Flag each given tenant whose budget for the current period is spent (the router then
-    answers 429) until the end of the latest such period, and publish one `budget_exhausted`
-    event when the flag is new, names another period or its event has not gone out; clear the
-    flag of a tenant no longer over (its budget was raised). Idempotent: it only reads the
-    totals, so running it again after a redelivery changes nothing."""
+    """Flag each given tenant whose budget for the period of `now_ms` is spent (the router
+    then answers 429) until the end of the latest such period, and publish one
+    `budget_exhausted` event when the flag is new, names another period or its event has not
+    gone out; clear the flag of a tenant no longer over (its budget was raised). A flag of a
+    period starting after `now_ms` (another instance's check, later or by a clock ahead)
+    stays as it is, and no event goes out for it. Idempotent: it only reads the totals, so
+    running it again after a redelivery changes nothing."""
     for tenant in tenants:
         budgets = table.of(tenant)
         if not budgets:
@@ -61,15 +63,16 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
             if budget_rules.is_exhausted(budget, spending):
                 exhausted.append((budget, window, spending))
         if not exhausted:
-            await store.clear_exhausted(tenant)
+            await store.clear_exhausted(tenant, now_ms)
             continue
         # the spent budget whose period ends last names the reason and how long it holds:
         # a spent month outlasts a spent day
         budget, window, spending = max(exhausted, key=lambda spent: spent[1].end_ms)
         spent = budget_rules.spent(spending, budget.unit)
-        flag = {"period": window.label, "limit": budget.limit, "spent": spent,
-                "unit": budget.unit, "reason": budget_rules.reason(budget, window, spending)}
-        if await store.set_exhausted(tenant, flag, window.end_ms):
+        flag = {"period": window.label, "period_start_ms": window.start_ms,
+                "limit": budget.limit, "spent": spent, "unit": budget.unit,
+                "reason": budget_rules.reason(budget, window, spending)}
+        if await store.set_exhausted(tenant, flag, window.end_ms, now_ms):
             log.warning("budget exhausted: %s", flag["reason"])
             # published before the flag says so: a refused publish is tried again with the
             # batch's redelivery (a crash between the two publishes it twice, never zero)
@@ -87,7 +90,7 @@ async def recheck_budgets(store: UsageStore, table: BudgetTable, now_ms: int,
     until the period's end (a blocked tenant sends no usage that would check it again)."""
     budgeted = {b.tenant for b in table.budgets}
     for tenant in await store.exhausted_tenants() - budgeted:
-        await store.clear_exhausted(tenant)
+        await store.clear_exhausted(tenant, now_ms)
     await enforce_budgets(store, table, budgeted, now_ms, publish)
 
 
@@ -201,7 +204,9 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                 await sent[0].abandon()
         if budgets.budgets:
             async with checking_budgets:
-                await enforce_budgets(store, budgets, tenants, now_ms, publish)
+                # judged as of now, not of when the batch began: one begun before midnight
+                # and applied after it (a backlog's fetch takes a while) judged a day over
+                await enforce_budgets(store, budgets, tenants, clock(), publish)
 
     async def recheck() -> None:
         async with checking_budgets:

@@ -303,6 +303,36 @@ return out
 and prefixed fields, packed: one round trip and a small reply for a window of any size."""
 
 
+_BUDGET_FLAG = """
+local old = redis.call('GET', KEYS[1])
+local ok, flag = false, nil
+if old then ok, flag = pcall(cjson.decode, old) end
+if not ok or type(flag) ~= 'table' then flag = nil end  -- none, or not ours: replaced
+if flag and (tonumber(flag.period_start_ms) or 0) > tonumber(ARGV[2]) then
+  return -1  -- a check of a later moment set it: this one judged a period already over
+end
+if ARGV[1] == 'clear' then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+local same = flag ~= nil and flag.period == ARGV[3]
+if ARGV[1] == 'announced' and not same then
+  return -1  -- replaced or cleared since it was set: not written back
+end
+-- a flag of the same period without the mark is an older release's, which published first
+local told = ARGV[1] == 'announced' or (same and flag.announced ~= false)
+redis.call('SET', KEYS[1], told and ARGV[5] or ARGV[4], 'PXAT', ARGV[6])
+return told and 0 or 1
+"""
+"""KEYS: a tenant's budget flag. ARGV: 1 what to do ('set', 'announced' or 'clear'), 2 the
+moment the budgets were judged at (ms), 3 the period judged, 4 and 5 the flag as stored with
+its event still to go out and with it out, 6 when it expires (ms). Leaves a flag whose
+period starts after the moment judged as it is (-1): a check of an earlier moment (a batch
+begun before midnight, a replica whose clock is behind) would clear it, or replace it with
+a flag of a period already over. Else 'set' answers 1 where the flag's event is still to
+be published, 0 where it is out; 'announced' marks a flag still of the same period."""
+
+
 @dataclass(frozen=True)
 class Retention:
     """How long buckets are kept after they end, seconds."""
@@ -440,6 +470,7 @@ class UsageStore:
         self.retention = retention
         self._apply_sha: str | None = None
         self._window = redis.register_script(_WINDOW)
+        self._budget_flag = redis.register_script(_BUDGET_FLAG)
 
     async def apply_sha(self, reload: bool = False) -> str:
         if self._apply_sha is None or reload:
@@ -514,25 +545,32 @@ class UsageStore:
             total = total + fields.get(TOTAL_FIELD, Totals())
         return total
 
-    async def set_exhausted(self, tenant: str, value: dict, until_ms: int) -> bool:
-        """Flag the tenant's budget as spent until `until_ms` (replacing a flag set before);
-        True while its `budget_exhausted` event is still to be published: newly flagged,
-        flagged before for another period, or its event not out yet (`announced` says it
-        is; a flag without the mark is from a release that published first)."""
-        key = BUDGET_EXHAUSTED_KEY.format(tenant)
-        old = await self.redis.get(key)
-        told = old is not None and (flag := json.loads(old)).get("period") == value["period"] \
-            and flag.get("announced", True)
-        await self.redis.set(key, json.dumps(value | {"announced": told}), pxat=until_ms)
-        return not told
+    async def set_exhausted(self, tenant: str, value: dict, until_ms: int,
+                            judged_at_ms: int) -> bool:
+        """Flag the tenant's budget as spent until `until_ms` (the end of `value`'s `period`,
+        which starts at its `period_start_ms`), as judged at `judged_at_ms`, replacing a flag
+        set before unless it is of a later period (`_BUDGET_FLAG`); True while its
+        `budget_exhausted` event is still to be published: newly flagged, flagged before for
+        another period, or its event not out yet (`announced` says it is). False where the
+        flag was left as it was."""
+        return await self._flag("set", tenant, judged_at_ms, value, until_ms) == 1
 
     async def announced(self, tenant: str, value: dict, until_ms: int) -> None:
-        """Mark the flag `set_exhausted` wrote: its event is out."""
-        await self.redis.set(BUDGET_EXHAUSTED_KEY.format(tenant),
-                             json.dumps(value | {"announced": True}), pxat=until_ms)
+        """Mark the flag `set_exhausted` wrote, if it is still of its period: its event is
+        out."""
+        await self._flag("announced", tenant, value["period_start_ms"], value, until_ms)
 
-    async def clear_exhausted(self, tenant: str) -> None:
-        await self.redis.delete(BUDGET_EXHAUSTED_KEY.format(tenant))
+    async def clear_exhausted(self, tenant: str, judged_at_ms: int) -> None:
+        """Clear the tenant's flag, unless it is of a period starting after `judged_at_ms`."""
+        await self._flag("clear", tenant, judged_at_ms)
+
+    async def _flag(self, op: str, tenant: str, judged_at_ms: int, value: dict | None = None,
+                    until_ms: int = 0) -> int:
+        flag = ("", "", "") if value is None else (
+            value["period"], json.dumps(value | {"announced": False}),
+            json.dumps(value | {"announced": True}))
+        return await self._budget_flag(keys=[BUDGET_EXHAUSTED_KEY.format(tenant)],
+                                       args=[op, judged_at_ms, *flag, until_ms])
 
     async def exhausted_tenants(self) -> set[str]:
         """The tenants flagged now."""
