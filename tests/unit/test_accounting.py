@@ -1,13 +1,11 @@
 """Accounting domain: counters a usage record adds (exact integer units), cost, windows as
 buckets, the recomputation used by `gpusched reconcile`, and budgets; and what the query API
 answers to a window it cannot read. What only the store's scripts decide is tested against a
-Redis of this module's own, where redis-server is installed."""
+Redis of this module's own (`start_redis`), where redis-server is installed."""
 
 import asyncio
 import json
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -22,7 +20,6 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
-from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gpusched_accounting import handlers
@@ -65,6 +62,8 @@ from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
+from gpusched_ops.stack import StackError
+from gpusched_ops.testing import start_redis
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -1028,29 +1027,15 @@ async def test_a_budget_recheck_that_fails_is_tried_again_and_then_runs_every_pe
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A Redis of this module's own, on a unix socket (no port to collide on)."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not on PATH; run ops/scripts/install-redis.sh")
-    sock = tmp_path_factory.mktemp("redis") / "redis.sock"
-    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "",
-                             "--appendonly", "no", "--logfile", ""],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """A Redis of this module's own, started as the local stack starts it."""
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with SyncRedis(unix_socket_path=str(sock)) as ping:
-                    ping.ping()
-                break
-            except RedisConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield f"unix://{sock}"
+        url, stop = start_redis(tmp_path_factory.mktemp("redis"))
+    except StackError as exc:
+        pytest.skip(f"no Redis to test the store's scripts against: {exc}")
+    try:
+        yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop()
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ __all__ = [
     "REDIS_IMAGE",
     "TEST_PORTS",
     "docker_available",
+    "start_redis",
     "start_test_stack",
 ]
 
@@ -163,3 +164,12 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_redis(run_dir: Path) -> tuple[str, Callable[[], None]]:
+    """A Redis of its own, as the local stack runs it, on a free port: for tests of what only
+    Redis's scripts decide, without the whole stack. Returns its URL and how to stop it.
+    Raises StackError where redis-server is not installed."""
+    local = LocalStack(run_dir, StackPorts(redis=_free_port()))
+    local.start_component("redis", timeout_s=30)
+    return f"redis://127.0.0.1:{local.ports.redis}/0", local.stop
