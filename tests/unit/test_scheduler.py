@@ -705,8 +705,76 @@ async def test_a_record_corrected_after_its_rejection_does_not_run_under_the_id(
     await engine.admit([_standard_record(1, "r-42")])
     assert await engine.cycle() == 0 and topics.PLACEMENTS.name not in sent
     letters = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
-    assert "request_id 'r-42' is taken by another request" in letters[-1].reason
+    assert "request_id 'r-42' was refused before" in letters[-1].reason
     assert len(sent[topics.RESULTS.name]) == 1
+
+
+@pytest.mark.parametrize("extra", [{"max_token": 5}, {"model": "gpt-9"}],
+                         ids=["unparsed", "parsed"])
+async def test_an_invalid_first_attempt_under_a_request_on_its_second_ends_nothing(
+        extra: dict) -> None:
+    """Only the record's own attempt and earlier ones were looked at: with the request
+    running as attempt 1 (its attempt 0 inherited, or forgotten past the last decisions),
+    a typo'd attempt-0 record under its id got a rejection that told its client it failed."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "live", attempt=1, requeued="node_lost",
+                                         created_at_ms=1000)])
+    assert await engine.cycle() == 1 and list(engine.running) == ["live#1"]
+    await engine.admit([_standard_record(1, "live", **extra)])
+    assert topics.RESULTS.name not in sent
+    [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "request_id 'live' is taken by a request this scheduler has taken in" \
+        in letter.reason
+
+
+async def test_a_record_read_while_a_rejection_under_its_id_is_on_its_way_does_not_run(
+) -> None:
+    """The rejection's id was noted only once Kafka took it: a record under that id read
+    meanwhile on another class's topic (each has its own consumer) was queued and placed,
+    so one id got a 400 and a run."""
+    out: list = []
+    engine, acks, kafka = _held_engine(sent=out)
+    wrong = request_record(topics.REQUESTS["interactive"].name, 0, json.dumps(
+        {"request_id": "r7", "tenant": "acme", "model": SMALL.name, "prompt": "x",
+         "max_tokens": 4, "priority_class": "standard"}).encode())
+    refusing = asyncio.create_task(engine.admit([wrong], kafka.commit))
+    await asyncio.sleep(0)  # its rejection is with Kafka, which is slow to answer
+    corrected = asyncio.create_task(engine.admit([_standard_record(0, "r7")], kafka.commit))
+    await asyncio.sleep(0)
+    for ack in acks:
+        ack.set_result(None)
+    await refusing
+    await corrected
+    assert not len(engine.queue)
+    assert [type(o.message).__name__ for o in out] == ["DeadLetter", "Rejection", "DeadLetter"]
+    assert "request_id 'r7' was refused before" in out[-1].message.reason
+
+
+async def test_a_handback_that_does_not_parse_still_ends_its_request() -> None:
+    """A retry of a placed request that this release cannot read (a newer agent's field)
+    is the request's last word: its rejection goes out, or its client never hears."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "h")])
+    assert await engine.cycle() == 1
+    await engine.admit([_standard_record(1, "h", attempt=1, requeued="handback",
+                                         speculative=True)])
+    [rejection] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (rejection.request_id, rejection.status_code) == ("h", 400)
+
+
+async def test_a_rejected_record_sent_again_with_only_its_times_corrected_is_not_dropped(
+) -> None:
+    """Refused as created 10 minutes ahead and sent again under its id without
+    created_at_ms, as the rejection advises: the noted identity leaves times out, so the
+    corrected record passed as a redelivery and was committed with no answer at all."""
+    engine, sent = leading_engine()
+    await engine.admit([_standard_record(0, "r-43", created_at_ms=1000 + 600_000)])
+    await engine.admit([_standard_record(1, "r-43")])
+    assert not len(engine.queue) and len(sent[topics.RESULTS.name]) == 1
+    letters = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert "request_id 'r-43' was refused before" in letters[-1].reason
 
 
 async def test_a_handback_too_large_to_place_is_still_rejected() -> None:

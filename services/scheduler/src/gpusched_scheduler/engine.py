@@ -130,6 +130,9 @@ class Refused:
     """Sent to the results topic when the record names a request id a client may wait on."""
     request: InferenceRequest | None = None
     """The request refused, where the record parsed as one."""
+    attempt: int = 0
+    """The attempt the record says it is: its request's, else that of its `attempt` field
+    where it has `requeued` too (a retry that did not parse), else 0."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,10 @@ def parse_request_record(
         if request_id is not None:
             rejection = Rejection(request_id=request_id, tenant=tenant, status_code=status,
                                   reason=reason[:REASON_CHARS], code=code)
-        return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection, parsed)
+        return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection, parsed,
+                       parsed.attempt if parsed is not None else claimed)
+
+    claimed = 0
 
     try:
         payload = request_payload(record)
@@ -212,6 +218,10 @@ def parse_request_record(
         # The client learns of it only if its request id itself is valid (the rejection
         # carries it); any field may come first among the errors.
         rid, named = payload.get("request_id"), payload.get("tenant")
+        # a retry (gpusched's own, maybe a newer release's) says so in both fields
+        if type(attempt := payload.get("attempt")) is int and 0 <= attempt <= LAST_ATTEMPT \
+                and isinstance(payload.get("requeued"), str):
+            claimed = attempt
         bad_fields = {e["loc"][0] for e in exc.errors() if e["loc"]}
         valid_id = isinstance(rid, str) and "request_id" not in bad_fields
         # a tenant it names rightly reads the rejection's status at the router
@@ -485,10 +495,17 @@ class SchedulingEngine:
                                               SERVICE, now), None)
             if isinstance(outcome, Refused):
                 outcome = self._unless_taken(outcome)
-                await self._refuse(outcome)
+                # noted before Kafka answers: a record under its id read meanwhile (another
+                # class's topic) is refused as taking it, not run
+                noted = self._note_refused(outcome)
+                try:
+                    await self._refuse(outcome)
+                except BaseException:
+                    if noted is not None:
+                        self._placed.pop(noted, None)
+                    raise
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
-                self._note_refused(outcome)
                 self.offsets.track(record, None, commit)
                 continue
             request = outcome.request
@@ -498,7 +515,9 @@ class SchedulingEngine:
             if taken is not None and taken[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
-                    record, f"request_id '{request.request_id}' is taken by another request "
+                    record, _REFUSED_BEFORE.format(request.request_id)
+                    if taken[0] == REFUSED_IDENTITY else
+                    f"request_id '{request.request_id}' is taken by another request "
                     "(it asks for something else: tenant, model, class, prompt, messages, "
                     "max_tokens, num_gpus or sampling) this scheduler has taken in; this "
                     "record is ignored: give each request its own id", SERVICE, now), None))
@@ -1216,43 +1235,45 @@ class SchedulingEngine:
         return None
 
     def _unless_taken(self, refused: Refused) -> Refused:
-        """`refused` with a dead letter only when its request id is taken by work this
-        scheduler has taken in: a rejection under it would end that request's wait and
-        its status at the router, while it runs on and is billed (a producer's record
-        with a typo under a live id; the same request read again, and refused now, once
-        admitted). The rejection of a retry of that request (its hand-back, too large to
-        place) goes out: it ends the request."""
-        rejection, request = refused.rejection, refused.request
+        """`refused` with a dead letter only, no rejection, unless the rejection ends what
+        goes by its id here and nothing else: a rejection under the id of a request taken
+        in would end that request's wait and its status at the router, while it runs on and
+        is billed (a producer's typo under a live id; the same request read again and
+        refused now). So it goes out only where every attempt known under the id is an
+        earlier one of the same request (the refused record is its retry, or its hand-back
+        that did not parse: a later attempt than any known), and for a first attempt only
+        where nothing goes by the id (a retry of it is not on its way)."""
+        rejection = refused.rejection
         if rejection is None:
             return refused
-        rid = rejection.request_id
-        if request is None:  # unparsed: it is no attempt of whatever goes by its id
-            taken = rid in self._retried or any(
-                self._known((rid, attempt)) is not None for attempt in range(LAST_ATTEMPT + 1))
-        else:
-            earlier = self._known_as(rid, request.attempt - 1) if request.attempt else None
-            taken = self._known((rid, request.attempt)) is not None or (
-                earlier is not None and earlier[0] != _identity(request))
-        if not taken:
+        rid, attempt = rejection.request_id, refused.attempt
+        known = [(earlier, k[0]) for earlier in range(LAST_ATTEMPT + 1)
+                 if (k := self._known((rid, earlier))) is not None]
+        identity = None if refused.request is None else _identity(refused.request)
+        if all(earlier < attempt and identity in (None, asks) for earlier, asks in known) \
+                and (attempt or rid not in self._retried):
             return refused
         letter = refused.dead_letter
-        return Refused(letter.model_copy(update={"reason": (
-            f"{letter.reason}; request_id '{rid}' is taken by a request this scheduler has "
-            "taken in, so no rejection goes out under it (it would end that request): give "
-            "each request its own id")}), None, request)
+        why = _REFUSED_BEFORE.format(rid) if (rid, attempt) in self._placed and \
+            self._placed[(rid, attempt)] == REFUSED_IDENTITY else (
+                f"request_id '{rid}' is taken by a request this scheduler has taken in, so "
+                "no rejection goes out under it (it would end that request): give each "
+                "request its own id")
+        return Refused(letter.model_copy(update={"reason": f"{letter.reason}; {why}"}), None,
+                       refused.request, attempt)
 
-    def _note_refused(self, refused: Refused) -> None:
-        """A rejection Kafka took ends its request: noted as decided (`_placed`), so a later
-        record under its id that asks for something else, the producer's corrected one, is
-        refused as taking another request's id, not run after its client was told it
-        failed. An unparsed record's asks for nothing another could equal."""
+    def _note_refused(self, refused: Refused) -> tuple[str, int] | None:
+        """Note the id of a rejection as decided (`_placed`), so a later record under it,
+        the producer's corrected one, is refused as taking it, not run after its client was
+        told it failed; returns the key noted, if it was not known. Only while this term
+        leads, like every decision noted here: a next leader does not know it."""
         if refused.rejection is None:
-            return
-        request = refused.request
-        key = (refused.rejection.request_id, 0) if request is None else \
-            (request.request_id, request.attempt)
-        if key not in self._placed:
-            self._placed[key] = UNPARSED_IDENTITY if request is None else _identity(request)
+            return None
+        key = (refused.rejection.request_id, refused.attempt)
+        if key in self._placed:
+            return None
+        self._placed[key] = REFUSED_IDENTITY
+        return key
 
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
@@ -1741,9 +1762,11 @@ def _identity(request: InferenceRequest) -> int:
     return hash(request.asks())
 
 
-UNPARSED_IDENTITY = -1
-"""The `_identity` of a refused record that did not parse as a request: no request's (CPython
-never hashes to -1)."""
+REFUSED_IDENTITY = -1
+"""The `_identity` noted for a rejected record's id: no request's (CPython never hashes to -1),
+so any later record under it is refused as taking it."""
+_REFUSED_BEFORE = ("request_id '{}' was refused before (a rejection went out under it): send "
+                   "the corrected request under a new request_id")
 
 
 def _placement_id(request_id: str, attempt: int) -> str:
