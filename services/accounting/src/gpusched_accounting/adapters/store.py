@@ -316,8 +316,12 @@ if ARGV[1] == 'clear' then
   return 0
 end
 local same = flag ~= nil and flag.period == ARGV[3]
-if ARGV[1] == 'announced' and not same then
+if ARGV[1] == 'announced' and old ~= ARGV[4] then
   return -1  -- replaced or cleared since it was set: not written back
+end
+local clock = redis.call('TIME')
+if tonumber(ARGV[6]) <= tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) then
+  return -1  -- its period is over by Redis's clock (the checker's is behind): no flag
 end
 -- a flag of the same period without the mark is an older release's, which published first
 local told = ARGV[1] == 'announced' or (same and flag.announced ~= false)
@@ -330,7 +334,9 @@ its event still to go out and with it out, 6 when it expires (ms). Leaves a flag
 period starts after the moment judged as it is (-1): a check of an earlier moment (a batch
 begun before midnight, a replica whose clock is behind) would clear it, or replace it with
 a flag of a period already over. Else 'set' answers 1 where the flag's event is still to
-be published, 0 where it is out; 'announced' marks a flag still of the same period."""
+be published, 0 where it is out; 'announced' marks the flag as 'set' wrote it, if nobody
+replaced it since. A flag whose period is over by Redis's clock is neither set nor marked
+(-1): set for an instant, it was gone at once and its event published again each check."""
 
 
 @dataclass(frozen=True)
@@ -556,7 +562,7 @@ class UsageStore:
         return await self._flag("set", tenant, judged_at_ms, value, until_ms) == 1
 
     async def announced(self, tenant: str, value: dict, until_ms: int) -> None:
-        """Mark the flag `set_exhausted` wrote, if it is still of its period: its event is
+        """Mark the flag `set_exhausted` wrote, if it is still as it wrote it: its event is
         out."""
         await self._flag("announced", tenant, value["period_start_ms"], value, until_ms)
 
