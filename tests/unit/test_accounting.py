@@ -494,7 +494,7 @@ class FlagStore:
     async def spending(self, tenant: str, day_starts_s) -> Totals:
         return self.spending_now
 
-    async def clear_exhausted(self, tenant: str, judged_at_ms: int) -> None:
+    async def clear_exhausted(self, tenant: str, judged_at_ms: int, read=None) -> None:
         self.calls.append("clear")
         self.flag = None
 
@@ -1203,4 +1203,23 @@ async def test_marking_a_flags_event_out_keeps_a_flag_of_its_period_set_again_si
     await redis_store.redis.set(key, json.dumps(theirs | {"announced": True}))
     await redis_store.announced("acme", mine, today.end_ms)
     assert json.loads(await redis_store.redis.get(key))["limit"] == 200
+
+
+async def test_a_check_that_read_the_spending_before_another_flagged_it_leaves_the_flag(
+        redis_store: UsageStore) -> None:
+    """Instance A read acme's day at 90 tokens of 100; B then read 120 and flagged it; A,
+    judging its older reading, cleared B's flag, and acme got through until the next
+    check, which published the day's event a second time. Spending only grows, so the
+    larger reading is the later one."""
+    midnight = (int(time.time()) // 86_400 + 10) * D
+    today = b.period_of(midnight + 25_000, "day")
+    key = BUDGET_EXHAUSTED_KEY.format("acme")
+    flag = {"period": today.label, "period_start_ms": today.start_ms, "spent": 120.0,
+            "unit": "tokens", "limit": 100}
+    assert await redis_store.set_exhausted("acme", flag, today.end_ms, midnight + 25_000)
+    await redis_store.clear_exhausted("acme", midnight + 26_000, {(today.label, "tokens"): 90})
+    assert await redis_store.redis.get(key) is not None
+    # the budget was raised to 1,000: a reading as recent as the flag's lifts it
+    await redis_store.clear_exhausted("acme", midnight + 27_000, {(today.label, "tokens"): 120})
+    assert await redis_store.redis.get(key) is None
 

@@ -56,14 +56,15 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
         budgets = table.of(tenant)
         if not budgets:
             continue
-        exhausted = []
+        exhausted, read = [], {}
         for budget in budgets:
             window = budget_rules.period_of(now_ms, budget.period)
             spending = await store.spending(tenant, window.day_starts_s)
+            read[(window.label, budget.unit)] = budget_rules.spent(spending, budget.unit)
             if budget_rules.is_exhausted(budget, spending):
                 exhausted.append((budget, window, spending))
         if not exhausted:
-            await store.clear_exhausted(tenant, now_ms)
+            await store.clear_exhausted(tenant, now_ms, read)
             continue
         # the spent budget whose period ends last names the reason and how long it holds:
         # a spent month outlasts a spent day

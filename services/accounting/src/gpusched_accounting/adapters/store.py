@@ -312,6 +312,10 @@ if flag and (tonumber(flag.period_start_ms) or 0) > tonumber(ARGV[2]) then
   return -1  -- a check of a later moment set it: this one judged a period already over
 end
 if ARGV[1] == 'clear' then
+  local read = flag and cjson.decode(ARGV[4])[tostring(flag.period) .. ' ' .. tostring(flag.unit)]
+  if read and tonumber(flag.spent) and tonumber(flag.spent) > tonumber(read) then
+    return -1  -- set from a later reading of its period (spending only grows): it stands
+  end
   redis.call('DEL', KEYS[1])
   return 0
 end
@@ -330,11 +334,14 @@ return told and 0 or 1
 """
 """KEYS: a tenant's budget flag. ARGV: 1 what to do ('set', 'announced' or 'clear'), 2 the
 moment the budgets were judged at (ms), 3 the period judged, 4 and 5 the flag as stored with
-its event still to go out and with it out, 6 when it expires (ms). Leaves a flag whose
-period starts after the moment judged as it is (-1): a check of an earlier moment (a batch
-begun before midnight, a replica whose clock is behind) would clear it, or replace it with
-a flag of a period already over. Else 'set' answers 1 where the flag's event is still to
-be published, 0 where it is out; 'announced' marks the flag as 'set' wrote it, if nobody
+its event still to go out and with it out (for 'clear', 4: what the check read as spent, by
+"<period> <unit>"), 6 when it expires (ms). Leaves a flag whose period starts after the
+moment judged as it is (-1): a check of an earlier moment (a batch begun before midnight, a
+replica whose clock is behind) would clear it, or replace it with a flag of a period
+already over. 'clear' leaves a flag whose spending is above what the check read of its
+period and unit: another instance read it later and set it since (a spent budget got
+through until the next check). 'set' answers 1 where the flag's event is still to be
+published, 0 where it is out; 'announced' marks the flag as 'set' wrote it, if nobody
 replaced it since. A flag whose period is over by Redis's clock is neither set nor marked
 (-1): set for an instant, it was gone at once and its event published again each check."""
 
@@ -566,9 +573,15 @@ class UsageStore:
         out."""
         await self._flag("announced", tenant, value["period_start_ms"], value, until_ms)
 
-    async def clear_exhausted(self, tenant: str, judged_at_ms: int) -> None:
-        """Clear the tenant's flag, unless it is of a period starting after `judged_at_ms`."""
-        await self._flag("clear", tenant, judged_at_ms)
+    async def clear_exhausted(self, tenant: str, judged_at_ms: int,
+                              read: dict[tuple[str, str], float] | None = None) -> None:
+        """Clear the tenant's flag, unless it is of a period starting after `judged_at_ms`
+        or set from a later reading than `read` (what the check read as spent, by period
+        label and unit; none: a tenant without budgets)."""
+        readings = json.dumps({f"{period} {unit}": spent
+                               for (period, unit), spent in (read or {}).items()})
+        await self._budget_flag(keys=[BUDGET_EXHAUSTED_KEY.format(tenant)],
+                                args=["clear", judged_at_ms, "", readings, "", 0])
 
     async def _flag(self, op: str, tenant: str, judged_at_ms: int, value: dict | None = None,
                     until_ms: int = 0) -> int:
