@@ -499,7 +499,7 @@ class FlagStore:
         self.flag = None
 
     async def set_exhausted(self, tenant: str, flag: dict, until_ms: int,
-                            judged_at_ms: int) -> bool:
+                            judged_at_ms: int, read=None) -> bool:
         self.calls.append("set")
         told = self.flag is not None and self.flag["period"] == flag["period"] \
             and self.flag["announced"]
@@ -1222,4 +1222,25 @@ async def test_a_check_that_read_the_spending_before_another_flagged_it_leaves_t
     # the budget was raised to 1,000: a reading as recent as the flag's lifts it
     await redis_store.clear_exhausted("acme", midnight + 27_000, {(today.label, "tokens"): 120})
     assert await redis_store.redis.get(key) is None
+
+
+async def test_a_check_from_an_older_reading_does_not_shorten_a_months_flag(
+        redis_store: UsageStore) -> None:
+    """A read the day at 150 of 100 tokens and the month at 900 of 1,000; B then read the
+    month at 1,100 and flagged it. A's older judgement replaced the month's flag with the
+    day's (another period), announcing the day again and letting the tenant through from
+    midnight, though its month was spent."""
+    midnight = (int(time.time()) // 86_400 + 10) * D
+    day, month = (b.period_of(midnight + 25_000, p) for p in ("day", "month"))
+    key = BUDGET_EXHAUSTED_KEY.format("acme")
+    months = {"period": month.label, "period_start_ms": month.start_ms, "spent": 1100.0,
+              "unit": "tokens"}
+    assert await redis_store.set_exhausted("acme", months, month.end_ms, midnight + 25_000,
+                                           {(month.label, "tokens"): 1100.0})
+    days = {"period": day.label, "period_start_ms": day.start_ms, "spent": 150.0,
+            "unit": "tokens"}
+    assert not await redis_store.set_exhausted(
+        "acme", days, day.end_ms, midnight + 25_000,
+        {(day.label, "tokens"): 150.0, (month.label, "tokens"): 900.0})
+    assert json.loads(await redis_store.redis.get(key))["period"] == month.label
 

@@ -49,8 +49,9 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
     then answers 429) until the end of the latest such period, and publish one
     `budget_exhausted` event when the flag is new, names another period or its event has not
     gone out; clear the flag of a tenant no longer over (its budget was raised). A flag of a
-    period starting after `now_ms` (another instance's check, later or by a clock ahead)
-    stays as it is, and no event goes out for it. Idempotent: it only reads the totals, so
+    period starting after `now_ms` (another instance's check, later or by a clock ahead),
+    or set from a later reading than this check's, stays as it is, and no event goes out for
+    it. Idempotent: it only reads the totals, so
     running it again after a redelivery changes nothing."""
     for tenant in tenants:
         budgets = table.of(tenant)
@@ -73,7 +74,7 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
         flag = {"period": window.label, "period_start_ms": window.start_ms,
                 "limit": budget.limit, "spent": spent, "unit": budget.unit,
                 "reason": budget_rules.reason(budget, window, spending)}
-        if await store.set_exhausted(tenant, flag, window.end_ms, now_ms):
+        if await store.set_exhausted(tenant, flag, window.end_ms, now_ms, read):
             log.warning("budget exhausted: %s", flag["reason"])
             # published before the flag says so: a refused publish is tried again with the
             # batch's redelivery (a crash between the two publishes it twice, never zero)

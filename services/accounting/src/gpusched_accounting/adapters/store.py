@@ -311,11 +311,11 @@ if not ok or type(flag) ~= 'table' then flag = nil end  -- none, or not ours: re
 if flag and (tonumber(flag.period_start_ms) or 0) > tonumber(ARGV[2]) then
   return -1  -- a check of a later moment set it: this one judged a period already over
 end
+local read = flag and cjson.decode(ARGV[7])[tostring(flag.period) .. ' ' .. tostring(flag.unit)]
+if read and tonumber(flag.spent) and tonumber(flag.spent) > tonumber(read) then
+  return -1  -- set from a later reading of its period (spending only grows): it stands
+end
 if ARGV[1] == 'clear' then
-  local read = flag and cjson.decode(ARGV[4])[tostring(flag.period) .. ' ' .. tostring(flag.unit)]
-  if read and tonumber(flag.spent) and tonumber(flag.spent) > tonumber(read) then
-    return -1  -- set from a later reading of its period (spending only grows): it stands
-  end
   redis.call('DEL', KEYS[1])
   return 0
 end
@@ -334,16 +334,21 @@ return told and 0 or 1
 """
 """KEYS: a tenant's budget flag. ARGV: 1 what to do ('set', 'announced' or 'clear'), 2 the
 moment the budgets were judged at (ms), 3 the period judged, 4 and 5 the flag as stored with
-its event still to go out and with it out (for 'clear', 4: what the check read as spent, by
-"<period> <unit>"), 6 when it expires (ms). Leaves a flag whose period starts after the
-moment judged as it is (-1): a check of an earlier moment (a batch begun before midnight, a
-replica whose clock is behind) would clear it, or replace it with a flag of a period
-already over. 'clear' leaves a flag whose spending is above what the check read of its
-period and unit: another instance read it later and set it since (a spent budget got
-through until the next check). 'set' answers 1 where the flag's event is still to be
-published, 0 where it is out; 'announced' marks the flag as 'set' wrote it, if nobody
-replaced it since. A flag whose period is over by Redis's clock is neither set nor marked
-(-1): set for an instant, it was gone at once and its event published again each check."""
+its event still to go out and with it out, 6 when it expires (ms), 7 what the check read as
+spent, by "<period> <unit>" (JSON). Leaves the flag as it is (-1) where its period starts
+after the moment judged (a check of an earlier moment, a batch begun before midnight or a
+replica whose clock is behind, would clear it or replace it with a flag of a period already
+over), or where its spending is above what the check read of its period and unit (another
+instance read it later: spending only grows; a check from the older reading lifted a spent
+budget, or shortened a month's flag to a day's, announcing both again). 'set' answers 1
+where the flag's event is still to be published, 0 where it is out; 'announced' marks the
+flag as 'set' wrote it, if nobody replaced it since. A flag whose period is over by Redis's
+clock is neither set nor marked (-1): set for an instant, it was gone at once and its event
+published again each check."""
+
+
+Readings = dict[tuple[str, str], float]
+"""What a budget check read as spent, by (period label, unit)."""
 
 
 @dataclass(frozen=True)
@@ -559,14 +564,15 @@ class UsageStore:
         return total
 
     async def set_exhausted(self, tenant: str, value: dict, until_ms: int,
-                            judged_at_ms: int) -> bool:
+                            judged_at_ms: int, read: Readings | None = None) -> bool:
         """Flag the tenant's budget as spent until `until_ms` (the end of `value`'s `period`,
-        which starts at its `period_start_ms`), as judged at `judged_at_ms`, replacing a flag
-        set before unless it is of a later period (`_BUDGET_FLAG`); True while its
-        `budget_exhausted` event is still to be published: newly flagged, flagged before for
-        another period, or its event not out yet (`announced` says it is). False where the
-        flag was left as it was."""
-        return await self._flag("set", tenant, judged_at_ms, value, until_ms) == 1
+        which starts at its `period_start_ms`), as judged at `judged_at_ms` from `read`
+        (what the check read as spent, by period label and unit), replacing a flag set
+        before unless it is of a later period or from a later reading (`_BUDGET_FLAG`); True
+        while its `budget_exhausted` event is still to be published: newly flagged, flagged
+        before for another period, or its event not out yet (`announced` says it is). False
+        where the flag was left as it was."""
+        return await self._flag("set", tenant, judged_at_ms, value, until_ms, read) == 1
 
     async def announced(self, tenant: str, value: dict, until_ms: int) -> None:
         """Mark the flag `set_exhausted` wrote, if it is still as it wrote it: its event is
@@ -574,22 +580,20 @@ class UsageStore:
         await self._flag("announced", tenant, value["period_start_ms"], value, until_ms)
 
     async def clear_exhausted(self, tenant: str, judged_at_ms: int,
-                              read: dict[tuple[str, str], float] | None = None) -> None:
+                              read: Readings | None = None) -> None:
         """Clear the tenant's flag, unless it is of a period starting after `judged_at_ms`
-        or set from a later reading than `read` (what the check read as spent, by period
-        label and unit; none: a tenant without budgets)."""
-        readings = json.dumps({f"{period} {unit}": spent
-                               for (period, unit), spent in (read or {}).items()})
-        await self._budget_flag(keys=[BUDGET_EXHAUSTED_KEY.format(tenant)],
-                                args=["clear", judged_at_ms, "", readings, "", 0])
+        or from a later reading than `read` (none: a tenant without budgets)."""
+        await self._flag("clear", tenant, judged_at_ms, read=read)
 
     async def _flag(self, op: str, tenant: str, judged_at_ms: int, value: dict | None = None,
-                    until_ms: int = 0) -> int:
+                    until_ms: int = 0, read: Readings | None = None) -> int:
         flag = ("", "", "") if value is None else (
             value["period"], json.dumps(value | {"announced": False}),
             json.dumps(value | {"announced": True}))
+        readings = json.dumps({f"{period} {unit}": spent
+                               for (period, unit), spent in (read or {}).items()})
         return await self._budget_flag(keys=[BUDGET_EXHAUSTED_KEY.format(tenant)],
-                                       args=[op, judged_at_ms, *flag, until_ms])
+                                       args=[op, judged_at_ms, *flag, until_ms, readings])
 
     async def exhausted_tenants(self) -> set[str]:
         """The tenants flagged now."""
