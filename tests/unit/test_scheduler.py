@@ -777,6 +777,46 @@ async def test_a_rejected_record_sent_again_with_only_its_times_corrected_is_not
     assert "request_id 'r-43' was refused before" in letters[-1].reason
 
 
+async def test_an_id_rejected_at_a_later_attempt_takes_no_corrected_first_attempt() -> None:
+    """The rejected id was noted at the attempt its record claimed, and a corrected record
+    was looked up at its own attempt and earlier ones: after a record claiming attempt 1
+    was rejected, the corrected attempt 0 under its id ran."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([_standard_record(0, "r9", attempt=1, requeued="handback",
+                                         max_token=5)])
+    await engine.admit([_standard_record(1, "r9")])
+    assert await engine.cycle() == 0 and not engine.running
+    assert len(sent[topics.RESULTS.name]) == 1
+
+
+async def test_a_rejection_kafka_may_have_taken_keeps_its_id_taken_and_goes_out_again(
+) -> None:
+    """The refusal's publish failed (its dead letter refused, its rejection maybe taken):
+    the note was dropped, so a corrected record read meanwhile ran beside the rejection.
+    Kept, the corrected record is refused, and the refused record read again is rejected
+    again (at least once)."""
+    failing = [True]
+    published: list = []
+
+    async def send(batch):
+        if failing[0] and any(isinstance(o.message, Rejection) for o in batch):
+            failing[0] = False
+            published.extend(batch)  # Kafka took the rejection, then failed the batch
+            raise KafkaConnectionError("the dead-letters partition's leader is away")
+        published.extend(batch)
+        return asyncio.gather()
+    engine, _, kafka = _held_engine(send=send)
+    typo = _standard_record(0, "r7", max_token=5)
+    with pytest.raises(KafkaConnectionError):
+        await engine.admit([typo], kafka.commit)
+    await engine.admit([_standard_record(1, "r7")], kafka.commit)
+    await engine.admit([typo], kafka.commit)  # the batch read again
+    assert await engine.cycle() == 0 and not engine.running
+    rejections = [o.message for o in published if isinstance(o.message, Rejection)]
+    assert [r.request_id for r in rejections] == ["r7", "r7"]
+
+
 async def test_a_handback_too_large_to_place_is_still_rejected() -> None:
     """The refusal of a retry of the request that goes by its id is that request's end:
     its rejection goes out, though the id is taken (by its own first attempt)."""

@@ -331,6 +331,10 @@ class SchedulingEngine:
         """Recently decided (request id, attempt) -> its request's `_identity`, to skip
         redeliveries and refuse other requests under the same id; bounded by
         RECENT_DECISIONS (placements still running are recognised by `running` too)."""
+        self._refused = Recent(RECENT_DECISIONS)
+        """Request id -> the attempt its record claimed, of the records rejected lately
+        (`_note_refused`): a later record under the id, at any attempt, is refused as
+        taking it; one at that attempt again (the record read again) is rejected again."""
         self._cancelled = Recent(RECENT_DECISIONS)
         """Request id -> reason of the cancels read lately (their requests, queued here or
         admitted later, end cancelled unplaced)."""
@@ -496,14 +500,10 @@ class SchedulingEngine:
             if isinstance(outcome, Refused):
                 outcome = self._unless_taken(outcome)
                 # noted before Kafka answers: a record under its id read meanwhile (another
-                # class's topic) is refused as taking it, not run
-                noted = self._note_refused(outcome)
-                try:
-                    await self._refuse(outcome)
-                except BaseException:
-                    if noted is not None:
-                        self._placed.pop(noted, None)
-                    raise
+                # class's topic) is refused as taking it, not run; kept if the publish fails
+                # (the rejection may be out), the record read again is rejected again
+                self._note_refused(outcome)
+                await self._refuse(outcome)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
                 self.offsets.track(record, None, commit)
@@ -511,12 +511,12 @@ class SchedulingEngine:
             request = outcome.request
             key = (request.request_id, request.attempt)
             known = self._known(key)
-            taken = self._known_as(request.request_id, request.attempt)
-            if taken is not None and taken[0] != _identity(request):
+            refused = request.request_id in self._refused
+            taken = None if refused else self._known_as(request.request_id, request.attempt)
+            if refused or taken is not None and taken[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
-                    record, _REFUSED_BEFORE.format(request.request_id)
-                    if taken[0] == REFUSED_IDENTITY else
+                    record, _REFUSED_BEFORE.format(request.request_id) if refused else
                     f"request_id '{request.request_id}' is taken by another request "
                     "(it asks for something else: tenant, model, class, prompt, messages, "
                     "max_tokens, num_gpus or sampling) this scheduler has taken in; this "
@@ -1241,39 +1241,36 @@ class SchedulingEngine:
         is billed (a producer's typo under a live id; the same request read again and
         refused now). So it goes out only where every attempt known under the id is an
         earlier one of the same request (the refused record is its retry, or its hand-back
-        that did not parse: a later attempt than any known), and for a first attempt only
-        where nothing goes by the id (a retry of it is not on its way)."""
+        that did not parse: a later attempt than any known), for a first attempt only where
+        no retry of it is on its way, and for an id rejected before only at the attempt
+        rejected (the record read again)."""
         rejection = refused.rejection
         if rejection is None:
             return refused
         rid, attempt = rejection.request_id, refused.attempt
-        known = [(earlier, k[0]) for earlier in range(LAST_ATTEMPT + 1)
-                 if (k := self._known((rid, earlier))) is not None]
         identity = None if refused.request is None else _identity(refused.request)
-        if all(earlier < attempt and identity in (None, asks) for earlier, asks in known) \
-                and (attempt or rid not in self._retried):
+        rejected = self._refused.get(rid)
+        taken = (rejected is not None and rejected != attempt) \
+            or (not attempt and rid in self._retried) \
+            or any(earlier >= attempt or identity not in (None, known[0])
+                   for earlier in range(LAST_ATTEMPT + 1)
+                   if (known := self._known((rid, earlier))) is not None)
+        if not taken:
             return refused
         letter = refused.dead_letter
-        why = _REFUSED_BEFORE.format(rid) if (rid, attempt) in self._placed and \
-            self._placed[(rid, attempt)] == REFUSED_IDENTITY else (
-                f"request_id '{rid}' is taken by a request this scheduler has taken in, so "
-                "no rejection goes out under it (it would end that request): give each "
-                "request its own id")
+        why = _REFUSED_BEFORE.format(rid) if rejected is not None else (
+            f"request_id '{rid}' is taken by a request this scheduler has taken in, so no "
+            "rejection goes out under it (it would end that request): give each request its "
+            "own id")
         return Refused(letter.model_copy(update={"reason": f"{letter.reason}; {why}"}), None,
                        refused.request, attempt)
 
-    def _note_refused(self, refused: Refused) -> tuple[str, int] | None:
-        """Note the id of a rejection as decided (`_placed`), so a later record under it,
-        the producer's corrected one, is refused as taking it, not run after its client was
-        told it failed; returns the key noted, if it was not known. Only while this term
-        leads, like every decision noted here: a next leader does not know it."""
-        if refused.rejection is None:
-            return None
-        key = (refused.rejection.request_id, refused.attempt)
-        if key in self._placed:
-            return None
-        self._placed[key] = REFUSED_IDENTITY
-        return key
+    def _note_refused(self, refused: Refused) -> None:
+        """Note the id of a rejection (`_refused`), so a later record under it, the
+        producer's corrected one, is refused as taking it, not run after its client was
+        told it failed. This instance's memory: a next leader does not know it."""
+        if refused.rejection is not None and refused.rejection.request_id not in self._refused:
+            self._refused[refused.rejection.request_id] = refused.attempt
 
     def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
         """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
@@ -1762,9 +1759,6 @@ def _identity(request: InferenceRequest) -> int:
     return hash(request.asks())
 
 
-REFUSED_IDENTITY = -1
-"""The `_identity` noted for a rejected record's id: no request's (CPython never hashes to -1),
-so any later record under it is refused as taking it."""
 _REFUSED_BEFORE = ("request_id '{}' was refused before (a rejection went out under it): send "
                    "the corrected request under a new request_id")
 
