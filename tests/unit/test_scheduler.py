@@ -2331,6 +2331,21 @@ async def test_a_cycle_the_producer_refuses_at_once_sends_its_placement_again_un
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
 
 
+async def _untaken_engine(send, now: list[int]  # noqa: ANN001
+                          ) -> tuple[SchedulingEngine, Fences]:
+    """A leading engine on clock `now` that sends through `send`, fences with a store no
+    agent claimed anything in, times placements out as untaken after 30 s, and has r1
+    waiting."""
+    store = Fences(taken=set())
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
+                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
+                                           untaken_timeout_ms=30_000, commit_interval_ms=0),
+                              store=store)
+    engine.lead(3, [])
+    await engine.admit([_standard_record(7, "r1")])
+    return engine, store
+
+
 async def test_a_placement_sent_again_is_untaken_only_that_long_after_kafka_took_it(
 ) -> None:
     """Kafka refused it for 35 s: the untaken time-out (30 s) ran from its first send, so
@@ -2344,13 +2359,7 @@ async def test_a_placement_sent_again_is_untaken_only_that_long_after_kafka_took
         if now[0] < 36_000:
             acks[-1].set_exception(ConnectionError("broker gone"))
         return acks[-1]
-    store = Fences(taken=set())
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           untaken_timeout_ms=30_000, commit_interval_ms=0),
-                              store=store)
-    engine.lead(3, [])
-    await engine.admit([_standard_record(7, "r1")])
+    engine, store = await _untaken_engine(send, now)
     for at in range(1000, 37_001, 1000):  # n1 reports every second, lists nothing yet
         now[0] = at
         engine.view.apply_node_state(node("n1", [80000], seq=at), at, NODE_TIMEOUT_MS)
@@ -2373,13 +2382,7 @@ async def test_a_placement_kafka_is_slow_to_take_is_untaken_only_that_long_after
         if len(acks) > 1:  # only the first cycle's answer is slow
             acks[-1].set_result([])
         return acks[-1]
-    store = Fences(taken=set())
-    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0], NoOpTracer(),
-                              EngineConfig(cycle_window_ms=0, node_timeout_ms=10**12,
-                                           untaken_timeout_ms=30_000, commit_interval_ms=0),
-                              store=store)
-    engine.lead(3, [])
-    await engine.admit([_standard_record(7, "r1")])
+    engine, store = await _untaken_engine(send, now)
     for at in range(1000, 66_001, 1000):  # n1 reports every second, lists nothing yet
         now[0] = at
         if at == 36_000:
