@@ -3240,25 +3240,6 @@ def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None
                                       {"model": SMALL.name}) is None
 
 
-def test_work_after_an_aged_unit_that_waits_goes_on_around_the_room_it_keeps() -> None:
-    """An aged gang waits for node a's GPUs; fresh interactive work that fits node b is
-    placed now, while work only a's kept GPUs could hold waits for the gang. Before, every
-    chunk after the aged one waited: an interactive request that fit elsewhere waited,
-    behind aged batch work, until it had aged itself (5 s, 5x its target; a probe)."""
-    view = ClusterView()
-    view.apply_node_state(node("a", [80000, 0]), 400_000, NODE_TIMEOUT_MS)
-    view.apply_node_state(node("b", [SMALL.weight_memory_mib + 4]), 400_000, NODE_TIMEOUT_MS)
-    items = [Pending(req("gang", "batch", num_gpus=2), {}, 0),
-             Pending(req("i", "interactive"), {}, 400_000),
-             Pending(req("j", "interactive"), {}, 400_000)]
-    chunks = order_pending(items, 400_000, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
-    assert [c.name for c in chunks] == ["aged", "interactive"]
-    decisions = plan_cycle(snapshot(view, view.live_nodes(400_000, 10_000)), chunks, CATALOG,
-                           "gpusched", [], 400_000, {}, fleet=fleet_of(view, 400_000))
-    assert [(p.item.request.request_id, p.node_id) for p in decisions.placed] == [("i", "b")]
-    assert [p.request.request_id for p in decisions.waiting] == ["gang", "j"]
-
-
 def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
     """The node's other GPUs stay open to the aged work after it: keeping the whole node
     left up to seven GPUs idle for one waiting unit."""

@@ -316,10 +316,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                stopping: Collection[RunningPlacement] = ()) -> CycleDecisions:
     """Solve the chunks in order, each on the state the previous left; after a chunk with
     work that has to wait for room to free up, later chunks wait too (they would take that
-    room), except after the aged chunk, whose first unit that waits keeps only its GPUs
-    from all after it (`_keep_node_for`). Work that no live, healthy node could hold even
-    empty (its GPUs are away or sick) waits without holding later chunks back: nothing
-    they take would make it fit.
+    room). Work that no live, healthy node could hold even empty (its GPUs are away or
+    sick) waits without holding later chunks back: nothing they take would make it fit.
     `may_preempt` maps a request id to the highest victim priority it may preempt (1: batch
     and borrowed work, 0: borrowed work only); `borrowed` holds the running work beyond
     its tenant's guarantee (placement ids, judged this cycle); `reclaiming` the requests
@@ -377,9 +375,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         fits_live: dict[tuple[int, int, str], bool] = {}  # on a live, healthy node, were it empty
         live: list[FleetNode] | None = None  # _live_gpu_mib, read at first need
         holding = False  # an earlier chunk has work waiting for room that can free up
-        # past the first aged unit that waits for room: (the first unit after it, the state
-        # before that, their solve, the GPU rows kept from them)
-        aged_kept: tuple[int, ClusterState, SolveResult, list[int]] | None = None
+        # (first unit, its solve, the GPU rows kept from it) past an aged unit that waits
+        aged_kept: tuple[int, SolveResult, list[int]] | None = None
         end = 0
         for chunk in chunks:
             end += len(chunk.items)
@@ -389,7 +386,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             for u in range(end - len(chunk.items), end):
                 item = items[u]
                 outcome = result.outcome(u) if aged_kept is None else \
-                    aged_kept[2].outcome(u - aged_kept[0])
+                    aged_kept[1].outcome(u - aged_kept[0])
                 if hasattr(outcome, "gpu_indices"):
                     placed.append(_place(snap, batch, u, item, outcome))
                     continue
@@ -410,29 +407,18 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     if size not in fits_live:
                         live = _live_gpu_mib(snap.state) if live is None else live
                         fits_live[size] = not _never_fits(live, *size)
-                    if chunk.name != "aged":
-                        holding |= fits_live[size]
-                    elif fits_live[size] and aged_kept is None and u + 1 < len(items):
-                        # its room is kept from all after it, which go on around it: an
-                        # interactive request that fit elsewhere waited, behind aged batch
-                        # work, until it had aged itself (5 s)
-                        start, head, rows = _keep_node_for(state, batch, u, policy,
-                                                           shapes, *size[:2])
-                        aged_kept = (start, head, _solve_keeping(
-                            head, batch.take(slice(start, len(items))), policy, shapes,
-                            rows), rows)
-            if holding and end < len(items):  # solved again without the chunks that wait
-                if aged_kept is None:
-                    result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
-                else:
-                    start, head, _, rows = aged_kept
-                    aged_kept = (start, head, _solve_keeping(
-                        head, batch.take(slice(start, end)), policy, shapes, rows), rows)
-        state = result.state if aged_kept is None else aged_kept[2].state
+                    holding |= fits_live[size]
+                    if chunk.name == "aged" and fits_live[size] and aged_kept is None \
+                            and u + 1 < end:
+                        aged_kept = _keep_node_for(state, batch, u, end, policy, shapes,
+                                                   *size[:2])
+            if holding and aged_kept is None and end < len(items):
+                result = solve(state, batch.take(slice(0, end)), policy, shapes=shapes)
+        state = result.state if aged_kept is None else aged_kept[1].state
         room = _evicting(state, snap, placed, kept.models) if blocked and snap.evictable \
             else None
         if room is not None:
-            # the units after an aged one that keeps GPUs are kept from them, unless it fits now
+            # the aged units after one that keeps GPUs are kept from them, unless it fits now
             first = aged_kept[0] if aged_kept is not None else len(items)
             head, tail = [u for u in blocked if u < first], [u for u in blocked if u >= first]
             evicting = solve(room, batch.take(np.array(head, np.int64)), policy, shapes=shapes)
@@ -441,7 +427,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                 assert aged_kept is not None
                 evicting = _solve_keeping(
                     evicting.state, batch.take(np.array(tail, np.int64)), policy, shapes,
-                    [] if hasattr(outcomes[first - 1], "gpu_indices") else aged_kept[3])
+                    [] if hasattr(outcomes[first - 1], "gpu_indices") else aged_kept[2])
                 outcomes.update((u, evicting.outcome(j)) for j, u in enumerate(tail))
             now_placed: set[int] = set()  # ids of their items
             for u in blocked:
@@ -675,17 +661,16 @@ def _weights_once(placed: list[Place]) -> list[Place]:
     return out
 
 
-def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, policy: str,
+def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, policy: str,
                    shapes: ShapeDistribution | None, mib_per_gpu: int, num_gpus: int
-                   ) -> tuple[int, ClusterState, list[int]]:
-    """Aged unit `u` waits for room: the GPUs closest to holding it (of the live nodes
-    that could, empty: the `num_gpus` such GPUs of one node with the most memory free now),
-    to keep out of reach of the units after it, which are solved again on the rest
-    (`_solve_keeping`), the node's other GPUs included. Before, later aged units took each
-    GPU that freed there, and an aged gang of an overloaded class never saw two free at
-    once (a probe: never placed in 600 s). Returns (u + 1, the state once units 0..u are
-    solved, the GPU rows kept): the idle-model eviction pass keeps them from those units
-    too."""
+                   ) -> tuple[int, SolveResult, list[int]]:
+    """Aged unit `u` waits for room: keep the GPUs closest to holding it (of the live nodes
+    that could, empty: the `num_gpus` such GPUs of one node with the most memory free now)
+    out of reach of the later aged units `u + 1 .. end - 1`, which are solved again on the
+    rest, the node's other GPUs included. Before, they took each GPU that freed there, and
+    an aged gang of an overloaded class never saw two free at once (a probe: never placed
+    in 600 s). Returns (u + 1, their solve, whose state holds those GPUs as they are, the
+    GPU rows kept): the idle-model eviction pass keeps them from those units too."""
     head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
     at = head.state
     t = int(batch.type_set[u])  # the GPU types that run its model
@@ -701,7 +686,7 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, policy: str,
         free = sum(int(at.gpu_mem_free_mib[g]) for g in rows)
         if len(rows) == num_gpus and free > best_free:
             best, best_free = rows, free
-    return u + 1, at, best
+    return u + 1, _solve_keeping(at, batch.take(slice(u + 1, end)), policy, shapes, best), best
 
 
 def _solve_keeping(state: ClusterState, batch: WorkBatch, policy: str,
