@@ -3240,6 +3240,35 @@ def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None
                                       {"model": SMALL.name}) is None
 
 
+def test_no_preemption_is_planned_on_the_gpus_kept_for_aged_work_that_waits() -> None:
+    """An aged gang keeps node a's GPUs; interactive j fits nowhere and may preempt batch
+    work. Its plan stopped the young batch work on a's GPU 0 (the cheapest), and its room
+    there, solved first next cycle, took the memory kept for the gang. It now preempts on
+    node b. (Work that fit only on the kept GPUs planned nothing at all: it "fit already".)"""
+    now = 400_000
+    view = ClusterView()
+    view.apply_node_state(node("a", [2000, 0], models=(EIGHT_B.name,),
+                               active=("va", "vlong")), now, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [0], models=(EIGHT_B.name,), active=("vb",)), now,
+                          NODE_TIMEOUT_MS)
+
+    def victim(pid: str, node_id: str, placed_at_ms: int) -> RunningPlacement:
+        return RunningPlacement(placement_id=pid, node_id=node_id, gpu_indices=(0,),
+                                memory_mib_per_gpu=30000, kv_cache_mib=30000,
+                                estimate_gpu_s=1.0, placed_at_ms=placed_at_ms,
+                                request=req(pid, "batch", model=EIGHT_B.name, tenant="initech"))
+    items = [Pending(req("gang", "batch", model=EIGHT_B.name, num_gpus=2), {}, 0),
+             Pending(req("j", "interactive", model=EIGHT_B.name, max_tokens=30000), {}, now)]
+    chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    decisions = plan_cycle(snapshot(view, view.live_nodes(now, 10_000)), chunks, CATALOG,
+                           "gpusched", [victim("va", "a", now - 1000),
+                                        victim("vb", "b", now - 60_000)],
+                           now, {"j": 1}, fleet=fleet_of(view, now))
+    assert [p.request.request_id for p in decisions.waiting] == ["gang", "j"]
+    [plan] = decisions.preemptions
+    assert (plan.node_id, [v.placement_id for v in plan.victims]) == ("b", ["vb"])
+
+
 def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
     """The node's other GPUs stay open to the aged work after it: keeping the whole node
     left up to seven GPUs idle for one waiting unit."""

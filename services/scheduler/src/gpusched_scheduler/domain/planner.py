@@ -355,6 +355,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     waiting: list[Pending] = []
     preemptions: list[Preemption] = []
     state = snap.state
+    out_of_reach: list[int] = []  # GPU rows no later preemptor may plan on (kept for aged work)
     items = [item for chunk in chunks for item in chunk.items]
     blocked: list[int] = []  # units of the first chunk with work that waits, that fit nowhere
     kept = Kept()
@@ -409,7 +410,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                         fits_live[size] = not _never_fits(live, *size)
                     holding |= fits_live[size]
                     if chunk.name == "aged" and fits_live[size] and aged_kept is None \
-                            and u + 1 < end:
+                            and u + 1 < len(items):
                         aged_kept = _keep_node_for(state, batch, u, end, policy, shapes,
                                                    *size[:2])
             if holding and aged_kept is None and end < len(items):
@@ -437,14 +438,25 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     now_placed.add(id(items[u]))
             waiting = [item for item in waiting if id(item) not in now_placed]
             state = evicting.state
+        if aged_kept is not None:
+            holder = items[aged_kept[0] - 1]
+            if any(w is holder for w in waiting) and holder.request.request_id not in may_preempt:
+                out_of_reach = aged_kept[2]
     if running and may_preempt:
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
+        # The GPUs kept for the aged unit that waits are out of reach of the plans too: work
+        # that fit only there planned nothing (it "fit already") and waited for the aged
+        # unit, and a plan's room there was solved first next cycle, taking the kept memory
+        plan_state = state
+        if out_of_reach:
+            plan_state = state.copy()
+            plan_state.gpu_healthy[out_of_reach] = False
         preemptions += _plan_preemptions(
-            eligible, state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
+            eligible, plan_state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
             reclaiming, borrowing, borrowed, guarded, max_preemptions,
             # the state once the victims stopping already have stopped and their
             # preemptors run
-            _coming_free(state, snap, stopping, kept) if stopping or kept.debt else None,
+            _coming_free(plan_state, snap, stopping, kept) if stopping or kept.debt else None,
             _weights_users([*running, *stopping]), _counted_on(placed, kept.models))
     return CycleDecisions(_weights_once(placed), rejected, waiting, preemptions)
 
