@@ -3269,6 +3269,30 @@ def test_no_preemption_is_planned_on_the_gpus_kept_for_aged_work_that_waits() ->
     assert (plan.node_id, [v.placement_id for v in plan.victims]) == ("b", ["vb"])
 
 
+def test_a_tenant_reclaiming_its_guarantee_may_still_plan_on_gpus_kept_for_aged_work(
+) -> None:
+    """The only borrowed work runs on the node kept for another tenant's aged gang: hiding
+    the kept GPUs from every plan refused the reclaim until the gang was placed (review)."""
+    now = 400_000
+    view = ClusterView()
+    view.apply_node_state(node("a", [0, 0], models=(EIGHT_B.name,), active=("vA0", "vA1")),
+                          now, NODE_TIMEOUT_MS)
+    running = [RunningPlacement(placement_id=pid, node_id="a", gpu_indices=(gpu,),
+                                memory_mib_per_gpu=30000, kv_cache_mib=30000,
+                                estimate_gpu_s=1.0, placed_at_ms=now - 1000,
+                                request=req(pid, "batch", model=EIGHT_B.name, tenant="initech"))
+               for gpu, pid in enumerate(("vA0", "vA1"))]
+    items = [Pending(req("gang", "batch", model=EIGHT_B.name, num_gpus=2, tenant="hooli"),
+                     {}, 0),
+             Pending(req("R", "standard", model=EIGHT_B.name), {}, now)]
+    chunks = order_pending(items, now, FairShare(), {}, TARGETS, 5.0, lambda p: 1.0)
+    decisions = plan_cycle(snapshot(view, view.live_nodes(now, 10_000)), chunks, CATALOG,
+                           "gpusched", running, now, {"R": 0}, fleet=fleet_of(view, now),
+                           reclaiming=("R",), borrowed=("vA0", "vA1"))
+    [plan] = decisions.preemptions
+    assert (plan.item.request.request_id, plan.node_id) == ("R", "a")
+
+
 def test_an_aged_gang_keeps_only_the_gpus_it_waits_for() -> None:
     """The node's other GPUs stay open to the aged work after it: keeping the whole node
     left up to seven GPUs idle for one waiting unit."""

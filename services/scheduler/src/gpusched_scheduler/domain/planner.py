@@ -355,7 +355,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     waiting: list[Pending] = []
     preemptions: list[Preemption] = []
     state = snap.state
-    out_of_reach: list[int] = []  # GPU rows no later preemptor may plan on (kept for aged work)
+    kept_rows: list[int] = []  # kept for the aged unit that waits, from the plans after it
     items = [item for chunk in chunks for item in chunk.items]
     blocked: list[int] = []  # units of the first chunk with work that waits, that fit nowhere
     kept = Kept()
@@ -438,19 +438,20 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
                     now_placed.add(id(items[u]))
             waiting = [item for item in waiting if id(item) not in now_placed]
             state = evicting.state
-        if aged_kept is not None:
-            holder = items[aged_kept[0] - 1]
-            if any(w is holder for w in waiting) and holder.request.request_id not in may_preempt:
-                out_of_reach = aged_kept[2]
+        if aged_kept is not None and any(w is items[aged_kept[0] - 1] for w in waiting):
+            kept_rows = aged_kept[2]
     if running and may_preempt:
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
         # The GPUs kept for the aged unit that waits are out of reach of the plans too: work
         # that fit only there planned nothing (it "fit already") and waited for the aged
-        # unit, and a plan's room there was solved first next cycle, taking the kept memory
+        # unit, and a plan's room there was solved first next cycle, taking the kept memory.
+        # Not where that unit plans one itself, nor a tenant reclaiming its guarantee (its
+        # borrowed victims may run only there): those plans see every GPU, so this cycle's
+        # do, in order
         plan_state = state
-        if out_of_reach:
-            plan_state = state.copy()
-            plan_state.gpu_healthy[out_of_reach] = False
+        if kept_rows and not any(i is items[aged_kept[0] - 1]  # type: ignore[index]
+                                 or i.request.request_id in reclaiming for i in eligible):
+            plan_state = _hiding(state, kept_rows)
         preemptions += _plan_preemptions(
             eligible, plan_state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
             reclaiming, borrowing, borrowed, guarded, max_preemptions,
@@ -679,10 +680,12 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, poli
     """Aged unit `u` waits for room: keep the GPUs closest to holding it (of the live nodes
     that could, empty: the `num_gpus` such GPUs of one node with the most memory free now)
     out of reach of the later aged units `u + 1 .. end - 1`, which are solved again on the
-    rest, the node's other GPUs included. Before, they took each GPU that freed there, and
-    an aged gang of an overloaded class never saw two free at once (a probe: never placed
-    in 600 s). Returns (u + 1, their solve, whose state holds those GPUs as they are, the
-    GPU rows kept): the idle-model eviction pass keeps them from those units too."""
+    rest, the node's other GPUs included, and of the preemptions planned for the work
+    after it (`plan_cycle`; kept whenever work follows it, aged or not). Before, they took
+    each GPU that freed there, and an aged gang of an overloaded class never saw two free
+    at once (a probe: never placed in 600 s). Returns (u + 1, their solve, whose state
+    holds those GPUs as they are, the GPU rows kept): the idle-model eviction pass keeps
+    them from those units too."""
     head = solve(state, batch.take(slice(0, u + 1)), policy, shapes=shapes)
     at = head.state
     t = int(batch.type_set[u])  # the GPU types that run its model
@@ -707,11 +710,16 @@ def _solve_keeping(state: ClusterState, batch: WorkBatch, policy: str,
     has them as `state` has."""
     if not rows:
         return solve(state, batch, policy, shapes=shapes)
-    kept = state.copy()
-    kept.gpu_healthy[rows] = False
-    out = solve(kept, batch, policy, shapes=shapes)
+    out = solve(_hiding(state, rows), batch, policy, shapes=shapes)
     out.state.gpu_healthy[rows] = state.gpu_healthy[rows]
     return out
+
+
+def _hiding(state: ClusterState, rows: list[int]) -> ClusterState:
+    """A copy of `state` where the GPU `rows` take no work (unhealthy)."""
+    hidden = state.copy()
+    hidden.gpu_healthy[rows] = False
+    return hidden
 
 
 def _evicting(state: ClusterState, snap: Snapshot, placed: list[Place],
