@@ -701,6 +701,8 @@ def _keep_node_for(state: ClusterState, batch: WorkBatch, u: int, end: int, poli
         free = sum(int(at.gpu_mem_free_mib[g]) for g in rows)
         if len(rows) == num_gpus and free > best_free:
             best, best_free = rows, free
+    if u + 1 == end:  # no aged unit after it: kept from the plans alone (solved already)
+        return u + 1, head, best
     return u + 1, _solve_keeping(at, batch.take(slice(u + 1, end)), policy, shapes, best), best
 
 
