@@ -512,7 +512,10 @@ class SchedulingEngine:
             key = (request.request_id, request.attempt)
             known = self._known(key)
             refused = request.request_id in self._refused
-            taken = None if refused else self._known_as(request.request_id, request.attempt)
+            # that attempt (`known`, looked up once: every record passes here), else the
+            # latest earlier one (a retry of another request?)
+            taken = None if refused else known if known is not None or not request.attempt \
+                else self._known_as(request.request_id, request.attempt - 1)
             if refused or taken is not None and taken[0] != _identity(request):
                 # a dead letter only: a rejection would end the other request
                 await self._refuse(Refused(dead_letter(
