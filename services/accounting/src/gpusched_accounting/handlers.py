@@ -51,8 +51,8 @@ async def enforce_budgets(store: UsageStore, table: BudgetTable, tenants: set[st
     gone out; clear the flag of a tenant no longer over (its budget was raised). A flag of a
     period starting after `now_ms` (another instance's check, later or by a clock ahead),
     or set from a later reading than this check's, stays as it is, and no event goes out for
-    it. Idempotent: it only reads the totals, so
-    running it again after a redelivery changes nothing."""
+    it. Idempotent: it only reads the totals, so running it again after a redelivery changes
+    nothing."""
     for tenant in tenants:
         budgets = table.of(tenant)
         if not budgets:

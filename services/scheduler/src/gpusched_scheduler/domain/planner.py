@@ -355,7 +355,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
     waiting: list[Pending] = []
     preemptions: list[Preemption] = []
     state = snap.state
-    kept_rows: list[int] = []  # kept for the aged unit that waits, from the plans after it
+    holder: Pending | None = None  # the aged unit that waits with GPUs kept for it
+    kept_rows: list[int] = []  # those GPUs, kept from the plans after it too
     items = [item for chunk in chunks for item in chunk.items]
     blocked: list[int] = []  # units of the first chunk with work that waits, that fit nowhere
     kept = Kept()
@@ -439,7 +440,7 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
             waiting = [item for item in waiting if id(item) not in now_placed]
             state = evicting.state
         if aged_kept is not None and any(w is items[aged_kept[0] - 1] for w in waiting):
-            kept_rows = aged_kept[2]
+            holder, kept_rows = items[aged_kept[0] - 1], aged_kept[2]
     if running and may_preempt:
         eligible = [i for i in waiting if may_preempt.get(i.request.request_id) is not None]
         # The GPUs kept for the aged unit that waits are out of reach of the plans too: work
@@ -449,8 +450,8 @@ def plan_cycle(snap: Snapshot, chunks: list[Chunk], catalog: ModelCatalog, polic
         # borrowed victims may run only there): those plans see every GPU, so this cycle's
         # do, in order
         plan_state = state
-        if kept_rows and not any(i is items[aged_kept[0] - 1]  # type: ignore[index]
-                                 or i.request.request_id in reclaiming for i in eligible):
+        if kept_rows and not any(i is holder or i.request.request_id in reclaiming
+                                 for i in eligible):
             plan_state = _hiding(state, kept_rows)
         preemptions += _plan_preemptions(
             eligible, plan_state, snap, catalog, policy, shapes, running, now_ms, may_preempt,
