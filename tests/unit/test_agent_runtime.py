@@ -636,10 +636,17 @@ async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stoppe
     assert usage_sum(sink, "long")[1] > 0
     states = sink.of(NodeState)
     assert [s.status for s in states][-2:] == ["draining", "stopped"]
-    # while draining or stopped, new work is handed back, not run
+    # while draining or stopped, new work is handed back, not run, as drained work: first in
+    # line and no refusal (a request refused by 4 nodes before failed "not runnable")
     await runtime.command(placement("late"))
+    once_refused = placement("unlucky")
+    await runtime.command(once_refused.model_copy(update={"request": once_refused.request
+                                                          .model_copy(update={"refused": 4})}))
     await settle(runtime)
-    assert [m.request_id for m in sink.of(InferenceRequest)] == ["long", "late"]
+    back = sink.of(InferenceRequest)
+    assert [(m.request_id, m.requeued, m.refused) for m in back] == [
+        ("long", "node_lost", None), ("late", "node_lost", None), ("unlucky", "node_lost", 4)]
+    assert not sink.of(RequestResult)[1:]
 
 
 async def test_a_draining_agent_goes_on_with_heartbeats_and_saying_it_is_alive() -> None:

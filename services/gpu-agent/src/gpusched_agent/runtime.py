@@ -531,7 +531,11 @@ class AgentRuntime:
         else:
             admitted = self.node.admit(placement, model)
         if isinstance(admitted, Refused) or model is None:
-            await self._handback(run, admitted.reason, "handback")  # type: ignore[union-attr]
+            # a node going down hands work back as drained work: no refusal of the request
+            # (it failed after MAX_ATTEMPTS of them), first in line as node_lost
+            draining = self.status != "ready"
+            await self._handback(run, admitted.reason,  # type: ignore[union-attr]
+                                 "node_lost" if draining else "handback", refused=not draining)
             return
         await self._execute(run, self._prepare(admitted, model, placement.gpu_indices), model)
 
@@ -997,10 +1001,11 @@ class AgentRuntime:
 
     async def _handback(self, run: _Running, reason: str, why: str, refused: bool = True
                         ) -> None:
-        """Return a placement this node cannot run (`refused`; else one it lost: it crashed)
-        to the scheduler as a new attempt (its zero final usage releases what the scheduler
-        reserved); after MAX_ATTEMPTS that agents could not run, or on its last attempt, it
-        ends with a failed result instead of bouncing forever."""
+        """Return a placement this node cannot run (`refused`; else one it lost: it crashed,
+        or it came while the node drains) to the scheduler as a new attempt (its zero final
+        usage releases what the scheduler reserved); after MAX_ATTEMPTS that agents could not
+        run, or on its last attempt, it ends with a failed result instead of bouncing
+        forever."""
         request = run.placement.request
         log.warning("handing back %s: %s", run.placement.placement_id, reason)
         if (last := _last_try(request, refused=refused)) is not None:
