@@ -22,7 +22,10 @@ from gpusched_agent.runtime import AgentRuntime, Ignored, Reused, Stale, Started
 from gpusched_common import topics
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import (
+    CANCEL,
     MAX_USAGE_GPU_SECONDS,
+    PLACEMENT_COMMAND,
+    REASON_CHARS,
     Cancel,
     InferenceRequest,
     LoadFailure,
@@ -213,6 +216,22 @@ async def test_cancel_that_arrives_before_its_placement_ends_it_unbilled() -> No
     [result] = sink.of(RequestResult)
     assert result.status == "cancelled" and result.completion_tokens == 0
     assert usage_sum(sink, "early") == (0, 0, 0.0)
+
+
+async def test_a_cancel_of_a_megabyte_reason_still_ends_its_request_in_one_record() -> None:
+    """Any Kafka client may send a cancel: one with a 1 MB reason (Kafka takes it) made a
+    result Kafka refused, sent again forever, and the placement never ended."""
+    raw = Cancel(request_id="big", reason="", at_ms=0).to_bytes().replace(
+        b'"reason":""', b'"reason":"' + b"x" * 1_048_000 + b'"')
+    runtime, sink, _ = make()
+    runtime.cancel(CANCEL.validate_json(raw))
+    await runtime.command(placement("big"))
+    await settle(runtime)
+    [result] = sink.of(RequestResult)
+    assert result.status == "cancelled" and len(result.to_bytes()) < 3 * REASON_CHARS
+    assert PLACEMENT_COMMAND.validate_json(Preempt(
+        placement_id="big#0", request_id="big", node_id="n1", scheduler_epoch=0,
+        reason="y" * 10 * REASON_CHARS).to_bytes()).reason == "y" * REASON_CHARS
 
 
 async def test_a_cancel_the_agent_never_read_ends_its_placement_unbilled() -> None:

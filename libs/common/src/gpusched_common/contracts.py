@@ -44,6 +44,17 @@ def check_placement_id(placement_id: str, request_id: str) -> None:
                          f"attempt number ('{request_id}#0')")
 
 
+def _cut_reason(value: Any) -> Any:
+    return value[:REASON_CHARS] if isinstance(value, str) else value
+
+
+Reason = Annotated[str, BeforeValidator(_cut_reason)]
+"""Why a command was given, cut to REASON_CHARS. A cancel's reason ends up in its request's
+result (the agent's, or the scheduler's for a request still waiting): one Kafka took at 1 MB
+made a result Kafka refused, which the agent sent again forever, after a restart too (its
+final records are filed), and the placement never ended."""
+
+
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
 Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="Sampling seed: a 64-bit "
@@ -348,7 +359,7 @@ class Preempt(Message):
     request_id: RequestId
     node_id: Name
     scheduler_epoch: int = Field(ge=0)
-    reason: str
+    reason: Reason
 
 
 class Cancel(Message):
@@ -357,7 +368,7 @@ class Cancel(Message):
 
     type: Literal["cancel"] = "cancel"
     request_id: RequestId
-    reason: str
+    reason: Reason
     at_ms: int
 
 
