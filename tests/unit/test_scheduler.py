@@ -410,6 +410,37 @@ def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
     assert [v.placement_id for v in pre.victims] == ["v1"]  # the one that lost the least
 
 
+@pytest.mark.parametrize("preemptor,tenant,victim_class", [
+    ("interactive", "acme", "batch"),  # class priority
+    ("batch", "soylent", "batch"),  # a tenant reclaiming its guarantee from borrowed work
+])
+def test_preemption_stops_the_request_of_fewest_attempts_before_the_newest_placement(
+        preemptor: str, tenant: str, victim_class: str) -> None:
+    """Cheapest by progress alone, a hand-back placed just now was the next victim again
+    and again: a probe saw a borrower's request stopped 79 times in 700 s by a tenant
+    reclaiming its guarantee, each stop one of its 100 attempts. Fewest attempts go first,
+    least progress lost among those."""
+    view = ClusterView()
+    view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
+    victims = [RunningPlacement(placement_id=f"u{i}#{attempt}", node_id="a", gpu_indices=(0,),
+                                memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
+                                kv_cache_mib=SMALL.kv_cache_mib(8100),
+                                estimate_gpu_s=1.0, placed_at_ms=at,
+                                request=req(f"u{i}", victim_class, tenant="umbrella",
+                                            max_tokens=8000).model_copy(
+                                                update={"attempt": attempt, "requeued":
+                                                        "preempted" if attempt else None}))
+               for i, (attempt, at) in enumerate(((3, 9_900), (0, 1_000), (0, 5_000)))]
+    decisions = plan(view, [req("p", preemptor, tenant=tenant, max_tokens=100)],
+                     now=10_000, running=victims, may_preempt={"p": 1 if preemptor ==
+                                                               "interactive" else 0},
+                     reclaiming={"p"} if preemptor == "batch" else (),
+                     borrowed=[v.placement_id for v in victims])
+    [pre] = decisions.preemptions
+    assert [v.placement_id for v in pre.victims] == ["u2#0"]  # not u0#3, placed 0.1 s ago
+    assert pre.gpu_seconds_lost == 5.0
+
+
 def test_borrowed_work_is_no_victim_of_its_own_tenant() -> None:
     """A tenant's interactive request preempted the tenant's own borrowed interactive work,
     whose hand-back preempted a sibling in turn, every preemption time-out: the tenant

@@ -65,6 +65,14 @@ def estimate_gpu_s(request: InferenceRequest, model: ModelSpec) -> float:
     return request.max_tokens * model.parameters_b * 1e-3 / 8 * request.num_gpus
 
 
+EARLIER_ATTEMPT_COST = 1e9
+"""What each earlier attempt of a victim's request adds to its cost in a preemption plan, in
+GPU-seconds: more than any plan loses, so plans stop the requests that went through the
+fewest attempts first, and the least progress lost among those. Cheapest by progress
+alone, a borrower's hand-back, placed in whatever room freed, was the next victim of a
+tenant reclaiming its guarantee, again and again: a probe saw one request stopped 79 times
+in 700 s, each stop one of its 100 attempts."""
+
 Evictable = tuple[tuple[int, int, frozenset[str]], ...]
 """A node's GPUs with idle models: (GPU index, MiB its agent would free by unloading them,
 those models)."""
@@ -985,15 +993,19 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
     victims.gpu_mem_mib[:] = [v.memory_mib for v in candidates]
     victims.gpu_milli[:] = [GPU_SHARE_MILLI * len(v.members) for v in candidates]
     victims.model_weight_mib[:] = 0
+    lost = np.array([sum(max(0.0, now_ms - r.placed_at_ms) / 1000 * len(r.gpu_indices)
+                         for r in v.members) for v in candidates], np.float64)
+    attempts = np.array([sum(r.request.attempt for r in v.members) for v in candidates],
+                        np.float64)
     work = RunningWork(
         batch=victims, node=np.array([snap.node_index[v.members[0].node_id]
                                       for v in candidates], np.int64), gpus=gpus,
-        gpu_seconds_lost=np.array([sum(max(0.0, now_ms - r.placed_at_ms) / 1000 * len(
-            r.gpu_indices) for r in v.members) for v in candidates], np.float64))
+        gpu_seconds_lost=attempts * EARLIER_ATTEMPT_COST + lost)
     plan = plan_preemption(state, work, unit)
     if not plan.feasible or not len(plan.victims):
         return None
-    return plan.node, [candidates[v] for v in plan.victims], plan.gpu_seconds_lost
+    return plan.node, [candidates[v] for v in plan.victims], float(
+        lost[list(plan.victims)].sum())
 
 
 def _weights_at(r: RunningPlacement) -> WeightsAt | None:
