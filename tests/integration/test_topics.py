@@ -29,3 +29,29 @@ async def test_topics_are_created_once_and_a_refused_one_says_why(stack) -> None
         await admin.delete_topics([spec.name])
     finally:
         await admin.close()
+
+
+async def test_an_existing_topic_whose_partition_count_agents_rely_on_must_match(
+        stack) -> None:
+    """Agents pick the placements partition they read (and read every control partition) by
+    the count in `topics`: a topic an operator created with another count silently starved
+    some nodes of their placements, or agents of some cancels. It now stops the service."""
+    bootstrap = stack.endpoints.kafka_bootstrap
+    name = f"gpusched.test.fixed-{uuid.uuid4().hex[:8]}"
+    await topics.ensure_topics(bootstrap, (topics.TopicSpec(name, key="node_id", partitions=2),))
+    try:
+        with pytest.raises(topics.TopicsMismatch) as wrong:
+            await topics.ensure_topics(bootstrap, (topics.TopicSpec(
+                name, key="node_id", partitions=3, partitions_fixed=True),))
+        assert f"{name} has 2 partitions, gpusched needs exactly 3" in str(wrong.value)
+        # a count nothing relies on is left as it is
+        await topics.ensure_topics(bootstrap, (topics.TopicSpec(name, key="x", partitions=3),))
+        await topics.ensure_topics(bootstrap, (topics.TopicSpec(
+            name, key="node_id", partitions=2, partitions_fixed=True),))
+    finally:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_topics([name])
+        finally:
+            await admin.close()

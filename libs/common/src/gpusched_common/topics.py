@@ -26,6 +26,9 @@ class TopicSpec:
     partitions: int
     cleanup_policy: Literal["delete", "compact"] = "delete"
     retention_ms: int = 7 * 24 * 3600 * 1000
+    partitions_fixed: bool = False
+    """The partition count is part of the contract: agents pick the partitions they read by
+    it, so a topic that exists already must have exactly that many (`ensure_topics`)."""
 
 
 REQUESTS: dict[PriorityClass, TopicSpec] = {
@@ -33,10 +36,11 @@ REQUESTS: dict[PriorityClass, TopicSpec] = {
     for cls in PRIORITY_CLASSES
 }
 NODE_STATE = TopicSpec("gpusched.node-state", key="node_id", partitions=3, cleanup_policy="compact")
-PLACEMENTS = TopicSpec("gpusched.placements", key="node_id", partitions=6)
+PLACEMENTS = TopicSpec("gpusched.placements", key="node_id", partitions=6, partitions_fixed=True)
+"""Each agent reads the one partition its node id hashes to, out of `partitions`."""
 RESULTS = TopicSpec("gpusched.results", key="request_id", partitions=6)
 USAGE = TopicSpec("gpusched.usage", key="tenant", partitions=6, retention_ms=30 * 24 * 3600 * 1000)
-CONTROL = TopicSpec("gpusched.control", key="request_id", partitions=3)
+CONTROL = TopicSpec("gpusched.control", key="request_id", partitions=3, partitions_fixed=True)
 """Cancels; every agent reads every partition (no group) and acts on what it runs."""
 EVENTS = TopicSpec("gpusched.events", key="tenant or model", partitions=3)
 """Budget and scaling events for operators and autoscalers."""
@@ -85,11 +89,22 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
                         replication_factor: int = 1) -> None:
     """Create any missing topic with `replication_factor` copies of each partition; existing
     topics are left as they are (idempotent). Raises `TopicsNotCreated` with Kafka's reason
-    when the cluster refuses one (Kafka answers with errors; it does not raise them)."""
+    when the cluster refuses one (Kafka answers with errors; it does not raise them), and
+    `TopicsMismatch` when one that exists has another partition count than its spec fixes
+    (`partitions_fixed`): agents then never saw the placements of some nodes, or the cancels
+    on the partitions past the count, and nothing said why."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        fixed = {s.name: s.partitions for s in specs if s.partitions_fixed and s.name in existing}
+        if fixed:
+            found = {t["topic"]: len(t["partitions"])
+                     for t in await admin.describe_topics(list(fixed))}
+            wrong = {name: (n, found.get(name)) for name, n in fixed.items()
+                     if found.get(name) != n}
+            if wrong:
+                raise TopicsMismatch(wrong)
         missing = [new_topic(s, replication_factor) for s in specs if s.name not in existing]
         if missing:
             response = await admin.create_topics(missing)
@@ -101,6 +116,16 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
             log.info("created topics %s", [t.name for t in missing])
     finally:
         await admin.close()
+
+
+class TopicsMismatch(RuntimeError):
+    """Topics that exist with another partition count than gpusched needs."""
+
+    def __init__(self, wrong: dict[str, tuple[int, int | None]]) -> None:
+        super().__init__("; ".join(
+            f"{name} has {has} partitions, gpusched needs exactly {needs}" for name, (needs, has)
+            in sorted(wrong.items())) + " (agents pick the partitions they read by that "
+            "count): create the topic again with that many, or let gpusched create it")
 
 
 class TopicsNotCreated(RuntimeError):
