@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from gpusched_scheduler.bench import optimal, throughput
+from gpusched_scheduler.bench import openb, optimal, throughput
 from gpusched_scheduler.bench import solver as bench_solver
 from gpusched_scheduler.bench.openb import NodeList, PodList
 
@@ -106,3 +106,16 @@ def test_lookahead_rows_run_on_the_online_rows_seeds_unless_told_fewer(
     for mode in ("batch16", "batch64"):
         assert sorted(r["seed"] for r in result["openb_lookahead"]
                       if r["mode"] == mode) == lookahead_seeds
+
+
+def test_unallocated_gpus_come_exactly_from_the_integer_milli_gpu():
+    """``unalloc_gpus_130`` once went through the float percentage and was rounded to 0.1
+    (474.7 for an exact 474.75); it is now the integer milli-GPU left free, over 1000."""
+    nodes = NodeList(("a", "b"), np.array([64000, 64000]), np.array([262144, 262144]),
+                     np.array([4, 2]), ("G", "G"))
+    pods = PodList("t", ("p0", "p1", "p2"), np.full(3, 1000), np.full(3, 1024),
+                   np.array([1, 1, 2]), np.array([350, 650, 1000]), ("", "", ""))
+    r = openb.replay(nodes, pods, "best-fit", seed=1)
+    allocated = int((pods.gpu_request_milli[r.sequence] * (r.node >= 0)).sum())
+    assert allocated == 3950  # 6 GPUs, 2.05 free: the old float path gave 2.0
+    assert r.unalloc_gpus_130 == 2.05 and r.alloc_pct_130 == round(100 * 3950 / 6000, 3)

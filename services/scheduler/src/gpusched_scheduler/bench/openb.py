@@ -167,16 +167,17 @@ class ReplayResult:
     gpus: np.ndarray  # cluster GPU index per arrival [n, 8]
 
 
-def alloc_at(
+def allocated_at(
     request_milli: np.ndarray, allocated_milli: np.ndarray, capacity_milli: int, pct: float
-) -> float:
-    """Allocation ratio (%) right after the arrival that brings arrived request to ``pct``%
-    of capacity (the last arrival when the sequence never gets there)."""
+) -> int:
+    """Milli-GPU allocated right after the arrival that brings arrived request to ``pct``%
+    of capacity (the last arrival when the sequence never gets there). An integer, so the
+    ratio and the unallocated GPUs derived from it are exact before they are rounded."""
     arrived = np.cumsum(request_milli)
     alloc = np.cumsum(allocated_milli)
     i = int(np.searchsorted(arrived, pct / 100.0 * capacity_milli - 1e-9))
     i = min(i, len(arrived) - 1)
-    return 100.0 * float(alloc[i]) / capacity_milli
+    return int(alloc[i])
 
 
 def replay(
@@ -223,16 +224,16 @@ def replay(
     node = np.where(np.asarray(node) >= 0, perm[np.maximum(node, 0)], -1)
     req = pods.gpu_request_milli[seq]
     allocated = np.where(node >= 0, req, 0)
-    a100 = alloc_at(req, allocated, capacity, 100.0)
-    a130 = alloc_at(req, allocated, capacity, 130.0)
+    at100 = allocated_at(req, allocated, capacity, 100.0)
+    at130 = allocated_at(req, allocated, capacity, 130.0)
     return ReplayResult(
         trace=pods.name,
         policy=policy,
         seed=seed,
         mode="online" if batch_size <= 1 else f"batch{batch_size}",
-        alloc_pct_100=round(a100, 3),
-        alloc_pct_130=round(a130, 3),
-        unalloc_gpus_130=round(nodes.total_gpus * (1 - a130 / 100.0), 1),
+        alloc_pct_100=round(100.0 * at100 / capacity, 3),
+        alloc_pct_130=round(100.0 * at130 / capacity, 3),
+        unalloc_gpus_130=round((capacity - at130) / 1000.0, 3),  # exact: milli-GPU / 1000
         seconds=secs,
         sequence=seq,
         node=node,
