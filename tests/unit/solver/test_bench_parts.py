@@ -108,6 +108,61 @@ def test_lookahead_rows_run_on_the_online_rows_seeds_unless_told_fewer(
                       if r["mode"] == mode) == lookahead_seeds
 
 
+def test_small_instances_without_an_optimum_stay_out_of_the_large_column(tmp_path,
+                                                                           monkeypatch):
+    """Without OR-Tools (or when CP-SAT finds nothing in time) the small instances once
+    landed in the "large: used/LB" column because they had no optimum."""
+    monkeypatch.setattr(optimal, "cp_sat_optimum", lambda inst, time_limit_s=10.0: (None, False))
+    out = tmp_path / "out.json"
+    assert bench_solver.main(["--traces", str(tmp_path), "--quick", "--skip",
+                              "openb,throughput,first", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for a in result["optimal_summary"]:
+        rows = [r for r in result["optimal"] if (r["policy"], r["mode"]) == (a["policy"],
+                                                                             a["mode"])]
+        large = [r for r in rows if r["n_units"] == optimal.LARGE_UNITS]
+        assert len(large) < len(rows)
+        assert a["small_used"] is None and a["small_gap_pct"] is None
+        if all(r["gpus_used"] is not None for r in large):
+            assert a["large_used"] == sum(r["gpus_used"] for r in large)
+            assert a["large_lb"] == sum(r["lower_bound"] for r in large)
+    # no optimum: only a mode that left units unplaced has a (missed) target
+    assert all(t["value"] is None and not t["ok"] for t in result.get("targets", []))
+
+
+def _row(instance: str, n_units: int, mode: str, used: int | None, unplaced: int,
+         optimum: int | None, lower_bound: int) -> optimal.OptimalityRow:
+    return optimal.OptimalityRow(instance, n_units, "gpusched", mode, used, unplaced, optimum,
+                                 optimum is not None, lower_bound, None)
+
+
+def test_optimum_target_names_each_mode_and_misses_when_units_are_left_unplaced(
+        tmp_path, monkeypatch, capsys):
+    """The target once took the best of the two modes and dropped the online row that
+    left a unit unplaced, reporting ok; each mode is now its own target, and unplaced
+    units are a miss with their count."""
+    rows = [_row("s0", 12, "online", None, 1, 10, 9), _row("s1", 12, "online", 12, 0, 12, 12),
+            _row("s0", 12, "lookahead", 10, 0, 10, 9),
+            _row("s1", 12, "lookahead", 12, 0, 12, 12),
+            _row("l0", 400, "online", 100, 0, None, 98),
+            _row("l0", 400, "lookahead", 101, 0, None, 98)]
+    monkeypatch.setattr(optimal, "run", lambda policies, quick: (rows, 0.0))
+    out = tmp_path / "out.json"
+    assert bench_solver.main(["--traces", str(tmp_path), "--skip", "openb,throughput,first",
+                              "--json", str(out)]) == 0
+    targets = {t["row"]["mode"]: t for t in json.loads(out.read_text())["targets"]}
+    assert targets["online"]["ok"] is False and targets["online"]["unplaced_units"] == 1
+    assert targets["lookahead"]["ok"] is True and targets["lookahead"]["value"] == 0.0
+    printed = capsys.readouterr().out
+    assert ("[MISS] gpusched online within 3% of the optimum on the small instances: "
+            "1 unit(s) left unplaced") in printed
+    assert "[ok] gpusched lookahead within 3% of the optimum on the small instances: 0.0" \
+        in printed
+    summary = {a["mode"]: a for a in json.loads(out.read_text())["optimal_summary"]
+               if a["policy"] == "gpusched"}
+    assert (summary["online"]["large_used"], summary["online"]["large_lb"]) == (100, 98)
+
+
 def test_unallocated_gpus_come_exactly_from_the_integer_milli_gpu():
     """``unalloc_gpus_130`` once went through the float percentage and was rounded to 0.1
     (474.7 for an exact 474.75); it is now the integer milli-GPU left free, over 1000."""

@@ -16,6 +16,9 @@ import numpy as np
 
 from gpusched_scheduler.domain.solver import ClusterState, WorkBatch, solve
 
+SMALL_UNITS = 12  # units per small instance (against the CP-SAT optimum)
+LARGE_UNITS = 400  # units per large instance (against the lower bound)
+
 
 @dataclass(frozen=True)
 class Instance:
@@ -109,9 +112,11 @@ def cp_sat_optimum(inst: Instance, time_limit_s: float = 10.0) -> tuple[int | No
 @dataclass(frozen=True)
 class OptimalityRow:
     instance: str
+    n_units: int  # SMALL_UNITS or LARGE_UNITS: which column the row counts in
     policy: str
     mode: str
     gpus_used: int | None  # None when the policy could not place every unit
+    unplaced: int  # units the policy could not place
     optimum: int | None
     proven_optimal: bool
     lower_bound: int
@@ -126,10 +131,12 @@ def evaluate(inst: Instance, policies: list[str], exact: bool, time_limit_s: flo
     for pol in policies:
         for mode, la in (("online", False), ("lookahead", True)):
             res = solve(inst.state(), inst.batch, pol, lookahead=la)
-            used = gpus_used(res.state) if res.placed.all() else None
+            unplaced = int((~res.placed).sum())
+            used = None if unplaced else gpus_used(res.state)
             ref = opt if opt is not None else lb
             gap = None if used is None or not ref else round(100.0 * (used - ref) / ref, 2)
-            rows.append(OptimalityRow(inst.name, pol, mode, used, opt, proven, lb, gap))
+            rows.append(OptimalityRow(inst.name, len(inst.batch), pol, mode, used, unplaced,
+                                      opt, proven, lb, gap))
     return rows
 
 
@@ -138,10 +145,11 @@ def run(policies: list[str], quick: bool, seed: int = 0) -> tuple[list[Optimalit
     rows: list[OptimalityRow] = []
     n_small = 3 if quick else 12
     for i in range(n_small):
-        inst = random_instance(seed + i, n_units=12, n_nodes=4, gpus_per_node=4)
+        inst = random_instance(seed + i, n_units=SMALL_UNITS, n_nodes=4, gpus_per_node=4)
         rows += evaluate(inst, policies, exact=True, time_limit_s=5.0 if quick else 20.0)
     for i in range(1 if quick else 4):
-        inst = random_instance(1000 + seed + i, n_units=400, n_nodes=120, gpus_per_node=8)
+        inst = random_instance(1000 + seed + i, n_units=LARGE_UNITS, n_nodes=120,
+                               gpus_per_node=8)
         rows += evaluate(inst, policies, exact=False, time_limit_s=0)
     return rows, time.perf_counter() - t0
 
