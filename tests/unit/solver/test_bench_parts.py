@@ -163,6 +163,34 @@ def test_optimum_target_names_each_mode_and_misses_when_units_are_left_unplaced(
     assert (summary["online"]["large_used"], summary["online"]["large_lb"]) == (100, 98)
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--seeds", "0"], "--seeds 0"),
+    (["--lookahead-seeds", "-1"], "--lookahead-seeds -1"),
+    (["--skip", "throughputs"], "unknown part(s) throughputs"),
+    (["--policies", "fgd,gpushed"], "unknown policy gpushed"),
+    (["--pod-lists", "default,defualt"], "for defualt; the pod lists there are default"),
+])
+def test_bench_cli_refuses_unknown_names_and_counts_before_any_work(
+        tmp_path, monkeypatch, capsys, argv, says):
+    """``--seeds 0`` once ran 10 seeds, an unknown ``--skip`` part was ignored, and an
+    unknown policy or pod list ended in a traceback (a policy only after the valid ones
+    had run). Now each exits 2 with one line naming it, before anything runs."""
+    _write_tiny_traces(tmp_path)
+
+    def no_work(*_a, **_k):
+        raise AssertionError("work started before the arguments were checked")
+
+    for part in ("run_openb", "run_throughput", "run_first_placement", "run_optimal"):
+        monkeypatch.setattr(bench_solver, part, no_work)
+    with pytest.raises(SystemExit) as exit_:
+        bench_solver.main(["--traces", str(tmp_path), "--json", str(tmp_path / "o.json")]
+                          + argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpusched bench solver: error: ") and says in err[-1]
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_unallocated_gpus_come_exactly_from_the_integer_milli_gpu():
     """``unalloc_gpus_130`` once went through the float percentage and was rounded to 0.1
     (474.7 for an exact 474.75); it is now the integer milli-GPU left free, over 1000."""

@@ -48,6 +48,7 @@ PUBLISHED_POLICY = {
 }
 BEST_POLICY = "gpusched"
 LOOKAHEAD_BATCHES = (16, 64)
+PARTS = ("openb", "throughput", "first", "optimal")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,9 +75,46 @@ def _parser() -> argparse.ArgumentParser:
                    help="node order of the openb replay (ties go to the lowest index): the "
                    "node list's, or a permutation drawn from each seed as the paper's "
                    "artifact does")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: openb,"
-                   "throughput,first,optimal")
+    p.add_argument("--skip", default="",
+                   help=f"comma-separated parts to skip: {','.join(PARTS)}")
     return p
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace
+             ) -> tuple[set[str], list[str], int]:
+    """The parts to skip, the pod lists to replay and the seeds per pod list, every name
+    and count checked before any work: a typo once ran silently (``--seeds 0`` as 10
+    seeds, an unknown ``--skip`` part ignored) or ended in a traceback after the valid
+    policies had run. Exits 2 with a one-line message (``parser.error``)."""
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(PARTS):
+        parser.error(f"--skip: unknown part(s) {','.join(sorted(skip - set(PARTS)))}; "
+                     f"the parts are {','.join(PARTS)}")
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: each pod list needs at least 1 seed")
+    if args.lookahead_seeds is not None and args.lookahead_seeds < 0:
+        parser.error(f"--lookahead-seeds {args.lookahead_seeds}: give 0 or more")
+    unknown = [p for p in args.policies.split(",") if p not in POLICIES]
+    if unknown:
+        parser.error(f"--policies: unknown policy {','.join(unknown)}; the policies are "
+                     f"{','.join(POLICIES)}")
+    available = openb.pod_list_names(args.traces)
+    names = available
+    if args.pod_lists:
+        names = args.pod_lists.split(",")
+    elif args.quick:
+        names = ["default"] if "default" in available else available[:1]
+    seeds = args.seeds if args.seeds is not None else (2 if args.quick else 10)
+    if not (args.traces / openb.NODE_LIST).exists() or {"openb", "throughput"} <= skip:
+        return skip, names, seeds  # no pod list is read (main says why when traces lack)
+    if not available:
+        parser.error(f"no {openb.POD_PREFIX}*.csv in {args.traces}: pass --traces DIR with "
+                     "the openb pod lists, or --skip openb,throughput")
+    missing = [n for n in names if n not in available]
+    if missing:
+        parser.error(f"--pod-lists: no {openb.POD_PREFIX}<name>.csv in {args.traces} for "
+                     f"{','.join(missing)}; the pod lists there are {','.join(available)}")
+    return skip, names, seeds
 
 
 def load_published(traces: Path) -> dict[tuple[str, str], dict]:
@@ -112,17 +150,10 @@ def dump_csv(path: Path, nodes: openb.NodeList, pods: openb.PodList, r: openb.Re
                         gpus])
 
 
-def run_openb(args, traces: Path, out: dict) -> None:
+def run_openb(args, traces: Path, names: list[str], seeds: int, out: dict) -> None:
     nodes = openb.load_nodes(traces / openb.NODE_LIST)
     gpu_start = nodes.state().node_gpu_start
     published = load_published(traces)
-    if args.pod_lists:
-        names = args.pod_lists.split(",")
-    elif args.quick:
-        names = ["default"]
-    else:
-        names = openb.pod_list_names(traces)
-    seeds = args.seeds or (2 if args.quick else 10)
     lookahead_seeds = seeds if args.lookahead_seeds is None else min(seeds, args.lookahead_seeds)
     policies = args.policies.split(",")
     rows, lookahead_rows = [], []
@@ -431,9 +462,10 @@ def target_line(t: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    skip, names, seeds = _checked(parser, args)
     traces: Path = args.traces
-    skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
     out: dict = {"quick": args.quick, "traces": str(traces), "pid": os.getpid()}
     have_traces = (traces / openb.NODE_LIST).exists()
@@ -443,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
     if have_traces and "openb" not in skip:
-        run_openb(args, traces, out)
+        run_openb(args, traces, names, seeds, out)
     if have_traces and "throughput" not in skip:
         run_throughput(args, traces, out)
     if "first" not in skip:
