@@ -77,11 +77,11 @@ def test_packing_gap_compares_the_gpus_used_with_the_lp_for_the_same_pods():
     assert used == 3 and lp == pytest.approx(1.5)
 
 
-def _write_tiny_traces(folder) -> None:
+def _write_tiny_traces(folder, pod_list: str = "default") -> None:
     (folder / "openb_node_list_gpu_node.csv").write_text(
         "sn,cpu_milli,memory_mib,gpu,model\n"
         "n0,32000,131072,4,G2\nn1,32000,131072,4,G2\nn2,16000,65536,2,T4\n")
-    (folder / "openb_pod_list_default.csv").write_text(
+    (folder / f"openb_pod_list_{pod_list}.csv").write_text(
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
         "p0,4000,8192,1,1000,\np1,2000,4096,1,470,\np2,2000,4096,1,320,\n"
         "p3,8000,16384,2,1000,\np4,1000,2048,0,0,\n")
@@ -106,6 +106,32 @@ def test_lookahead_rows_run_on_the_online_rows_seeds_unless_told_fewer(
     for mode in ("batch16", "batch64"):
         assert sorted(r["seed"] for r in result["openb_lookahead"]
                       if r["mode"] == mode) == lookahead_seeds
+
+
+def test_without_default_throughput_takes_the_first_pod_lists_shapes_and_json_keeps_parts(
+        tmp_path, monkeypatch, capsys):
+    """A traces folder without ``default`` once crashed the throughput part after the
+    replay, and the JSON, written only at the end, lost every result. Now the shapes come
+    from the run's first pod list (said in the output), and the JSON is written after each
+    part, so a later part that fails keeps the earlier ones."""
+    _write_tiny_traces(tmp_path, pod_list="tiny")
+    row = throughput.ThroughputRow("gpusched", "arrival", 4096, 1000, 1.0, 1.0, 1.0, 1.0,
+                                   1.0, 100.0, 1.0, 1)
+    monkeypatch.setattr(throughput, "measure", lambda *a, **k: row)  # the grid, not timing
+
+    def fails(*_a, **_k):
+        raise RuntimeError("a later part fails")
+
+    monkeypatch.setattr(bench_solver, "run_first_placement", fails)
+    out = tmp_path / "out.json"
+    with pytest.raises(RuntimeError):
+        bench_solver.main(["--traces", str(tmp_path), "--quick", "--seeds", "1",
+                           "--policies", "fgd", "--skip", "optimal", "--json", str(out)])
+    assert "tiny's shapes" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [r["trace"] for r in result["openb"]] == ["tiny"]
+    assert result["throughput_pod_list"] == "tiny" and len(result["throughput"]) == 4
+    assert "seconds" not in result  # the run did not finish
 
 
 def test_small_instances_without_an_optimum_stay_out_of_the_large_column(tmp_path,

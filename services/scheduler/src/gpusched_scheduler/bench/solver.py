@@ -297,9 +297,13 @@ def unalloc_at_first_failure(pods: openb.PodList, nodes: openb.NodeList,
     return round(nodes.total_gpus - float(allocated[i]) / 1000.0, 1)
 
 
-def run_throughput(args, traces: Path, out: dict) -> None:
+def run_throughput(args, traces: Path, names: list[str], out: dict) -> None:
+    """Shapes from ``default`` when the folder has it (the numbers in docs/SOLVER.md), else
+    from the run's first pod list, named in the output and the JSON."""
     nodes = openb.load_nodes(traces / openb.NODE_LIST)
-    pods = openb.load_pods(traces / f"{openb.POD_PREFIX}default.csv")
+    shapes_from = "default" if (traces / f"{openb.POD_PREFIX}default.csv").exists() else names[0]
+    pods = openb.load_pods(traces / f"{openb.POD_PREFIX}{shapes_from}.csv")
+    out["throughput_pod_list"] = shapes_from
     if args.quick:
         grid = [(4096, 1000), (4096, 10000)]
         policies = [BEST_POLICY]
@@ -309,8 +313,8 @@ def run_throughput(args, traces: Path, out: dict) -> None:
         policies = [BEST_POLICY, "best-fit"]
         budget = 1.0
     rows = []
-    print("\n== 2. throughput (single core, single-GPU units, openb shapes scaled to ~90% "
-          "fill; reference timed on a prefix) ==")
+    print(f"\n== 2. throughput (single core, single-GPU units, {shapes_from}'s shapes scaled "
+          "to ~90% fill; reference timed on a prefix) ==")
     hdr = (f"{'policy':<10} {'order':<9} {'gpus':>6} {'batch':>6} {'numba/s':>10} "
            f"{'ref/s':>8} {'x ref':>7} {'p50 ms':>8} {'p99 ms':>8} {'placed%':>7} "
            f"{'peak MiB':>8}")
@@ -461,6 +465,15 @@ def target_line(t: dict) -> str:
     return f"[{'ok' if t['ok'] else 'MISS'}] {t['target']}: {value}"
 
 
+def write_json(path: Path, out: dict) -> None:
+    """Replace ``path`` with ``out`` in one rename, so a run stopped mid-write leaves the
+    previous parts' file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=float))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -474,14 +487,15 @@ def main(argv: list[str] | None = None) -> int:
               f"with {openb.NODE_LIST} and openb_pod_list_*.csv", file=sys.stderr)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
-    if have_traces and "openb" not in skip:
-        run_openb(args, traces, names, seeds, out)
-    if have_traces and "throughput" not in skip:
-        run_throughput(args, traces, out)
-    if "first" not in skip:
-        run_first_placement(out)
-    if "optimal" not in skip:
-        run_optimal(args, out)
+    parts = [("openb", have_traces, lambda: run_openb(args, traces, names, seeds, out)),
+             ("throughput", have_traces, lambda: run_throughput(args, traces, names, out)),
+             ("first", True, lambda: run_first_placement(out)),
+             ("optimal", True, lambda: run_optimal(args, out))]
+    for name, runnable, run in parts:
+        if runnable and name not in skip:
+            run()
+            if args.json:  # after each part: a later part that fails loses nothing before it
+                write_json(args.json, out)
     out["seconds"] = round(time.perf_counter() - t0, 2)
     if out.get("targets"):
         print("\n== targets ==")
@@ -489,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             print(target_line(t))
     print(f"\ntotal {out['seconds']} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1, default=float))
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     return 0 if have_traces or "openb" in skip else 2
 
