@@ -414,12 +414,12 @@ def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
     ("interactive", "acme", "batch"),  # class priority
     ("batch", "soylent", "batch"),  # a tenant reclaiming its guarantee from borrowed work
 ])
-def test_preemption_stops_the_request_of_fewest_attempts_before_the_newest_placement(
+def test_preemption_prices_each_earlier_attempt_of_a_victims_request(
         preemptor: str, tenant: str, victim_class: str) -> None:
     """Cheapest by progress alone, a hand-back placed just now was the next victim again
-    and again: a probe saw a borrower's request stopped 79 times in 700 s by a tenant
-    reclaiming its guarantee, each stop one of its 100 attempts. Fewest attempts go first,
-    least progress lost among those."""
+    and again: a simulation saw a borrower's request stopped 79 times in 700 s by a tenant
+    reclaiming its guarantee, each stop one of its 100 attempts. Each earlier attempt now
+    counts EARLIER_ATTEMPT_GPU_S (30) GPU-seconds more."""
     view = ClusterView()
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"u{i}#{attempt}", node_id="a", gpu_indices=(0,),

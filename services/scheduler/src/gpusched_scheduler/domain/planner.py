@@ -65,13 +65,15 @@ def estimate_gpu_s(request: InferenceRequest, model: ModelSpec) -> float:
     return request.max_tokens * model.parameters_b * 1e-3 / 8 * request.num_gpus
 
 
-EARLIER_ATTEMPT_COST = 1e9
-"""What each earlier attempt of a victim's request adds to its cost in a preemption plan, in
-GPU-seconds: more than any plan loses, so plans stop the requests that went through the
-fewest attempts first, and the least progress lost among those. Cheapest by progress
-alone, a borrower's hand-back, placed in whatever room freed, was the next victim of a
-tenant reclaiming its guarantee, again and again: a probe saw one request stopped 79 times
-in 700 s, each stop one of its 100 attempts."""
+EARLIER_ATTEMPT_GPU_S = 30.0
+"""What each earlier attempt of a victim's request (any requeue: preempted, its node lost or
+drained, handed back) adds to the progress a preemption plan loses by stopping it, in
+GPU-seconds: a rough price of one more restart (the prompt and the tokens so far prefilled
+again, maybe a model load, the queue). By progress alone, a borrower's hand-back, placed
+in whatever room freed, was the cheapest victim of the next request of a tenant
+reclaiming its guarantee, again and again: a simulation stopped one request 54 times in
+300 s, each stop one of its 100 attempts (7 times with this price; a price so high that
+attempts came first stopped more requests to spare one, on worse nodes)."""
 
 Evictable = tuple[tuple[int, int, frozenset[str]], ...]
 """A node's GPUs with idle models: (GPU index, MiB its agent would free by unloading them,
@@ -924,7 +926,7 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     borrowed = 0, batch = 1), not already being preempted, not `guarded` from a preemptor
     that `borrows` (would be borrowed once placed), and not placed as aged work unless
     `borrowed` and taken back by work that `reclaims` its tenant's guarantee; cost =
-    GPU-seconds of progress lost.
+    GPU-seconds of progress lost, `EARLIER_ATTEMPT_GPU_S` more per earlier attempt.
 
     Stopping a victim frees its KV cache; its model stays loaded. Only when that finds no
     plan is it planned again with the weights too: where every user of a whole model on a
@@ -1000,7 +1002,7 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
     work = RunningWork(
         batch=victims, node=np.array([snap.node_index[v.members[0].node_id]
                                       for v in candidates], np.int64), gpus=gpus,
-        gpu_seconds_lost=attempts * EARLIER_ATTEMPT_COST + lost)
+        gpu_seconds_lost=lost + attempts * EARLIER_ATTEMPT_GPU_S)
     plan = plan_preemption(state, work, unit)
     if not plan.feasible or not len(plan.victims):
         return None
