@@ -44,15 +44,17 @@ def check_placement_id(placement_id: str, request_id: str) -> None:
                          f"attempt number ('{request_id}#0')")
 
 
-def _cut_reason(value: Any) -> Any:
+def cut_reason(value: Any) -> Any:
+    """`value` cut to REASON_CHARS when it is a string (else left to validation)."""
     return value[:REASON_CHARS] if isinstance(value, str) else value
 
 
-Reason = Annotated[str, BeforeValidator(_cut_reason)]
-"""Why a command was given, cut to REASON_CHARS. A cancel's reason ends up in its request's
-result (the agent's, or the scheduler's for a request still waiting): one Kafka took at 1 MB
-made a result Kafka refused, which the agent sent again forever, after a restart too (its
-final records are filed), and the placement never ended."""
+Reason = Annotated[str, BeforeValidator(cut_reason)]
+"""Why a command was given or a record refused, cut to REASON_CHARS as it is read or made.
+A cancel's reason ends up in its request's result (the agent's, or the scheduler's for a
+request still waiting): one Kafka took at 1 MB made a result Kafka refused, which the agent
+sent again forever, after a restart too (its final records are filed), and the placement
+never ended."""
 
 
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
@@ -425,7 +427,7 @@ class Rejection(Message):
     request_id: RequestId
     tenant: str | None = None
     status_code: int = Field(ge=400, le=599, description="HTTP-equivalent: 400, 404, 429, ...")
-    reason: str
+    reason: Reason
     code: str | None = Field(
         default=None, max_length=64, description="What a client matches on where the status "
         "alone does not say (OpenAI's error `code`): queue_time_exceeded, "
@@ -534,7 +536,7 @@ class DeadLetter(Message):
     offset: int
     key: str | None = None
     payload: str = Field(description="The record's value as text (UTF-8, replaced), truncated.")
-    reason: str
+    reason: Reason
     service: str
     at_ms: int
 

@@ -14,7 +14,6 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from gpusched_common.contracts import (
     DEAD_LETTER_KEY_CHARS,
     DEAD_LETTER_PAYLOAD_CHARS,
-    REASON_CHARS,
     DeadLetter,
     decode_json_object,
 )
@@ -39,7 +38,7 @@ def dead_letter(record: ConsumerRecord, reason: str, service: str, now_ms: int) 
         offset=record.offset,
         key=None if key is None else key[:DEAD_LETTER_KEY_CHARS],
         payload=raw.decode(errors="replace")[:DEAD_LETTER_PAYLOAD_CHARS],
-        reason=reason[:REASON_CHARS],
+        reason=reason,
         service=service,
         at_ms=now_ms,
     )

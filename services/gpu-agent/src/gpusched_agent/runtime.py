@@ -55,6 +55,7 @@ from gpusched_common.contracts import (
     TokenChunk,
     UsageRecord,
     asks_differ,
+    cut_reason,
 )
 from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
@@ -426,7 +427,8 @@ class AgentRuntime:
             return Ignored("duplicate")
         run = self._running[cmd.placement_id] = _Running(cmd)
         if claim.cancelled is not None:  # a cancel this agent never read: it ends unrun
-            run.stop_reason, run.detail = "cancelled", claim.cancelled
+            # (kept in Redis by a release that did not cut its reason yet)
+            run.stop_reason, run.detail = "cancelled", cut_reason(claim.cancelled)
         run.task = asyncio.create_task(self._run(run), name=cmd.placement_id)
         return Started(cmd.placement_id)
 

@@ -31,7 +31,6 @@ from gpusched_common.contracts import (
     MAX_RETRY_AFTER_S,
     NODE_STATE,
     PRIORITY_CLASSES,
-    REASON_CHARS,
     REQUEST,
     USAGE,
     DeadLetter,
@@ -199,7 +198,7 @@ def parse_request_record(
         rejection = None
         if request_id is not None:
             rejection = Rejection(request_id=request_id, tenant=tenant, status_code=status,
-                                  reason=reason[:REASON_CHARS], code=code)
+                                  reason=reason, code=code)
         return Refused(dead_letter(record, reason, SERVICE, now_ms), rejection, parsed,
                        parsed.attempt if parsed is not None else claimed)
 
