@@ -252,6 +252,42 @@ def test_topics_with_copies_acknowledge_a_write_once_two_have_it(
         assert made.replication_factor == copies and made.num_partitions == spec.partitions
 
 
+async def test_a_fixed_topic_someone_else_creates_meanwhile_is_checked_too(monkeypatch) -> None:
+    """Kafka's auto-create (or an operator) may make gpusched.placements between the list
+    and the create: "already exists" was taken as done, so its count was never checked. And
+    a topic Kafka does not describe is said to be so, not to have 0 partitions."""
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    from gpusched_common import topics
+
+    described = {"gpusched.placements": [{"error_code": 0, "topic": "gpusched.placements",
+                                          "partitions": [{}] * 12}]}
+
+    class Admin:
+        def __init__(self, **_: object) -> None: ...
+        async def start(self) -> None: ...
+        async def close(self) -> None: ...
+        async def list_topics(self) -> list[str]:
+            return []
+
+        async def create_topics(self, new: list) -> object:
+            return type("R", (), {"topic_errors": [
+                (n.name, TopicAlreadyExistsError.errno, "exists") for n in new]})()
+
+        async def describe_topics(self, names: list[str]) -> list[dict]:
+            return [d for n in names for d in described.get(n, [
+                {"error_code": 3, "topic": n, "partitions": []}])]
+
+    monkeypatch.setattr(topics, "AIOKafkaAdminClient", Admin)
+    monkeypatch.setattr(topics, "DESCRIBE_RETRY_S", 0.0)
+    with pytest.raises(topics.TopicsMismatch) as wrong:
+        await topics.ensure_topics("kafka:9092", (topics.PLACEMENTS, topics.CONTROL))
+    assert "gpusched.placements has 12 partitions, gpusched needs exactly 6" in str(wrong.value)
+    assert "Kafka did not describe gpusched.control" in str(wrong.value)
+    described["gpusched.placements"][0]["partitions"] = [{}] * 6
+    await topics.ensure_topics("kafka:9092", (topics.PLACEMENTS, topics.RESULTS))  # fine
+
+
 def test_a_requests_status_and_another_requests_cancel_never_share_a_redis_key() -> None:
     """Request ids may hold ':', so the status hash of request 'x:cancelled' was the cancel
     marker of request 'x': storing one failed (WRONGTYPE) and stalled the router's status

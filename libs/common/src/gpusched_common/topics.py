@@ -5,6 +5,7 @@ Services create them idempotently at start-up with `ensure_topics`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +17,8 @@ from aiokafka.partitioner import murmur2
 from gpusched_common.contracts import PRIORITY_CLASSES, PriorityClass
 
 log = logging.getLogger(__name__)
+DESCRIBE_TRIES = 20
+DESCRIBE_RETRY_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -97,15 +100,8 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        fixed = {s.name: s.partitions for s in specs if s.partitions_fixed and s.name in existing}
-        if fixed:
-            found = {t["topic"]: len(t["partitions"])
-                     for t in await admin.describe_topics(list(fixed))}
-            wrong = {name: (n, found.get(name)) for name, n in fixed.items()
-                     if found.get(name) != n}
-            if wrong:
-                raise TopicsMismatch(wrong)
         missing = [new_topic(s, replication_factor) for s in specs if s.name not in existing]
+        made: set[str] = set()
         if missing:
             response = await admin.create_topics(missing)
             refused = [(error[0], error[1], error[2] if len(error) > 2 else None)
@@ -113,9 +109,33 @@ async def ensure_topics(bootstrap: str, specs: tuple[TopicSpec, ...] = ALL_TOPIC
                        if error[1] not in (0, TopicAlreadyExistsError.errno)]
             if refused:
                 raise TopicsNotCreated(refused, replication_factor)
-            log.info("created topics %s", [t.name for t in missing])
+            made = {error[0] for error in response.topic_errors if error[1] == 0}
+            log.info("created topics %s", sorted(made))
+        # those made here have their counts; one made meanwhile by someone else (Kafka's
+        # auto-create, an operator) answered "already exists" and is looked at too
+        fixed = {s.name: s.partitions for s in specs if s.partitions_fixed and s.name not in made}
+        if fixed:
+            found = await _partition_counts(admin, list(fixed))
+            wrong = {name: (n, found[name]) for name, n in fixed.items() if found[name] != n}
+            if wrong:
+                raise TopicsMismatch(wrong)
     finally:
         await admin.close()
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]
+                            ) -> dict[str, int | None]:
+    """Each topic's partition count, None for one Kafka still does not describe after a few
+    seconds (a topic made a moment ago is not known to every broker at once)."""
+    found: dict[str, int | None] = dict.fromkeys(names)
+    for _ in range(DESCRIBE_TRIES):
+        for t in await admin.describe_topics([n for n in names if found[n] is None]):
+            if t.get("error_code", 0) == 0:
+                found[t["topic"]] = len(t["partitions"])
+        if all(n is not None for n in found.values()):
+            break
+        await asyncio.sleep(DESCRIBE_RETRY_S)
+    return found
 
 
 class TopicsMismatch(RuntimeError):
@@ -123,9 +143,11 @@ class TopicsMismatch(RuntimeError):
 
     def __init__(self, wrong: dict[str, tuple[int, int | None]]) -> None:
         super().__init__("; ".join(
-            f"{name} has {has} partitions, gpusched needs exactly {needs}" for name, (needs, has)
-            in sorted(wrong.items())) + " (agents pick the partitions they read by that "
-            "count): create the topic again with that many, or let gpusched create it")
+            (f"{name} has {has} partitions, gpusched needs exactly {needs}" if has is not None
+             else f"Kafka did not describe {name} (it needs exactly {needs} partitions)")
+            for name, (needs, has) in sorted(wrong.items()))
+            + " (agents pick the partitions they read by that count): delete the topic and "
+            "let gpusched create it, or create it with that many")
 
 
 class TopicsNotCreated(RuntimeError):
