@@ -2271,6 +2271,44 @@ async def test_a_cycle_undone_while_its_retry_is_on_its_way_waits_for_kafka_to_t
     assert kafka.offsets == {TopicPartition(standard, 0): 8} and not engine._retries
 
 
+async def test_a_cycle_kafka_takes_after_its_node_was_lost_commits_once_the_retry_is_out(
+) -> None:
+    """n1 is lost while Kafka still holds the cycle that placed `r` there; Kafka refuses r's
+    retry, then takes the cycle. Before, r's record was committed then, its retry in this
+    instance's memory alone (a retried placement is not saved to Redis): a step-down or a
+    crash before Kafka took the retry lost the request. Now the record commits once Kafka
+    has taken the retry, and a next leader reads it again until then."""
+    acks: list[asyncio.Future] = []
+    sent: list = []
+    retries_refused = [True]
+
+    async def send(batch):
+        sent.extend(batch)
+        done = asyncio.get_running_loop().create_future()
+        if not any(isinstance(o.message, InferenceRequest) for o in batch):
+            acks.append(done)  # the cycle: answered by the test
+        elif retries_refused[0]:
+            done.set_exception(ConnectionError("request topic leader unavailable"))
+        else:
+            done.set_result(None)
+        return done
+    engine, now, kafka = await placed_on_n1(send)
+    now[0] = 12_000  # n1 silent for 11 s: lost, r#0 fenced, its retry refused
+    await engine.cycle()
+    assert [pid for pid, _ in engine._retries] == ["r#0"]
+    _answer(acks[0], refused=False)  # the cycle that placed r
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {}
+    retries_refused[0] = False
+    now[0] = 13_000
+    await engine.cycle()
+    await asyncio.sleep(0.01)
+    assert [(o.message.request_id, o.message.attempt) for o in sent
+            if isinstance(o.message, InferenceRequest)] == [("r", 1), ("r", 1)]
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+    assert not engine.running and not engine._retries
+
+
 async def test_a_placement_kafka_may_have_taken_is_sent_again_where_it_went() -> None:
     """Kafka refused the cycle that sent r1#0 to one node (another record of the cycle
     failed, or the answer timed out after the write), but that node's agent had it and ran

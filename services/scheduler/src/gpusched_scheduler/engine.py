@@ -410,8 +410,9 @@ class SchedulingEngine:
         running it: planned again, it could go to another node, whose agent ignores it as a
         duplicate while this scheduler counts it as running there."""
         self._decide_when_retried: dict[str, Pending] = {}
-        """Placement id -> the work of an undone cycle that was retried meanwhile (its node
-        was lost before Kafka refused the cycle): decided once Kafka has taken the retry."""
+        """Placement id -> the work of a cycle whose placement was retried before Kafka
+        answered it (its node was lost meanwhile), taken or refused: decided once Kafka has
+        taken the retry (`_mark_decided`)."""
         self._unremoved: list[str] = []
         """Ended placements Redis did not take out of its running hash; tried each cycle
         (left there, a leader after the agents' claims expired would run them again)."""
@@ -968,8 +969,8 @@ class SchedulingEngine:
                         "leader places their requests again", len(new_running))
             self._undo(finished, new_running, requeue=False)
             return
+        self._mark_decided(finished)
         for item in finished:
-            item.decided = True
             self._out_of_cycle(item)
             # its preemption is over once Kafka took its placement: one sent again keeps
             # its room meanwhile, a cycle undone keeps it first in line, with its room
@@ -1059,7 +1060,6 @@ class SchedulingEngine:
         # Ended (its final usage came) or retried (its node was lost) since it was sent: the
         # work went on without this cycle, and placing it again would run it beside its retry
         moved_on = {pid for pid in sent if self._gone(pid)}
-        retrying = {pid for pid, _ in self._retries}  # Kafka has not taken them yet
         for item in finished:
             self._out_of_cycle(item)
         now_s = self._clock() / 1000
@@ -1071,13 +1071,10 @@ class SchedulingEngine:
             if self.running.get(r.placement_id) is r:  # not a later term's placement of it
                 self.running.pop(r.placement_id)
                 self.view.release(r.placement_id)
+        self._mark_decided([item for item in finished if _placement_id(*item.key) in moved_on])
         for item in finished:
             pid = _placement_id(*item.key)
             if pid in moved_on:
-                if pid in retrying:
-                    self._decide_when_retried[pid] = item
-                else:
-                    item.decided = True
                 continue
             if later_term and self._known(item.key) is not None:
                 self._refund(item)  # its record, read again, was charged again
@@ -1096,6 +1093,19 @@ class SchedulingEngine:
                 self._refund(item)
         self._commit_decided()
         self._wake.set()
+
+    def _mark_decided(self, items: list[Pending]) -> None:
+        """Mark a cycle's work decided (its records may commit); where its placement was
+        retried and Kafka has not taken the retry yet (`_retries`), only once it has
+        (`_decide_when_retried`). Committed before, the request lived on in this instance's
+        memory alone (a retried placement leaves Redis, and no record of it is read again):
+        a step-down or a crash before Kafka took the retry lost it."""
+        retrying = {pid for pid, _ in self._retries}
+        for item in items:
+            if (pid := _placement_id(*item.key)) in retrying:
+                self._decide_when_retried[pid] = item
+            else:
+                item.decided = True
 
     # --- helpers ------------------------------------------------------------------------
     def _take_cancelled(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
