@@ -2578,6 +2578,48 @@ async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 9}
 
 
+async def test_a_term_begun_while_a_placement_goes_out_again_lets_its_records_commit(
+) -> None:
+    """Kafka refused the cycle that placed r1 (saved to Redis at once); while the producer
+    took it again the lease lapsed, and this instance led again under token 4, inheriting
+    it. The resending cycle then noted its work as in flight in the new term: r1's record
+    read again waited on it, whose later-term undo decided nothing, and its partition
+    committed nothing more for the whole term."""
+    engine: SchedulingEngine
+    acks: list[asyncio.Future] = []
+    store = FlakyStore()
+    store.up = True
+    lapses = [False]
+
+    async def send(batch):
+        if lapses[0]:
+            lapses[0] = False
+            inherited = engine.running["r1#0"].model_copy()  # as Redis gives it back
+            engine.step_down()
+            engine.lead(4, [inherited], {"r1#0": "held"})
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    engine, _, kafka = _held_engine(send=send, store=store)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    _answer(acks[0], refused=True)
+    await asyncio.sleep(0.01)
+    assert store.saved == ["r1#0"]
+    lapses[0] = True
+    assert await engine.cycle() == 1  # sent again; term 4 begins meanwhile
+    assert engine.epoch == 4
+    await engine.admit([record, _standard_record(8, "r2")], kafka.commit)  # read again
+    for _ in range(3):
+        await engine.cycle()
+        for ack in acks:
+            if not ack.done():
+                ack.set_result(None)
+        await asyncio.sleep(0.01)
+    assert sorted(engine.running) == ["r1#0", "r2#0"] and not len(engine.queue)
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 9}
+
+
 @pytest.mark.parametrize("after_refusal", [True, False],
                          ids=["cancelled-after-the-refusal", "cancelled-before-the-refusal"])
 async def test_a_placement_sent_again_goes_out_though_its_request_was_cancelled(

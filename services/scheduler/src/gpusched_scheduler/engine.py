@@ -893,13 +893,16 @@ class SchedulingEngine:
         finished = [item for item, _ in resent] + [p.item for p in decisions.placed] \
             + [r.item for r in decisions.rejected] + [item for item, _ in ended]
         stops = [v.placement_id for pre in decisions.preemptions for v in pre.victims]
-        # led again under another token during the send: no decision is noted, that term
-        # decides its records read again afresh (a note made now would pass for its own)
+        # led again under another token during the send: nothing is noted, that term
+        # decides its records read again afresh. A note made now would pass for its own:
+        # a decision, or a cycle to wait for, whose later-term undo decides nothing (a
+        # record read again of a placement it inherited waited on it for good, and its
+        # partition committed nothing more that term)
         stale = self._led_with != epoch
         for item in finished:
             self.queue.remove(item)
-            self._in_cycle[item.key] = item
             if not stale:
+                self._in_cycle[item.key] = item
                 self._placed[(item.request.request_id, item.request.attempt)] = \
                     _identity(item.request)
         if finished:
