@@ -1689,6 +1689,32 @@ async def test_placements_not_saved_before_the_leader_is_deposed_are_placed_agai
     assert store.saved == ["r1#0"] and kafka.offsets == {TopicPartition(standard, 0): 8}
 
 
+async def test_a_placement_saved_after_leading_again_under_the_same_token_is_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis away: the save of a placement Kafka took was being retried when a lease check
+    failed and the next one led again under the same token, loading Redis's list from
+    before the save. The save then went through and the record committed, but this leader
+    no longer counted the placement: nothing reserved for it, and its node's loss retried
+    nothing (the request never ended)."""
+    from gpusched_scheduler import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SAVE_RETRY_S", 0.01)
+    store, kafka = FlakyStore(), Commits()
+    engine = _saving_to(store)
+    record = _standard_record(7, "r1")
+    await engine.admit([record], kafka.commit)
+    assert await engine.cycle() == 1
+    await asyncio.sleep(0.02)  # Kafka took it; its save is retried
+    engine.step_down()
+    engine.lead(3, [], {})  # Redis's list, read before the save
+    await engine.admit([record], kafka.commit)  # the new consumers read it again
+    store.up = True
+    await asyncio.sleep(0.05)
+    assert store.saved == ["r1#0"]
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+    assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
+
+
 async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog) -> None:
     """One unreadable entry in Redis's hash of placements in flight (a newer release's
     field, a hand edit) made every lease renewal fail to lead: the instance held the lease

@@ -992,10 +992,18 @@ class SchedulingEngine:
             if not new_running:
                 return True
             try:
-                return await self._store.save(new_running, epoch)  # type: ignore[union-attr]
+                saved = await self._store.save(new_running, epoch)  # type: ignore[union-attr]
             except Exception:
                 log.exception("saving %d placements in flight to Redis failed",
                               len(new_running))
+            else:
+                if saved and self.epoch == epoch:
+                    # led again under that token during the save: `lead` took Redis's
+                    # list from before it, and their node's loss would retry nothing
+                    for r in new_running:
+                        if not self._gone(r.placement_id):
+                            self._hold(r)
+                return saved
             if self.epoch != epoch:
                 return False
             await asyncio.sleep(SAVE_RETRY_S)
