@@ -5,7 +5,8 @@ consumer hands them: valid requests are placed, bad records are dead-lettered.""
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
 
+from gpusched_agent.adapters.ledger import Claim, RedisLedger
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import (
@@ -45,10 +47,12 @@ from gpusched_common.contracts import (
     Resume,
     UsageRecord,
 )
+from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
+from gpusched_ops.testing import start_redis
 from gpusched_scheduler import handlers
-from gpusched_scheduler.adapters.redis_state import Filed, RunningStore, SpentBudget
+from gpusched_scheduler.adapters.redis_state import Filed, LeaderLease, RunningStore, SpentBudget
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -3837,12 +3841,16 @@ async def test_a_record_the_next_term_reads_before_the_old_answer_runs_once(
     assert engine.quotas.tokens_last_minute("acme", 1000) < charged  # charged once now
 
 
-async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None:
+@pytest.mark.parametrize("newer_token", [True, False], ids=["deposed", "no-leader-since"])
+async def test_a_step_down_while_kafka_takes_a_cycle_saves_it_only_under_its_token(
+        newer_token: bool) -> None:
     """The cycle's token was read after the send: a step-down during it gave the settle the
     same None as the instance, which saved the placement to Redis after the next leader
-    had read it and kept it as running."""
+    had read it and kept it as running. Saved under the token it went with, it is refused
+    once a newer leader took the lease, and kept for the next one otherwise (its agent may
+    run it); this instance, not leading, counts it as running in neither case."""
     store = FlakyStore()
-    store.up = True
+    store.up, store.token = True, 4 if newer_token else 3
 
     async def send(batch):
         engine.step_down()  # the lease lapses while the producer waits
@@ -3851,7 +3859,115 @@ async def test_a_step_down_while_kafka_takes_a_cycle_leaves_it_unsaved() -> None
     await engine.admit([_standard_record(7, "r1")], kafka.commit)
     await engine.cycle()
     await asyncio.sleep(0.01)
-    assert store.saved == [] and not engine.running
+    assert store.saved == ([] if newer_token else ["r1#0"]) and not engine.running
+
+
+async def test_a_cycle_loop_cancelled_while_kafka_holds_its_cycles_leaves_them_to_settle(
+) -> None:
+    """Kafka slow: the fifth cycle in flight waits for the oldest to settle, and shutting
+    down cancels the cycle loop there. That cancelled the oldest settle too, so its
+    placement, sent and maybe run, was saved nowhere for the next leader; now every cycle
+    in flight settles, and is saved, once Kafka answers (`settle_in_flight`)."""
+    store = FlakyStore()
+    store.up = True
+    engine, acks, kafka = _held_engine(store=store)
+    for i in range(5):
+        await engine.admit([_standard_record(i, f"r{i}")], kafka.commit)
+        if i < 4:
+            assert await engine.cycle() == 1
+    fifth = asyncio.create_task(engine.cycle())
+    await asyncio.sleep(0.01)
+    assert len(acks) == 5 and not fifth.done()  # waiting for the oldest
+    fifth.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await fifth
+    for ack in acks:
+        if not ack.done():  # (the oldest's answer was cancelled with it)
+            ack.set_result(None)
+    await engine.settle_in_flight(1.0)
+    assert sorted(store.saved) == [f"r{i}#0" for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
+    """A Redis of this module's own, started as the local stack starts it (a failing start
+    fails the tests that need it: only a machine without redis-server skips them)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (ops/scripts/install-redis.sh)")
+    url, stop = start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield url
+    finally:
+        stop()
+
+
+async def test_a_placement_kafka_takes_after_a_step_down_is_inherited_where_it_runs(
+        redis_url: str) -> None:
+    """Leader A (token 1) placed r on n1, whose agent claimed it at once; A stepped down
+    (shutting down, a lease check failed) before Kafka's answer came, and its settle saved
+    nothing. B (token 2) read r again and placed it on n2 (n1 was full), whose agent ignored
+    it as a duplicate: B counted it on n2 for good, and when n1 died r was never retried.
+    Saved under token 1 with the answer (no newer token was taken yet), B inherits it on
+    n1, takes r's record read again as decided, and retries r once n1 is lost."""
+    redis = make_redis(RedisSettings(url=redis_url))
+    await redis.flushall()
+    store, now = RunningStore(redis), [1000]
+    standard = topics.REQUESTS["standard"].name
+    record = _standard_record(7, "r")
+
+    def instance(send) -> SchedulingEngine:  # noqa: ANN001
+        return SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0],
+                                NoOpTracer(), EngineConfig(cycle_window_ms=0,
+                                                           node_timeout_ms=NODE_TIMEOUT_MS,
+                                                           commit_interval_ms=0),
+                                store=store)
+
+    acks: list[asyncio.Future] = []  # Kafka answers A's cycles when the test says
+    a_sent: list = []
+
+    async def held(batch):
+        a_sent.extend(batch)
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+    a, lease_a = instance(held), LeaderLease(redis, "A", 3000)
+    a.lead(await lease_a.acquire_or_renew(), await store.load())
+    a.view.apply_node_state(node("n1", [70000], models=(SMALL.name,)), now[0], NODE_TIMEOUT_MS)
+    a.view.apply_node_state(node("n2", [80000]), now[0], NODE_TIMEOUT_MS)
+    await a.admit([record], Commits().commit)
+    assert await a.cycle() == 1
+    [placement] = [o.message for o in a_sent]
+    assert (placement.node_id, placement.scheduler_epoch) == ("n1", 1)
+    assert isinstance(await RedisLedger(redis).claim(
+        "r#0", "n1", 111, placement.to_bytes(), "r", placement.request.asks_digest()), Claim)
+    a.step_down()
+    await lease_a.release()
+    acks[0].set_result(None)
+    await asyncio.sleep(0.05)
+
+    b_sent: list = []
+
+    async def taken(batch):
+        b_sent.extend(batch)
+        return asyncio.gather()
+    b, kafka = instance(taken), Commits()
+    running = await store.load()
+    b.lead(await LeaderLease(redis, "B", 3000).acquire_or_renew(), running,
+           await store.claims(running))
+    now[0] = 2000  # n1 runs r#0 (its memory used); n2 is free
+    b.view.apply_node_state(node("n1", [0], models=(SMALL.name,), seq=2, active=("r#0",)),
+                            now[0], NODE_TIMEOUT_MS)
+    b.view.apply_node_state(node("n2", [80000], seq=2), now[0], NODE_TIMEOUT_MS)
+    await b.admit([record], kafka.commit)  # A never committed it
+    await b.cycle()
+    await asyncio.sleep(0.01)
+    assert {pid: r.node_id for pid, r in b.running.items()} == {"r#0": "n1"}
+    assert not b_sent and kafka.offsets == {TopicPartition(standard, 0): 8}
+    now[0] = 13_000  # n1 silent 11 s, and not alive in Redis: lost
+    b.view.apply_node_state(node("n2", [80000], seq=3), now[0], NODE_TIMEOUT_MS)
+    await b.cycle()
+    assert [(o.message.request_id, o.message.attempt) for o in b_sent
+            if isinstance(o.message, InferenceRequest)] == [("r", 1)]
+    await redis.aclose()
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:
@@ -4699,36 +4815,13 @@ async def test_retries_on_their_way_back_through_kafka_count_in_flight_for_their
     assert engine.queue.by_tenant["hooli"] == 3 and not engine._in_transit("hooli", now[0])
 
 
-async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_renewal(
-        monkeypatch) -> None:
-    """Kafka unreachable for a moment as this instance takes the lead: before, it led with
-    no request consumer (the engine had its token, so no renewal tried again) and, renewing
-    its lease, kept every standby out; no request was read until a restart."""
-    from aiokafka.errors import KafkaConnectionError
-
+def _app_without_kafka_or_redis(monkeypatch: pytest.MonkeyPatch, consumer: type):  # noqa: ANN202
+    """The scheduler's app with Kafka and Redis stubbed out: `consumer` stands in for each
+    request consumer, the lease is held (token 7) and released at once, decisions go
+    nowhere, and Redis holds no placement in flight, claim or note of a 429."""
     import gpusched_scheduler.adapters.requests as requests_adapter
     import gpusched_scheduler.main as scheduler_main
     from gpusched_scheduler.adapters.decisions import DecisionProducer
-    from gpusched_scheduler.adapters.redis_state import LeaderLease
-    from gpusched_scheduler.settings import SchedulerSettings
-
-    starts: list[str] = []
-
-    class Consumer:  # the first start fails, as against a broker not back yet
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        async def start(self) -> None:
-            starts.append("failed" if not starts else "ok")
-            if starts[-1] == "failed":
-                raise KafkaConnectionError("Unable to bootstrap")
-
-        async def getmany(self, **kwargs) -> dict:
-            await asyncio.sleep(0.05)
-            return {}
-
-        async def stop(self) -> None:
-            pass
 
     async def nothing(*args, **kwargs) -> list:
         return []
@@ -4746,7 +4839,7 @@ async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_
     async def no_claims(self, running) -> dict:
         return {}
 
-    monkeypatch.setattr(requests_adapter, "AIOKafkaConsumer", Consumer)
+    monkeypatch.setattr(requests_adapter, "AIOKafkaConsumer", consumer)
     monkeypatch.setattr(scheduler_main.topics, "ensure_topics", nothing)
     monkeypatch.setattr(scheduler_main, "warm_up", lambda policy: None)
     monkeypatch.setattr(scheduler_main, "make_broker", lambda *args, **kwargs: Broker())
@@ -4758,12 +4851,99 @@ async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_
     monkeypatch.setattr(RunningStore, "load", nothing)
     monkeypatch.setattr(RunningStore, "over_quota", nothing)
     monkeypatch.setattr(RunningStore, "claims", no_claims)
-    app = scheduler_main.create_app(SchedulerSettings(
+    return scheduler_main.create_app(SchedulerSettings(
         telemetry=TelemetrySettings(otlp_endpoint=""),
         redis=RedisSettings(url="redis://127.0.0.1:1/0"), lease_ttl_ms=600))
+
+
+class _IdleConsumer:
+    """A request consumer that starts and reads nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def getmany(self, **kwargs) -> dict:
+        await asyncio.sleep(0.05)
+        return {}
+
+    async def stop(self) -> None:
+        pass
+
+
+async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_renewal(
+        monkeypatch) -> None:
+    """Kafka unreachable for a moment as this instance takes the lead: before, it led with
+    no request consumer (the engine had its token, so no renewal tried again) and, renewing
+    its lease, kept every standby out; no request was read until a restart."""
+    from aiokafka.errors import KafkaConnectionError
+
+    starts: list[str] = []
+
+    class Consumer(_IdleConsumer):  # the first start fails, as against a broker not back yet
+        async def start(self) -> None:
+            starts.append("failed" if not starts else "ok")
+            if starts[-1] == "failed":
+                raise KafkaConnectionError("Unable to bootstrap")
+
+    app = _app_without_kafka_or_redis(monkeypatch, Consumer)
     async with app.router.lifespan_context(app):
         for _ in range(40):
             await asyncio.sleep(0.05)
             if "ok" in starts:
                 break
     assert starts[0] == "failed" and "ok" in starts  # the next renewal led again
+
+
+async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_lease_go(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader stopped (a rolling update) while Kafka had not yet answered its last cycle,
+    whose placement an agent may run already: it stepped down and released the lease at
+    once, and the answer, coming after a standby took a newer token, saved nothing. That
+    leader read the request again and placed it afresh, maybe on another node, whose agent
+    ignored it as a duplicate: counted there, it was never retried when the node that ran
+    it failed. Now the leader waits for the answer (at most SETTLE_ON_SHUTDOWN_S) and saves
+    the placement under its token before letting the lease go."""
+    from gpusched_common.kafka_records import wall_clock_ms
+    from gpusched_scheduler.adapters.decisions import DecisionProducer
+
+    events: list = []
+    acks: list[asyncio.Future] = []
+
+    async def send(self, batch) -> asyncio.Future:  # noqa: ANN001
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+
+    async def save(self, placements, epoch: int) -> bool:  # noqa: ANN001
+        events.append(("saved", [p.placement_id for p in placements], epoch))
+        return True
+
+    async def release(self) -> None:
+        events.append("lease released")
+
+    async def no_flags(self, tenants) -> dict:  # noqa: ANN001
+        return {}
+
+    monkeypatch.setattr(DecisionProducer, "send", send)  # before the engine takes it
+    app = _app_without_kafka_or_redis(monkeypatch, _IdleConsumer)
+    monkeypatch.setattr(RunningStore, "save", save)
+    monkeypatch.setattr(RunningStore, "spent_budgets", no_flags)
+    monkeypatch.setattr(LeaderLease, "release", release)
+    async with app.router.lifespan_context(app):
+        engine: SchedulingEngine = app.state.engine
+        for _ in range(40):
+            if engine.epoch is not None:
+                break
+            await asyncio.sleep(0.05)
+        engine.view.apply_node_state(node("n1", [80000]), wall_clock_ms(), NODE_TIMEOUT_MS)
+        await engine.admit([_standard_record(7, "r1", created_at_ms=wall_clock_ms())],
+                           Commits().commit)
+        for _ in range(40):
+            if acks:
+                break
+            await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_later(0.2, acks[0].set_result, None)
+    await asyncio.sleep(0.3)
+    assert events == [("saved", ["r1#0"], 7), "lease released"]

@@ -912,12 +912,23 @@ class SchedulingEngine:
             self._settle(acked, finished, new_running, epoch, stops), name="settle-cycle"))
         resent.clear()  # the settle owns them now
         if len(self._in_flight) > MAX_CYCLES_IN_FLIGHT:
-            await self._in_flight.pop(0)
+            # shielded: the cycle loop cancelled (shutting down) cancelled the settle it
+            # waited for, whose placements were then saved nowhere (`settle_in_flight`)
+            await asyncio.shield(self._in_flight[0])
         if len(self.queue) > sum(len(c.items) for c in chunks) and decisions.placed:
             self._wake.set()  # more was pending than this cycle took
         self._metrics.cycle_seconds.observe(time.perf_counter() - started)
         self._metrics.decisions.inc(len(messages))
         return len(messages)
+
+    async def settle_in_flight(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, for the cycles Kafka has not answered yet to settle: a
+        leader shutting down saves their placements under the token they went out with (an
+        agent may run them already) and lets their offsets commit, before it steps down and
+        a standby takes a newer token, which refuses that save."""
+        in_flight = [t for t in self._in_flight if not t.done()]
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=timeout_s)
 
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
                       new_running: list[RunningPlacement], epoch: int | None,
@@ -942,11 +953,20 @@ class SchedulingEngine:
             return
         if self.epoch == epoch:
             self._told.update(p for p in stops if p in self._victims)
+        if self.epoch is None and self._store is not None:
+            # Stepped down meanwhile (shutting down, a lease check failed): while no newer
+            # token is taken, agents run these placements, and a next leader that did not
+            # know them placed their requests afresh, maybe on other nodes whose agents
+            # ignored them as duplicates (counted there, never retried when theirs failed).
+            # Saved once under their token (Redis refuses it once a newer one was taken),
+            # a next leader inherits them and settles them by the agents' claims
+            await self._save(new_running, epoch)
         if self.epoch != epoch:
             # Stepped down, or led again with a new token, meanwhile: agents refuse what went
             # out under the old one as a deposed leader's (once they see a newer one), and no
-            # term counts it as running; its placed work is read (or queued) again, while the
-            # results it published (rejections, ends) stand
+            # term counts it as running here; its placed work is read (or queued) again (a
+            # next leader that inherited a placement saved above counts it as taken), while
+            # the results it published (rejections, ends) stand
             sent = {r.placement_id for r in new_running}
             for item in finished:
                 item.decided |= _placement_id(*item.key) not in sent
@@ -982,10 +1002,11 @@ class SchedulingEngine:
 
     async def _save(self, new_running: list[RunningPlacement], epoch: int | None) -> bool:
         """Save placements in flight for a next leader, retrying (Redis away) while this
-        instance leads under `epoch`, the token they were sent with; False once it does
-        not, or Redis says a newer token was taken (their offsets must then stay
-        uncommitted). The token is checked in Redis, with the write: this instance may not
-        know yet that it was deposed, and the next leader may have read the hash already."""
+        instance leads under `epoch`, the token they were sent with (tried once where it
+        no longer does); False once it does not, or Redis says a newer token was taken
+        (their offsets must then stay uncommitted). The token is checked in Redis, with the
+        write: this instance may not know yet that it was deposed, and the next leader may
+        have read the hash already."""
         while epoch is not None:
             # ended or retried during a retry: saved again, a next leader would inherit it
             new_running = [r for r in new_running if not self._gone(r.placement_id)]

@@ -33,6 +33,12 @@ from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
+SETTLE_ON_SHUTDOWN_S = 5.0
+"""How long a leader shutting down waits for Kafka to answer the cycles it sent, so that
+their placements are saved under its token (renewed meanwhile) before a standby takes a
+newer one. Kafka up answers in milliseconds; away, the producer waits up to its request
+time-out (40 s), past the 10 s Docker and the 30 s Kubernetes give a container to stop. A
+cycle answered later is still saved, unless a newer token was taken by then."""
 
 
 def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -125,6 +131,11 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         leader.set(0)
         await requests.stop()
 
+    async def _cancelled(task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started
@@ -140,11 +151,12 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             yield
         finally:
             started = False
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            cycling, leasing = tasks
+            await _cancelled(cycling)
+            # the lease still renewed: an agent may run a placement Kafka has not answered
+            # yet, and unsaved, a next leader placed its request again, maybe elsewhere
+            await engine.settle_in_flight(SETTLE_ON_SHUTDOWN_S)
+            await _cancelled(leasing)
             async with transitions:
                 led = engine.epoch is not None
                 await _step_down()  # also stops consumers that a cut-short transition started
