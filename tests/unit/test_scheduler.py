@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
-from gpusched_agent.adapters.ledger import Claim, RedisLedger
+from gpusched_agent.adapters.ledger import Claim, RedisLedger, Taken
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import (
@@ -48,7 +49,7 @@ from gpusched_common.contracts import (
     UsageRecord,
 )
 from gpusched_common.redis_client import make_redis
-from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY, SCHEDULER_RUNNING_KEY
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 from gpusched_ops.testing import start_redis
 from gpusched_scheduler import handlers
@@ -1797,6 +1798,9 @@ class Fences:
 
     async def save(self, placements, epoch: int) -> bool:
         return True
+
+    async def held_as(self, placements) -> dict:
+        return {}  # every placement taken runs where it was booked
 
     async def remove(self, placement_ids: list[str]) -> None:
         self.removed += placement_ids
@@ -3901,18 +3905,29 @@ def redis_url(tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
         stop()
 
 
-async def test_a_placement_kafka_takes_after_a_step_down_is_inherited_where_it_runs(
-        redis_url: str) -> None:
-    """Leader A (token 1) placed r on n1, whose agent claimed it at once; A stepped down
-    (shutting down, a lease check failed) before Kafka's answer came, and its settle saved
-    nothing. B (token 2) read r again and placed it on n2 (n1 was full), whose agent ignored
-    it as a duplicate: B counted it on n2 for good, and when n1 died r was never retried.
-    Saved under token 1 with the answer (no newer token was taken yet), B inherits it on
-    n1, takes r's record read again as decided, and retries r once n1 is lost."""
-    redis = make_redis(RedisSettings(url=redis_url))
-    await redis.flushall()
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    """A client of the module's Redis, emptied first."""
+    client = make_redis(RedisSettings(url=redis_url))
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.mark.parametrize("a_ends,n1_dies_first", [
+    ("steps-down", False), ("crashes", False), ("crashes", True)],
+    ids=["a-steps-down", "a-crashes", "a-crashes-n1-dies-before-the-untaken-check"])
+async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_retried(
+        a_ends: str, n1_dies_first: bool, redis: Redis) -> None:
+    """Leader A (token 1) placed r on GPU 1 of n1, whose agent claimed it at once. A
+    stepped down (shutting down, a lease check failed) before Kafka's answer came, and its
+    settle saved nothing; or A crashed. B (token 2) read r again and placed it on n2 (n1
+    was full), whose agent ignored it as a duplicate: B counted it on n2 for good, and
+    when n1 died r was never retried. Now A's settle saves it under token 1 (no newer
+    token yet), and B inherits it on n1; after a crash, B's untaken check finds n1's agent
+    holding it and books it there (or retries it, n1 lost by then). Either way r's record
+    commits, and r is retried once n1 is lost."""
     store, now = RunningStore(redis), [1000]
-    standard = topics.REQUESTS["standard"].name
     record = _standard_record(7, "r")
 
     def instance(send) -> SchedulingEngine:  # noqa: ANN001
@@ -3921,6 +3936,11 @@ async def test_a_placement_kafka_takes_after_a_step_down_is_inherited_where_it_r
                                                            node_timeout_ms=NODE_TIMEOUT_MS,
                                                            commit_interval_ms=0),
                                 store=store)
+
+    async def agent_takes(placement: Placement) -> Claim | Taken:
+        return await RedisLedger(redis).claim(
+            placement.placement_id, placement.node_id, 111, placement.to_bytes(),
+            placement.request.request_id, placement.request.asks_digest())
 
     acks: list[asyncio.Future] = []  # Kafka answers A's cycles when the test says
     a_sent: list = []
@@ -3931,18 +3951,20 @@ async def test_a_placement_kafka_takes_after_a_step_down_is_inherited_where_it_r
         return acks[-1]
     a, lease_a = instance(held), LeaderLease(redis, "A", 3000)
     a.lead(await lease_a.acquire_or_renew(), await store.load())
-    a.view.apply_node_state(node("n1", [70000], models=(SMALL.name,)), now[0], NODE_TIMEOUT_MS)
+    a.view.apply_node_state(node("n1", [0, 70000], models=(SMALL.name,)), now[0],
+                            NODE_TIMEOUT_MS)
     a.view.apply_node_state(node("n2", [80000]), now[0], NODE_TIMEOUT_MS)
     await a.admit([record], Commits().commit)
     assert await a.cycle() == 1
     [placement] = [o.message for o in a_sent]
-    assert (placement.node_id, placement.scheduler_epoch) == ("n1", 1)
-    assert isinstance(await RedisLedger(redis).claim(
-        "r#0", "n1", 111, placement.to_bytes(), "r", placement.request.asks_digest()), Claim)
-    a.step_down()
-    await lease_a.release()
-    acks[0].set_result(None)
-    await asyncio.sleep(0.05)
+    assert (placement.node_id, placement.gpu_indices, placement.scheduler_epoch) == (
+        "n1", (1,), 1)
+    assert isinstance(await agent_takes(placement), Claim)
+    await lease_a.release()  # (a crash: the lease lapses)
+    if a_ends == "steps-down":
+        a.step_down()
+        acks[0].set_result(None)
+        await asyncio.sleep(0.05)
 
     b_sent: list = []
 
@@ -3953,21 +3975,41 @@ async def test_a_placement_kafka_takes_after_a_step_down_is_inherited_where_it_r
     running = await store.load()
     b.lead(await LeaderLease(redis, "B", 3000).acquire_or_renew(), running,
            await store.claims(running))
-    now[0] = 2000  # n1 runs r#0 (its memory used); n2 is free
-    b.view.apply_node_state(node("n1", [0], models=(SMALL.name,), seq=2, active=("r#0",)),
-                            now[0], NODE_TIMEOUT_MS)
-    b.view.apply_node_state(node("n2", [80000], seq=2), now[0], NODE_TIMEOUT_MS)
+
+    def reports(seq: int, n1: bool = True) -> None:
+        """n1 (if it still reports) runs r#0, full; n2 is free and runs nothing."""
+        if n1:
+            b.view.apply_node_state(node("n1", [0, 0], models=(SMALL.name,), seq=seq,
+                                         active=("r#0",)), now[0], NODE_TIMEOUT_MS)
+        b.view.apply_node_state(node("n2", [80000], seq=seq), now[0], NODE_TIMEOUT_MS)
+
+    now[0] = 2000
+    reports(2)
     await b.admit([record], kafka.commit)  # A never committed it
     await b.cycle()
     await asyncio.sleep(0.01)
-    assert {pid: r.node_id for pid, r in b.running.items()} == {"r#0": "n1"}
-    assert not b_sent and kafka.offsets == {TopicPartition(standard, 0): 8}
-    now[0] = 13_000  # n1 silent 11 s, and not alive in Redis: lost
-    b.view.apply_node_state(node("n2", [80000], seq=3), now[0], NODE_TIMEOUT_MS)
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 8}
+    if a_ends == "crashes":
+        [again] = [o.message for o in b_sent]
+        assert again.node_id == "n2" and isinstance(await agent_takes(again), Taken)
+    for seq, now[0] in enumerate(range(3000, 34_001, 1000), start=3):  # past the untaken
+        reports(seq, n1=not n1_dies_first)  # time-out
+        await b.cycle()
+    retries = [(o.message.request_id, o.message.attempt) for o in b_sent
+               if isinstance(o.message, InferenceRequest)]
+    if n1_dies_first:
+        assert retries == [("r", 1)] and not b.running and not b.view.reservations
+        return
+    assert not retries
+    r = b.running["r#0"]
+    assert (r.node_id, r.gpu_indices) == ("n1", (1,)) and not b.view.reservations
+    [(_, saved)] = (await redis.hgetall(SCHEDULER_RUNNING_KEY)).items()
+    assert json.loads(saved)["node_id"] == "n1"  # a next leader inherits it there
+    now[0] = 45_000  # n1 silent 11 s, and not alive in Redis: lost
+    reports(45, n1=False)
     await b.cycle()
     assert [(o.message.request_id, o.message.attempt) for o in b_sent
             if isinstance(o.message, InferenceRequest)] == [("r", 1)]
-    await redis.aclose()
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

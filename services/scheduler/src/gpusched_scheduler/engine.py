@@ -1598,7 +1598,8 @@ class SchedulingEngine:
         again after its retry): a retry of the same attempt runs once. Of those taken, one
         its agent has already ended is no longer running: a request redelivered long
         after it was decided (past RECENT_DECISIONS) was placed again under the id of its
-        finished placement, which the agent ignores as a duplicate. Looks at most once a
+        finished placement, which the agent ignores as a duplicate; one an agent of another
+        node holds is booked where it runs (`_book_where_held`). Looks at most once a
         second, over the reservations (few: most are taken within a heartbeat)."""
         timeout = self.config.untaken_timeout_ms
         if now_ms - self._untaken_checked_ms < UNTAKEN_CHECK_MS:
@@ -1612,6 +1613,7 @@ class SchedulingEngine:
                    and pid not in waiting
                    and now_ms - (sent := self._handed_at.get(pid, r.placed_at_ms)) > timeout
                    and seen.get(r.node_id, 0) - sent > timeout]
+        held: list[RunningPlacement] = []
         if untaken and self._store is not None:
             try:
                 fenced = await self._store.fence([r.placement_id for r in untaken])
@@ -1619,12 +1621,60 @@ class SchedulingEngine:
                 claims = await self._drop_ended(taken)
                 untaken = [r for r, won in zip(untaken, fenced, strict=True)
                            if won or claims[r.placement_id] == "fenced"]
+                held = [r for r in taken if claims[r.placement_id] == "held"]
             except Exception:  # Redis away: the cycle places on; looked at again next second
                 log.warning("could not fence %d untaken placements; trying again later",
                             len(untaken), exc_info=True)
                 return
         if untaken:
             await self._retry(untaken, "untaken")
+        if held:
+            await self._book_where_held(held, now_ms)
+
+    async def _book_where_held(self, held: list[RunningPlacement], now_ms: int) -> None:
+        """Book where it runs each placement of `held` that an agent of another node holds
+        than the one it is booked on: a leader that did not know an earlier leader's
+        placement (claimed by its agent, never saved: that leader crashed) placed its
+        request again, and the other node's agent ignored it as a duplicate. Booked there,
+        its reservation kept memory free on that node from other work, a preempt went there,
+        and the loss of the node that runs it retried nothing. The holder's claim gives its
+        GPUs and KV cache there (a preemption plan sees it where it is); its memory stays as
+        booked (the same request: only whether its weights were loaded may differ), and
+        the holder's reports count what it uses. Saved first (a next leader inherits it
+        there; Redis away, looked at again next second); a holder lost already, or silent
+        past the node time-out where never heard from, has it retried."""
+        assert self._store is not None
+        epoch = self.epoch
+        try:
+            claimed = await self._store.held_as(held)
+            moves = [(r, r.model_copy(update={
+                "node_id": c.node_id, "gpu_indices": c.gpu_indices,
+                "kv_cache_mib": c.kv_cache_mib})) for r in held
+                if (c := claimed.get(r.placement_id)) is not None and c.node_id != r.node_id
+                and self.running.get(r.placement_id) is r]  # not ended or retried meanwhile
+            if not moves or epoch is None or self.epoch != epoch \
+                    or not await self._store.save([moved for _, moved in moves], epoch):
+                return
+        except Exception:
+            log.warning("could not read where %d placements booked on nodes that never took "
+                        "them run; trying again later", len(held), exc_info=True)
+            return
+        lost: list[RunningPlacement] = []
+        for booked, moved in moves:
+            if self.epoch != epoch or self.running.get(booked.placement_id) is not booked:
+                continue  # stepped down, or it ended or was retried, during the save
+            log.warning("placement %s runs on node %s (GPUs %s), not on %s where it was "
+                        "booked (its request was placed again by a leader that did not know "
+                        "it): booked where it runs", moved.placement_id, moved.node_id,
+                        list(moved.gpu_indices), booked.node_id)
+            self.view.release(booked.placement_id)
+            self.running[moved.placement_id] = moved
+            self.view.expect(moved.node_id, now_ms)
+            self.view.reserve_unlisted(self._reservation(moved))
+            if moved.node_id in self.view.lost:
+                lost.append(moved)
+        if lost:
+            await self._retry(lost, "node_lost")
 
     async def _drop_ended(self, taken: list[RunningPlacement]) -> dict[str, ClaimState]:
         """Placements claimed already: those their agent has ended are no longer running.

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from gpusched_common import outbox
+from gpusched_common.contracts import PLACEMENT, Placement
 from gpusched_common.redis_keys import (
     BUDGET_EXHAUSTED_KEY,
     CANCELLED_KEY,
@@ -207,16 +208,42 @@ class RunningStore:
         """Where each placement stands in the agents' ledger (placement id -> state). A claim
         is looked up under the node that made it, which need not be the one this scheduler
         last placed it on (a placement sent twice: the first send failed after all)."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for p in placements:
-                pipe.get(PLACEMENT_CLAIM_KEY.format(p.placement_id))
-            owners = await pipe.execute()
+        owners = await self._owners(placements)
         async with self._redis.pipeline(transaction=False) as pipe:
             for p, owner in zip(placements, owners, strict=True):
                 pipe.hexists(NODE_CLAIMS_KEY.format((owner or b"").decode()), p.placement_id)
             held = await pipe.execute()
         return {p.placement_id: claim_state(owner, bool(h)) for p, owner, h
                 in zip(placements, owners, held, strict=True)}
+
+    async def held_as(self, placements: list[RunningPlacement]) -> dict[str, Placement]:
+        """Placement id -> the placement as the agent that holds it claimed it (its node,
+        GPUs and KV cache, from the claims of the node that made the claim), for each of
+        `placements` an agent holds; which may differ from what this scheduler booked (its
+        request placed again by a leader that did not know the placement). Left out: those
+        no agent holds, and those whose holder filed the records that end it in its stead."""
+        held = [(p.placement_id, owner.decode()) for p, owner
+                in zip(placements, await self._owners(placements), strict=True)
+                if owner is not None and owner.decode() != FENCED_CLAIM]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pid, node_id in held:
+                pipe.hget(NODE_CLAIMS_KEY.format(node_id), pid)
+            entries = await pipe.execute()
+        out: dict[str, Placement] = {}
+        for (pid, _), entry in zip(held, entries, strict=True):
+            try:
+                if entry is not None and outbox.in_claim(entry) is None:
+                    out[pid] = PLACEMENT.validate_json(entry.partition(b" ")[2])
+            except ValueError as exc:  # pydantic's ValidationError is one
+                log.warning("ignoring the unreadable claim of %s: %s", pid, exc)
+        return out
+
+    async def _owners(self, placements: list[RunningPlacement]) -> list[bytes | None]:
+        """Who claimed each placement (an agent's node id, FENCED_CLAIM), None if nobody."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p in placements:
+                pipe.get(PLACEMENT_CLAIM_KEY.format(p.placement_id))
+            return await pipe.execute()
 
     async def filed_finals(self, node_ids: list[str]) -> list[Filed]:
         """The final records the agents of these nodes filed and never released (the run
