@@ -3914,19 +3914,24 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
     await client.aclose()
 
 
-@pytest.mark.parametrize("a_ends,n1_dies_first", [
-    ("steps-down", False), ("crashes", False), ("crashes", True)],
-    ids=["a-steps-down", "a-crashes", "a-crashes-n1-dies-before-the-untaken-check"])
+@pytest.mark.parametrize("a_ends,n1,n2", [
+    ("steps-down", "reports", "reports"), ("crashes", "reports", "reports"),
+    ("crashes", "reports", "dies"), ("crashes", "dies", "reports"),
+    ("crashes", "unheard", "reports")],
+    ids=["a-steps-down", "a-crashes", "a-crashes-n2-dies-before-the-untaken-check",
+         "a-crashes-n1-dies-before-the-untaken-check", "a-crashes-b-never-hears-n1"])
 async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_retried(
-        a_ends: str, n1_dies_first: bool, redis: Redis) -> None:
+        a_ends: str, n1: str, n2: str, redis: Redis) -> None:
     """Leader A (token 1) placed r on GPU 1 of n1, whose agent claimed it at once. A
     stepped down (shutting down, a lease check failed) before Kafka's answer came, and its
     settle saved nothing; or A crashed. B (token 2) read r again and placed it on n2 (n1
     was full), whose agent ignored it as a duplicate: B counted it on n2 for good, and
     when n1 died r was never retried. Now A's settle saves it under token 1 (no newer
-    token yet), and B inherits it on n1; after a crash, B's untaken check finds n1's agent
-    holding it and books it there (or retries it, n1 lost by then). Either way r's record
-    commits, and r is retried once n1 is lost."""
+    token yet), and B inherits it on n1 and places nothing; after a crash, B's untaken
+    check finds n1's agent holding it and books it there (or retries it, n1 lost by then;
+    never heard from, n1 is lost a node time-out later). n2 lost first, before the untaken
+    check, had r retried while it ran on n1 (run and billed twice): now it is booked on n1
+    then. Either way r's record commits, and r is retried once n1 is lost."""
     store, now = RunningStore(redis), [1000]
     record = _standard_record(7, "r")
 
@@ -3976,15 +3981,20 @@ async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_r
     b.lead(await LeaderLease(redis, "B", 3000).acquire_or_renew(), running,
            await store.claims(running))
 
-    def reports(seq: int, n1: bool = True) -> None:
-        """n1 (if it still reports) runs r#0, full; n2 is free and runs nothing."""
-        if n1:
+    def reports(seq: int, n1_reports: bool) -> None:
+        """n1 (if it reports) runs r#0, full; n2 (if it reports) is free and runs nothing."""
+        if n1_reports:
             b.view.apply_node_state(node("n1", [0, 0], models=(SMALL.name,), seq=seq,
                                          active=("r#0",)), now[0], NODE_TIMEOUT_MS)
-        b.view.apply_node_state(node("n2", [80000], seq=seq), now[0], NODE_TIMEOUT_MS)
+        if seq == 2 or n2 == "reports":
+            b.view.apply_node_state(node("n2", [80000], seq=seq), now[0], NODE_TIMEOUT_MS)
+
+    def retries() -> list[tuple[str, int]]:
+        return [(o.message.request_id, o.message.attempt) for o in b_sent
+                if isinstance(o.message, InferenceRequest)]
 
     now[0] = 2000
-    reports(2)
+    reports(2, n1_reports=n1 != "unheard")
     await b.admit([record], kafka.commit)  # A never committed it
     await b.cycle()
     await asyncio.sleep(0.01)
@@ -3992,24 +4002,24 @@ async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_r
     if a_ends == "crashes":
         [again] = [o.message for o in b_sent]
         assert again.node_id == "n2" and isinstance(await agent_takes(again), Taken)
+    else:  # inherited where it runs: nothing placed again
+        assert not b_sent and b.running["r#0"].node_id == "n1"
     for seq, now[0] in enumerate(range(3000, 34_001, 1000), start=3):  # past the untaken
-        reports(seq, n1=not n1_dies_first)  # time-out
+        reports(seq, n1_reports=n1 == "reports")  # time-out
         await b.cycle()
-    retries = [(o.message.request_id, o.message.attempt) for o in b_sent
-               if isinstance(o.message, InferenceRequest)]
-    if n1_dies_first:
-        assert retries == [("r", 1)] and not b.running and not b.view.reservations
+    if n1 == "dies":
+        assert retries() == [("r", 1)] and not b.running and not b.view.reservations
         return
-    assert not retries
+    assert not retries()
     r = b.running["r#0"]
-    assert (r.node_id, r.gpu_indices) == ("n1", (1,)) and not b.view.reservations
+    assert (r.node_id, r.gpu_indices) == ("n1", (1,))
+    assert list(b.view.reservations) == ([] if n1 == "reports" else ["r#0"])
     [(_, saved)] = (await redis.hgetall(SCHEDULER_RUNNING_KEY)).items()
     assert json.loads(saved)["node_id"] == "n1"  # a next leader inherits it there
-    now[0] = 45_000  # n1 silent 11 s, and not alive in Redis: lost
-    reports(45, n1=False)
+    now[0] = 45_000  # n1 silent 11 s (or unheard since r was booked there), not alive in
+    reports(45, n1_reports=False)  # Redis: lost
     await b.cycle()
-    assert [(o.message.request_id, o.message.attempt) for o in b_sent
-            if isinstance(o.message, InferenceRequest)] == [("r", 1)]
+    assert retries() == [("r", 1)] and not b.running and not b.view.reservations
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

@@ -1519,7 +1519,8 @@ class SchedulingEngine:
         fenced first, so that if the agent comes back and reads a command it had not taken
         yet it does not run it beside the retry (one it had taken, its next run ends
         without handing back: the scheduler no longer counts it as running; one it has
-        ended already, its final usage not yet here, is not retried). Final records
+        ended already, its final usage not yet here, is not retried; one an agent of another
+        node holds is booked there instead, `_book_where_held`). Final records
         its agent had filed and not all published (it died meanwhile) are published on its
         behalf: their work is finished, not run again, and has its result (if Kafka refuses
         them, they are published again next cycle)."""
@@ -1564,8 +1565,14 @@ class SchedulingEngine:
                     claims = await self._drop_ended(
                         [r for r, won in zip(gone, fenced, strict=True) if not won])
                     gone = [r for r in gone if claims.get(r.placement_id) != "ended"]
+                    # booked here by a leader that did not know where it runs: retried, it
+                    # ran twice (and was billed twice) beside the run on a live node
+                    elsewhere = await self._book_where_held(
+                        [r for r in gone if claims.get(r.placement_id) == "held"], now_ms)
+                    gone = [r for r in gone if r.placement_id not in elsewhere]
             except Exception:  # the retry must happen all the same: the node is lost
-                log.exception("fencing the placements of lost node(s) %s failed", lost)
+                log.exception("fencing the placements of lost node(s) %s, or reading where "
+                              "those taken run, failed", lost)
         await self._retry(gone, "node_lost")
 
     async def _publish_filed(self, filed: list[Filed]) -> bool:
@@ -1613,7 +1620,6 @@ class SchedulingEngine:
                    and pid not in waiting
                    and now_ms - (sent := self._handed_at.get(pid, r.placed_at_ms)) > timeout
                    and seen.get(r.node_id, 0) - sent > timeout]
-        held: list[RunningPlacement] = []
         if untaken and self._store is not None:
             try:
                 fenced = await self._store.fence([r.placement_id for r in untaken])
@@ -1621,44 +1627,45 @@ class SchedulingEngine:
                 claims = await self._drop_ended(taken)
                 untaken = [r for r, won in zip(untaken, fenced, strict=True)
                            if won or claims[r.placement_id] == "fenced"]
-                held = [r for r in taken if claims[r.placement_id] == "held"]
+                await self._book_where_held(
+                    [r for r in taken if claims[r.placement_id] == "held"], now_ms)
             except Exception:  # Redis away: the cycle places on; looked at again next second
-                log.warning("could not fence %d untaken placements; trying again later",
-                            len(untaken), exc_info=True)
+                log.warning("could not fence %d untaken placements, or read where those "
+                            "taken run; trying again later", len(untaken), exc_info=True)
                 return
         if untaken:
             await self._retry(untaken, "untaken")
-        if held:
-            await self._book_where_held(held, now_ms)
 
-    async def _book_where_held(self, held: list[RunningPlacement], now_ms: int) -> None:
+    async def _book_where_held(self, held: list[RunningPlacement], now_ms: int) -> set[str]:
         """Book where it runs each placement of `held` that an agent of another node holds
         than the one it is booked on: a leader that did not know an earlier leader's
         placement (claimed by its agent, never saved: that leader crashed) placed its
         request again, and the other node's agent ignored it as a duplicate. Booked there,
         its reservation kept memory free on that node from other work, a preempt went there,
-        and the loss of the node that runs it retried nothing. The holder's claim gives its
+        and the loss of that node retried it while it ran on. The holder's claim gives its
         GPUs and KV cache there (a preemption plan sees it where it is); its memory stays as
         booked (the same request: only whether its weights were loaded may differ), and
         the holder's reports count what it uses. Saved first (a next leader inherits it
-        there; Redis away, looked at again next second); a holder lost already, or silent
-        past the node time-out where never heard from, has it retried."""
+        there); a holder lost already, or silent past the node time-out where never heard
+        from, has it retried. Returns the ids of those an agent of another node holds
+        (booked there, retried, or, this instance deposed meanwhile, left to the next
+        leader, which inherits them where they were booked); raises, booking nothing, where
+        Redis is away."""
         assert self._store is not None
+        if not held:
+            return set()
         epoch = self.epoch
-        try:
-            claimed = await self._store.held_as(held)
-            moves = [(r, r.model_copy(update={
-                "node_id": c.node_id, "gpu_indices": c.gpu_indices,
-                "kv_cache_mib": c.kv_cache_mib})) for r in held
-                if (c := claimed.get(r.placement_id)) is not None and c.node_id != r.node_id
-                and self.running.get(r.placement_id) is r]  # not ended or retried meanwhile
-            if not moves or epoch is None or self.epoch != epoch \
-                    or not await self._store.save([moved for _, moved in moves], epoch):
-                return
-        except Exception:
-            log.warning("could not read where %d placements booked on nodes that never took "
-                        "them run; trying again later", len(held), exc_info=True)
-            return
+        claimed = await self._store.held_as(held)
+        elsewhere = [(r, r.model_copy(update={
+            "node_id": c.node_id, "gpu_indices": c.gpu_indices, "kv_cache_mib": c.kv_cache_mib}))
+            for r in held
+            if (c := claimed.get(r.placement_id)) is not None and c.node_id != r.node_id]
+        held_elsewhere = {booked.placement_id for booked, _ in elsewhere}
+        moves = [(booked, moved) for booked, moved in elsewhere
+                 if self.running.get(booked.placement_id) is booked]  # not ended or retried
+        if not moves or epoch is None or self.epoch != epoch \
+                or not await self._store.save([moved for _, moved in moves], epoch):
+            return held_elsewhere
         lost: list[RunningPlacement] = []
         for booked, moved in moves:
             if self.epoch != epoch or self.running.get(booked.placement_id) is not booked:
@@ -1675,6 +1682,7 @@ class SchedulingEngine:
                 lost.append(moved)
         if lost:
             await self._retry(lost, "node_lost")
+        return held_elsewhere
 
     async def _drop_ended(self, taken: list[RunningPlacement]) -> dict[str, ClaimState]:
         """Placements claimed already: those their agent has ended are no longer running.
