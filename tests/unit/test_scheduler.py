@@ -3888,7 +3888,7 @@ async def test_a_cycle_loop_cancelled_while_kafka_holds_its_cycles_leaves_them_t
     for ack in acks:
         if not ack.done():  # (the oldest's answer was cancelled with it)
             ack.set_result(None)
-    await engine.settle_in_flight(1.0)
+    await asyncio.wait_for(engine.settle_in_flight(), 1.0)
     assert sorted(store.saved) == [f"r{i}#0" for i in range(5)]
 
 
@@ -4867,10 +4867,13 @@ async def test_retries_on_their_way_back_through_kafka_count_in_flight_for_their
     assert engine.queue.by_tenant["hooli"] == 3 and not engine._in_transit("hooli", now[0])
 
 
-def _app_without_kafka_or_redis(monkeypatch: pytest.MonkeyPatch, consumer: type):  # noqa: ANN202
-    """The scheduler's app with Kafka and Redis stubbed out: `consumer` stands in for each
-    request consumer, the lease is held (token 7) and released at once, decisions go
-    nowhere, and Redis holds no placement in flight, claim or note of a 429."""
+def _app_without_kafka(monkeypatch: pytest.MonkeyPatch, consumer: type,  # noqa: ANN202
+                       redis_url: str | None = None):
+    """The scheduler's app with Kafka stubbed out (`consumer` stands in for each request
+    consumer; the producer starts and stops, and a test stubs what it sends), its lease
+    living 600 ms. Redis too, unless `redis_url` names a Redis of the test's own: the lease
+    is held (token 7) and released at once, and Redis holds no placement in flight, claim
+    or note of a 429."""
     import gpusched_scheduler.adapters.requests as requests_adapter
     import gpusched_scheduler.main as scheduler_main
     from gpusched_scheduler.adapters.decisions import DecisionProducer
@@ -4898,14 +4901,15 @@ def _app_without_kafka_or_redis(monkeypatch: pytest.MonkeyPatch, consumer: type)
     monkeypatch.setattr(scheduler_main.handlers, "register_cluster", lambda *args: None)
     monkeypatch.setattr(DecisionProducer, "start", nothing)
     monkeypatch.setattr(DecisionProducer, "stop", nothing)
-    monkeypatch.setattr(LeaderLease, "acquire_or_renew", holds_the_lease)
-    monkeypatch.setattr(LeaderLease, "release", nothing)
-    monkeypatch.setattr(RunningStore, "load", nothing)
-    monkeypatch.setattr(RunningStore, "over_quota", nothing)
-    monkeypatch.setattr(RunningStore, "claims", no_claims)
+    if redis_url is None:
+        monkeypatch.setattr(LeaderLease, "acquire_or_renew", holds_the_lease)
+        monkeypatch.setattr(LeaderLease, "release", nothing)
+        monkeypatch.setattr(RunningStore, "load", nothing)
+        monkeypatch.setattr(RunningStore, "over_quota", nothing)
+        monkeypatch.setattr(RunningStore, "claims", no_claims)
     return scheduler_main.create_app(SchedulerSettings(
         telemetry=TelemetrySettings(otlp_endpoint=""),
-        redis=RedisSettings(url="redis://127.0.0.1:1/0"), lease_ttl_ms=600))
+        redis=RedisSettings(url=redis_url or "redis://127.0.0.1:1/0"), lease_ttl_ms=600))
 
 
 class _IdleConsumer:
@@ -4940,7 +4944,7 @@ async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_
             if starts[-1] == "failed":
                 raise KafkaConnectionError("Unable to bootstrap")
 
-    app = _app_without_kafka_or_redis(monkeypatch, Consumer)
+    app = _app_without_kafka(monkeypatch, Consumer)
     async with app.router.lifespan_context(app):
         for _ in range(40):
             await asyncio.sleep(0.05)
@@ -4979,7 +4983,7 @@ async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_
         return {}
 
     monkeypatch.setattr(DecisionProducer, "send", send)  # before the engine takes it
-    app = _app_without_kafka_or_redis(monkeypatch, _IdleConsumer)
+    app = _app_without_kafka(monkeypatch, _IdleConsumer)
     monkeypatch.setattr(RunningStore, "save", save)
     monkeypatch.setattr(RunningStore, "spent_budgets", no_flags)
     monkeypatch.setattr(LeaderLease, "release", release)
@@ -4999,3 +5003,55 @@ async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_
         asyncio.get_running_loop().call_later(0.2, acks[0].set_result, None)
     await asyncio.sleep(0.3)
     assert events == [("saved", ["r1#0"], 7), "lease released"]
+
+
+async def _until(done: Callable[[], object]) -> None:
+    """Wait (2 s at most) until `done()` is true."""
+    async with asyncio.timeout(2):
+        while not done():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_leader_shutting_down_lets_the_producer_take_its_cycle_and_saves_it(
+        monkeypatch: pytest.MonkeyPatch, redis_url: str, redis: Redis) -> None:
+    """Kafka slow: the producer had taken the first record of a cycle and waited for room
+    in its batch for the others when the leader was stopped. Shutting down cancelled the
+    cycle loop there, and the cycle, whose first placement went out, got no settle: saved
+    nowhere, it ran while a next leader that did not know it placed its request again,
+    maybe on another node. Now the cycle under way ends (within SETTLE_ON_SHUTDOWN_S) and
+    settles, and its placements are saved under the leader's token, renewed meanwhile: a
+    standby trying to take the lease all along takes it only after, and inherits them."""
+    from gpusched_common.kafka_records import wall_clock_ms
+    from gpusched_scheduler.adapters.decisions import DecisionProducer
+
+    handed: list = []
+
+    async def send(self, batch) -> asyncio.Future:  # noqa: ANN001
+        for i, out in enumerate(batch):  # handed one by one, as DecisionProducer does
+            handed.append(out.message)
+            if i == 0 and len(batch) > 1:
+                await asyncio.sleep(1.0)  # no room for the next: past the lease's 600 ms
+        return asyncio.gather()
+
+    monkeypatch.setattr(DecisionProducer, "send", send)  # before the engine takes it
+    app = _app_without_kafka(monkeypatch, _IdleConsumer, redis_url)
+    standby, tokens = LeaderLease(redis, "standby", 600), []
+
+    async def take_the_lead() -> None:
+        while (token := await standby.acquire_or_renew()) is None:
+            await asyncio.sleep(0.05)
+        tokens.append(token)
+
+    async with app.router.lifespan_context(app):
+        engine: SchedulingEngine = app.state.engine
+        await _until(lambda: engine.epoch == 1)
+        taking = asyncio.create_task(take_the_lead())
+        engine.view.apply_node_state(node("n1", [80000]), wall_clock_ms(), NODE_TIMEOUT_MS)
+        await engine.admit([_standard_record(7, "r1", created_at_ms=wall_clock_ms()),
+                            _standard_record(8, "r2", created_at_ms=wall_clock_ms())],
+                           Commits().commit)
+        await _until(lambda: handed)
+    await asyncio.wait_for(taking, 2)
+    assert tokens == [2] and sorted(r.placement_id for r in await RunningStore(redis).load()) \
+        == sorted(o.placement_id for o in handed if isinstance(o, Placement)) \
+        == ["r1#0", "r2#0"]

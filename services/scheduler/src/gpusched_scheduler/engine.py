@@ -420,6 +420,8 @@ class SchedulingEngine:
         self._service_s: dict[str, float] = {}
         self._gpu_s_per_token: dict[str, float] = {}
         self._last_scaling_s = 0.0
+        self._shutting_down = False
+        """Set by `stop`: the cycle loop ends after the cycle under way."""
         registry = registry or CollectorRegistry()
         self._metrics = _Metrics(registry, self.queue)
         registry.register(_FleetGpus(self.view, clock, config.node_timeout_ms))
@@ -738,8 +740,9 @@ class SchedulingEngine:
     # --- the cycle ----------------------------------------------------------------------
     async def run(self) -> None:
         """Cycle whenever woken (new work, node state, released memory), at most once per
-        micro-batch window, and at least once a second (node time-outs, aging)."""
-        while True:
+        micro-batch window, and at least once a second (node time-outs, aging), until
+        `stop`; then return once the cycles sent have settled (`settle_in_flight`)."""
+        while not self._shutting_down:
             # not wait_for: on Python 3.11 it swallows a cancel (shutting down) that comes
             # as the event is set, and this loop would run on
             try:
@@ -750,7 +753,7 @@ class SchedulingEngine:
             if self.config.cycle_window_ms:
                 await asyncio.sleep(self.config.cycle_window_ms / 1000)
             self._wake.clear()
-            if self.epoch is None:
+            if self.epoch is None or self._shutting_down:
                 continue
             try:
                 await self.cycle()
@@ -759,6 +762,16 @@ class SchedulingEngine:
                 log.exception("scheduling cycle failed; retrying")
                 await asyncio.sleep(0.5)
                 self._wake.set()
+        await self.settle_in_flight()
+
+    def stop(self) -> None:
+        """Shutting down: let `run` end after the cycle under way, not in it. A cycle
+        cancelled while the producer took its records (waiting for room in a batch, or for
+        metadata: Kafka slow) left those it had taken to go out with no settle, so an agent
+        ran placements that were saved nowhere, and a next leader that did not know them
+        placed their requests again, maybe on other nodes."""
+        self._shutting_down = True
+        self._wake.set()
 
     async def cycle(self) -> int:
         """One pass: recover work of lost nodes, then place pending work in order; returns
@@ -921,14 +934,14 @@ class SchedulingEngine:
         self._metrics.decisions.inc(len(messages))
         return len(messages)
 
-    async def settle_in_flight(self, timeout_s: float) -> None:
-        """Wait, at most `timeout_s`, for the cycles Kafka has not answered yet to settle: a
-        leader shutting down saves their placements under the token they went out with (an
-        agent may run them already) and lets their offsets commit, before it steps down and
-        a standby takes a newer token, which refuses that save."""
+    async def settle_in_flight(self) -> None:
+        """Wait for the cycles Kafka has not answered yet to settle: a leader shutting down
+        saves their placements under the token they went out with (an agent may run them
+        already) and lets their offsets commit, before it steps down and a standby takes a
+        newer token, which refuses that save."""
         in_flight = [t for t in self._in_flight if not t.done()]
         if in_flight:
-            await asyncio.wait(in_flight, timeout=timeout_s)
+            await asyncio.wait(in_flight)
 
     async def _settle(self, acked: asyncio.Future, finished: list[Pending],
                       new_running: list[RunningPlacement], epoch: int | None,

@@ -34,11 +34,12 @@ from gpusched_scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 SETTLE_ON_SHUTDOWN_S = 5.0
-"""How long a leader shutting down waits for Kafka to answer the cycles it sent, so that
-their placements are saved under its token (renewed meanwhile) before a standby takes a
-newer one. Kafka up answers in milliseconds; away, the producer waits up to its request
-time-out (40 s), past the 10 s Docker and the 30 s Kubernetes give a container to stop. A
-cycle answered later is still saved, unless a newer token was taken by then."""
+"""How long a leader shutting down waits for the producer to take the cycle under way and
+for Kafka to answer the cycles it sent, so that their placements are saved under its token
+(renewed meanwhile) before a standby takes a newer one. Kafka up answers in milliseconds;
+away, the producer waits up to its request time-out (40 s), past the 10 s Docker and the
+30 s Kubernetes give a container to stop. A cycle answered later is still saved, unless a
+newer token was taken by then."""
 
 
 def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -152,10 +153,13 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         finally:
             started = False
             cycling, leasing = tasks
+            # the cycle under way ends (cut short as the producer took its records, those went
+            # out with no settle) and the cycles sent settle, the lease still renewed: an
+            # agent may run a placement Kafka has not answered yet, and unsaved, a next
+            # leader placed its request again, maybe elsewhere
+            engine.stop()
+            await asyncio.wait([cycling], timeout=SETTLE_ON_SHUTDOWN_S)
             await _cancelled(cycling)
-            # the lease still renewed: an agent may run a placement Kafka has not answered
-            # yet, and unsaved, a next leader placed its request again, maybe elsewhere
-            await engine.settle_in_flight(SETTLE_ON_SHUTDOWN_S)
             await _cancelled(leasing)
             async with transitions:
                 led = engine.epoch is not None
