@@ -49,11 +49,21 @@ from gpusched_common.contracts import (
     UsageRecord,
 )
 from gpusched_common.redis_client import make_redis
-from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY, SCHEDULER_RUNNING_KEY
+from gpusched_common.redis_keys import (
+    BUDGET_EXHAUSTED_KEY,
+    SCHEDULER_EPOCH_KEY,
+    SCHEDULER_RUNNING_KEY,
+)
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 from gpusched_ops.testing import start_redis
 from gpusched_scheduler import handlers
-from gpusched_scheduler.adapters.redis_state import Filed, LeaderLease, RunningStore, SpentBudget
+from gpusched_scheduler.adapters.redis_state import (
+    LEADER_KEY,
+    Filed,
+    LeaderLease,
+    RunningStore,
+    SpentBudget,
+)
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, order_pending
 from gpusched_scheduler.domain.planner import (
@@ -5055,3 +5065,51 @@ async def test_a_leader_shutting_down_lets_the_producer_take_its_cycle_and_saves
     assert tokens == [2] and sorted(r.placement_id for r in await RunningStore(redis).load()) \
         == sorted(o.placement_id for o in handed if isinstance(o, Placement)) \
         == ["r1#0", "r2#0"]
+
+
+async def test_an_instance_shutting_down_takes_no_free_lease(
+        monkeypatch: pytest.MonkeyPatch, redis_url: str, redis: Redis) -> None:
+    """A leader deposed (another instance took its lapsed lease) with a cycle Kafka had not
+    answered, then stopped as that other instance died: while it waited for the answer,
+    its renewals took the free lease under a newer token (which refuses the save of any
+    cycle sent under the last), and it led again, starting its request consumers, as it
+    stopped. Now it only renews a lease it holds: the free lease stays free, its token
+    unchanged, for a standby to take."""
+    from gpusched_common.kafka_records import wall_clock_ms
+    from gpusched_scheduler.adapters.decisions import DecisionProducer
+
+    acks: list[asyncio.Future] = []
+    starts: list[int | None] = []
+
+    async def send(self, batch) -> asyncio.Future:  # noqa: ANN001
+        acks.append(asyncio.get_running_loop().create_future())
+        return acks[-1]
+
+    class Consumer(_IdleConsumer):
+        async def start(self) -> None:
+            starts.append(engine.epoch)
+
+    monkeypatch.setattr(DecisionProducer, "send", send)  # before the engine takes it
+    app = _app_without_kafka(monkeypatch, Consumer, redis_url)
+    engine: SchedulingEngine = app.state.engine
+
+    async def other_instance_dies() -> None:
+        await asyncio.sleep(0.3)
+        await redis.delete(LEADER_KEY)
+
+    async with app.router.lifespan_context(app):
+        await _until(lambda: engine.epoch == 1)
+        engine.view.apply_node_state(node("n1", [80000]), wall_clock_ms(), NODE_TIMEOUT_MS)
+        await engine.admit([_standard_record(7, "r1", created_at_ms=wall_clock_ms())],
+                           Commits().commit)
+        await _until(lambda: acks)
+        async with redis.pipeline(transaction=True) as pipe:  # its lease lapsed (a stall),
+            pipe.set(LEADER_KEY, "other", px=60_000)  # and another instance took it
+            pipe.incr(SCHEDULER_EPOCH_KEY)
+            await pipe.execute()
+        await _until(lambda: engine.epoch is None)
+        dying = asyncio.create_task(other_instance_dies())  # while this one stops
+        asyncio.get_running_loop().call_later(1.0, acks[0].set_result, None)
+    await dying
+    assert set(starts) == {1} and int(await redis.get(SCHEDULER_EPOCH_KEY)) == 2
+    assert await redis.get(LEADER_KEY) is None

@@ -76,7 +76,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                                settings.fetch_max_records, engine.admit)
     leader = Gauge("gpusched_scheduler_leader", "1 while this instance leads.",
                    registry=registry)
-    started = False
+    started = stopping = False
 
     transitions = asyncio.Lock()
 
@@ -106,15 +106,18 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                         await _step_down()
 
     async def keep_lease() -> None:
-        """Renew (or try to take) the lease three times per TTL. Transitions run beside the
-        renewals (joining the consumer groups takes a while) so a leader never lets its own
-        lease lapse while it starts consuming."""
+        """Renew (or try to take) the lease three times per TTL; shutting down, only renew
+        the lease held, while the cycles sent settle under its token. A free lease taken
+        then (a new token) refused their saves, and the instance led again, its consumers
+        started, while it stopped. Transitions run beside the renewals (joining the consumer
+        groups takes a while) so a leader never lets its own lease lapse while it starts
+        consuming."""
         period_s = settings.lease_ttl_ms / 3000
         pending: asyncio.Task[None] | None = None
         try:
             while True:
                 try:
-                    epoch = await lease.acquire_or_renew()
+                    epoch = await (lease.renew() if stopping else lease.acquire_or_renew())
                 except Exception:  # Redis unreachable: a leader cannot prove it still leads
                     log.exception("leader lease check failed")
                     epoch = None
@@ -139,7 +142,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal started
+        nonlocal started, stopping
         await topics.ensure_topics(settings.kafka.bootstrap,
                                    replication_factor=settings.kafka.replication_factor)
         warm_up(settings.placement_policy)
@@ -151,7 +154,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         try:
             yield
         finally:
-            started = False
+            started, stopping = False, True
             cycling, leasing = tasks
             # the cycle under way ends (cut short as the producer took its records, those went
             # out with no settle) and the cycles sent settle, the lease still renewed: an

@@ -41,10 +41,11 @@ kept."""
 Position = tuple[str, int, int]
 """A Kafka record's (topic, partition, offset)."""
 
-# KEYS: leader, epoch. ARGV: instance id, ttl ms. Returns the epoch held, or -1.
+# KEYS: leader, epoch. ARGV: instance id, ttl ms, '1' to take a free lease. Returns the
+# epoch held, or -1.
 _ACQUIRE_OR_RENEW = """
 local holder = redis.call('GET', KEYS[1])
-if holder == false then
+if holder == false and ARGV[3] == '1' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return redis.call('INCR', KEYS[2])
 elseif holder == ARGV[1] then
@@ -83,8 +84,16 @@ class LeaderLease:
 
     async def acquire_or_renew(self) -> int | None:
         """The fencing token while this instance leads, None when another one does."""
+        return await self._hold(take=True)
+
+    async def renew(self) -> int | None:
+        """The fencing token while this instance still holds the lease (renewed), else None:
+        a free lease is left free, its token unchanged (one shutting down takes none)."""
+        return await self._hold(take=False)
+
+    async def _hold(self, take: bool) -> int | None:
         epoch = int(await self._acquire(keys=[LEADER_KEY, SCHEDULER_EPOCH_KEY],
-                                        args=[self.instance_id, self._ttl_ms]))
+                                        args=[self.instance_id, self._ttl_ms, int(take)]))
         return epoch if epoch >= 0 else None
 
     async def release(self) -> None:
