@@ -5113,3 +5113,35 @@ async def test_an_instance_shutting_down_takes_no_free_lease(
     await dying
     assert set(starts) == {1} and int(await redis.get(SCHEDULER_EPOCH_KEY)) == 2
     assert await redis.get(LEADER_KEY) is None
+
+
+async def test_a_shutdown_ends_the_lease_loop_though_a_renewal_swallowed_its_cancel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Python 3.11, asyncio.wait_for, which redis-py writes a command under, swallows a
+    cancel that comes as the write is done: the renewal returned, the lease loop renewed on,
+    and the shutdown waited for it for good (renewing the lease all along, so no standby
+    took over until the process was killed). Now the loop is cancelled again until it
+    ends."""
+    renewals: list[str] = []
+
+    async def renew_swallowing_a_cancel(self) -> int:  # noqa: ANN001
+        if renewals == ["took the lease"]:  # the next renewal answers as it is cancelled
+            renewals.append("renewing")
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                renewals.append("cancel swallowed")
+        else:
+            renewals.append("took the lease" if not renewals else "renewed")
+        return 7
+
+    app = _app_without_kafka(monkeypatch, _IdleConsumer)
+    monkeypatch.setattr(LeaderLease, "acquire_or_renew", renew_swallowing_a_cancel)
+    monkeypatch.setattr(LeaderLease, "renew", renew_swallowing_a_cancel)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(3):  # (a cancel the shutdown swallows too ends its wait)
+        async with app.router.lifespan_context(app):
+            await _until(lambda: app.state.engine.epoch == 7 and "renewing" in renewals)
+            stopping_at_s = loop.time()
+    assert loop.time() - stopping_at_s < 1
+    assert renewals[:3] == ["took the lease", "renewing", "cancel swallowed"]

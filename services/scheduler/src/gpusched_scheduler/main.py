@@ -136,7 +136,14 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         await requests.stop()
 
     async def _cancelled(task: asyncio.Task[None]) -> None:
-        task.cancel()
+        """Cancel `task` and wait for it to end, cancelling it again until it does: on
+        Python 3.11, asyncio.wait_for (redis-py writes a command under one) swallows a
+        cancel that comes as the write is done, and the loop the task runs went on (the
+        lease loop renewed the lease for good: the shutdown hung until the process was
+        killed, and no standby took over meanwhile)."""
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.1)
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
