@@ -1224,7 +1224,7 @@ async def test_a_wedged_engine_hands_its_request_back_and_the_node_waits_for_a_t
         "node_lost", () if stall_at is None else (" e0", " e1"))
     assert runtime.node.down == "inference server at http://engine sent nothing for 600 s"
     await runtime._check_engine()  # /v1/models answers, and is not enough
-    assert "one token, asked since a request stalled on it" in (runtime.node.down or "")
+    assert "one token, asked since a request failed on it" in (runtime.node.down or "")
     assert asked[-2:] == [("/v1/models", None), ("/v1/completions", 1)]
     wedged = False
     await runtime._check_engine()
@@ -1584,6 +1584,97 @@ async def test_an_event_with_a_null_error_field_is_a_good_one() -> None:
     executor = engine('{"choices": [{"text": " a"}], "error": null}', "[DONE]")
     assert await collect(executor.generate(job("null", max_tokens=3))) == [" a"]
     await executor.close()
+
+
+ENGINE_DEAD = json.dumps({"error": {
+    "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    "type": "BadRequestError", "param": None, "code": 400}})
+"""What vLLM streams, inside its 200, once its engine process has died (EngineDeadError)."""
+
+
+class ErrorInStream:
+    """An inference server that streams `events` and, asked for one token without a stream
+    (the agent's probe), answers it while `alive`, else 500 (a dead vLLM's engine)."""
+
+    def __init__(self, *events: str, alive: bool) -> None:
+        self.events, self.alive, self.probes = events, alive, 0
+
+    def __call__(self, request):  # noqa: ANN001, ANN204
+        import httpx
+
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=LISTS_EVERY_MODEL)
+        if not json.loads(request.content)["stream"]:
+            self.probes += 1
+            return httpx.Response(200, json={"choices": [{"text": "p"}]}) if self.alive \
+                else httpx.Response(500)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content="".join(f"data: {e}\n\n" for e in self.events))
+
+    def executor(self) -> OpenAIExecutor:
+        import httpx
+
+        return OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+            base_url="http://engine", transport=httpx.MockTransport(self)))
+
+
+@pytest.mark.parametrize("events,tokens", [
+    ((delta(" a"), delta(" b"), ENGINE_DEAD, "[DONE]"), (" a", " b")),
+    ((ENGINE_DEAD, "[DONE]"), ()),
+    ((delta(" a"), finish("", "error"), "[DONE]"), (" a",)),
+], ids=["mid-stream", "before-any-token", "finish-reason-error"])
+async def test_an_error_in_the_stream_hands_the_request_back_and_the_node_waits_for_a_token(
+        events: tuple[str, ...], tokens: tuple[str, ...]) -> None:
+    """vLLM does not drop the connection when its engine dies: it sends an error event
+    (EngineDeadError as a 400) and [DONE] inside its 200. The request failed, 502 with a
+    Python dict for its reason, its tokens lost, and the node took more work to fail the
+    same way. Now it goes on elsewhere after its tokens, and the node takes no work until
+    the engine generates a token."""
+    from gpusched_common.contracts import RequestResult
+
+    server = ErrorInStream(*events, alive=False)
+    sent, runtime = make_runtime(server.executor())
+    await place(runtime, job("dead", max_tokens=6).request)
+    assert not [m for m in sent if isinstance(m, RequestResult)]
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.requeued, again.resume.tokens if again.resume else ()) == ("node_lost", tokens)
+    assert runtime.node.down is not None and "{" not in runtime.node.down
+    assert runtime.node.down.startswith(
+        "inference server at http://engine failed the request in its stream: ")
+    await runtime._check_engine()  # /v1/models answers, and is not enough
+    assert "one token, asked since a request failed on it" in (runtime.node.down or "")
+    server.alive = True
+    await runtime._check_engine()
+    assert runtime.node.down is None
+    await runtime.executor.close()
+
+
+async def test_an_error_event_before_any_token_from_a_live_engine_is_its_refusal() -> None:
+    """vLLM's engine checks the prompt's length itself and says so in the stream: the
+    request failed with a 502 and its prompt billed. An engine that generates a token at
+    once refused the request, as its 400 before a stream would say: the client gets the
+    400 and the engine's words (context_length_exceeded at the router), no prompt billed."""
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    too_long = json.dumps({"error": {
+        "message": "The decoder prompt (length 9000) is longer than the maximum model length "
+        "of 8192. Make sure that `max_model_len` is no smaller than the number of text tokens.",
+        "type": "BadRequestError", "param": None, "code": 400}})
+    server = ErrorInStream(too_long, "[DONE]", alive=True)
+    sent, runtime = make_runtime(server.executor())
+    await place(runtime, job("long", max_tokens=6, prompt="x" * 400).request)
+    assert not [m for m in sent if isinstance(m, InferenceRequest)]
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.engine_status_code, result.prompt_tokens) == ("failed", 400, 0)
+    assert result.finish_reason == ("inference server answered 400: The decoder prompt (length "
+                                    "9000) is longer than the maximum model length of 8192. Make "
+                                    "sure that `max_model_len` is no smaller than the number of "
+                                    "text tokens.")
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
+    assert runtime.node.down is None and server.probes == 1
+    await runtime._check_engine()
+    assert server.probes == 1  # nothing to probe: the engine is up
+    await runtime.executor.close()
 
 
 async def test_a_health_check_asked_before_a_fault_does_not_clear_it() -> None:

@@ -15,29 +15,32 @@ and the chat template) is yielded once as `PromptTokens`. An engine that sends n
 as one token, and the prompt is billed as estimated. Closing the stream closes the
 connection: engines abort there.
 
-A reply that is not an event stream, a stream that ends without `[DONE]`, an event not of
-OpenAI's shape, and a finish reason of a reply given up on (vLLM's `abort`, `error`) fail
-the request instead of passing for a short answer; the engine's finish reason is the
-result's (`length` before `max_tokens`: its context ran out; `stop` on the last token
-`max_tokens` allows: a stop string or the end of the text came there). An error body, a
-health answer and an event line are each read within a bound of time and size, so an
-engine that trickles cannot hold the agent. Text is passed
-on in whole characters (an emoji split into two JSON escapes across events is joined; a
-lone half becomes U+FFFD), as records need.
+A reply that is not an event stream, a stream that ends without `[DONE]` and an event not
+of OpenAI's shape fail the request instead of passing for a short answer; the engine's
+finish reason is the result's (`length` before `max_tokens`: its context ran out; `stop`
+on the last token `max_tokens` allows: a stop string or the end of the text came there).
+An error body, a health answer and an event line are each read within a bound of time and
+size, so an engine that trickles cannot hold the agent. Text is passed on in whole
+characters (an emoji split into two JSON escapes across events is joined; a lone half
+becomes U+FFFD), as records need.
 
 An engine that cannot be reached, answers 429, 502, 503 or 504 (overloaded, restarting, or
-a proxy without it), drops the connection mid-stream (it crashed), or sends nothing (or
-nothing but keep-alives) for `timeout_s` (it is wedged) is unavailable, not at fault with
-the request: the runtime hands the request back; one that sends events but no token for as
-long is alive, and fails that request. One that answers 400, 413
-or 422 refuses the request itself (vLLM's 400 for a prompt longer than the model's context
-by its tokenizer): the request fails with that status and the engine's message, which its
-client is answered with. Any other error status (a 500, a 404) fails it too. Either
-answer bills no prompt (`ExecutorTurnedAway`): the engine processed none of it. `health`
-asks its `/v1/models`, which each of these engines serves once its model is loaded (the
-models it lists are the ones the node serves, `served_models`), and
-after a stall a one-token completion too, which a wedged vLLM, whose API still answers
-/v1/models, does not give.
+a proxy without it), drops the connection mid-stream (it crashed), sends nothing (or
+nothing but keep-alives) for `timeout_s` (it is wedged), or sends an error event inside its
+stream or a finish reason of a reply given up on (vLLM's `abort`, `error`) is unavailable,
+not at fault with the request: the runtime hands the request back. (vLLM reports whatever
+fails once it has begun a stream as an error event, its engine's death included, as a 400;
+one that came before any token with a refusal's status, from an engine that answers a
+one-token request at once, is a refusal of the request, below: vLLM's own check of the
+prompt's length.) One that sends events but no token for `timeout_s` is alive, and fails
+that request. One that answers 400, 413 or 422 refuses the request itself (vLLM's 400 for
+a prompt longer than the model's context by its tokenizer): the request fails with that
+status and the engine's message, which its client is answered with. Any other error status
+(a 500, a 404) fails it too. Either answer bills no prompt (`ExecutorTurnedAway`): the
+engine processed none of it. `health` asks its `/v1/models`, which each of these engines
+serves once its model is loaded (the models it lists are the ones the node serves,
+`served_models`), and after a stall or an error in a stream a one-token completion too,
+which a wedged or dead vLLM, whose API still answers /v1/models, does not give.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ from gpusched_common.catalog import ModelSpec
 from gpusched_common.contracts import MAX_USAGE_TOKENS
 
 FAILED_FINISH = frozenset({"abort", "error"})
-"""Finish reasons of a reply the engine gave up on (vLLM's `abort`), not one that ended."""
+"""Finish reasons of a reply the engine gave up on (vLLM's `abort`, `error`), not one that
+ended: the engine failing, as an error event in its stream is."""
 UNAVAILABLE = frozenset({429, 502, 503, 504})
 """Statuses of an engine that is overloaded or not there (or of a proxy in front of it)."""
 REFUSED = frozenset({400, 413, 422})
@@ -88,11 +92,12 @@ class OpenAIExecutor:
         self._model_override = model_override
         self._timeout_s = timeout_s
         self._stream_usage = stream_usage
-        self._stalled: dict[str, tuple[str, int]] = {}
-        """Each model a request stalled on (the engine sent nothing for `timeout_s`): the
-        path it was asked on and the stall's number, until the engine answers `health`'s
-        request for one token of it begun after that stall."""
-        self._stalls = 0
+        self._failed_on: dict[str, tuple[str, int]] = {}
+        """Each model a request found the engine failing on (it sent nothing for
+        `timeout_s`, or an error in its stream): the path it was asked on and the failure's
+        number, until the engine answers `health`'s request for one token of it begun after
+        that failure."""
+        self._failures = 0
         self._listed: frozenset[str] | None = None
         """The model ids the engine's last /v1/models answer listed (None: none came yet)."""
         # no cap on connections: the node admits requests by memory, and a 101st stream must
@@ -127,6 +132,7 @@ class OpenAIExecutor:
             body["messages"] = messages
         else:
             path, body["prompt"] = "/v1/completions", request.prompt
+        counted = 0  # tokens as the runtime bills them: items yielded, or owed
         try:
             async with self._client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
@@ -142,7 +148,6 @@ class OpenAIExecutor:
                     detail = (await _start_of(resp))[:200]
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
-                counted = 0  # tokens as the runtime bills them: items yielded, or owed
                 prompt_told, held = False, ""
                 owed: str | None = None  # the text of a counted token that ended in half a
                 # character: it goes (an item of its own) with the rest of that character
@@ -179,8 +184,8 @@ class OpenAIExecutor:
                         raise ExecutorError(f"inference server sent no token for "
                                             f"{self._timeout_s:g} s")
                     if finish in FAILED_FINISH:
-                        raise ExecutorError(f"inference server ended the reply with finish "
-                                            f"reason {finish!r}: it may be cut short")
+                        raise _ErrorEvent(f"it ended the reply with finish reason {finish!r}",
+                                          None)
                     if finish is not None:  # any but `length` is a normal end (TGI's eos_token)
                         yield EngineFinished("length" if finish == "length" else "stop")
                 raise ExecutorError("inference server ended the stream without [DONE]: the "
@@ -189,9 +194,11 @@ class OpenAIExecutor:
                 httpx.RemoteProtocolError) as exc:  # not there, or gone mid-stream
             raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
                                       f"unreachable or dropped the stream: {exc!r}") from exc
+        except _ErrorEvent as error:
+            raise await self._failed_in_stream(error, str(body["model"]), path,
+                                               before_token=counted == 0) from None
         except (_Stalled, httpx.TimeoutException) as exc:  # a connect's is taken above
-            self._stalls += 1
-            self._stalled[str(body["model"])] = (path, self._stalls)
+            self._probe_later(str(body["model"]), path)
             if isinstance(exc, _Stalled):
                 raise
             raise _Stalled(f"inference server at {self._client.base_url} sent nothing for "
@@ -200,23 +207,43 @@ class OpenAIExecutor:
             raise ExecutorError(f"inference server at {self._client.base_url} failed the "
                                 f"request: {exc!r}") from exc
 
+    async def _failed_in_stream(self, error: _ErrorEvent, model: str, path: str,
+                                before_token: bool) -> ExecutorError:
+        """What an error the engine sent inside its stream says. vLLM sends whatever fails
+        once it has answered 200 so, its engine's death included (EngineDeadError, as a
+        400): the engine failing, unavailable until it generates again (`health`). But one
+        that came before any token with a refusal's status, from an engine that generates a
+        token at once, refused the request as sent (vLLM's own check of the prompt's
+        length), as that status answered instead of a stream would."""
+        if before_token and error.code in REFUSED:
+            answer = await self._answers(path, _one_token(model, path))
+            if not isinstance(answer, str) and answer.status_code == 200:
+                return ExecutorRefused(f"inference server answered {error.code}: {error}",
+                                       error.code)
+        self._probe_later(model, path)
+        return ExecutorUnavailable(f"inference server at {self._client.base_url} failed the "
+                                   f"request in its stream: {error}")
+
+    def _probe_later(self, model: str, path: str) -> None:
+        """The engine failed a request of `model` on `path`: `health` asks it for a token."""
+        self._failures += 1
+        self._failed_on[model] = (path, self._failures)
+
     async def health(self) -> str | None:
         """Why the engine cannot run work, or None: it must answer /v1/models and, after a
-        request stalled on it, generate a token too, since a wedged vLLM (its engine loop
-        hung) still answers /v1/models."""
+        request stalled or failed in its stream, generate a token too, since a wedged vLLM
+        (its engine loop hung) or a dead one (its engine process gone) still answers
+        /v1/models."""
         listed = await self._answers("/v1/models")
         if isinstance(listed, str):
             return listed
         self._note_listed(listed)
-        for model, (path, stall) in list(self._stalled.items()):
-            ask = {"model": model, "max_tokens": 1, "stream": False}
-            ask |= ({"messages": [{"role": "user", "content": "ping"}]}
-                    if path.endswith("/chat/completions") else {"prompt": "ping"})
-            answer = await self._answers(path, ask)
+        for model, (path, failure) in list(self._failed_on.items()):
+            answer = await self._answers(path, _one_token(model, path))
             if isinstance(answer, str):
-                return f"{answer} (one token, asked since a request stalled on it)"
-            if self._stalled.get(model, ("", 0))[1] == stall:  # no stall since it was asked
-                del self._stalled[model]
+                return f"{answer} (one token, asked since a request failed on it)"
+            if self._failed_on.get(model, ("", 0))[1] == failure:  # none failed since asked
+                del self._failed_on[model]
         return None
 
     def served_models(self) -> frozenset[str] | None:
@@ -258,6 +285,15 @@ class OpenAIExecutor:
         await self._client.aclose()
 
 
+class _ErrorEvent(ExecutorError):
+    """An error event in the engine's stream, or a finish reason of a reply it gave up on;
+    `code` is the status the event names (vLLM's `code`), if any."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class _Stalled(ExecutorUnavailable):
     """The engine sent nothing (keep-alive comments aside) for the time-out: wedged, its
     fault as a crash is. The request goes on elsewhere with its tokens, and the
@@ -283,20 +319,35 @@ async def _start_of(resp: httpx.Response) -> str:
     return body.decode(errors="replace")[:ERROR_BODY_CHARS // 2]
 
 
+def _one_token(model: str, path: str) -> dict[str, object]:
+    """A request for one token of `model` on `path`: only a live engine answers it."""
+    ask: dict[str, object] = {"model": model, "max_tokens": 1, "stream": False}
+    return ask | ({"messages": [{"role": "user", "content": "ping"}]}
+                  if path.endswith("/chat/completions") else {"prompt": "ping"})
+
+
 def _message_of(body: str) -> str:
-    """The message of an engine's error body: `message` in vLLM's (`{"object": "error",
-    "message": ...}`), OpenAI's and SGLang's (`{"error": {"message": ...}}`) and TGI's
-    (`{"error": ...}`); else the body as it came (plain text, or cut off)."""
+    """The message of an engine's error body (`_said`), else the body as it came (plain
+    text, or cut off)."""
     try:
         error = json.loads(body)
     except ValueError:
         return body
+    return _said(error)[0] or body
+
+
+def _said(error: object) -> tuple[str | None, int | None]:
+    """The message and status code of an engine's error, a body or an event: `message` and
+    `code` in vLLM's (`{"object": "error", "message": ..., "code": 400}`), OpenAI's and
+    SGLang's (`{"error": {"message": ..., "code": ...}}`), the text of TGI's (`{"error":
+    ...}`); None for what it lacks (OpenAI's `code` is a word, no status)."""
     if isinstance(error, dict):
         error = error.get("error") or error
-        message = error.get("message") if isinstance(error, dict) else error
-        if isinstance(message, str) and message:
-            return message
-    return body
+    if not isinstance(error, dict):
+        return (error if isinstance(error, str) and error else None), None
+    message, code = error.get("message"), error.get("code")
+    return (message if isinstance(message, str) and message else None,
+            code if isinstance(code, int) and not isinstance(code, bool) else None)
 
 
 async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
@@ -329,7 +380,7 @@ async def _events(resp: httpx.Response, timeout_s: float) -> AsyncIterator[str]:
 def _event(data: str) -> tuple[str, int | None, int | None, str | None]:
     """The text of the first choice in one event, the engine's counts of completion tokens
     so far and of prompt tokens when the event carries them, and the choice's finish
-    reason (None until the last); an error event raises."""
+    reason (None until the last); an error event raises `_ErrorEvent`."""
     try:
         event = json.loads(data)
     except ValueError:
@@ -339,7 +390,8 @@ def _event(data: str) -> tuple[str, int | None, int | None, str | None]:
         raise ExecutorError(f"inference server sent an event that is not an object: "
                             f"{data[:200]!r}")
     if event.get("error") or event.get("object") == "error":  # the latter: older vLLM
-        raise ExecutorError(f"inference server error: {event.get('error') or event}")
+        message, code = _said(event)
+        raise _ErrorEvent(message or data[:200], code)
     choices = event.get("choices") or []
     if not isinstance(choices, list):
         raise ExecutorError(f"inference server sent choices that are not a list: "
