@@ -20,7 +20,7 @@ from gpusched_agent.adapters.executor import ExecutorError, Job, PromptTokens
 from gpusched_agent.adapters.openai_executor import OpenAIExecutor
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_common.catalog import GPU_TYPES, load_models
-from gpusched_common.contracts import ChatTurn, InferenceRequest
+from gpusched_common.contracts import ChatTurn, InferenceRequest, Resume
 
 CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
 LISTS_EVERY_MODEL = {"object": "list", "data": [{"id": m, "object": "model"}
@@ -1220,8 +1220,8 @@ async def test_a_wedged_engine_hands_its_request_back_and_the_node_waits_for_a_t
     await place(runtime, job("w", max_tokens=6).request)
     assert not [m for m in sent if isinstance(m, RequestResult)]
     [again] = [m for m in sent if isinstance(m, InferenceRequest)]
-    assert (again.requeued, again.resume.tokens) == (
-        "node_lost", () if stall_at is None else (" e0", " e1"))
+    assert (again.requeued, again.resume and again.resume.tokens) == (
+        "node_lost", None if stall_at is None else (" e0", " e1"))
     assert runtime.node.down == "inference server at http://engine sent nothing for 600 s"
     await runtime._check_engine()  # /v1/models answers, and is not enough
     assert "one token, asked since a request failed on it" in (runtime.node.down or "")
@@ -1371,36 +1371,77 @@ async def test_a_request_the_engine_refuses_ends_failed_with_its_status_and_no_p
     assert refused.prompt_tokens == broke.prompt_tokens == 0
 
 
-async def test_a_prompt_billed_before_the_engine_refused_stays_billed_and_a_handback_bills_it(
-) -> None:
-    """An engine that took longer than a usage interval to refuse: the partial record billed
-    the prompt by then, and the result says so (usage is never taken back). An engine
-    unavailable hands the request back billed its prompt, as every attempt after bills none
-    (the prompt is billed once, by the first attempt that ran)."""
+@pytest.mark.parametrize("answer", [400, 503], ids=["refused", "unavailable"])
+async def test_a_prompt_billed_before_the_engine_turned_the_request_away_stays_billed(
+        answer: int) -> None:
+    """An engine that took longer than a usage interval to answer: the partial record billed
+    the prompt by then, and the result says so (usage is never taken back); handed back, the
+    request carries its (empty) resume, so no later attempt bills the prompt again."""
     import httpx
 
     from gpusched_common.contracts import RequestResult, UsageRecord
 
-    async def slow_refusal(_: httpx.Request) -> httpx.Response:
+    async def slow(_: httpx.Request) -> httpx.Response:
         await asyncio.sleep(0.3)
-        return httpx.Response(400, json=VLLM_CONTEXT_400)
+        return httpx.Response(answer, json=VLLM_CONTEXT_400) if answer == 400 \
+            else httpx.Response(answer, text="server is restarting")
 
     executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
-        base_url="http://engine", transport=httpx.MockTransport(slow_refusal)))
+        base_url="http://engine", transport=httpx.MockTransport(slow)))
     sent, runtime = make_runtime(executor, usage_interval_s=0.05)
     await place(runtime, job("slow", prompt="x" * 40).request)
-    [result] = [m for m in sent if isinstance(m, RequestResult)]
     usage = [m for m in sent if isinstance(m, UsageRecord)]
-    assert (result.status, result.engine_status_code) == ("failed", 400)
-    assert result.prompt_tokens == sum(u.prompt_tokens for u in usage) == 10
+    assert sum(u.prompt_tokens for u in usage) == 10
     assert usage[-1].final and usage[-1].prompt_tokens == 0  # billed by a partial record
+    if answer == 400:
+        [result] = [m for m in sent if isinstance(m, RequestResult)]
+        assert (result.status, result.engine_status_code, result.prompt_tokens) == (
+            "failed", 400, 10)
+    else:
+        [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+        assert (again.requeued, again.resume) == ("node_lost", Resume())
     await executor.close()
-    busy = refusing(503, text="server is restarting")
-    sent, _ = await run_on(busy, job("busy", prompt="x" * 40).request)
-    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
-    assert again.requeued == "node_lost"
-    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 10
-    await busy.close()
+
+
+@pytest.mark.parametrize("turned_away", ["busy", "down"])
+async def test_a_request_no_engine_took_is_billed_its_prompt_where_one_runs_it(
+        turned_away: str) -> None:
+    """Handed back by an engine that answered 503 or could not be reached, a request kept
+    its prompt billed as estimated and went back as resumed, so where it ran next the
+    engine's count was never taken (1,000 billed for a prompt vLLM counted 1,400); one that
+    an engine then refused with a 400 failed billed 1,000 prompt tokens, and one that five
+    engines turned away as well, though no engine ever processed it. Now it goes back
+    unbilled and as it came: the attempt that runs it bills the prompt."""
+    from gpusched_agent.runtime import MAX_ATTEMPTS
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    away = Engine()
+    away.mode = turned_away
+    counting = Engine(tokens=2, prompt_tokens=1400)
+    request = job("r", max_tokens=2, prompt="x" * 4000).request  # estimated: 1,000
+
+    async def twice(first: Engine, then) -> list:  # noqa: ANN001
+        sent, _ = await run_on(first.executor(), request)
+        [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+        assert (again.requeued, again.resume, again.prompt_tokens) == ("node_lost", None, None)
+        more, _ = await run_on(then, again)
+        return sent + more
+
+    sent = await twice(away, counting.executor())
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.prompt_tokens) == ("completed", 1400)
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 1400
+    sent = await twice(away, refusing(400, json=VLLM_CONTEXT_400))
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.engine_status_code, result.prompt_tokens) == (
+        "failed", 400, 0)
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
+    last = request.model_copy(update={"attempt": MAX_ATTEMPTS - 1, "refused": MAX_ATTEMPTS - 1,
+                                      "requeued": "node_lost"})
+    sent, _ = await run_on(away.executor(), last)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.prompt_tokens) == ("failed", 0)
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
 
 
 async def test_a_down_engine_hands_its_requests_back_and_the_node_takes_none_until_it_is_up(

@@ -694,6 +694,8 @@ class AgentRuntime:
         requeue: str | None = None  # handed back as the next attempt, requeued so
         refused = False  # by this node, which could not run it
         engine_status_code: int | None = None  # the engine's 4xx, where it refused the input
+        reached = False  # whether the executor gave anything of this attempt (a token, a count)
+        unrun = False  # the engine processed none of it: its prompt is not billed
         why = ""
         run.interruptible = True
         partials = asyncio.create_task(self._bill_partials(run), name=f"{pid}:usage")
@@ -712,6 +714,7 @@ class AgentRuntime:
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
+                    reached = True
                     if isinstance(token, PromptTokens):
                         self._engine_counted_prompt(run, token.count, request, model)
                         continue
@@ -768,6 +771,7 @@ class AgentRuntime:
                           ExecutorUnavailable):
                 self._engine_down(problem)
                 problem = f"executor unavailable: {exc}"
+            unrun = not reached  # refused at the door, down, or its model not loaded
             if (last := _last_try(request, refused=True)) is None:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
@@ -781,9 +785,7 @@ class AgentRuntime:
                 log.exception("placement %s failed", pid)
                 finish_reason = f"executor error: {exc}"
             status = "failed"
-            if isinstance(exc, ExecutorTurnedAway):  # the engine processed none of it: its
-                # prompt is not billed, unless a partial record did before the answer came
-                run.prompt_tokens = run.billed_prompt
+            unrun = isinstance(exc, ExecutorTurnedAway)
         finally:
             run.interruptible = False
             partials.cancel()  # before the final record: none comes after it. Once
@@ -800,6 +802,8 @@ class AgentRuntime:
                 run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
             finally:
                 await asyncio.wait([partials])
+        if unrun:  # its prompt is not billed, unless a partial record did before it ended
+            run.prompt_tokens = run.billed_prompt
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
@@ -807,21 +811,25 @@ class AgentRuntime:
             if (last := _last_try(request, refused=False)) is not None:  # it ends here
                 requeue, status, finish_reason = None, "failed", f"{why}; {last}"
         if requeue is not None:  # the next attempt goes on after these tokens, elsewhere
-            update: dict[str, object] = {}
-            if run.prompt_tokens != request.prompt_token_count:
-                update["prompt_tokens"] = run.prompt_tokens
-                room = model.context_limit_tokens - run.prompt_tokens
-                if request.max_tokens > room:  # the engine's count leaves less room than the
-                    # estimate: no engine generates past it, and a resumed attempt sized
-                    # beyond the context is refused (here and by the scheduler)
-                    if room >= max(1, len(pieces)):
-                        update["max_tokens"] = room
-                    else:
-                        del update["prompt_tokens"]
-            billed = request.model_copy(update=update) if update else request
-            retry = _retry(billed, requeue, Resume(
-                tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk), next_seq=seq),
-                refused=refused)
+            if not run.prompt_tokens:  # unrun, and nothing billed it: it goes back as it came,
+                # and the attempt that runs it bills its prompt, as its engine counts it
+                retry = _retry(request, requeue, refused=refused)
+            else:
+                update: dict[str, object] = {}
+                if run.prompt_tokens != request.prompt_token_count:
+                    update["prompt_tokens"] = run.prompt_tokens
+                    room = model.context_limit_tokens - run.prompt_tokens
+                    if request.max_tokens > room:  # the engine's count leaves less room than
+                        # the estimate: no engine generates past it, and a resumed attempt
+                        # sized beyond the context is refused (here and by the scheduler)
+                        if room >= max(1, len(pieces)):
+                            update["max_tokens"] = room
+                        else:
+                            del update["prompt_tokens"]
+                billed = request.model_copy(update=update) if update else request
+                retry = _retry(billed, requeue, Resume(
+                    tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk),
+                    next_seq=seq), refused=refused)
             if (size := len(retry[0].to_bytes())) <= MAX_HANDBACK_BYTES:
                 log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
                 await self._finish(run, [retry])
@@ -856,9 +864,10 @@ class AgentRuntime:
     @staticmethod
     def _engine_counted_prompt(run: _Running, count: int, request: InferenceRequest,
                                model: ModelSpec) -> None:
-        """Bill the prompt as the engine counted it, instead of the estimate: on a request's
-        first run only (a resumed one's prompt was billed by then, and the engine's count
-        holds the earlier tokens too), never below what a partial record already billed, and
+        """Bill the prompt as the engine counted it, instead of the estimate: on a run that
+        bills the prompt only, the request's first or one after attempts no engine took (a
+        resumed one's prompt was billed by then, and the engine's count holds the earlier
+        tokens too), never below what a partial record already billed, and
         never beyond the model's context (no engine runs a longer prompt: such a count is
         not one to bill, nor to size the request by). A hand-back carries the count on as
         the request's `prompt_tokens`."""
