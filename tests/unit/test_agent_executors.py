@@ -1518,6 +1518,41 @@ async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_bille
     await elsewhere.executor.close()
 
 
+async def test_a_reply_the_engine_finished_before_the_connection_dropped_is_complete(
+) -> None:
+    """The engine said `stop` after 2 of 10 tokens (the model ended its text), then the
+    connection dropped before [DONE]: the request went back, and another node went on
+    past the model's own end (' a b MORE TEXT'). Now it completes with the engine's
+    reason; the node still waits for its engine's next health check."""
+    import httpx
+
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    def finished_then_dropped(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=LISTS_EVERY_MODEL)
+
+        async def events():  # noqa: ANN202
+            yield f"data: {delta(' a')}\n\n".encode()
+            yield f"data: {finish(' b', 'stop')}\n\n".encode()
+            raise httpx.RemoteProtocolError("peer closed connection", request=request)
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(finished_then_dropped)))
+    sent, runtime = make_runtime(executor)
+    await place(runtime, job("ended", max_tokens=10).request)
+    assert not [m for m in sent if isinstance(m, InferenceRequest)]
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.finish_reason, result.text, result.completion_tokens) == (
+        "completed", "stop", " a b", 2)
+    assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 2
+    assert "dropped the stream" in (runtime.node.down or "")
+    await executor.close()
+
+
 async def test_a_request_handed_back_by_engines_too_often_ends_failed() -> None:
     """Preemptions used the same count: a request preempted four times failed for good the
     first time an engine was unavailable. Only attempts agents could not run count now."""

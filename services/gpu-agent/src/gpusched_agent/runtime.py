@@ -772,7 +772,13 @@ class AgentRuntime:
                 self._engine_down(problem)
                 problem = f"executor unavailable: {exc}"
             unrun = not reached  # refused at the door, down, or its model not loaded
-            if (last := _last_try(request, refused=True)) is None:
+            if engine_finish is not None:  # the engine had said the reply ended: what broke
+                # after (the connection dropped before [DONE]) takes nothing from it, and
+                # another node would go on past the model's own end
+                log.warning("placement %s completed (the engine had finished it) before: %s",
+                            pid, problem)
+                finish_reason = engine_finish
+            elif (last := _last_try(request, refused=True)) is None:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
