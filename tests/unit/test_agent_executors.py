@@ -2044,6 +2044,54 @@ async def test_an_openai_node_reports_its_models_from_its_first_report() -> None
     await runtime.executor.close()
 
 
+@pytest.mark.parametrize("override", ["qwen2.5-1.5b-instruct", None],
+                         ids=["openai-model", "catalog-name"])
+async def test_a_model_the_server_does_not_serve_goes_elsewhere_and_cools_down_here(
+        override: str | None) -> None:
+    """vLLM serving its model under the HF name, asked under GPUSCHED_OPENAI_MODEL's name or
+    the catalog's (GPUSCHED_MODELS): every request placed there failed, a 502 "model does
+    not exist", while the node stayed ready for more. Now the request goes back unbilled,
+    the model is kept off the node for the load-failure cooldown, and the reason says what
+    the server lists and what to set."""
+    import httpx
+
+    from gpusched_agent.adapters.executor import ExecutorLacksModel
+    from gpusched_common.contracts import NodeState, RequestResult, UsageRecord
+
+    served = "Qwen/Qwen2.5-1.5B-Instruct"
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": served}]})
+        model = json.loads(request.content)["model"]
+        return httpx.Response(404, json={
+            "object": "error", "type": "NotFoundError", "param": None, "code": 404,
+            "message": f"The model `{model}` does not exist."})
+
+    executor = OpenAIExecutor("http://engine", override, client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(vllm)))
+    sent, runtime = make_runtime(executor)
+    failed: list[str] = []
+    runtime._load_failed = failed.append
+    await runtime._check_engine()
+    with pytest.raises(ExecutorLacksModel) as raised:
+        await collect(executor.generate(job("direct")))
+    assert str(raised.value) == (
+        f"inference server answered 404: The model `{override or SMALL.name}` does not exist. "
+        f"(the inference server lists {served}: serve the model under the name sent (vLLM's "
+        "--served-model-name), or set GPUSCHED_OPENAI_MODEL to the one it lists)")
+    await place(runtime, job("r", prompt="x" * 40).request)
+    assert not [m for m in sent if isinstance(m, RequestResult)]
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.attempt, again.refused, again.resume) == (1, 1, None)
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
+    assert failed == [SMALL.name] and runtime.node.down is None
+    [state] = [m for m in sent if isinstance(m, NodeState)]  # reported before the hand-back
+    assert [f.model for f in state.load_failures or ()] == [SMALL.name]
+    assert sent.index(state) < sent.index(again)
+    await executor.close()
+
+
 def test_gpusched_models_must_name_catalog_models() -> None:
     from gpusched_agent.settings import AgentSettings
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from gpusched_agent.adapters.executor import (
     EngineFinished,
     Executor,
+    ExecutorLacksModel,
     ExecutorRefused,
     ExecutorTurnedAway,
     ExecutorUnavailable,
@@ -651,11 +652,12 @@ class AgentRuntime:
 
     async def _cool_down(self, model: str) -> None:
         """Loading `model` failed here with the engine up (a corrupt file on this node,
-        memory another process holds, a driver fault), and would likely fail again: for the
-        cooldown the node asks the scheduler not to place it here. Reported before the
-        placements that waited for the load hand their requests back, so that their next
-        attempts go to other nodes, or wait, instead of using up their refusals here. A load
-        of it here that succeeds (placed before the scheduler knew) ends it."""
+        memory another process holds, a driver fault), or its engine does not serve it under
+        the name it is sent, and would likely fail again: for the cooldown the node asks the
+        scheduler not to place it here. Reported before the placements that waited for the
+        load (or the one the engine lacked the model for) hand their requests back, so that
+        their next attempts go to other nodes, or wait, instead of using up their refusals
+        here. A load of it here that succeeds (placed before the scheduler knew) ends it."""
         now = self._mono()
         if self._cooling.get(model, now) <= now:  # one incident, however many GPUs failed
             self._load_failed(model)
@@ -696,6 +698,7 @@ class AgentRuntime:
         engine_status_code: int | None = None  # the engine's 4xx, where it refused the input
         reached = False  # whether the executor gave anything of this attempt (a token, a count)
         unrun = False  # the engine processed none of it: its prompt is not billed
+        lacks_model = False  # the engine does not serve it: the model cools down here
         why = ""
         run.interruptible = True
         partials = asyncio.create_task(self._bill_partials(run), name=f"{pid}:usage")
@@ -765,12 +768,15 @@ class AgentRuntime:
                 # (come while the engine's stream closed) changes nothing: it completed
                 status = "cancelled"
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
-        except (ExecutorUnavailable, _LoadFailed) as exc:  # the engine's fault, not the
-            problem = str(exc)  # request's
+        except (ExecutorUnavailable, ExecutorLacksModel, _LoadFailed) as exc:  # the engine's
+            problem = str(exc)  # fault (or this node's setup), not the request's
             if isinstance(exc.__cause__ if isinstance(exc, _LoadFailed) else exc,
                           ExecutorUnavailable):
                 self._engine_down(problem)
                 problem = f"executor unavailable: {exc}"
+            elif isinstance(exc, ExecutorLacksModel):
+                log.error("placement %s: %s", pid, exc)
+                lacks_model = True
             unrun = not reached  # refused at the door, down, or its model not loaded
             if engine_finish is not None:  # the engine had said the reply ended: what broke
                 # after (the connection dropped before [DONE]) takes nothing from it, and
@@ -810,6 +816,8 @@ class AgentRuntime:
                 await asyncio.wait([partials])
         if unrun:  # its prompt is not billed, unless a partial record did before it ended
             run.prompt_tokens = run.billed_prompt
+        if lacks_model:  # here, no longer interruptible: a stop must not cut the report short
+            await self._cool_down(model.name)
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"

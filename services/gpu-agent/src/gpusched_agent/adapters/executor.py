@@ -104,6 +104,14 @@ class ExecutorRefused(ExecutorTurnedAway):
         self.status_code = status_code
 
 
+class ExecutorLacksModel(ExecutorError):
+    """The engine does not serve the model under the name it was sent (vLLM's 404 "The
+    model ... does not exist": GPUSCHED_OPENAI_MODEL or GPUSCHED_MODELS names one its server
+    does not, or it serves the model under another name): this node cannot run it, others
+    may. The runtime hands the request back, and keeps the model off this node for the
+    cooldown of a failed load, so its work goes elsewhere or waits instead of failing."""
+
+
 class ExecutorUnavailable(ExecutorError):
     """The executor's engine could not take or finish the request: it is down, restarting
     or overloaded, not at fault with this request. The runtime hands the request back to be

@@ -35,12 +35,15 @@ one-token request at once, is a refusal of the request, below: vLLM's own check 
 prompt's length.) One that sends events but no token for `timeout_s` is alive, and fails
 that request. One that answers 400, 413 or 422 refuses the request itself (vLLM's 400 for
 a prompt longer than the model's context by its tokenizer): the request fails with that
-status and the engine's message, which its client is answered with. Any other error status
-(a 500, a 404) fails it too. Either answer bills no prompt (`ExecutorTurnedAway`): the
-engine processed none of it. `health` asks its `/v1/models`, which each of these engines
-serves once its model is loaded (the models it lists are the ones the node serves,
-`served_models`), and after a stall or an error in a stream a one-token completion too,
-which a wedged or dead vLLM, whose API still answers /v1/models, does not give.
+status and the engine's message, which its client is answered with. A 404 saying the model
+does not exist is this node's setup, not the request's (the name it is sent under is not
+one the server serves): the runtime hands it back (`ExecutorLacksModel`). Any other error
+status (a 500, another 404) fails it too. Either failure bills no prompt
+(`ExecutorTurnedAway`): the engine processed none of it. `health` asks its `/v1/models`,
+which each of these engines serves once its model is loaded (the models it lists are the
+ones the node serves, `served_models`), and after a stall or an error in a stream a
+one-token completion too, which a wedged or dead vLLM, whose API still answers /v1/models,
+does not give.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import httpx
 from gpusched_agent.adapters.executor import (
     EngineFinished,
     ExecutorError,
+    ExecutorLacksModel,
     ExecutorRefused,
     ExecutorTurnedAway,
     ExecutorUnavailable,
@@ -73,6 +77,8 @@ UNAVAILABLE = frozenset({429, 502, 503, 504})
 REFUSED = frozenset({400, 413, 422})
 """Statuses of an engine refusing the request as sent, which every engine would refuse too
 (not 408, 409 or 429: those tell of the engine's own state)."""
+MODEL_MISSING = re.compile(r"\bmodel\b.*\bdoes not exist", re.IGNORECASE | re.DOTALL)
+"""A 404's words for a model the server does not serve (vLLM's and OpenAI's)."""
 HEALTH_TIMEOUT_S = 2.0
 """How long a heartbeat's health check waits for the engine's whole answer."""
 ERROR_BODY_CHARS, ERROR_BODY_WAIT_S = 1024, 5.0
@@ -140,6 +146,8 @@ class OpenAIExecutor:
                             f"{_message_of(await _start_of(resp))}")
                     if resp.status_code in REFUSED:
                         raise ExecutorRefused(said, resp.status_code)
+                    if resp.status_code == 404 and MODEL_MISSING.search(said):
+                        raise ExecutorLacksModel(f"{said} ({self._names_served()})")
                     error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
                              else ExecutorTurnedAway)
                     raise error(said)
@@ -250,6 +258,13 @@ class OpenAIExecutor:
         """The models the engine's last /v1/models answer listed; None until one came, and
         with a model override (every request goes under that one name)."""
         return None if self._model_override else self._listed
+
+    def _names_served(self) -> str:
+        """What to do about a model name the server does not serve, and what it lists."""
+        listed = ", ".join(sorted(self._listed)) if self._listed else "nothing yet"
+        return (f"the inference server lists {listed}: serve the model under the name sent "
+                f"(vLLM's --served-model-name), or set GPUSCHED_OPENAI_MODEL to the one it "
+                f"lists")
 
     def _note_listed(self, resp: httpx.Response) -> None:
         """Keep the model ids of a /v1/models answer (OpenAI's `{"data": [{"id": ...}]}`);
