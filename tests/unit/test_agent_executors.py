@@ -861,6 +861,25 @@ async def test_the_runtime_runs_a_request_on_the_torch_executor_and_bills_it() -
     await executor.close()
 
 
+async def test_a_request_beyond_the_torch_models_positions_is_refused_unbilled() -> None:
+    """The catalog allows qwen2.5-1.5b 32,768 tokens, the torch model holds 8,192: a request
+    in between failed as the executor's fault (a 502) with its prompt billed. It is refused
+    as an engine refuses a prompt over its context: the client's 400, no prompt billed."""
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+    from gpusched_agent.adapters.torch_model import TinyConfig
+    from gpusched_common.contracts import RequestResult, UsageRecord
+
+    executor = TorchExecutor("cpu", seed=0, config=TinyConfig(dim=32, layers=1), threads=1)
+    sent, _ = await run_on(executor, job("long", max_tokens=1000, prompt="x" * 36_000).request)
+    [result] = [m for m in sent if isinstance(m, RequestResult)]
+    assert (result.status, result.engine_status_code, result.prompt_tokens) == ("failed", 400, 0)
+    assert result.finish_reason == (
+        "prompt (9000) + max_tokens (1000) exceed the torch model's maximum context length of "
+        "8192 positions; send a shorter request")
+    assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
+    await executor.close()
+
+
 async def test_requests_placed_at_once_on_a_cold_gpu_wait_for_one_load() -> None:
     """The node model counts the weights loaded from the first admission on, so the requests
     placed beside the first one used to skip the load and fail ('model ... is not loaded on

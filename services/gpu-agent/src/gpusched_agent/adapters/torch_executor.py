@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
-from gpusched_agent.adapters.executor import ExecutorError, Job
+from gpusched_agent.adapters.executor import ExecutorError, ExecutorRefused, Job
 from gpusched_agent.adapters.torch_model import VOCAB, TinyConfig, TinyLM, parameter_bytes, tokenize
 from gpusched_agent.domain.inventory import GpuInfo
 from gpusched_common.catalog import ModelSpec
@@ -191,10 +191,12 @@ class TorchExecutor:
     def generate(self, job: Job) -> AsyncGenerator[str, None]:
         request = job.request
         limit = self._config.max_positions
-        if job.prompt_tokens + request.max_tokens > limit:
-            raise ExecutorError(f"prompt ({job.prompt_tokens}) + max_tokens "
-                                f"({request.max_tokens}) exceed the torch model's {limit} "
-                                "positions; send a shorter request")
+        if job.prompt_tokens + request.max_tokens > limit:  # its context, below the catalog's:
+            # a 400 the client can act on, as an engine's own, and no prompt billed
+            raise ExecutorRefused(f"prompt ({job.prompt_tokens}) + max_tokens "
+                                  f"({request.max_tokens}) exceed the torch model's maximum "
+                                  f"context length of {limit} positions; send a shorter "
+                                  "request", 400)
         batch = self._batch(job)
         gen = torch.Generator().manual_seed(
             request.seed if request.seed is not None
