@@ -741,6 +741,27 @@ def test_executor_settings_are_validated_at_start_up() -> None:
     assert make_executor(AgentSettings()).name == "simulated"
 
 
+@pytest.mark.parametrize("written,root", [
+    ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
+    ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000"),
+    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+    ("https://gateway/vllm/v1", "https://gateway/vllm"),
+    ("http://v1:8000", "http://v1:8000"),  # a host named v1 stays
+])
+def test_the_inference_servers_url_may_end_in_v1_as_openai_clients_write_it(
+        written: str, root: str) -> None:
+    """GPUSCHED_OPENAI_BASE_URL=http://host:8000/v1, as OpenAI clients and vLLM's docs write
+    it, had the agent ask /v1/v1/models: a 404, and the node down for good with nothing
+    saying why."""
+    from gpusched_agent.main import make_executor
+    from gpusched_agent.settings import AgentSettings
+
+    settings = AgentSettings(executor="openai", openai_base_url=written)
+    assert settings.openai_base_url == root
+    executor = make_executor(settings)
+    assert str(executor._client.base_url).rstrip("/") == root
+
+
 def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(monkeypatch) -> None:
     """GPU i of NVML's inventory runs on cuda:i. CUDA_VISIBLE_DEVICES (NVML ignores it) or
     CUDA's fastest-first order would run work on another GPU than the one the scheduler

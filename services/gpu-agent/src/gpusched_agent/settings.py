@@ -2,8 +2,9 @@
 
 import socket
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gpusched_common.catalog import ModelCatalog
 from gpusched_common.settings import ServiceSettings
@@ -22,7 +23,8 @@ class AgentSettings(ServiceSettings):
         "small transformer in PyTorch (extra 'torch'), or an OpenAI-compatible server.")
     openai_base_url: str | None = Field(
         default=None, pattern=r"^https?://", description="Inference server on this node, e.g. "
-        "http://127.0.0.1:8000 (executor=openai).")
+        "http://127.0.0.1:8000 (executor=openai); a trailing /v1, as OpenAI clients write it, "
+        "is dropped.")
     openai_model: str | None = Field(
         default=None, description="Model name sent to the server instead of the catalog's.")
     models: str | None = Field(
@@ -74,6 +76,18 @@ class AgentSettings(ServiceSettings):
             raise ValueError(f"GPUSCHED_MODELS names {', '.join(unknown)}, not in the catalog "
                              f"({', '.join(catalog.names)}): use the names of models.yaml")
         return names
+
+    @field_validator("openai_base_url")
+    @classmethod
+    def _server_root(cls, url: str | None) -> str | None:
+        """The server's root, without a trailing /v1 (as OpenAI clients and vLLM's docs
+        write it): the executor asks for /v1/..., and .../v1/v1/models was a 404 that kept
+        the node down for good."""
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        return parts._replace(path=parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+                              ).geturl()
 
     @model_validator(mode="after")
     def _executor_needs(self) -> "AgentSettings":
