@@ -1710,20 +1710,28 @@ ENGINE_DEAD = json.dumps({"error": {
 
 class ErrorInStream:
     """An inference server that streams `events` and, asked for one token without a stream
-    (the agent's probe), answers it while `alive`, else 500 (a dead vLLM's engine)."""
+    (the agent's probe), answers as `probe` says: `token` at once, `slow` after the health
+    check's time-out (queued behind a busy batch), `404` (a refusal), `500` (a dead vLLM's
+    engine), `gone` (its port closed)."""
 
-    def __init__(self, *events: str, alive: bool) -> None:
-        self.events, self.alive, self.probes = events, alive, 0
+    def __init__(self, *events: str, probe: str) -> None:
+        self.events, self.probe, self.probes = events, probe, 0
 
-    def __call__(self, request):  # noqa: ANN001, ANN204
+    async def __call__(self, request):  # noqa: ANN001, ANN204
         import httpx
+
+        from gpusched_agent.adapters import openai_executor
 
         if request.url.path == "/v1/models":
             return httpx.Response(200, json=LISTS_EVERY_MODEL)
         if not json.loads(request.content)["stream"]:
             self.probes += 1
-            return httpx.Response(200, json={"choices": [{"text": "p"}]}) if self.alive \
-                else httpx.Response(500)
+            if self.probe == "gone":
+                raise httpx.ConnectError("connection refused", request=request)
+            if self.probe == "slow":
+                await asyncio.sleep(2 * openai_executor.HEALTH_TIMEOUT_S)
+            return httpx.Response(200, json={"choices": [{"text": "p"}]}) \
+                if self.probe in ("token", "slow") else httpx.Response(int(self.probe))
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content="".join(f"data: {e}\n\n" for e in self.events))
 
@@ -1748,7 +1756,7 @@ async def test_an_error_in_the_stream_hands_the_request_back_and_the_node_waits_
     the engine generates a token."""
     from gpusched_common.contracts import RequestResult
 
-    server = ErrorInStream(*events, alive=False)
+    server = ErrorInStream(*events, probe="500")
     sent, runtime = make_runtime(server.executor())
     await place(runtime, job("dead", max_tokens=6).request)
     assert not [m for m in sent if isinstance(m, RequestResult)]
@@ -1759,24 +1767,34 @@ async def test_an_error_in_the_stream_hands_the_request_back_and_the_node_waits_
         "inference server at http://engine failed the request in its stream: ")
     await runtime._check_engine()  # /v1/models answers, and is not enough
     assert "one token, asked since a request failed on it" in (runtime.node.down or "")
-    server.alive = True
+    server.probe = "token"
     await runtime._check_engine()
     assert runtime.node.down is None
     await runtime.executor.close()
 
 
-async def test_an_error_event_before_any_token_from_a_live_engine_is_its_refusal() -> None:
+TOO_LONG = json.dumps({"error": {
+    "message": "The decoder prompt (length 9000) is longer than the maximum model length of "
+    "8192. Make sure that `max_model_len` is no smaller than the number of text tokens.",
+    "type": "BadRequestError", "param": None, "code": 400}})
+"""What vLLM streams, inside its 200, for a prompt its tokenizer finds too long."""
+
+
+@pytest.mark.parametrize("probe", ["token", "slow", "404"])
+async def test_an_error_event_before_any_token_from_a_live_engine_is_its_refusal(
+        probe: str, monkeypatch) -> None:  # noqa: ANN001
     """vLLM's engine checks the prompt's length itself and says so in the stream: the
-    request failed with a 502 and its prompt billed. An engine that generates a token at
-    once refused the request, as its 400 before a stream would say: the client gets the
-    400 and the engine's words (context_length_exceeded at the router), no prompt billed."""
+    request failed with a 502 and its prompt billed. An engine not found dead refused the
+    request, as its 400 before a stream would say: the client gets the 400 and the engine's
+    words (context_length_exceeded at the router), no prompt billed. A busy one, whose
+    request for a token waits behind its batch past the check's time-out, took the node
+    out of service instead, and the request on to four more nodes to fail 'not runnable
+    after 5 attempts'; a 404 to it, live enough for the heartbeat, did the same."""
+    from gpusched_agent.adapters import openai_executor
     from gpusched_common.contracts import RequestResult, UsageRecord
 
-    too_long = json.dumps({"error": {
-        "message": "The decoder prompt (length 9000) is longer than the maximum model length "
-        "of 8192. Make sure that `max_model_len` is no smaller than the number of text tokens.",
-        "type": "BadRequestError", "param": None, "code": 400}})
-    server = ErrorInStream(too_long, "[DONE]", alive=True)
+    monkeypatch.setattr(openai_executor, "HEALTH_TIMEOUT_S", 0.05)
+    server = ErrorInStream(TOO_LONG, "[DONE]", probe=probe)
     sent, runtime = make_runtime(server.executor())
     await place(runtime, job("long", max_tokens=6, prompt="x" * 400).request)
     assert not [m for m in sent if isinstance(m, InferenceRequest)]
@@ -1789,7 +1807,30 @@ async def test_an_error_event_before_any_token_from_a_live_engine_is_its_refusal
     assert sum(u.prompt_tokens for u in sent if isinstance(u, UsageRecord)) == 0
     assert runtime.node.down is None and server.probes == 1
     await runtime._check_engine()
+    assert runtime.node.down is None
     assert server.probes == 1  # nothing to probe: the engine is up
+    await runtime.executor.close()
+
+
+@pytest.mark.parametrize("event,probe", [
+    (TOO_LONG, "500"), (TOO_LONG, "gone"), (ENGINE_DEAD, "token"),
+], ids=["probe-500", "probe-unreachable", "engine-dead-words"])
+async def test_an_error_event_before_any_token_from_a_dead_engine_is_no_refusal(
+        event: str, probe: str) -> None:
+    """A refusal's status in the stream is vLLM's engine dying too: where its words say so,
+    or the request for a token finds the engine gone, the request goes on elsewhere and the
+    node waits for its engine."""
+    from gpusched_common.contracts import RequestResult
+
+    server = ErrorInStream(event, "[DONE]", probe=probe)
+    sent, runtime = make_runtime(server.executor())
+    await place(runtime, job("r", max_tokens=6).request)
+    assert not [m for m in sent if isinstance(m, RequestResult)]
+    [again] = [m for m in sent if isinstance(m, InferenceRequest)]
+    assert (again.requeued, again.refused) == ("node_lost", 1)
+    assert (runtime.node.down or "").startswith(
+        "inference server at http://engine failed the request in its stream: ")
+    assert server.probes == (event != ENGINE_DEAD)  # its words are enough
     await runtime.executor.close()
 
 

@@ -30,20 +30,20 @@ nothing but keep-alives) for `timeout_s` (it is wedged), or sends an error event
 stream or a finish reason of a reply given up on (vLLM's `abort`, `error`) is unavailable,
 not at fault with the request: the runtime hands the request back. (vLLM reports whatever
 fails once it has begun a stream as an error event, its engine's death included, as a 400;
-one that came before any token with a refusal's status, from an engine that answers a
-one-token request at once, is a refusal of the request, below: vLLM's own check of the
-prompt's length.) One that sends events but no token for `timeout_s` is alive, and fails
-that request. One that answers 400, 413 or 422 refuses the request itself (vLLM's 400 for
-a prompt longer than the model's context by its tokenizer): the request fails with that
-status and the engine's message, which its client is answered with. A 404 saying the model
-does not exist is this node's setup, not the request's (the name it is sent under is not
-one the server serves): the runtime hands it back (`ExecutorLacksModel`). Any other error
-status (a 500, another 404) fails it too. Either failure bills no prompt
-(`ExecutorTurnedAway`): the engine processed none of it. `health` asks its `/v1/models`,
-which each of these engines serves once its model is loaded (the models it lists are the
-ones the node serves, `served_models`), and after a stall or an error in a stream a
-one-token completion too, which a wedged or dead vLLM, whose API still answers /v1/models,
-does not give.
+one that came before any token with a refusal's status is a refusal of the request, below:
+vLLM's own check of the prompt's length, unless it is vLLM's word for its engine's death or
+the engine then shows itself dead, `_failed_in_stream`.) One that sends events but no token
+for `timeout_s` is alive, and fails that request. One that answers 400, 413 or 422 refuses
+the request itself (vLLM's 400 for a prompt longer than the model's context by its
+tokenizer): the request fails with that status and the engine's message, which its client
+is answered with. A 404 saying the model does not exist is this node's setup, not the
+request's (the name it is sent under is not one the server serves): the runtime hands it
+back (`ExecutorLacksModel`). Any other error status (a 500, another 404) fails it too.
+Either failure bills no prompt (`ExecutorTurnedAway`): the engine processed none of it.
+`health` asks its `/v1/models`, which each of these engines serves once its model is loaded
+(the models it lists are the ones the node serves, `served_models`), and after a stall or
+an error in a stream a one-token completion too, which a wedged or dead vLLM, whose API
+still answers /v1/models, does not give.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import json
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 
@@ -79,6 +80,9 @@ REFUSED = frozenset({400, 413, 422})
 (not 408, 409 or 429: those tell of the engine's own state)."""
 MODEL_MISSING = re.compile(r"\bmodel\b.*\bdoes not exist", re.IGNORECASE | re.DOTALL)
 """A 404's words for a model the server does not serve (vLLM's and OpenAI's)."""
+ENGINE_DEAD = re.compile(r"EngineDeadError|EngineCore encountered an issue")
+"""vLLM's words for its engine's death (`EngineDeadError`'s message), which it streams as a
+400 error event like a refusal of the request."""
 HEALTH_TIMEOUT_S = 2.0
 """How long a heartbeat's health check waits for the engine's whole answer."""
 ERROR_BODY_CHARS, ERROR_BODY_WAIT_S = 1024, 5.0
@@ -220,12 +224,15 @@ class OpenAIExecutor:
         """What an error the engine sent inside its stream says. vLLM sends whatever fails
         once it has answered 200 so, its engine's death included (EngineDeadError, as a
         400): the engine failing, unavailable until it generates again (`health`). But one
-        that came before any token with a refusal's status, from an engine that generates a
-        token at once, refused the request as sent (vLLM's own check of the prompt's
-        length), as that status answered instead of a stream would."""
-        if before_token and error.code in REFUSED:
+        that came before any token with a refusal's status refused the request as sent
+        (vLLM's own check of the prompt's length), as that status answered instead of a
+        stream would, unless there is evidence that the engine died: vLLM's words for it,
+        or a request for one token that finds it dead (unreachable, a 5xx). One the engine
+        does not answer in time (or answers 408, 429) is no such evidence: a busy engine
+        queues it behind its running work, while a dead one answers at once."""
+        if before_token and error.code in REFUSED and not ENGINE_DEAD.search(str(error)):
             answer = await self._answers(path, _one_token(model, path))
-            if not isinstance(answer, str) and answer.status_code == 200:
+            if not isinstance(answer, _NotLive) or answer.busy:
                 return ExecutorRefused(f"inference server answered {error.code}: {error}",
                                        error.code)
         self._probe_later(model, path)
@@ -243,13 +250,13 @@ class OpenAIExecutor:
         (its engine loop hung) or a dead one (its engine process gone) still answers
         /v1/models."""
         listed = await self._answers("/v1/models")
-        if isinstance(listed, str):
-            return listed
+        if isinstance(listed, _NotLive):
+            return listed.why
         self._note_listed(listed)
         for model, (path, failure) in list(self._failed_on.items()):
             answer = await self._answers(path, _one_token(model, path))
-            if isinstance(answer, str):
-                return f"{answer} (one token, asked since a request failed on it)"
+            if isinstance(answer, _NotLive):
+                return f"{answer.why} (one token, asked since a request failed on it)"
             if self._failed_on.get(model, ("", 0))[1] == failure:  # none failed since asked
                 del self._failed_on[model]
         return None
@@ -276,28 +283,42 @@ class OpenAIExecutor:
             pass
 
     async def _answers(self, path: str, body: dict[str, object] | None = None
-                       ) -> httpx.Response | str:
+                       ) -> httpx.Response | _NotLive:
         """The engine's answer to a GET of `path` (a POST of `body`, given one) within
-        HEALTH_TIMEOUT_S, or why it did not answer (a string)."""
+        HEALTH_TIMEOUT_S where it shows the engine live, else why it does not. The one
+        definition of a live engine, for the heartbeat and for an error in a stream: /v1/models
+        answers 200, and a request for a token any status but a 5xx, 408 or 429 (a refusal
+        of it, from a gateway that serves only chat or for a model the server no longer
+        lists, comes from a live engine)."""
         try:  # httpx's timeout bounds each read: one that trickles would hold the heartbeat
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 resp = await self._client.request("GET" if body is None else "POST", path,
                                                   json=body, timeout=HEALTH_TIMEOUT_S)
-        except TimeoutError:
-            return (f"inference server at {self._client.base_url} did not answer {path} "
-                    f"within {HEALTH_TIMEOUT_S:g} s")
-        except httpx.HTTPError as exc:
-            return f"inference server at {self._client.base_url} unreachable: {exc!r}"
-        # a refusal of the request for a token (a gateway that serves only chat, a model the
-        # server no longer lists) is an answer: the engine is not wedged
+        except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+            return _NotLive(f"inference server at {self._client.base_url} did not answer "
+                            f"{path} within {HEALTH_TIMEOUT_S:g} s", busy=True)
+        except httpx.HTTPError as exc:  # a connect's time-out too: nothing took the request
+            return _NotLive(f"inference server at {self._client.base_url} unreachable: "
+                            f"{exc!r}", busy=False)
         if resp.status_code != 200 and (body is None or resp.status_code >= 500
                                         or resp.status_code in (408, 429)):
-            return (f"inference server at {self._client.base_url} answered "
-                    f"{resp.status_code} on {path}")
+            return _NotLive(f"inference server at {self._client.base_url} answered "
+                            f"{resp.status_code} on {path}",
+                            busy=resp.status_code in (408, 429))
         return resp
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+@dataclass(frozen=True)
+class _NotLive:
+    """Why a check did not show the engine live (`_answers`). `busy`: no answer in time, or
+    a 408 or 429, as from a live engine whose queue is full as well as from a wedged one;
+    else it is not there (unreachable, a 5xx), or /v1/models failed."""
+
+    why: str
+    busy: bool
 
 
 class _ErrorEvent(ExecutorError):
