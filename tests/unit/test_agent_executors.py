@@ -805,10 +805,11 @@ def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     assert out.stdout.strip() == "False"
 
 
-def make_runtime(executor, before_publish=None, usage_interval_s: float = 5.0  # noqa: ANN001
-                 ) -> tuple[list, object]:
-    """An agent runtime on one L4 with `executor`, and the list of what it publishes (each
-    after `before_publish(message)` returns, when given: Kafka taking its time)."""
+def make_runtime(executor, before_publish=None, usage_interval_s: float = 5.0,  # noqa: ANN001
+                 gpus: str = "1xL4-24GB") -> tuple[list, object]:
+    """An agent runtime on `gpus` (one L4) with `executor`, and the list of what it
+    publishes (each after `before_publish(message)` returns, when given: Kafka taking its
+    time)."""
     from gpusched_agent.adapters.ledger import MemoryLedger
     from gpusched_agent.domain.inventory import parse_simulated
     from gpusched_agent.domain.node import NodeModel
@@ -822,19 +823,19 @@ def make_runtime(executor, before_publish=None, usage_interval_s: float = 5.0  #
         sent.append(message)
 
     return sent, AgentRuntime(
-        "n", NodeModel.from_inventory(parse_simulated("1xL4-24GB", "n")), CATALOG, executor,
+        "n", NodeModel.from_inventory(parse_simulated(gpus, "n")), CATALOG, executor,
         publish, MemoryLedger(), lambda: 0, chunk_tokens=4, heartbeat_s=1,
         usage_interval_s=usage_interval_s)
 
 
-async def place(runtime, *requests: InferenceRequest) -> None:  # noqa: ANN001
-    """Place `requests` on GPU 0 all at once and wait until they have ended."""
+async def place(runtime, *requests: InferenceRequest, gpu: int = 0) -> None:  # noqa: ANN001
+    """Place `requests` on `gpu` all at once and wait until they have ended."""
     from gpusched_common.contracts import Placement
 
     for request in requests:
         await runtime.command(Placement(
             placement_id=f"{request.request_id}#{request.attempt}", node_id="n",
-            gpu_indices=(0,), kv_cache_mib=1, scheduler_epoch=0, placed_at_ms=0,
+            gpu_indices=(gpu,), kv_cache_mib=1, scheduler_epoch=0, placed_at_ms=0,
             request=request))
     async with asyncio.timeout(30):
         while runtime.in_flight:
@@ -2170,6 +2171,41 @@ async def test_a_model_the_server_does_not_serve_goes_elsewhere_and_cools_down_h
     [state] = [m for m in sent if isinstance(m, NodeState)]  # reported before the hand-back
     assert [f.model for f in state.load_failures or ()] == [SMALL.name]
     assert sent.index(state) < sent.index(again)
+    await executor.close()
+
+
+async def test_a_model_the_server_does_not_serve_stays_off_the_node_though_it_loads_elsewhere(
+) -> None:
+    """The openai executor's load does nothing and always succeeds: a placement sent before
+    the scheduler knew of the 404, landing on the node's other GPU, ended the cooldown as it
+    'loaded' the model, the node claimed the model again, and its own 404 started a second
+    incident. Only a load that failed has its cooldown ended by one that succeeds."""
+    import httpx
+
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def vllm(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "Qwen/Q"}]})
+        if json.loads(request.content)["prompt"] == "slow":
+            asked.set()
+            await answer.wait()
+        return httpx.Response(404, json={"object": "error", "code": 404,
+                                         "message": f"The model `{SMALL.name}` does not exist."})
+
+    executor = OpenAIExecutor("http://engine", SMALL.name, client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(vllm)))
+    _, runtime = make_runtime(executor, gpus="2xL4-24GB")
+    failed: list[str] = []
+    runtime._load_failed = failed.append
+    await place(runtime, job("first").request)
+    assert [f.model for f in runtime.load_failures() or ()] == [SMALL.name]
+    second = asyncio.create_task(place(runtime, job("second", prompt="slow").request, gpu=1))
+    await asyncio.wait_for(asked.wait(), 10)  # loaded on GPU 1, waiting for the engine
+    assert [f.model for f in runtime.load_failures() or ()] == [SMALL.name]
+    answer.set()
+    await second
+    assert failed == [SMALL.name]  # one incident
     await executor.close()
 
 

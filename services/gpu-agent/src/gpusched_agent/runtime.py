@@ -144,6 +144,17 @@ class _Running:
     stopped there: waiting on Kafka for its last records is no GPU time)."""
 
 
+@dataclass(frozen=True)
+class _Cooldown:
+    """A model kept off this node (`AgentRuntime._cool_down`)."""
+
+    until: float
+    """`monotonic` seconds. Not on the wall clock: set back (an NTP step), it lengthened the
+    cooldown by as much."""
+    load_ends_it: bool
+    """Whether a load of the model here that succeeds ends it: only where loads failed."""
+
+
 class _LoadFailed(Exception):
     """The executor could not load a placement's model (CUDA out of memory, say): the
     engine's fault, not the request's. Its cause is the executor's error."""
@@ -178,10 +189,9 @@ class AgentRuntime:
         self._load_failure_cooldown_s = load_failure_cooldown_s
         self._load_failed = load_failed
         """Told the model of each load that failed here with the engine up (`_cool_down`)."""
-        self._cooling: dict[str, float] = {}
-        """Model -> until when (`monotonic`, s) the node asks not to get its work: its load
-        failed here lately (`load_failures`). Not on the wall clock: set back (an NTP step),
-        it lengthened the cooldown by as much."""
+        self._cooling: dict[str, _Cooldown] = {}
+        """Model -> the cooldown during which the node asks not to get its work: its load
+        failed here lately, or its engine lacked it (`load_failures`)."""
         self._unmatched: frozenset[str] | None = None
         """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
@@ -367,9 +377,9 @@ class AgentRuntime:
         """The models whose load failed here within the cooldown, each with its end, which
         the node reports (None: none)."""
         now, now_ms = self._mono(), self._clock()
-        self._cooling = {m: until for m, until in self._cooling.items() if until > now}
-        return tuple(LoadFailure(model=m, until_ms=now_ms + math.ceil((until - now) * 1000))
-                     for m, until in sorted(self._cooling.items())) or None
+        self._cooling = {m: c for m, c in self._cooling.items() if c.until > now}
+        return tuple(LoadFailure(model=m, until_ms=now_ms + math.ceil((c.until - now) * 1000))
+                     for m, c in sorted(self._cooling.items())) or None
 
     def node_state(self, seq: int = 0) -> NodeState:
         """This node's state as reported (`report`; /v1/node shows it with no seq)."""
@@ -637,7 +647,9 @@ class AgentRuntime:
             if load:
                 at_load = True
                 await self.executor.load(model, gpu)
-                if self._cooling.pop(model.name, None) is not None:
+                if (cooling := self._cooling.get(model.name)) is not None and \
+                        cooling.load_ends_it:
+                    del self._cooling[model.name]
                     self._dirty.set()  # the scheduler may place it here again
         except Exception as exc:
             log.error("%s %s on GPU %d failed", "loading" if at_load else "making room for",
@@ -647,21 +659,29 @@ class AgentRuntime:
             if self.node.forget_weights(model.name, gpus):
                 self._dirty.set()
             if not isinstance(exc, ExecutorUnavailable):  # else the node takes no work at all
-                await self._cool_down(model.name)
+                await self._cool_down(model.name, load_failed=True)
             raise _LoadFailed(f"loading {model.name} on GPU {gpu} failed: {exc}") from exc
 
-    async def _cool_down(self, model: str) -> None:
-        """Loading `model` failed here with the engine up (a corrupt file on this node,
-        memory another process holds, a driver fault), or its engine does not serve it under
-        the name it is sent, and would likely fail again: for the cooldown the node asks the
-        scheduler not to place it here. Reported before the placements that waited for the
-        load (or the one the engine lacked the model for) hand their requests back, so that
-        their next attempts go to other nodes, or wait, instead of using up their refusals
-        here. A load of it here that succeeds (placed before the scheduler knew) ends it."""
+    async def _cool_down(self, model: str, *, load_failed: bool) -> None:
+        """Loading `model` failed here with the engine up (`load_failed`: a corrupt file on
+        this node, memory another process holds, a driver fault), or its engine does not
+        serve it under the name it is sent, and would likely fail again: for the cooldown the
+        node asks the scheduler not to place it here. Reported before the placements that
+        waited for the load (or the one the engine lacked the model for) hand their requests
+        back, so that their next attempts go to other nodes, or wait, instead of using up
+        their refusals here. A load of it here that succeeds (placed before the scheduler
+        knew) ends a failed load's cooldown, not one the engine's lacking the model started:
+        the openai executor's load does nothing, so it tells nothing of the names the server
+        serves (ending it had the node claim the model again, and each placement sent there
+        fail again, as a new incident)."""
         now = self._mono()
-        if self._cooling.get(model, now) <= now:  # one incident, however many GPUs failed
+        cooling = self._cooling.get(model)
+        if cooling is None or cooling.until <= now:  # one incident, however many GPUs failed
             self._load_failed(model)
-        self._cooling[model] = now + self._load_failure_cooldown_s
+            cooling = None
+        self._cooling[model] = _Cooldown(
+            now + self._load_failure_cooldown_s,
+            load_failed and (cooling is None or cooling.load_ends_it))
         await self._report_if_kafka_takes_it()
 
     async def _execute(self, run: _Running, load: asyncio.Task[None] | None,
@@ -817,7 +837,7 @@ class AgentRuntime:
         if unrun:  # its prompt is not billed, unless a partial record did before it ended
             run.prompt_tokens = run.billed_prompt
         if lacks_model:  # here, no longer interruptible: a stop must not cut the report short
-            await self._cool_down(model.name)
+            await self._cool_down(model.name, load_failed=False)
         # A stop that came after the last token changes nothing: the request completed.
         if status == "cancelled" and run.stop_reason in ("preempted", "drained"):
             requeue = "preempted" if run.stop_reason == "preempted" else "node_lost"
