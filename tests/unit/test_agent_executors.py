@@ -1559,38 +1559,56 @@ async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_bille
     await elsewhere.executor.close()
 
 
-async def test_a_reply_the_engine_finished_before_the_connection_dropped_is_complete(
-) -> None:
+@pytest.mark.parametrize("then", ["drop", "eof", "preempt", "drain", "cancel"])
+async def test_a_reply_the_engine_finished_is_complete_whatever_ends_the_run_before_done(
+        then: str) -> None:
     """The engine said `stop` after 2 of 10 tokens (the model ended its text), then the
-    connection dropped before [DONE]: the request went back, and another node went on
-    past the model's own end (' a b MORE TEXT'). Now it completes with the engine's
-    reason; the node still waits for its engine's next health check."""
+    connection dropped before [DONE], or a preempt or a drain came: the request went back,
+    and another node went on past the model's own end (' a b MORE TEXT'); a stream ended
+    cleanly there (a proxy) failed it, a 502 for a whole, billed reply. Now it completes
+    with the engine's reason; a cancel, whose client was billed the reply, too. After a
+    drop the node still waits for its engine's next health check."""
     import httpx
 
-    from gpusched_common.contracts import RequestResult, UsageRecord
+    from gpusched_common.contracts import Cancel, Preempt, RequestResult, UsageRecord
 
-    def finished_then_dropped(request: httpx.Request) -> httpx.Response:
+    finished = asyncio.Event()
+
+    def finished_then(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json=LISTS_EVERY_MODEL)
 
         async def events():  # noqa: ANN202
             yield f"data: {delta(' a')}\n\n".encode()
             yield f"data: {finish(' b', 'stop')}\n\n".encode()
-            raise httpx.RemoteProtocolError("peer closed connection", request=request)
+            finished.set()  # asked for more: the agent has read the finish reason
+            if then == "drop":
+                raise httpx.RemoteProtocolError("peer closed connection", request=request)
+            if then != "eof":  # the usage event and [DONE] have not come yet
+                await asyncio.Event().wait()
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=events())
 
     executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
-        base_url="http://engine", transport=httpx.MockTransport(finished_then_dropped)))
+        base_url="http://engine", transport=httpx.MockTransport(finished_then)))
     sent, runtime = make_runtime(executor)
-    await place(runtime, job("ended", max_tokens=10).request)
+    running = asyncio.create_task(place(runtime, job("ended", max_tokens=10).request))
+    await asyncio.wait_for(finished.wait(), 10)
+    if then == "preempt":
+        await runtime.command(Preempt(placement_id="ended#0", request_id="ended", node_id="n",
+                                      scheduler_epoch=0, reason="for interactive work"))
+    elif then == "drain":
+        await runtime.drain(timeout_s=0)
+    elif then == "cancel":
+        runtime.cancel(Cancel(request_id="ended", reason="client_gone", at_ms=0))
+    await running
     assert not [m for m in sent if isinstance(m, InferenceRequest)]
     [result] = [m for m in sent if isinstance(m, RequestResult)]
     assert (result.status, result.finish_reason, result.text, result.completion_tokens) == (
         "completed", "stop", " a b", 2)
     assert sum(u.completion_tokens for u in sent if isinstance(u, UsageRecord)) == 2
-    assert "dropped the stream" in (runtime.node.down or "")
+    assert ("dropped the stream" in (runtime.node.down or "")) == (then == "drop")
     await executor.close()
 
 

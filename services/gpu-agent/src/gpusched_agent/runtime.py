@@ -798,13 +798,7 @@ class AgentRuntime:
                 log.error("placement %s: %s", pid, exc)
                 lacks_model = True
             unrun = not reached  # refused at the door, down, or its model not loaded
-            if engine_finish is not None:  # the engine had said the reply ended: what broke
-                # after (the connection dropped before [DONE]) takes nothing from it, and
-                # another node would go on past the model's own end
-                log.warning("placement %s completed (the engine had finished it) before: %s",
-                            pid, problem)
-                finish_reason = engine_finish
-            elif (last := _last_try(request, refused=True)) is None:
+            if (last := _last_try(request, refused=True)) is None:
                 requeue, why, refused = "node_lost", str(exc), True
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
@@ -834,6 +828,15 @@ class AgentRuntime:
                 run.unbilled_gpu_s = self._gpu_seconds(run, final=True)
             finally:
                 await asyncio.wait([partials])
+        if engine_finish is not None and (status, requeue) != ("completed", None):
+            # The engine had said why the reply ended: it is whole, and billed. Whatever
+            # ended the run after that (the connection dropped or the stream ended before
+            # [DONE], a preempt, a drain, a cancel) takes nothing from it, and another node
+            # would go on past the model's own end. A cancel too: its client may be gone,
+            # but the reply it asked for is the one it was billed for.
+            log.warning("placement %s completed (the engine had finished it) before: %s",
+                        pid, why if requeue is not None else finish_reason)
+            status, finish_reason, requeue = "completed", engine_finish, None
         if unrun:  # its prompt is not billed, unless a partial record did before it ended
             run.prompt_tokens = run.billed_prompt
         if lacks_model:  # here, no longer interruptible: a stop must not cut the report short

@@ -44,8 +44,9 @@ class EngineFinished:
     `stop` (the model ended its text, or a stop string ended it, on the last token
     `max_tokens` allows too) or `length` (a limit: before `max_tokens`, the model's context
     ran out). Without it the runtime tells them apart by the reply's length alone. The
-    reply is whole once it came: an unavailable engine after it (the connection dropped
-    before the stream's end) does not hand the request back to go on past its end."""
+    reply is whole once it came: whatever ends the run after it (the connection dropped
+    before the stream's end, a preempt, a drain, a cancel) completes the request with it,
+    rather than hand it back to go on past its end."""
 
     reason: Literal["stop", "length"]
 

@@ -15,10 +15,11 @@ and the chat template) is yielded once as `PromptTokens`. An engine that sends n
 as one token, and the prompt is billed as estimated. Closing the stream closes the
 connection: engines abort there.
 
-A reply that is not an event stream, a stream that ends without `[DONE]` and an event not
-of OpenAI's shape fail the request instead of passing for a short answer; the engine's
-finish reason is the result's (`length` before `max_tokens`: its context ran out; `stop`
-on the last token `max_tokens` allows: a stop string or the end of the text came there).
+A reply that is not an event stream, a stream that ends without `[DONE]` (unless after the
+engine's finish reason: the reply was whole) and an event not of OpenAI's shape fail the
+request instead of passing for a short answer; the engine's finish reason is the result's
+(`length` before `max_tokens`: its context ran out; `stop` on the last token `max_tokens`
+allows: a stop string or the end of the text came there).
 An error body, a health answer and an event line are each read within a bound of time and
 size, so an engine that trickles cannot hold the agent. Text is passed on in whole
 characters (an emoji split into two JSON escapes across events is joined; a lone half
@@ -161,14 +162,15 @@ class OpenAIExecutor:
                     raise ExecutorError(f"inference server answered {kind or 'no content type'}"
                                         f" instead of an event stream: {detail}")
                 prompt_told, held = False, ""
+                whole = False  # [DONE] came, or the engine's finish reason: a stream that
+                # ends after that (a proxy dropping [DONE]) cut nothing short
                 owed: str | None = None  # the text of a counted token that ended in half a
                 # character: it goes (an item of its own) with the rest of that character
                 progress = time.monotonic()
                 async for data in _events(resp, self._timeout_s):
                     if data == "[DONE]":
-                        if held:  # no rest came: the half is replaced, its token billed once
-                            yield (owed or "") + "\ufffd"
-                        return
+                        whole = True
+                        break
                     text, engine_count, prompt_count, finish = _event(data)
                     text, held = _whole_characters(held + text)
                     if prompt_count is not None and not prompt_told:
@@ -199,9 +201,13 @@ class OpenAIExecutor:
                         raise _ErrorEvent(f"it ended the reply with finish reason {finish!r}",
                                           None)
                     if finish is not None:  # any but `length` is a normal end (TGI's eos_token)
+                        whole = True
                         yield EngineFinished("length" if finish == "length" else "stop")
-                raise ExecutorError("inference server ended the stream without [DONE]: the "
-                                    "reply may be cut short")
+                if not whole:
+                    raise ExecutorError("inference server ended the stream without [DONE]: the "
+                                        "reply may be cut short")
+                if held:  # no rest came: the half is replaced, its token billed once
+                    yield (owed or "") + "\ufffd"
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                 httpx.RemoteProtocolError) as exc:  # not there, or gone mid-stream
             raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
