@@ -902,6 +902,25 @@ async def test_a_request_beyond_the_torch_models_positions_is_refused_unbilled()
     await executor.close()
 
 
+def test_the_torch_models_limit_is_stated_where_its_refusals_are_read() -> None:
+    """A request beyond the torch model's positions fails with a 400 on a torch node,
+    though an openai node of a mixed fleet might run it, and counts toward
+    GpuschedEngineRefusesRequests, whose advice (--max-model-len) does nothing there: the
+    limit is stated in the alert's description, README and ARCHITECTURE."""
+    import yaml
+
+    from gpusched_agent.adapters.torch_model import TinyConfig
+
+    root = Path(__file__).resolve().parents[2]
+    limit = f"{TinyConfig().max_positions:,} positions"
+    rules = yaml.safe_load((root / "ops/prometheus/gpusched-rules.yaml").read_text())
+    [alert] = [rule for group in rules["groups"] for rule in group["rules"]
+               if rule.get("alert") == "GpuschedEngineRefusesRequests"]
+    assert f"torch model's {limit}" in alert["annotations"]["description"]
+    for doc in ("README.md", "docs/ARCHITECTURE.md"):
+        assert limit in " ".join((root / doc).read_text().split()), doc
+
+
 async def test_requests_placed_at_once_on_a_cold_gpu_wait_for_one_load() -> None:
     """The node model counts the weights loaded from the first admission on, so the requests
     placed beside the first one used to skip the load and fail ('model ... is not loaded on

@@ -98,7 +98,10 @@ class ExecutorRefused(ExecutorTurnedAway):
     context by the engine's own tokenizer and chat template, turns its chat template does not
     take): any engine would refuse it the same, so the request ends failed at once, with no
     hand-back, and its client is answered with `status_code` (a 4xx it can act on) and the
-    engine's message."""
+    engine's message. The torch executor refuses so a request beyond its model's 8,192
+    positions, a limit of its own below most catalog models' context, which an engine on
+    another node might run: it is not handed on all the same (README and ARCHITECTURE say
+    so, and the alert on refusals)."""
 
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)

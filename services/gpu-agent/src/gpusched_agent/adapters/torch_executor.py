@@ -192,7 +192,8 @@ class TorchExecutor:
         request = job.request
         limit = self._config.max_positions
         if job.prompt_tokens + request.max_tokens > limit:  # its context, below the catalog's:
-            # a 400 the client can act on, as an engine's own, and no prompt billed
+            # a 400 the client can act on, as an engine's own, and no prompt billed (an
+            # openai node of a mixed fleet might run it: README and the alert say so)
             raise ExecutorRefused(f"prompt ({job.prompt_tokens}) + max_tokens "
                                   f"({request.max_tokens}) exceed the torch model's maximum "
                                   f"context length of {limit} positions; send a shorter "
