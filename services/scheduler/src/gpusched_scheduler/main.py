@@ -38,8 +38,9 @@ SETTLE_ON_SHUTDOWN_S = 5.0
 for Kafka to answer the cycles it sent, so that their placements are saved under its token
 (renewed meanwhile) before a standby takes a newer one. Kafka up answers in milliseconds;
 away, the producer waits up to its request time-out (40 s), past the 10 s Docker and the
-30 s Kubernetes give a container to stop. A cycle answered later is still saved, unless a
-newer token was taken by then."""
+30 s Kubernetes give a container to stop. A cycle answered after the wait is not saved (the
+process ends): a next leader that places its request again finds the placement by the
+agents' claims, where one runs it (the untaken and lost-node checks book it there)."""
 
 
 def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
