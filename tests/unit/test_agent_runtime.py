@@ -672,6 +672,33 @@ async def test_drain_finishes_short_work_hands_back_long_work_and_reports_stoppe
     assert not sink.of(RequestResult)[1:]
 
 
+async def test_an_engine_stopping_with_a_draining_agent_uses_up_no_refusal() -> None:
+    """A rolling restart stops vLLM beside the agent: the work it drops while the node drains
+    goes back as drained work, not as the node's refusal (one refused 4 times before failed
+    "not runnable after 5 attempts")."""
+    runtime, sink, _ = make(time_scale=1.0)
+    real = runtime.executor.generate
+
+    def generate(job):
+        async def tokens():
+            async for token in real(job):
+                if runtime.status != "ready":  # the engine got its SIGTERM too
+                    raise ExecutorUnavailable("inference server dropped the stream")
+                yield token
+        return tokens()
+
+    runtime.executor.generate = generate  # type: ignore[method-assign]
+    refused_before = placement("long", max_tokens=5000)
+    await runtime.command(refused_before.model_copy(update={
+        "request": refused_before.request.model_copy(update={"refused": 4})}))
+    await until_tokens(sink, 1)
+    await runtime.drain(timeout_s=2)
+    await settle(runtime)
+    [back] = sink.of(InferenceRequest)
+    assert (back.requeued, back.refused) == ("node_lost", 4)
+    assert not sink.of(RequestResult)
+
+
 async def test_a_draining_agent_goes_on_with_heartbeats_and_saying_it_is_alive() -> None:
     """The agent stops its reporter on SIGTERM. Before, the drain (20 s by default) then
     sent one report: past the scheduler's 10 s node time-out, with the alive mark lapsed,

@@ -546,9 +546,9 @@ class AgentRuntime:
         if isinstance(admitted, Refused) or model is None:
             # a node going down hands work back as drained work: no refusal of the request
             # (it failed after MAX_ATTEMPTS of them), first in line as node_lost
-            draining = self.status != "ready"
+            serving = self._serving()
             await self._handback(run, admitted.reason,  # type: ignore[union-attr]
-                                 "node_lost" if draining else "handback", refused=not draining)
+                                 "handback" if serving else "node_lost", refused=serving)
             return
         await self._execute(run, self._prepare(admitted, model, placement.gpu_indices), model)
 
@@ -798,8 +798,11 @@ class AgentRuntime:
                 log.error("placement %s: %s", pid, exc)
                 lacks_model = True
             unrun = not reached  # refused at the door, down, or its model not loaded
-            if (last := _last_try(request, refused=True)) is None:
-                requeue, why, refused = "node_lost", str(exc), True
+            # no refusal of the request where the node is going down (its engine stopping
+            # beside it in a rolling restart), as for work that reaches a draining node
+            refused = self._serving()
+            if (last := _last_try(request, refused=refused)) is None:
+                requeue, why = "node_lost", str(exc)
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
         except Exception as exc:  # an executor fault ends this request, not the agent
@@ -1046,6 +1049,12 @@ class AgentRuntime:
             finish_reason=f"{why}: {detail}" + ("" if last is None else f"; {last}"),
             **request.so_far(), node_id=self.node_id, queued_ms=0, total_ms=0),
             topics.RESULTS.name, request.request_id)])
+
+    def _serving(self) -> bool:
+        """Whether this node takes work: a request it cannot run now counts as refused by it
+        (MAX_ATTEMPTS of those fail the request); one it hands back while it drains or has
+        stopped does not (drains do not count, as preemptions do not)."""
+        return self.status == "ready"
 
     async def _handback(self, run: _Running, reason: str, why: str, refused: bool = True
                         ) -> None:
