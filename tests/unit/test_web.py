@@ -47,3 +47,30 @@ async def test_every_service_answers_head_of_its_health_and_metrics() -> None:
             assert head.headers == got.headers
         assert (await client.post("/healthz")).headers["allow"] == "GET"
         assert (await client.get("/openapi.json")).json()["paths"] == {}
+
+
+async def test_a_task_that_swallows_a_cancel_is_still_stopped() -> None:
+    """asyncio.wait_for on Python 3.11 (redis-py writes commands under it) may swallow a
+    cancel that comes as its write is done; the loop around it went on, and a shutdown that
+    cancelled it once waited for good."""
+    import asyncio
+
+    from gpusched_common.tasks import cancelled
+
+    swallowed = 0
+
+    async def loop() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                if swallowed < 2:  # as wait_for does when the write is done
+                    swallowed += 1
+                    continue
+                raise
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancelled(task), timeout=2)
+    assert task.cancelled() and swallowed == 2

@@ -4,7 +4,6 @@ API; `create_app(settings)` wires broker, Redis, config tables and routes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -20,6 +19,7 @@ from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis, warn_unless_durable
+from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes, broker_lifespan, unavailable_without_redis
 
@@ -45,10 +45,7 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
             recheck_budgets, settings.budget_recheck_s), name="budget-recheck"))
 
     async def stop_rechecking() -> None:
-        for task in rechecking:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancelled(*rechecking)
 
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
                                       [stop_rechecking, redis.aclose],

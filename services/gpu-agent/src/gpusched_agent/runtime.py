@@ -61,6 +61,7 @@ from gpusched_common.contracts import (
 from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
+from gpusched_common.tasks import cancelled
 
 log = logging.getLogger(__name__)
 
@@ -488,9 +489,7 @@ class AgentRuntime:
                 await asyncio.wait(tasks, timeout=10)
         finally:
             assert self._reporter is not None
-            self._reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reporter
+            await cancelled(self._reporter)
         self.status = "stopped"
         await self._report_if_kafka_takes_it()
 

@@ -21,6 +21,7 @@ from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
+from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes, get_and_head
 from gpusched_scheduler import handlers
@@ -136,18 +137,6 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         leader.set(0)
         await requests.stop()
 
-    async def _cancelled(task: asyncio.Task[None]) -> None:
-        """Cancel `task` and wait for it to end, cancelling it again until it does: on
-        Python 3.11, asyncio.wait_for (redis-py writes a command under one) swallows a
-        cancel that comes as the write is done, and the loop the task runs went on (the
-        lease loop renewed the lease for good: the shutdown hung until the process was
-        killed, and no standby took over meanwhile)."""
-        while not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.1)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal started, stopping
@@ -170,8 +159,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             # leader placed its request again, maybe elsewhere
             engine.stop()
             await asyncio.wait([cycling], timeout=SETTLE_ON_SHUTDOWN_S)
-            await _cancelled(cycling)
-            await _cancelled(leasing)
+            await cancelled(cycling, leasing)
             async with transitions:
                 led = engine.epoch is not None
                 await _step_down()  # also stops consumers that a cut-short transition started

@@ -6,7 +6,6 @@ the others."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -14,6 +13,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 
 from gpusched_common import topics
+from gpusched_common.tasks import cancelled
 from gpusched_scheduler.adapters.offsets import Commit
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,7 @@ class RequestConsumer:
     async def stop(self) -> None:
         """Leave the groups without committing anything more (the next leader reads on from
         the last commit)."""
-        for task in self._loops:
-            task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancelled(*self._loops)
         for consumer in self._consumers:
             await consumer.stop()
         self._loops.clear()
