@@ -4022,7 +4022,8 @@ async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_r
         return
     assert not retries()
     r = b.running["r#0"]
-    assert (r.node_id, r.gpu_indices) == ("n1", (1,))
+    # where it runs, since A placed it: the progress a preemption would lose counts from then
+    assert (r.node_id, r.gpu_indices, r.placed_at_ms) == ("n1", (1,), placement.placed_at_ms)
     assert list(b.view.reservations) == ([] if n1 == "reports" else ["r#0"])
     [(_, saved)] = (await redis.hgetall(SCHEDULER_RUNNING_KEY)).items()
     assert json.loads(saved)["node_id"] == "n1"  # a next leader inherits it there

@@ -1669,8 +1669,9 @@ class SchedulingEngine:
             return set()
         epoch = self.epoch
         claimed = await self._store.held_as(held)
-        elsewhere = [(r, r.model_copy(update={
-            "node_id": c.node_id, "gpu_indices": c.gpu_indices, "kv_cache_mib": c.kv_cache_mib}))
+        elsewhere = [(r, r.model_copy(update={  # placed then: a victim loses progress since
+            "node_id": c.node_id, "gpu_indices": c.gpu_indices, "kv_cache_mib": c.kv_cache_mib,
+            "placed_at_ms": c.placed_at_ms}))
             for r in held
             if (c := claimed.get(r.placement_id)) is not None and c.node_id != r.node_id]
         held_elsewhere = {booked.placement_id for booked, _ in elsewhere}
