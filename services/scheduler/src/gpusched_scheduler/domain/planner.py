@@ -69,11 +69,9 @@ EARLIER_ATTEMPT_GPU_S = 30.0
 """What each earlier attempt of a victim's request (any requeue: preempted, its node lost or
 drained, handed back) adds to the progress a preemption plan loses by stopping it, in
 GPU-seconds: a rough price of one more restart (the prompt and the tokens so far prefilled
-again, maybe a model load, the queue). By progress alone, a borrower's hand-back, placed
-in whatever room freed, was the cheapest victim of the next request of a tenant
-reclaiming its guarantee, again and again: a simulation stopped one request 54 times in
-300 s, each stop one of its 100 attempts (7 times with this price; a price so high that
-attempts came first stopped more requests to spare one, on worse nodes)."""
+again, maybe a model load, the queue). By progress alone, a borrower's hand-back was the
+cheapest victim of a tenant reclaiming its guarantee again and again; docs/ARCHITECTURE.md
+(Preemption) gives the simulation's numbers and the trade-off."""
 
 Evictable = tuple[tuple[int, int, frozenset[str]], ...]
 """A node's GPUs with idle models: (GPU index, MiB its agent would free by unloading them,
