@@ -533,7 +533,9 @@ async def test_an_engine_that_trickles_holds_neither_a_request_nor_the_heartbeat
     async with LocalServer(app=app) as server:
         executor = OpenAIExecutor(server.url, timeout_s=3)
         try:
-            async with asyncio.timeout(8):
+            # bounded: /v1/models 2 s, the error body 5 s, then a one-token request 2 s
+            # (is the engine that answered 500 dead?)
+            async with asyncio.timeout(12):
                 assert "did not answer /v1/models within 2 s" in await executor.health()
                 with pytest.raises(ExecutorError, match="answered 500: x"):
                     await collect(executor.generate(job("t", max_tokens=3)))
@@ -1358,13 +1360,19 @@ VLLM_CONTEXT_400 = {
 """vLLM's answer to a prompt its tokenizer finds longer than gpusched's estimate."""
 
 
-def refusing(status: int, **reply: object):  # noqa: ANN201
-    """An executor whose engine answers every request `status` with `reply`."""
+def refusing(status: int, generates: bool = False, **reply: object):  # noqa: ANN201
+    """An executor whose engine answers every request `status` with `reply`; `generates`:
+    but a request for one token (the agent's check that it is alive) with a token."""
     import httpx
 
+    def answer(request):  # noqa: ANN001, ANN202
+        if generates and request.url.path != "/v1/models" \
+                and not json.loads(request.content)["stream"]:
+            return httpx.Response(200, json={"choices": [{"text": "p"}]})
+        return httpx.Response(status, **reply)
+
     return OpenAIExecutor("http://engine", client=httpx.AsyncClient(
-        base_url="http://engine", transport=httpx.MockTransport(
-            lambda _: httpx.Response(status, **reply))))
+        base_url="http://engine", transport=httpx.MockTransport(answer)))
 
 
 @pytest.mark.parametrize("status,reply,message", [
@@ -1414,7 +1422,9 @@ async def test_a_request_the_engine_refuses_ends_failed_with_its_status_and_no_p
 
     outcomes = {}
     for status, reply in ((400, {"json": VLLM_CONTEXT_400}), (500, {"text": "engine bug"})):
-        sent, _ = await run_on(refusing(status, **reply), job("r", prompt="x" * 40).request)
+        # (a 500 from an engine that still generates: one found dead is the engine failing)
+        sent, _ = await run_on(refusing(status, generates=True, **reply),
+                               job("r", prompt="x" * 40).request)
         assert not [m for m in sent if isinstance(m, InferenceRequest)]  # no hand-back
         assert all(gpu.healthy for m in sent if isinstance(m, NodeState) for gpu in m.gpus)
         [result] = [m for m in sent if isinstance(m, RequestResult)]
@@ -1870,6 +1880,42 @@ async def test_an_error_event_before_any_token_from_a_dead_engine_is_no_refusal(
         "inference server at http://engine failed the request in its stream: ")
     assert server.probes == (event != ENGINE_DEAD)  # its words are enough
     await runtime.executor.close()
+
+
+@pytest.mark.parametrize("body,probe,back", [
+    ("", "500", True),  # a dead vLLM's bare 500, its token request failing too
+    ('{"message": "EngineCore encountered an issue."}', "token", True),  # in its words
+    ('{"message": "tokenizer crashed on this prompt"}', "token", False),  # this request's
+], ids=["dead-engine", "dead-engine-words", "request-fault"])
+async def test_a_500_instead_of_a_stream_is_the_engine_failing_where_it_is_dead(
+        body: str, probe: str, back: bool) -> None:
+    """A dead vLLM answers new requests 500 while its /v1/models still answers: each such
+    request failed for good, unbilled, and the node took more to fail the same way. Where
+    vLLM's words or a request for one token say the engine is dead, the request goes on
+    elsewhere and the node waits for a token; a 500 from an engine that generates is the
+    request's fault, as before."""
+    import httpx
+
+    from gpusched_common.contracts import RequestResult
+
+    server = ErrorInStream(probe=probe)
+
+    async def answer(request):  # noqa: ANN001, ANN202
+        if request.url.path != "/v1/models" and json.loads(request.content)["stream"]:
+            return httpx.Response(500, content=body)
+        return await server(request)
+
+    executor = OpenAIExecutor("http://engine", client=httpx.AsyncClient(
+        base_url="http://engine", transport=httpx.MockTransport(answer)))
+    sent, runtime = make_runtime(executor)
+    await place(runtime, job("r", max_tokens=6).request)
+    handed = [m for m in sent if isinstance(m, InferenceRequest)]
+    results = [m for m in sent if isinstance(m, RequestResult)]
+    assert (len(handed), len(results)) == ((1, 0) if back else (0, 1))
+    assert (runtime.node.down is not None) == back
+    if not back:
+        assert results[0].status == "failed" and results[0].prompt_tokens == 0
+    await executor.close()
 
 
 async def test_a_health_check_asked_before_a_fault_does_not_clear_it() -> None:

@@ -39,7 +39,9 @@ the request itself (vLLM's 400 for a prompt longer than the model's context by i
 tokenizer): the request fails with that status and the engine's message, which its client
 is answered with. A 404 saying the model does not exist is this node's setup, not the
 request's (the name it is sent under is not one the server serves): the runtime hands it
-back (`ExecutorLacksModel`). Any other error status (a 500, another 404) fails it too.
+back (`ExecutorLacksModel`). Any other error status (another 404, a 500 from an engine
+that still generates) fails it too; a 5xx in vLLM's words for its engine's death, or from
+an engine a one-token request then finds dead, is the engine failing, as above.
 Either failure bills no prompt (`ExecutorTurnedAway`): the engine processed none of it.
 `health` asks its `/v1/models`, which each of these engines serves once its model is loaded
 (the models it lists are the ones the node serves, `served_models`), and after a stall or
@@ -127,7 +129,8 @@ class OpenAIExecutor:
     async def generate(self, job: Job
                        ) -> AsyncGenerator[str | PromptTokens | EngineFinished, None]:
         request = job.request
-        body: dict[str, object] = {"model": self._model_override or job.model.name,
+        served = self._model_override or job.model.name  # the name the engine knows it by
+        body: dict[str, object] = {"model": served,
                                    "max_tokens": request.max_tokens, "stream": True}
         body |= {k: v for k, v in (("seed", request.seed), ("temperature", request.temperature),
                                    ("top_p", request.top_p), ("stop", request.stop))
@@ -153,9 +156,11 @@ class OpenAIExecutor:
                         raise ExecutorRefused(said, resp.status_code)
                     if resp.status_code == 404 and MODEL_MISSING.search(said):
                         raise ExecutorLacksModel(f"{said} ({self._names_served()})")
-                    error = (ExecutorUnavailable if resp.status_code in UNAVAILABLE
-                             else ExecutorTurnedAway)
-                    raise error(said)
+                    if resp.status_code in UNAVAILABLE:
+                        raise ExecutorUnavailable(said)
+                    if resp.status_code >= 500:
+                        raise await self._server_error(said, served, path)
+                    raise ExecutorTurnedAway(said)
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
                     detail = (await _start_of(resp))[:200]
@@ -244,6 +249,20 @@ class OpenAIExecutor:
         self._probe_later(model, path)
         return ExecutorUnavailable(f"inference server at {self._client.base_url} failed the "
                                    f"request in its stream: {error}")
+
+    async def _server_error(self, said: str, model: str, path: str) -> ExecutorError:
+        """A 5xx answered instead of a stream: vLLM's answer to every request once its engine
+        died (the request went back unrun to fail, and the node, whose /v1/models still
+        answers, took more), or a fault of this request alone. The engine failing where it
+        says so (vLLM's words for its death) or a request for one token finds it dead, as
+        for an error inside a stream; else the request's own (it fails, unbilled)."""
+        if not ENGINE_DEAD.search(said):
+            answer = await self._answers(path, _one_token(model, path))
+            if not isinstance(answer, _NotLive) or answer.busy:
+                return ExecutorTurnedAway(said)
+        self._probe_later(model, path)
+        return ExecutorUnavailable(f"inference server at {self._client.base_url} failed: "
+                                   f"{said}")
 
     def _probe_later(self, model: str, path: str) -> None:
         """The engine failed a request of `model` on `path`: `health` asks it for a token."""
