@@ -4971,7 +4971,7 @@ async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_
     once, and the answer, coming after a standby took a newer token, saved nothing. That
     leader read the request again and placed it afresh, maybe on another node, whose agent
     ignored it as a duplicate: counted there, it was never retried when the node that ran
-    it failed. Now the leader waits for the answer (at most SETTLE_ON_SHUTDOWN_S) and saves
+    it failed. Now the leader waits for the answer (at most settle_on_shutdown_s) and saves
     the placement under its token before letting the lease go."""
     from gpusched_common.kafka_records import wall_clock_ms
     from gpusched_scheduler.adapters.decisions import DecisionProducer
@@ -5029,7 +5029,7 @@ async def test_a_leader_shutting_down_lets_the_producer_take_its_cycle_and_saves
     in its batch for the others when the leader was stopped. Shutting down cancelled the
     cycle loop there, and the cycle, whose first placement went out, got no settle: saved
     nowhere, it ran while a next leader that did not know it placed its request again,
-    maybe on another node. Now the cycle under way ends (within SETTLE_ON_SHUTDOWN_S) and
+    maybe on another node. Now the cycle under way ends (within settle_on_shutdown_s) and
     settles, and its placements are saved under the leader's token, renewed meanwhile: a
     standby trying to take the lease all along takes it only after, and inherits them."""
     from gpusched_common.kafka_records import wall_clock_ms

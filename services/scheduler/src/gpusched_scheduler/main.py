@@ -34,14 +34,6 @@ from gpusched_scheduler.engine import SERVICE, EngineConfig, SchedulingEngine
 from gpusched_scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
-SETTLE_ON_SHUTDOWN_S = 5.0
-"""How long a leader shutting down waits for the producer to take the cycle under way and
-for Kafka to answer the cycles it sent, so that their placements are saved under its token
-(renewed meanwhile) before a standby takes a newer one. Kafka up answers in milliseconds;
-away, the producer waits up to its request time-out (40 s), past the 10 s Docker and the
-30 s Kubernetes give a container to stop. A cycle answered after the wait is not saved (the
-process ends): a next leader that places its request again finds the placement by the
-agents' claims, where one runs it (the untaken and lost-node checks book it there)."""
 
 
 def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) -> FastAPI:
@@ -158,7 +150,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             # agent may run a placement Kafka has not answered yet, and unsaved, a next
             # leader placed its request again, maybe elsewhere
             engine.stop()
-            await asyncio.wait([cycling], timeout=SETTLE_ON_SHUTDOWN_S)
+            await asyncio.wait([cycling], timeout=settings.settle_on_shutdown_s)
             await cancelled(cycling, leasing)
             async with transitions:
                 led = engine.epoch is not None

@@ -36,6 +36,14 @@ class SchedulerSettings(ServiceSettings):
     lease_ttl_ms: int = Field(
         default=3000, ge=500, le=60_000, description="Leader lease; a standby takes over at "
         "most this long (plus one renewal period) after the leader stops renewing.")
+    settle_on_shutdown_s: float = Field(
+        default=5.0, ge=0, le=60, description="How long a leader shutting down waits for the "
+        "cycle under way to go out and for Kafka to answer the cycles it sent, so that their "
+        "placements are saved under its token (renewed meanwhile) before a standby takes a "
+        "newer one. Kafka up answers in milliseconds; away, the producer waits up to its "
+        "request time-out (40 s): keep it within the time the container is given to stop "
+        "(Docker 10 s, Kubernetes 30 s). A cycle answered after it is not saved: a next "
+        "leader that places its request again finds the placement by the agents' claims.")
     interactive_target_ms: float = Field(default=1_000, gt=0,
                                          description="Placement latency target, interactive.")
     standard_target_ms: float = Field(default=10_000, gt=0)
