@@ -6,9 +6,8 @@ Redis of this module's own (`start_redis`), where redis-server is installed."""
 import asyncio
 import json
 import re
-import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,7 +62,6 @@ from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
-from gpusched_ops.testing import start_redis
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
 PRICES = PriceTable(gpu_hour_usd={"H100-80GB": 3.6},
@@ -1023,19 +1021,6 @@ async def test_a_budget_recheck_that_fails_is_tried_again_and_then_runs_every_pe
     with pytest.raises(asyncio.CancelledError):
         await handlers.recheck_forever(recheck, every_s=60)
     assert len(calls) == 4 and pauses == [handlers.RECHECK_RETRY_S] * 2 + [60, 60]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A Redis of this module's own, started as the local stack starts it (a failing start
-    fails the tests that need it: only a machine without redis-server skips them)."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (ops/scripts/install-redis.sh)")
-    url, stop = start_redis(tmp_path_factory.mktemp("redis"))
-    try:
-        yield url
-    finally:
-        stop()
 
 
 @pytest.fixture

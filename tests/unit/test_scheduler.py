@@ -5,8 +5,7 @@ consumer hands them: valid requests are placed, bad records are dead-lettered.""
 import asyncio
 import contextlib
 import json
-import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
@@ -55,7 +54,6 @@ from gpusched_common.redis_keys import (
     SCHEDULER_RUNNING_KEY,
 )
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
-from gpusched_ops.testing import start_redis
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.redis_state import (
     LEADER_KEY,
@@ -3900,19 +3898,6 @@ async def test_a_cycle_loop_cancelled_while_kafka_holds_its_cycles_leaves_them_t
             ack.set_result(None)
     await asyncio.wait_for(engine.settle_in_flight(), 1.0)
     assert sorted(store.saved) == [f"r{i}#0" for i in range(5)]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
-    """A Redis of this module's own, started as the local stack starts it (a failing start
-    fails the tests that need it: only a machine without redis-server skips them)."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (ops/scripts/install-redis.sh)")
-    url, stop = start_redis(tmp_path_factory.mktemp("redis"))
-    try:
-        yield url
-    finally:
-        stop()
 
 
 @pytest.fixture
