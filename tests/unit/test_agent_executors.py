@@ -533,9 +533,7 @@ async def test_an_engine_that_trickles_holds_neither_a_request_nor_the_heartbeat
     async with LocalServer(app=app) as server:
         executor = OpenAIExecutor(server.url, timeout_s=3)
         try:
-            # bounded: /v1/models 2 s, the error body 5 s, then a one-token request 2 s
-            # (is the engine that answered 500 dead?)
-            async with asyncio.timeout(12):
+            async with asyncio.timeout(8):
                 assert "did not answer /v1/models within 2 s" in await executor.health()
                 with pytest.raises(ExecutorError, match="answered 500: x"):
                     await collect(executor.generate(job("t", max_tokens=3)))
@@ -1360,19 +1358,13 @@ VLLM_CONTEXT_400 = {
 """vLLM's answer to a prompt its tokenizer finds longer than gpusched's estimate."""
 
 
-def refusing(status: int, generates: bool = False, **reply: object):  # noqa: ANN201
-    """An executor whose engine answers every request `status` with `reply`; `generates`:
-    but a request for one token (the agent's check that it is alive) with a token."""
+def refusing(status: int, **reply: object):  # noqa: ANN201
+    """An executor whose engine answers every request `status` with `reply`."""
     import httpx
 
-    def answer(request):  # noqa: ANN001, ANN202
-        if generates and request.url.path != "/v1/models" \
-                and not json.loads(request.content)["stream"]:
-            return httpx.Response(200, json={"choices": [{"text": "p"}]})
-        return httpx.Response(status, **reply)
-
     return OpenAIExecutor("http://engine", client=httpx.AsyncClient(
-        base_url="http://engine", transport=httpx.MockTransport(answer)))
+        base_url="http://engine", transport=httpx.MockTransport(
+            lambda _: httpx.Response(status, **reply))))
 
 
 @pytest.mark.parametrize("status,reply,message", [
@@ -1422,9 +1414,7 @@ async def test_a_request_the_engine_refuses_ends_failed_with_its_status_and_no_p
 
     outcomes = {}
     for status, reply in ((400, {"json": VLLM_CONTEXT_400}), (500, {"text": "engine bug"})):
-        # (a 500 from an engine that still generates: one found dead is the engine failing)
-        sent, _ = await run_on(refusing(status, generates=True, **reply),
-                               job("r", prompt="x" * 40).request)
+        sent, _ = await run_on(refusing(status, **reply), job("r", prompt="x" * 40).request)
         assert not [m for m in sent if isinstance(m, InferenceRequest)]  # no hand-back
         assert all(gpu.healthy for m in sent if isinstance(m, NodeState) for gpu in m.gpus)
         [result] = [m for m in sent if isinstance(m, RequestResult)]
@@ -1883,17 +1873,18 @@ async def test_an_error_event_before_any_token_from_a_dead_engine_is_no_refusal(
 
 
 @pytest.mark.parametrize("body,probe,back", [
-    ("", "500", True),  # a dead vLLM's bare 500, its token request failing too
-    ('{"message": "EngineCore encountered an issue."}', "token", True),  # in its words
+    ('{"message": "EngineCore encountered an issue."}', "token", True),  # in vLLM's words
     ('{"message": "tokenizer crashed on this prompt"}', "token", False),  # this request's
-], ids=["dead-engine", "dead-engine-words", "request-fault"])
-async def test_a_500_instead_of_a_stream_is_the_engine_failing_where_it_is_dead(
+    ("", "500", False),  # a path that fails whatever it is asked (a chat template raising)
+], ids=["dead-engine-words", "request-fault", "path-fault"])
+async def test_a_500_instead_of_a_stream_is_the_engine_failing_where_it_says_so(
         body: str, probe: str, back: bool) -> None:
     """A dead vLLM answers new requests 500 while its /v1/models still answers: each such
     request failed for good, unbilled, and the node took more to fail the same way. Where
-    vLLM's words or a request for one token say the engine is dead, the request goes on
-    elsewhere and the node waits for a token; a 500 from an engine that generates is the
-    request's fault, as before."""
+    vLLM's words say its engine died, the request goes on elsewhere and the node waits for
+    a token; any other 500 is the request's fault, as before (judged by a request for one
+    token on the same path, one that fails whatever it is asked took the node down for
+    good)."""
     import httpx
 
     from gpusched_common.contracts import RequestResult

@@ -39,9 +39,8 @@ the request itself (vLLM's 400 for a prompt longer than the model's context by i
 tokenizer): the request fails with that status and the engine's message, which its client
 is answered with. A 404 saying the model does not exist is this node's setup, not the
 request's (the name it is sent under is not one the server serves): the runtime hands it
-back (`ExecutorLacksModel`). Any other error status (another 404, a 500 from an engine
-that still generates) fails it too; a 5xx in vLLM's words for its engine's death, or from
-an engine a one-token request then finds dead, is the engine failing, as above.
+back (`ExecutorLacksModel`). Any other error status (another 404, a 500) fails it too;
+but a 5xx in vLLM's words for its engine's death is the engine failing, as above.
 Either failure bills no prompt (`ExecutorTurnedAway`): the engine processed none of it.
 `health` asks its `/v1/models`, which each of these engines serves once its model is loaded
 (the models it lists are the ones the node serves, `served_models`), and after a stall or
@@ -159,7 +158,7 @@ class OpenAIExecutor:
                     if resp.status_code in UNAVAILABLE:
                         raise ExecutorUnavailable(said)
                     if resp.status_code >= 500:
-                        raise await self._server_error(said, served, path)
+                        raise self._server_error(said, served, path)
                     raise ExecutorTurnedAway(said)
                 kind = resp.headers.get("content-type", "").lower()
                 if not kind.startswith("text/event-stream"):
@@ -250,16 +249,15 @@ class OpenAIExecutor:
         return ExecutorUnavailable(f"inference server at {self._client.base_url} failed the "
                                    f"request in its stream: {error}")
 
-    async def _server_error(self, said: str, model: str, path: str) -> ExecutorError:
-        """A 5xx answered instead of a stream: vLLM's answer to every request once its engine
-        died (the request went back unrun to fail, and the node, whose /v1/models still
-        answers, took more), or a fault of this request alone. The engine failing where it
-        says so (vLLM's words for its death) or a request for one token finds it dead, as
-        for an error inside a stream; else the request's own (it fails, unbilled)."""
+    def _server_error(self, said: str, model: str, path: str) -> ExecutorError:
+        """A 5xx answered instead of a stream: the engine failing where it says in vLLM's
+        words that its engine died (it answers every request so while its /v1/models still
+        answers: each failed for good, and the node took more), as for an error inside a
+        stream; else a fault of this request (it fails, unbilled). Not judged by a request
+        for one token: a path or model that fails whatever it is asked (a chat template
+        that raises) took the node down for good, every request with it."""
         if not ENGINE_DEAD.search(said):
-            answer = await self._answers(path, _one_token(model, path))
-            if not isinstance(answer, _NotLive) or answer.busy:
-                return ExecutorTurnedAway(said)
+            return ExecutorTurnedAway(said)
         self._probe_later(model, path)
         return ExecutorUnavailable(f"inference server at {self._client.base_url} failed: "
                                    f"{said}")
