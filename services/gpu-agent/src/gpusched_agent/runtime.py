@@ -224,6 +224,8 @@ class AgentRuntime:
         """When Kafka (a node state) or Redis (the alive mark) last took something from this
         agent: the scheduler can tell it is alive only by those (`_fence_if_cut_off`)."""
         self._reporter: asyncio.Task[None] | None = None
+        self._alive: asyncio.Task[None] | None = None
+        """The reporter's own task saying in Redis that the agent is alive."""
         """`report_forever` from `start_reporting` until the end of `drain`."""
 
     # --- node state ----------------------------------------------------------------------
@@ -238,11 +240,11 @@ class AgentRuntime:
         heartbeat every `heartbeat_s`, re-reading GPU telemetry and health each time; and,
         in a task of its own, every second in Redis that the agent is alive (a report to a
         Kafka that is away can block for the producer's 40 s time-out)."""
-        alive = asyncio.create_task(self._say_alive_forever(), name="alive")
+        alive = self._alive = asyncio.create_task(self._say_alive_forever(), name="alive")
         try:
             await self._report_forever()
         finally:
-            alive.cancel()
+            alive.cancel()  # once: `drain` makes sure it ended (`cancelled`)
             if self._reading is not None:  # a reporter started again asks for a read of its own
                 self._reading.cancel()
                 self._reading = None
@@ -489,7 +491,9 @@ class AgentRuntime:
                 await asyncio.wait(tasks, timeout=10)
         finally:
             assert self._reporter is not None
-            await cancelled(self._reporter)
+            # the alive mark's task too: a cancel its Redis write swallowed had the stopped
+            # node say it was alive on
+            await cancelled(self._reporter, *[t for t in (self._alive,) if t is not None])
         self.status = "stopped"
         await self._report_if_kafka_takes_it()
 
