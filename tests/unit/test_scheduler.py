@@ -2203,13 +2203,17 @@ async def test_a_cycle_undone_after_its_node_was_lost_does_not_place_the_work_ag
     assert kafka.offsets == {TopicPartition(standard, 0): 8}
 
 
-def _held_engine(send=None, store=None, sent: list | None = None  # noqa: ANN001
+def _held_engine(send=None, store=None, sent: list | None = None,  # noqa: ANN001
+                 before_send: Callable[[], None] | None = None
                  ) -> tuple[SchedulingEngine, list[asyncio.Future], Commits]:
     """A leading engine whose publishes wait for the test to answer them (`acks`), unless
-    it gives its own `send`; `sent`, if given, collects what it publishes."""
+    it gives its own `send`; `sent`, if given, collects what it publishes; `before_send`,
+    if given, runs as each publish begins."""
     acks: list[asyncio.Future] = []
 
     async def held(batch):
+        if before_send is not None:
+            before_send()
         if sent is not None:
             sent.extend(batch)
         acks.append(asyncio.get_running_loop().create_future())
@@ -2579,14 +2583,15 @@ async def test_a_save_retried_past_its_placements_end_does_not_write_it_back(
     assert not store.hash and not engine.running
 
 
-async def _refused_r1(sent: list) -> tuple[SchedulingEngine, list[asyncio.Future], Commits,
-                                           FlakyStore, ConsumerRecord]:
+async def _refused_r1(sent: list, before_send: Callable[[], None] | None = None
+                      ) -> tuple[SchedulingEngine, list[asyncio.Future], Commits,
+                                 FlakyStore, ConsumerRecord]:
     """r1 (offset 7) placed on n1 under token 3 by a cycle Kafka refused, with Redis up:
     the engine, its acks, commits and store, and r1's record; `sent` collects what goes
-    out."""
+    out, and `before_send` runs as each publish begins."""
     store = FlakyStore()
     store.up = True
-    engine, acks, kafka = _held_engine(store=store, sent=sent)
+    engine, acks, kafka = _held_engine(store=store, sent=sent, before_send=before_send)
     record = _standard_record(7, "r1")
     await engine.admit([record], kafka.commit)
     assert await engine.cycle() == 1
@@ -2628,25 +2633,15 @@ async def test_a_term_begun_while_a_placement_goes_out_again_lets_its_records_co
     read again waited on it, whose later-term undo decided nothing, and its partition
     committed nothing more for the whole term."""
     engine: SchedulingEngine
-    acks: list[asyncio.Future] = []
-    store = FlakyStore()
-    store.up = True
     lapses = [False]
 
-    async def send(batch):
+    def lapse() -> None:
         if lapses[0]:
             lapses[0] = False
             inherited = engine.running["r1#0"].model_copy()  # as Redis gives it back
             engine.step_down()
             engine.lead(4, [inherited], {"r1#0": "held"})
-        acks.append(asyncio.get_running_loop().create_future())
-        return acks[-1]
-    engine, _, kafka = _held_engine(send=send, store=store)
-    record = _standard_record(7, "r1")
-    await engine.admit([record], kafka.commit)
-    assert await engine.cycle() == 1
-    _answer(acks[0], refused=True)
-    await asyncio.sleep(0.01)
+    engine, acks, kafka, store, record = await _refused_r1([], before_send=lapse)
     assert store.saved == ["r1#0"]
     lapses[0] = True
     assert await engine.cycle() == 1  # sent again; term 4 begins meanwhile

@@ -217,10 +217,10 @@ class OpenAIExecutor:
             raise ExecutorUnavailable(f"inference server at {self._client.base_url} "
                                       f"unreachable or dropped the stream: {exc!r}") from exc
         except _ErrorEvent as error:
-            raise await self._failed_in_stream(error, str(body["model"]), path,
+            raise await self._failed_in_stream(error, served, path,
                                                before_token=counted == 0) from None
         except (_Stalled, httpx.TimeoutException) as exc:  # a connect's is taken above
-            self._probe_later(str(body["model"]), path)
+            self._probe_later(served, path)
             if isinstance(exc, _Stalled):
                 raise
             raise _Stalled(f"inference server at {self._client.base_url} sent nothing for "
