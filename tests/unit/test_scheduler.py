@@ -2583,6 +2583,17 @@ async def test_a_save_retried_past_its_placements_end_does_not_write_it_back(
     assert not store.hash and not engine.running
 
 
+async def _cycles_kafka_takes(engine: SchedulingEngine, acks: list[asyncio.Future]
+                             ) -> None:
+    """Three cycles, each with every publish not answered yet taken by Kafka."""
+    for _ in range(3):
+        await engine.cycle()
+        for ack in acks:
+            if not ack.done():
+                ack.set_result(None)
+        await asyncio.sleep(0.01)
+
+
 async def _refused_r1(sent: list, before_send: Callable[[], None] | None = None
                       ) -> tuple[SchedulingEngine, list[asyncio.Future], Commits,
                                  FlakyStore, ConsumerRecord]:
@@ -2616,12 +2627,7 @@ async def test_a_refused_placement_a_next_term_inherits_lets_its_records_commit(
     await engine.admit([_standard_record(8, "r2")], kafka.commit)
     _answer(acks[1], refused=refused_again)
     await asyncio.sleep(0.01)
-    for _ in range(3):
-        await engine.cycle()
-        for ack in acks:
-            if not ack.done():
-                ack.set_result(None)
-        await asyncio.sleep(0.01)
+    await _cycles_kafka_takes(engine, acks)
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 9}
 
 
@@ -2647,12 +2653,7 @@ async def test_a_term_begun_while_a_placement_goes_out_again_lets_its_records_co
     assert await engine.cycle() == 1  # sent again; term 4 begins meanwhile
     assert engine.epoch == 4
     await engine.admit([record, _standard_record(8, "r2")], kafka.commit)  # read again
-    for _ in range(3):
-        await engine.cycle()
-        for ack in acks:
-            if not ack.done():
-                ack.set_result(None)
-        await asyncio.sleep(0.01)
+    await _cycles_kafka_takes(engine, acks)
     assert sorted(engine.running) == ["r1#0", "r2#0"] and not len(engine.queue)
     assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 9}
 
