@@ -1,6 +1,7 @@
 """The agent runtime with the simulated executor and in-memory publish and ledger: duplicate
 and stale placements, cancel and preempt mid-stream, partial usage deltas, SIGTERM drain,
-and a restart that hands back what a crashed run left."""
+a restart that hands back what a crashed run left, and the handlers' dead letters for
+records that are no command."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from faststream.kafka import KafkaMessage, TestKafkaBroker
+from prometheus_client import CollectorRegistry, Counter
 
+from gpusched_agent import handlers
 from gpusched_agent.adapters.executor import ExecutorUnavailable, PromptTokens
 from gpusched_agent.adapters.ledger import MemoryLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
@@ -20,9 +24,11 @@ from gpusched_agent.domain.inventory import parse_simulated
 from gpusched_agent.domain.node import NodeModel
 from gpusched_agent.runtime import AgentRuntime, Ignored, Reused, Stale, Started, Stopping
 from gpusched_common import topics
+from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models
 from gpusched_common.contracts import (
     CANCEL,
+    DEAD_LETTER,
     MAX_USAGE_GPU_SECONDS,
     PLACEMENT_COMMAND,
     REASON_CHARS,
@@ -37,6 +43,7 @@ from gpusched_common.contracts import (
     TokenChunk,
     UsageRecord,
 )
+from gpusched_common.settings import KafkaSettings
 
 CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
 MODEL = "qwen2.5-1.5b"
@@ -55,12 +62,12 @@ class Sink:
 
 def make(time_scale: float = 0.01, usage_interval_s: float = 60.0, epoch: int | None = None,
          spec: str = "2xH100-80GB", ledger: MemoryLedger | None = None, now_ms: int = 1_000,
-         sink: Sink | None = None, clock: Callable[[], int] | None = None, **options: Any
-         ) -> tuple[AgentRuntime, Sink, MemoryLedger]:
+         sink: Sink | None = None, clock: Callable[[], int] | None = None,
+         node_id: str = "n1", **options: Any) -> tuple[AgentRuntime, Sink, MemoryLedger]:
     """A runtime started at `now_ms` (its run id; the time throughout, unless `clock`
     says otherwise); pass `ledger` to restart on one, `options` to set AgentRuntime's."""
     sink, ledger = sink or Sink(), ledger or MemoryLedger(epoch)
-    runtime = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated(spec, "n1")),
+    runtime = AgentRuntime(node_id, NodeModel.from_inventory(parse_simulated(spec, node_id)),
                            CATALOG, SimulatedExecutor(time_scale, seed=7), sink, ledger,
                            clock or (lambda: now_ms), chunk_tokens=4, heartbeat_s=1.0,
                            usage_interval_s=usage_interval_s, **options)
@@ -1467,3 +1474,30 @@ async def test_waiting_on_a_partial_send_after_the_run_ended_is_no_gpu_time() ->
     await settle(runtime)
     a, b = usage_sum(sink, "a")[2], usage_sum(sink, "b")[2]
     assert a < 0.25 and b > 0.6, (a, b)
+
+
+async def test_a_keyless_unreadable_command_is_dead_lettered_once_by_the_agents_sharing_it(
+        ) -> None:
+    """Agents whose node ids hash to one placements partition all read a record produced
+    there without a key; one of them dead-letters it when it is no command (before: each
+    of them did, one dead letter per agent)."""
+    broker = make_broker(KafkaSettings(), "gpu-agent", None, None)
+    ledger, letters = MemoryLedger(), []
+    nodes = ("node-2", "node-3")
+    partition = topics.partition_for_key(nodes[0], topics.PLACEMENTS.partitions)
+    assert topics.partition_for_key(nodes[1], topics.PLACEMENTS.partitions) == partition
+    for node in nodes:
+        runtime, _, _ = make(node_id=node, ledger=ledger)
+        handlers.register(broker, runtime, Counter(
+            "commands", "", ["command", "outcome"], registry=CollectorRegistry()))
+
+    @broker.subscriber(topics.DEAD_LETTERS.name)
+    async def dead(msg: KafkaMessage) -> None:
+        letters.append(DEAD_LETTER.validate_json(msg.body))
+
+    async with TestKafkaBroker(broker) as br:  # its keyless record has b"" as key: alike
+        await br.publish(b'{"type": "placement"}', topics.PLACEMENTS.name, partition=partition)
+        await br.publish(b'{"type": "preempt"}', topics.PLACEMENTS.name, partition=partition,
+                         key=b"node-3")  # keyed: node-3's alone, node-2 skips it
+    assert [(d.service, d.reason.split(":")[0]) for d in letters] == \
+        [("gpu-agent", "not a placement or preempt")] * 2

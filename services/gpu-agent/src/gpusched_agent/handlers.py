@@ -34,6 +34,12 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
         await broker.publish(dead_letter(record, reason, SERVICE, runtime.now_ms()).to_bytes(),
                              topics.DEAD_LETTERS.name, key=record.topic.encode())
 
+    async def ours_to_report(record: ConsumerRecord) -> bool:
+        """Whether this agent dead-letters `record`, which others may read too: the first of
+        them to claim it does, once."""
+        return await runtime.first_to_report(f"{record.topic}:{record.partition}:"
+                                             f"{record.offset}")
+
     placements = broker.subscriber(
         partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
         group_id=f"gpusched-agent-{runtime.node_id}", auto_offset_reset="latest",
@@ -42,12 +48,14 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
     @placements
     async def on_placement(msg: KafkaMessage) -> None:
         record = msg.raw_message
-        if record.key is not None and record.key.decode(errors="replace") != runtime.node_id:
+        if record.key and record.key.decode(errors="replace") != runtime.node_id:
             return  # another node's command sharing this partition
         try:
             command = PLACEMENT_COMMAND.validate_json(record.value)
         except ValidationError as exc:
             commands.labels("unknown", "invalid").inc()
+            if not record.key and not await ours_to_report(record):
+                return  # keyless: every agent sharing the partition read it
             reason = f"not a placement or preempt: {invalid_fields(exc)}"
             log.error("command at offset %s dead-lettered: %s", record.offset, reason)
             await reject(record, reason)
@@ -69,8 +77,7 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
         except ValidationError as exc:
             commands.labels("unknown", "invalid").inc()
             # every agent reads it: the first to claim it dead-letters it, once
-            if await runtime.first_to_report(f"{record.topic}:{record.partition}:"
-                                             f"{record.offset}"):
+            if await ours_to_report(record):
                 reason = f"not a cancel: {invalid_fields(exc)}"
                 log.error("control record at %s:%s dead-lettered: %s", record.partition,
                           record.offset, reason)
