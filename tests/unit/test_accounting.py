@@ -57,7 +57,7 @@ from gpusched_accounting.main import create_app
 from gpusched_accounting.settings import AccountingSettings
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
-from gpusched_common.catalog import load_tenants
+from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import DEAD_LETTER, USAGE, UsageRecord
 from gpusched_common.redis_client import make_redis
 from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
@@ -115,6 +115,20 @@ def test_a_price_that_cannot_bill_stops_the_start(tmp_path, prices, needle) -> N
     nano-USD counters."""
     (tmp_path / "prices.yaml").write_text(prices + "\n")
     with pytest.raises(ValueError, match=f"prices.yaml is invalid: (.|\n)*{needle}"):
+        load_prices(tmp_path)
+
+
+@pytest.mark.parametrize("typo,needle", [
+    (("  llama-3.1-70b:", "  llama-3.1-70B:"), "model_usd_per_million_tokens.llama-3.1-70B"),
+    (("  H100-80GB: 2.50", "  H100-80G: 2.50"), "gpu_hour_usd.H100-80G (GPU types: H100-80GB"),
+], ids=["model", "gpu-type"])
+def test_a_misspelt_price_entry_stops_the_start(tmp_path, typo, needle) -> None:
+    """A misspelt model or GPU type loaded without a word and billed at the `default` price
+    (free without one): accounting bills only what it can name."""
+    for name in ("models.yaml", "prices.yaml"):
+        (tmp_path / name).write_text((CONFIG / name).read_text().replace(*typo))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{tmp_path / 'prices.yaml'} is invalid: no such GPU type or model: {needle}")):
         load_prices(tmp_path)
 
 
@@ -768,6 +782,36 @@ def test_merge_keys_still_load_and_a_budget_written_twice_stops_the_start(tmp_pa
         b.load_budgets(tmp_path, {"hooli", "pied"})
     (tmp_path / "budgets.yaml").write_text("# none yet\n")
     assert not b.load_budgets(tmp_path, {"hooli", "pied"}).budgets
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda ms: ms.append(dict(ms[1], context_limit_tokens=131072)),
+     "value: Value error, model(s) listed twice: qwen2.5-1.5b"),
+    (lambda ms: ms[0].update(num_gpus=True), "models.0.num_gpus: Input should be a valid "
+     "integer"),
+    (lambda ms: ms[0].update(weight_memory_mib="16000"), "models.0.weight_memory_mib: "
+     "Input should be a valid integer"),
+    (lambda ms: ms[0].update(num_gpu=2), "models.0.num_gpu: Extra inputs are not permitted"),
+], ids=["model-twice", "bool-gpus", "string-memory", "misspelt-key"])
+def test_a_model_written_so_it_is_read_otherwise_stops_the_start_in_one_line(
+        tmp_path, change, needle) -> None:
+    """A model listed twice was served by its last entry while /v1/models listed both;
+    `true` read as 1 (GPU, or MiB of weights); and every error came as pydantic's text over
+    many lines, without the file's name."""
+    models = yaml.safe_load((CONFIG / "models.yaml").read_text())
+    change(models["models"])
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
+    with pytest.raises(ValueError) as refused:
+        load_models(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'models.yaml'} is invalid: {needle}"
+
+
+def test_a_budgets_file_that_is_no_yaml_is_named_once(tmp_path) -> None:
+    (tmp_path / "budgets.yaml").write_text("budgets: [\n")
+    with pytest.raises(ValueError) as refused:
+        b.load_budgets(tmp_path, {"acme"})
+    assert str(refused.value).count("budgets.yaml") == 1
+    assert str(refused.value).startswith(f"{tmp_path / 'budgets.yaml'} is not valid YAML")
 
 
 @pytest.mark.parametrize("quota,needle", [

@@ -1,16 +1,26 @@
-"""The HTTP face every service shares."""
+"""The HTTP face every service shares, and how each one starts."""
 
 import asyncio
 import gc
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
+import yaml
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from gpusched_common.web import Server, add_ops_routes
+from gpusched_common.web import Server, add_ops_routes, run_service
+from gpusched_router.settings import RouterSettings
+
+CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 async def test_what_start_up_created_is_frozen_out_of_the_collector() -> None:
@@ -74,3 +84,33 @@ async def test_a_task_that_swallows_a_cancel_is_still_stopped() -> None:
     await asyncio.sleep(0)
     await asyncio.wait_for(cancelled(task), timeout=2)
     assert task.cancelled() and swallowed == 2
+
+
+@pytest.mark.parametrize("service", ["router", "scheduler", "gpu-agent", "accounting"])
+def test_a_service_with_a_wrong_config_file_stops_with_one_line_naming_it(
+        tmp_path, service) -> None:
+    """It printed pydantic's traceback, which never named models.yaml; now every service
+    (the four `python -m` entry points share `run_service`) says what is wrong in one line
+    and exits with status 1."""
+    for name in ("tenants.yaml", "prices.yaml"):
+        shutil.copy(CONFIG / name, tmp_path)
+    models = yaml.safe_load((CONFIG / "models.yaml").read_text())
+    models["models"].append(models["models"][0])
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
+    module = "gpusched_" + service.replace("gpu-", "")
+    done = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                          env={**os.environ, "GPUSCHED_CONFIG_DIR": str(tmp_path),
+                               "GPUSCHED_SIMULATE": "1xH100-80GB"},
+                          timeout=120, check=False)
+    assert done.returncode == 1
+    assert done.stderr == (f"{service}: {tmp_path / 'models.yaml'} is invalid: value: Value "
+                           f"error, model(s) listed twice: {models['models'][0]['name']}\n")
+
+
+def test_a_wrong_setting_stops_a_service_with_one_line_naming_it(monkeypatch) -> None:
+    monkeypatch.setenv("GPUSCHED_HTTP_PORT", "eighty")
+    with pytest.raises(SystemExit) as stopped:
+        run_service("router", RouterSettings, lambda settings: FastAPI())
+    assert stopped.value.code == ("router: a GPUSCHED_* setting in the environment is "
+                                  "invalid: http_port: Input should be a valid integer, "
+                                  "unable to parse string as an integer")

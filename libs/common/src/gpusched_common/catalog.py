@@ -7,23 +7,27 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gpusched_common.contracts import Name, PriorityClass
+from gpusched_common.contracts import Name, PriorityClass, invalid_fields
 
 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `true` is no 1 MiB of weights, nor "32k" anything
     name: Name
-    parameters_b: float = Field(gt=0, description="Parameters, in billions.")
-    weight_memory_mib: int = Field(gt=0)
-    kv_cache_bytes_per_token: int = Field(gt=0)
-    context_limit_tokens: int = Field(gt=0)
-    num_gpus: int = Field(default=1, ge=1, le=8, description="GPUs of one node a request of "
-                          "it runs on unless the request says (tensor parallel, as vLLM's "
-                          "--tensor-parallel-size): a model too big for one GPU needs more.")
+    parameters_b: float = Field(gt=0, strict=True, allow_inf_nan=False,
+                                description="Parameters, in billions.")
+    weight_memory_mib: int = Field(gt=0, strict=True)
+    kv_cache_bytes_per_token: int = Field(gt=0, strict=True)
+    context_limit_tokens: int = Field(gt=0, strict=True)
+    num_gpus: int = Field(default=1, ge=1, le=8, strict=True,
+                          description="GPUs of one node a request of it runs on unless the "
+                          "request says (tensor parallel, as vLLM's --tensor-parallel-size): "
+                          "a model too big for one GPU needs more.")
 
     def kv_cache_mib(self, tokens: int) -> int:
         """GPU memory of the KV cache for `tokens` tokens, rounded up to whole MiB."""
@@ -50,6 +54,15 @@ def model_of(weights: str) -> str:
 class ModelCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     models: tuple[ModelSpec, ...]
+
+    @model_validator(mode="after")
+    def _one_entry_per_model(self) -> ModelCatalog:
+        """A model listed twice was served by its last entry while `/v1/models` listed both:
+        refused at start, naming it."""
+        names = self.names
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"model(s) listed twice: {', '.join(twice)}")
+        return self
 
     def get(self, name: str) -> ModelSpec | None:
         return self._by_name.get(name)
@@ -174,16 +187,26 @@ GPU_TYPES: dict[str, GpuType] = {
 
 def load_models(config_dir: Path) -> ModelCatalog:
     """Read `models.yaml`; raises ValueError naming the file when it is invalid."""
-    return ModelCatalog.model_validate(read_config(config_dir / "models.yaml"))
+    return read_config_as(ModelCatalog, config_dir / "models.yaml")
 
 
 def load_tenants(config_dir: Path) -> TenantDirectory:
     """Read `tenants.yaml`; raises ValueError naming the file when it is invalid."""
-    path = config_dir / "tenants.yaml"
+    return read_config_as(TenantDirectory, config_dir / "tenants.yaml")
+
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+def read_config_as(kind: type[Config], path: Path, empty_ok: bool = False) -> Config:
+    """The file `path` of the config folder (`read_config`) as a `kind`; raises ValueError
+    naming the file and, on one line, every entry that is wrong (what a service that
+    refuses to start says)."""
+    data = read_config(path, empty_ok)
     try:
-        return TenantDirectory.model_validate(read_config(path))
+        return kind.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"{path} is invalid: {exc}") from exc
+        raise ValueError(f"{path} is invalid: {invalid_fields(exc)}") from exc
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -7,16 +7,19 @@ import asyncio
 import gc
 import logging
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from gpusched_common.contracts import invalid_fields
 from gpusched_common.settings import KafkaSettings, ServiceSettings
 from gpusched_common.topics import ensure_topics
 
@@ -74,6 +77,25 @@ def unavailable_without_redis(app: FastAPI, body: Callable[[str], dict[str, Any]
         reason = f"Redis is unavailable ({type(exc).__name__}); nothing was done, retry shortly"
         log.warning("%s %s: Redis is unavailable: %r", request.method, request.url.path, exc)
         return JSONResponse(body(reason), status_code=503, headers=retry_shortly())
+
+
+Settings = TypeVar("Settings", bound=ServiceSettings)
+
+
+def run_service(name: str, settings_type: type[Settings],
+                create_app: Callable[[Settings], FastAPI]) -> None:
+    """`python -m <service>`: settings from the environment, the app, `serve`. A setting or
+    a config file that is wrong ends the process with status 1 and one line naming it (what
+    the operator reads in the pod's or the container's log), not a traceback."""
+    try:
+        settings = settings_type()
+        app = create_app(settings)
+    except ValidationError as exc:  # the config loaders raise ValueErrors naming their file
+        sys.exit(f"{name}: a GPUSCHED_* setting in the environment is invalid: "
+                 f"{invalid_fields(exc)}")
+    except ValueError as exc:
+        sys.exit(f"{name}: {exc}")
+    serve(app, settings)
 
 
 def serve(app: FastAPI, settings: ServiceSettings) -> None:

@@ -2,8 +2,7 @@
 
 from gpusched_accounting.main import create_app
 from gpusched_accounting.settings import AccountingSettings
-from gpusched_common.web import serve
+from gpusched_common.web import run_service
 
 if __name__ == "__main__":
-    settings = AccountingSettings()
-    serve(create_app(settings), settings)
+    run_service("accounting", AccountingSettings, create_app)

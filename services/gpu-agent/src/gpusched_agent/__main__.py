@@ -2,8 +2,7 @@
 
 from gpusched_agent.main import create_app
 from gpusched_agent.settings import AgentSettings
-from gpusched_common.web import serve
+from gpusched_common.web import run_service
 
 if __name__ == "__main__":
-    settings = AgentSettings()
-    serve(create_app(settings), settings)
+    run_service("gpu-agent", AgentSettings, create_app)

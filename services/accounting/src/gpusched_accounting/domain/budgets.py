@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpusched_accounting.domain.usage import Totals
-from gpusched_common.catalog import read_config
+from gpusched_common.catalog import read_config_as
 
 Period = Literal["day", "month"]
 Unit = Literal["tokens", "usd"]
@@ -54,10 +54,7 @@ def load_budgets(config_dir: Path, tenants: Collection[str]) -> BudgetTable:
     path = config_dir / "budgets.yaml"
     if not path.is_file():
         return BudgetTable()
-    try:
-        table = BudgetTable.model_validate(read_config(path, empty_ok=True))
-    except ValueError as exc:
-        raise ValueError(f"{path} is invalid: {exc}") from exc
+    table = read_config_as(BudgetTable, path, empty_ok=True)
     unknown = sorted({b.tenant for b in table.budgets} - set(tenants))
     if unknown:
         raise ValueError(f"{path} is invalid: tenant(s) {', '.join(unknown)} not in "

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusched_common.catalog import read_config
+from gpusched_common.catalog import GPU_TYPES, load_models, read_config_as
 from gpusched_common.contracts import UsageRecord
 
 Granularity = Literal["minute", "hour", "day"]
@@ -152,13 +152,20 @@ class Rates(NamedTuple):
 def load_prices(config_dir: Path) -> PriceTable:
     """Read `prices.yaml`; raises ValueError naming the file when it is missing or invalid.
     A missing one is no price table of zeros: a config folder named wrongly (reconcile's in
-    a Docker image) billed, or recomputed, every cost as 0."""
+    a Docker image) billed, or recomputed, every cost as 0. Its GPU types must be gpusched's
+    and its models `models.yaml`'s: a misspelt one billed at the `default` price, or free."""
     path = config_dir / "prices.yaml"
-    data = read_config(path)
-    try:
-        return PriceTable.model_validate(data)
-    except ValueError as exc:
-        raise ValueError(f"{path} is invalid: {exc}") from exc
+    table = read_config_as(PriceTable, path)
+    models = load_models(config_dir).names
+    unknown = [f"gpu_hour_usd.{t} (GPU types: {', '.join(GPU_TYPES)})"
+               for t in table.gpu_hour_usd if t not in GPU_TYPES and t != "default"]
+    unknown += [f"model_usd_per_million_tokens.{m} (models.yaml: {', '.join(models)})"
+                for m in table.model_usd_per_million_tokens
+                if m not in models and m != "default"]
+    if unknown:
+        raise ValueError(f"{path} is invalid: no such GPU type or model: {'; '.join(unknown)}"
+                         " (what is not listed costs the `default` entry)")
+    return table
 
 
 class UsageRow(NamedTuple):
