@@ -806,12 +806,22 @@ def test_a_model_written_so_it_is_read_otherwise_stops_the_start_in_one_line(
     assert str(refused.value) == f"{tmp_path / 'models.yaml'} is invalid: {needle}"
 
 
-def test_a_budgets_file_that_is_no_yaml_is_named_once(tmp_path) -> None:
+def test_a_budgets_file_that_is_no_yaml_is_named_once_on_one_line(tmp_path) -> None:
     (tmp_path / "budgets.yaml").write_text("budgets: [\n")
     with pytest.raises(ValueError) as refused:
         b.load_budgets(tmp_path, {"acme"})
-    assert str(refused.value).count("budgets.yaml") == 1
+    assert str(refused.value).count("budgets.yaml") == 1 and "\n" not in str(refused.value)
     assert str(refused.value).startswith(f"{tmp_path / 'budgets.yaml'} is not valid YAML")
+
+
+def test_a_config_folder_that_is_a_file_is_an_error_naming_it(tmp_path) -> None:
+    """`reconcile --config-dir config/prices.yaml` (the file for the folder) raised
+    NotADirectoryError out of the command: a traceback and exit 1, which means totals
+    differ."""
+    (tmp_path / "prices.yaml").write_text("gpu_hour_usd: {}\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{tmp_path / 'prices.yaml' / 'prices.yaml'} cannot be read: [Errno 20]")):
+        load_prices(tmp_path / "prices.yaml")
 
 
 @pytest.mark.parametrize("quota,needle", [

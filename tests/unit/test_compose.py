@@ -61,7 +61,7 @@ def test_service_is_wired_to_the_stack_and_health_checked(name: str) -> None:
     assert env["GPUSCHED_REDIS_URL"] == "redis://redis:6379/0"
     assert env["GPUSCHED_OTLP_ENDPOINT"] == "http://jaeger:4318"
     assert env["GPUSCHED_HTTP_PORT"] == str(port)
-    assert f"{port}:{port}" in service["ports"]
+    assert service["ports"] == [f"127.0.0.1:{port}:{port}"]
     assert f"http://127.0.0.1:{port}/healthz" in " ".join(service["healthcheck"]["test"])
     assert set(service["depends_on"]) == INFRA
 
@@ -111,3 +111,12 @@ def test_compose_keeps_the_local_stacks_durability_and_drain_settings() -> None:
     for name in ("agent-1", "agent-2"):
         grace = services[name]["stop_grace_period"]
         assert grace.endswith("s") and int(grace[:-1]) >= drain_s + 20
+
+
+def test_every_published_port_is_on_the_hosts_loopback_alone() -> None:
+    """As the local stack listens. Published on every interface, Redis (usage buckets,
+    applied ids, budget flags, placement claims) and Kafka took anyone's writes on the
+    network, unauthenticated."""
+    for name, service in _compose()["services"].items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)

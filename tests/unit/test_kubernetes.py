@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,12 +22,13 @@ from typer.testing import CliRunner
 from gpusched_accounting.settings import AccountingSettings
 from gpusched_agent.settings import AgentSettings
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
-from gpusched_ops import cli
+from gpusched_ops import cli, stack
 from gpusched_router.settings import RouterSettings
 from gpusched_scheduler.settings import SchedulerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUBE = REPO_ROOT / "ops" / "kubernetes"
+JAEGER_CONFIG = REPO_ROOT / "ops" / "stack" / "jaeger" / "config.yaml"
 KUBERNETES_VERSION = "1.30.0"
 """The oldest Kubernetes the manifests are checked against (policy/v1, startup probes and
 runtime classes are older)."""
@@ -52,7 +54,8 @@ def build(directory: Path) -> list[Obj]:
             doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     for generator in spec.get("configMapGenerator", []):
         assert spec["generatorOptions"]["disableNameSuffixHash"]  # names stay as written
-        data = dict(literal.split("=", 1) for literal in generator["literals"])
+        data = dict(literal.split("=", 1) for literal in generator.get("literals", []))
+        data |= {name: (directory / name).read_text() for name in generator.get("files", [])}
         same = [o for o in objects if o["kind"] == "ConfigMap"
                 and o["metadata"]["name"] == generator["name"]]
         if generator.get("behavior") == "merge":
@@ -139,6 +142,13 @@ def test_production_runs_the_services_and_an_agent_per_gpu_node() -> None:
     assert not named(objects, "StatefulSet")  # Kafka and Redis are the cluster's own
     assert named(objects, "Deployment")["scheduler"]["spec"]["replicas"] == 2  # + standby
     assert named(objects, "PodDisruptionBudget")["scheduler"]["spec"]["minAvailable"] == 1
+    # the standby on another node than the leader wherever there is one: on the leader's,
+    # it failed with it (minutes without placements, until Kubernetes evicted both)
+    [spread] = named(objects, "Deployment")["scheduler"]["spec"]["template"]["spec"][
+        "topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["maxSkew"], spread["whenUnsatisfiable"]) == (
+        "kubernetes.io/hostname", 1, "DoNotSchedule")
+    assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "scheduler"}
     settings = named(objects, "ConfigMap")["gpusched-settings"]["data"]
     assert settings["GPUSCHED_KAFKA_REPLICATION_FACTOR"] == "3"
     assert "kafka:9092" not in settings["GPUSCHED_KAFKA_BOOTSTRAP"].split(",")
@@ -186,6 +196,24 @@ def test_dev_is_the_compose_stack() -> None:
         compose["kafka"]["environment"]["KAFKA_LOG_SEGMENT_BYTES"]
     redis = named(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]
     assert redis["command"] == compose["redis"]["command"]  # AOF, never evicting
+    # Jaeger runs the local stack's configuration with the settings stack.py gives it (the
+    # image's own kept 100,000 traces, unlimited: past the pod's limit, killed)
+    jaeger = named(objects, "Deployment")["jaeger"]["spec"]["template"]["spec"]
+    [container] = jaeger["containers"]
+    [mount] = container["volumeMounts"]
+    [volume] = [v for v in jaeger["volumes"] if v["name"] == mount["name"]]
+    config = named(objects, "ConfigMap")[volume["configMap"]["name"]]["data"]
+    assert config == {"config.yaml": JAEGER_CONFIG.read_text()}
+    assert container["args"] == ["--config", f"{mount['mountPath']}/config.yaml"]
+    jaeger_env = {e["name"]: e["value"] for e in container["env"]}
+    assert jaeger_env == compose["jaeger"]["environment"]
+    assert set(jaeger_env) >= set(re.findall(r"\$\{env:(\w+)\}", config["config.yaml"]))
+    assert (jaeger_env["JAEGER_MAX_TRACES"], jaeger_env["JAEGER_MEMORY_LIMIT_MIB"]) == (
+        str(stack.JAEGER_MAX_TRACES), str(stack.JAEGER_MEMORY_LIMIT_MIB))
+    [compose_mount] = compose["jaeger"]["volumes"]
+    source, target = compose_mount.split(":")[:2]
+    assert (REPO_ROOT / source).resolve() == JAEGER_CONFIG
+    assert compose["jaeger"]["command"] == ["--config", target]
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))

@@ -230,14 +230,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_config(path: Path, empty_ok: bool = False) -> dict:
     """The YAML mapping a file of the config folder holds ({} for a file holding nothing,
     where `empty_ok`); raises ValueError naming the file when it is missing (saying how to
-    name the folder), is not YAML, gives a key twice in one mapping, or holds no mapping."""
+    name the folder), cannot be read (a folder named where the file should be, say), is not
+    YAML, gives a key twice in one mapping, or holds no mapping; on one line."""
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError as exc:
         raise ValueError(
             f"{path} is missing: set GPUSCHED_CONFIG_DIR to the config folder") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read: {exc}") from exc
+    except yaml.YAMLError as exc:  # its marks run over lines
+        raise ValueError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from exc
     if data is None and empty_ok:
         return {}
     if not isinstance(data, dict):
