@@ -574,6 +574,14 @@ def request_record(topic: str, offset: int, value: bytes) -> ConsumerRecord:
     return ConsumerRecord(topic, 0, offset, 1000, 0, None, value, None, 0, len(value), ())
 
 
+def node_state_record(offset: int, key: bytes | None, value: bytes | None,
+                      timestamp_ms: int = 1000) -> ConsumerRecord:
+    """A node-state record (None: a tombstone) written at `timestamp_ms`, as the node-state
+    subscriber hands it to the engine."""
+    return ConsumerRecord(topics.NODE_STATE.name, 0, offset, timestamp_ms, 0, key, value, None,
+                          0, len(value or b""), ())
+
+
 async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     broker, engine, sent = wired
     standard = topics.REQUESTS["standard"].name
@@ -969,11 +977,8 @@ async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_s
     bad = {"node_id": "bad", "seq": 1, "started_at_ms": 0, "reported_at_ms": 0, "gpus": [
         {"index": i, "uuid": f"u{i}", "gpu_type": "H100-80GB", "memory_total_mib": 81559,
          "memory_free_mib": 80000} | g for i, g in enumerate(gpus)]}
-    await engine.node_states([
-        ConsumerRecord(topics.NODE_STATE.name, 0, offset, 1000, 0, key, value, None, 0,
-                       len(value), ())
-        for offset, (key, value) in enumerate([(b"good", good.to_bytes()),
-                                               (b"bad", json.dumps(bad).encode())])])
+    await engine.node_states([node_state_record(0, b"good", good.to_bytes()),
+                              node_state_record(1, b"bad", json.dumps(bad).encode())])
     [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
     assert letter.reason.startswith("invalid node state") and reason in letter.reason
     assert registry.get_sample_value("gpusched_scheduler_rejections_total",
@@ -984,6 +989,29 @@ async def test_a_node_state_the_solver_cannot_take_is_dead_lettered_and_others_s
     assert await engine.cycle() == 1
     [placement] = [PLACEMENT.validate_json(v) for v in sent[topics.PLACEMENTS.name]]
     assert placement.node_id == "good"
+
+
+@pytest.mark.parametrize("key,reason", [
+    (b"rack7-host3", "keyed 'rack7-host3', not by its node_id 'big8'"),
+    (None, "the record has no key: key it by its node_id ('big8')"),
+    (b"", "the record has no key: key it by its node_id ('big8')"),
+], ids=["another-key", "keyless", "empty-key"])
+async def test_a_node_state_not_keyed_by_its_node_id_is_dead_lettered(key, reason) -> None:
+    """Taken, it stayed in the compacted topic under its own key, where the node's tombstone
+    (keyed by its id) does not reach: a scheduler started later brought the decommissioned
+    node back, counted in the fleet for good, and work only it could hold waited forever
+    instead of getting its 422. It is dead-lettered and counted as the other invalid node
+    states are."""
+    registry = CollectorRegistry()
+    engine, sent = leading_engine(registry=registry)
+    big = node("big8", [80000] * 8)
+    await engine.node_states([node_state_record(0, key, big.to_bytes()),
+                              node_state_record(1, b"small", node("small", [80000]).to_bytes())])
+    [letter] = [DEAD_LETTER.validate_json(v) for v in sent[topics.DEAD_LETTERS.name]]
+    assert letter.reason.startswith(f"invalid node state: {reason}")
+    assert registry.get_sample_value("gpusched_scheduler_rejections_total",
+                                     {"reason": "invalid"}) == 1
+    assert set(engine.view.nodes) == {"small"}
 
 
 @pytest.mark.parametrize("fleet", ["sick-gpu", "silent-node"])
@@ -2823,8 +2851,7 @@ async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> N
     small = small.model_copy(update={"gpus": (small.gpus[0].model_copy(
         update={"memory_total_mib": 1000}),)})
     one.engine.view.apply_node_state(small, one.now, NODE_TIMEOUT_MS)
-    await one.engine.node_states([ConsumerRecord(topics.NODE_STATE.name, 0, 5, 1000, 0, b"n1",
-                                                 None, None, 0, 0, ())])
+    await one.engine.node_states([node_state_record(5, b"n1", None)])
     assert fleet_gpu_mib(one.engine.view, one.now, STOPPED_GRACE_MS) == [((1000,), None)]
     assert "n1" not in one.engine.view.live_nodes(one.now, 10_000)
     one.now = 12_000  # epoch milliseconds: any real clock is past the time-out since 0

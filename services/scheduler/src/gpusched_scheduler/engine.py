@@ -273,11 +273,20 @@ def parse_request_record(
     return Admitted(request, record_carrier(record.headers))
 
 
-def node_state_problem(state: NodeState) -> str | None:
-    """What makes a report the solver cannot take, beyond its schema: GPUs numbered other
-    than 0..n-1 (placements name GPUs by index), of a type not in the catalog (agents
-    report catalog types; the solver packs each type's GPUs as one kind, 62 at most), or
-    with more memory free than they have."""
+def node_state_problem(state: NodeState, key: bytes | None) -> str | None:
+    """What makes a report the scheduler cannot take, beyond its schema: a Kafka key other
+    than its node id, or none (the compacted topic keeps a node's latest report under its
+    key, and the node's tombstone, keyed by its id, deletes only what is under that key: a
+    report under another key outlived it, and every scheduler started later brought the
+    node back); GPUs numbered other than 0..n-1 (placements name GPUs by index), of a type
+    not in the catalog (agents report catalog types; the solver packs each type's GPUs as
+    one kind, 62 at most), or with more memory free than they have."""
+    if not key:
+        return (f"the record has no key: key it by its node_id ({state.node_id!r}), which "
+                "the node's tombstone is keyed by")
+    if (keyed := key.decode(errors="replace")) != state.node_id:
+        return (f"keyed {keyed!r}, not by its node_id {state.node_id!r}: the node's "
+                "tombstone (keyed by its node_id) would not delete it; key it by its node_id")
     indices = sorted(g.index for g in state.gpus)
     if indices != list(range(len(indices))):
         return f"GPU indices {indices} are not 0..{len(indices) - 1}, each once"
@@ -662,7 +671,7 @@ class SchedulingEngine:
                 continue
             try:
                 state = NODE_STATE.validate_json(record.value)
-                if (problem := node_state_problem(state)) is not None:
+                if (problem := node_state_problem(state, record.key)) is not None:
                     raise ValueError(problem)
             except ValueError as exc:  # pydantic's ValidationError is one
                 reason = (f"invalid node state: {invalid_fields(exc)}"

@@ -742,8 +742,8 @@ def topics_classes() -> tuple[str, ...]:
 
 
 # --- baseline: the engine alone ---------------------------------------------------------
-def _record(topic: str, offset: int, value: bytes) -> ConsumerRecord:
-    return ConsumerRecord(topic, 0, offset, int(time.time() * 1000), 0, None, value, None, 0,
+def _record(topic: str, offset: int, value: bytes, key: bytes | None = None) -> ConsumerRecord:
+    return ConsumerRecord(topic, 0, offset, int(time.time() * 1000), 0, key, value, None, 0,
                           len(value), ())
 
 
@@ -772,7 +772,7 @@ async def engine_only(nodes: int, gpus: int, batch: int, rounds: int,
         lambda: int(time.time() * 1000), TracerProvider().get_tracer("bench"),
         EngineConfig(cycle_window_ms=0))
     now = int(time.time() * 1000)
-    await engine.node_states([_record(topics.NODE_STATE.name, i, s.to_bytes())
+    await engine.node_states([_record(topics.NODE_STATE.name, i, s.to_bytes(), s.node_id.encode())
                         for i, s in enumerate(node_states(nodes, gpus, 1, now, now, None))])
     engine.lead(1, [])
     profiler = None
