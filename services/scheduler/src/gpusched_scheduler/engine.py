@@ -400,6 +400,9 @@ class SchedulingEngine:
         """Final records of lost nodes' agents that Kafka refused; published again each cycle
         (their work is never retried: it has finished)."""
         self._silent_alive: set[str] = set()
+        self._written_long_ago: set[str] = set()
+        """Nodes whose latest report was written past the node time-out before it was read
+        (`ClusterView.apply_node_state`): logged once, not at each such report."""
         """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
         self._alive_read_ms = -ALIVE_READ_INTERVAL_MS
         """When Redis was last asked whether silent nodes are alive."""
@@ -682,7 +685,9 @@ class SchedulingEngine:
                     letter = dead_letter(record, reason, SERVICE, now)
                     dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
-            self.view.apply_node_state(state, now, self.config.node_timeout_ms)
+            if self.view.apply_node_state(state, now, self.config.node_timeout_ms,
+                                          record.timestamp):
+                self._note_written_long_ago(state.node_id, now)
         self._wake.set()
         if dead:
             # counted where the other dead letters are, which GpuschedRecordsDeadLettered reads
@@ -691,6 +696,20 @@ class SchedulingEngine:
                 await self._publish(dead)
             except Exception:  # the view is up to date; only the notice is missing
                 log.exception("dead-lettering %d invalid node states failed", len(dead))
+
+    def _note_written_long_ago(self, node_id: str, now_ms: int) -> None:
+        """Warn, once until it reports afresh, of a node heard when its report was written,
+        past the time-out: it gets no work, and one whose agent runs has a clock behind."""
+        written_ms = self.view.last_seen_ms[node_id]
+        if written_ms == now_ms:
+            self._written_long_ago.discard(node_id)
+        elif node_id not in self._written_long_ago:
+            self._written_long_ago.add(node_id)
+            log.warning("node %s: its report was written %s before this scheduler read it, "
+                        "past the node time-out: the node gets no work until a fresh one "
+                        "comes (a node gone without its record deleted; if its agent runs, "
+                        "its clock is behind this scheduler's: sync it)", node_id,
+                        _duration(now_ms - written_ms))
 
     async def usage(self, records: list[ConsumerRecord]) -> None:
         """Measured usage: charge fair share; a final record ends its placement (its copies

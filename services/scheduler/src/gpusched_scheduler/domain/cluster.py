@@ -47,12 +47,23 @@ class ClusterView:
     report listed it, so the weights it loaded show in no report yet; its reservation
     stays until a report from after that, or one of another agent run."""
 
-    def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int) -> bool:
+    def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int,
+                         written_ms: int | None = None) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one. Once
         the node is silent past the time-out (declared lost or not), any report is its latest: an
         agent that started again after its clock was set back reports an earlier start than
         its dead run, and would otherwise never be heard again (nor declared lost, while it
-        says in Redis that it is alive)."""
+        says in Redis that it is alive).
+
+        The node counts as heard at `now_ms`, unless the report was written (`written_ms`,
+        its record's timestamp; None or Kafka's -1: not known) longer than the time-out
+        before: then it is heard when written, silent past the time-out at once. A
+        scheduler started cold reads the compacted topic from the start, where a node that
+        died without a tombstone left its last report; heard then, it was offered work for
+        a whole time-out, and that work was retried as a lost node's. A report written
+        within the time-out, or ahead of `now_ms`, counts as heard now, as every report
+        did: clocks apart by less than the time-out change nothing, and none ahead keeps a
+        node alive longer than a fresh report does."""
         node_id = state.node_id
         old = self.nodes.get(node_id)
         heard_lately = now_ms - self.last_seen_ms.get(node_id, now_ms) <= node_timeout_ms
@@ -60,7 +71,8 @@ class ClusterView:
                 (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq)):
             return False
         self.nodes[node_id] = state
-        self.last_seen_ms[node_id] = now_ms
+        long_ago = written_ms is not None and 0 <= written_ms < now_ms - node_timeout_ms
+        self.last_seen_ms[node_id] = written_ms if long_ago else now_ms
         if self.first_heard_ms is None:
             self.first_heard_ms = now_ms
         self.lost.discard(node_id)
