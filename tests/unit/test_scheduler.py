@@ -34,6 +34,7 @@ from gpusched_common.catalog import (
 )
 from gpusched_common.contracts import (
     DEAD_LETTER,
+    EVENT,
     PLACEMENT,
     RESULT_EVENT,
     Cancel,
@@ -3441,6 +3442,31 @@ def test_an_aged_gang_keeps_the_node_closest_to_holding_it_from_later_aged_work(
     # work that is not aged still fits beside waiting work of its own chunk, as before
     fresh = plan(view, [req("gang", num_gpus=2), req("s1"), req("s2")], now=1_000)
     assert len(fresh.placed) == 2 and "a" in {p.node_id for p in fresh.placed}
+
+
+@pytest.mark.parametrize("model,fleet,queued,wanted", [
+    ("llama-3.1-70b", True, 60, 4),   # each gang of 2 H100s holds 44 of them: 2 gangs
+    ("llama-3.1-70b", True, 1, 2),
+    ("llama-3.1-70b", False, 60, 2),  # sized on the largest GPU type (H200): 1 gang
+    ("qwen2.5-1.5b", False, 60, 1),
+    ("qwen2.5-1.5b", True, 3000, 3),  # one H100 holds 1,403 of them, as before
+], ids=["70b-gangs", "70b-one-queued", "70b-no-node-yet", "small-no-node-yet", "small"])
+async def test_the_scaling_signal_wants_whole_gangs_and_a_gang_at_least_while_work_waits(
+        model: str, fleet: bool, queued: int, wanted: int) -> None:
+    """Work queued on a full fleet of H100s, or with no node reported yet (scaling from
+    zero), and each class's target of 1 s at the tightest. The 70B (2 GPUs per copy) was
+    weighed whole against one GPU, and every model against no GPU before a node reported:
+    both fit none, and the signal asked for 0 GPUs, so an autoscaler never added any."""
+    engine, sent = leading_engine(lambda: 10_000)
+    if fleet:
+        for node_id in ("a", "b"):
+            engine.view.apply_node_state(node(node_id, [0, 0]), 10_000, NODE_TIMEOUT_MS)
+    for i in range(queued):
+        engine.queue.push(Pending(req(f"r{i}", model=model, num_gpus=CATALOG.get(model)
+                                      .num_gpus), {}, 10_000))
+    await engine._maybe_signal_scaling()
+    [signal] = [EVENT.validate_json(v) for v in sent[topics.EVENTS.name]]
+    assert (signal.model, signal.gpus_wanted, signal.gpus_in_use) == (model, wanted, 0)
 
 
 def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None:

@@ -67,7 +67,12 @@ from gpusched_scheduler.domain.planner import (
 from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import OverQuota, QuotaBook
 from gpusched_scheduler.domain.running import ClaimState, RunningPlacement, RunningSet
-from gpusched_scheduler.domain.scaling import ModelLoad, gpus_wanted
+from gpusched_scheduler.domain.scaling import (
+    ModelLoad,
+    gang_concurrency,
+    gpu_memory_mib,
+    gpus_wanted,
+)
 from gpusched_scheduler.domain.solver import MAX_GPU_TYPES
 
 log = logging.getLogger(__name__)
@@ -1834,23 +1839,21 @@ class SchedulingEngine:
         elapsed = now_s - self._last_scaling_s if self._last_scaling_s else period
         self._last_scaling_s = now_s
         tightest = min(self._targets.values()) / 1000
+        memory = gpu_memory_mib(g.memory_total_mib for s in self.view.nodes.values()
+                                for g in s.gpus)
         for spec in self.catalog.models:
             queued = [p for p in self.queue.in_order() if p.request.model == spec.name]
             running = [r for r in self.running.values() if r.request.model == spec.name]
             if not queued and not running and not self._arrivals.get(spec.name):
                 continue
             gpus = {(r.node_id, g) for r in running for g in r.gpu_indices}
-            per_request_mib = spec.kv_cache_mib(2048)
-            memory = max((g.memory_total_mib for s in self.view.nodes.values() for g in s.gpus),
-                          default=0)
             load = ModelLoad(
                 model=spec.name, arrivals_per_s=self._arrivals.pop(spec.name, 0) / elapsed,
                 service_s=self._service_s.get(spec.name, 1.0), queued=len(queued),
                 queued_by_class={c: sum(p.request.priority_class == c for p in queued)
                                  for c in PRIORITY_CLASSES},
-                gpus_in_use=len(gpus),
-                concurrency_per_gpu=max(0.0, (memory - spec.weight_memory_mib)
-                                        / max(per_request_mib, 1)),
+                gpus_in_use=len(gpus), gang_gpus=spec.num_gpus,
+                concurrency_per_gang=gang_concurrency(spec, memory, 2048),
                 tightest_target_s=tightest)
             wanted = gpus_wanted(load)
             self._metrics.gpus_wanted.labels(spec.name).set(wanted)

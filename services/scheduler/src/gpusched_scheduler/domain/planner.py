@@ -54,9 +54,13 @@ def request_tokens(request: InferenceRequest) -> int:
 
 def memory_per_gpu(request: InferenceRequest, model: ModelSpec) -> tuple[int, int]:
     """(KV cache MiB, weights MiB) on each GPU of the request's gang (split evenly)."""
-    n = request.num_gpus
-    return -(-model.kv_cache_mib(request_tokens(request)) // n), \
-        -(-model.weight_memory_mib // n)
+    return gang_memory_per_gpu(model, request_tokens(request), request.num_gpus)
+
+
+def gang_memory_per_gpu(model: ModelSpec, tokens: int, num_gpus: int) -> tuple[int, int]:
+    """(KV cache MiB of `tokens` tokens, weights MiB) on each GPU of a `num_gpus` gang
+    (split evenly, rounded up)."""
+    return -(-model.kv_cache_mib(tokens) // num_gpus), -(-model.weight_memory_mib // num_gpus)
 
 
 def estimate_gpu_s(request: InferenceRequest, model: ModelSpec) -> float:
