@@ -405,10 +405,10 @@ class SchedulingEngine:
         """Final records of lost nodes' agents that Kafka refused; published again each cycle
         (their work is never retried: it has finished)."""
         self._silent_alive: set[str] = set()
+        """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
         self._written_long_ago: set[str] = set()
         """Nodes whose latest report was written past the node time-out before it was read
         (`ClusterView.apply_node_state`): logged once, not at each such report."""
-        """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
         self._alive_read_ms = -ALIVE_READ_INTERVAL_MS
         """When Redis was last asked whether silent nodes are alive."""
         self._budgets_warned_ms = -BUDGET_WARN_INTERVAL_MS
