@@ -368,6 +368,33 @@ def test_the_ids_of_a_record_ending_ahead_are_kept_from_its_end() -> None:
     assert dedup_expires_at_ms(90_000, 1000, 500, 60) == 90_000
 
 
+class LiveDays:
+    """Redis as `reconcile` reads it: day totals (`live`: bucket key -> packed totals), in
+    one pipeline."""
+
+    def __init__(self, live: dict[str, bytes]) -> None:
+        self.live = live
+        self.asked: list[str] = []
+
+    def pipeline(self, transaction: bool) -> "LiveDays":
+        return self
+
+    async def __aenter__(self) -> "LiveDays":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def hget(self, key: str, field: str) -> None:
+        self.asked.append(key)
+
+    async def execute(self) -> list[bytes | None]:
+        return [self.live.get(key) for key in self.asked]
+
+    async def aclose(self) -> None:
+        return None
+
+
 async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_reuse(
         monkeypatch) -> None:
     """A (tenant, day) whose every record recompute dropped was counted in
@@ -388,40 +415,41 @@ async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_
     live = {bucket_key("acme", "day", 86_400): billed, bucket_key("acme", "day", 9 * 86_400):
             billed, bucket_key("globex", "day", 86_400): pack(Totals(prompt_tokens=10))}
 
-    class LiveDays:
-        """Redis as `differences` reads it: day totals, in one pipeline."""
-
-        def __init__(self) -> None:
-            self.asked: list[str] = []
-
-        def pipeline(self, transaction: bool) -> "LiveDays":
-            return self
-
-        async def __aenter__(self) -> "LiveDays":
-            return self
-
-        async def __aexit__(self, *exc: object) -> None:
-            return None
-
-        def hget(self, key: str, field: str) -> None:
-            self.asked.append(key)
-
-        async def execute(self) -> list[bytes | None]:
-            return [live.get(key) for key in self.asked]
-
-        async def aclose(self) -> None:
-            return None
-
     async def topic(bootstrap: str) -> list[UsageRecord]:
         return [first, reused, clash]
 
     monkeypatch.setattr(reconcile, "read_usage", topic)
-    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays())
+    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays(live))
     report = await reconcile.run(argparse.Namespace(
         kafka="kafka", redis="redis", tenant=None, config_dir=CONFIG, dedup_ttl_s=WEEK_S))
     assert report["tenant_days_checked"] == 3
     assert [(d["tenant"], d["day"], d["recomputed"]["prompt_tokens"], d["live"][
         "prompt_tokens"]) for d in report["differences"]] == [("globex", "1970-01-02", 0, 10)]
+
+
+async def test_reconcile_of_one_tenant_totals_that_tenant_only(monkeypatch) -> None:
+    """`--tenant acme` compared acme's days only, but its recomputed_total summed every
+    tenant's: another tenant's usage read as acme's."""
+    import argparse
+
+    from gpusched_accounting import reconcile
+    from gpusched_accounting.adapters.store import bucket_key
+
+    acme, globex = usage(ended_at_ms=D), usage(tenant="globex", event_id="g#0:final",
+                                                request_id="g", placement_id="g#0",
+                                                prompt_tokens=7000, ended_at_ms=D)
+    row = row_for(acme, load_prices(CONFIG))
+    billed = Totals(row.prompt_tokens, row.completion_tokens, 1, row.gpu_us, row.cost_nusd)
+
+    async def topic(bootstrap: str) -> list[UsageRecord]:
+        return [acme, globex]
+
+    monkeypatch.setattr(reconcile, "read_usage", topic)
+    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays(
+        {bucket_key("acme", "day", 86_400): pack(billed)}))
+    report = await reconcile.run(argparse.Namespace(
+        kafka="kafka", redis="redis", tenant="acme", config_dir=CONFIG, dedup_ttl_s=WEEK_S))
+    assert report["differences"] == [] and report["recomputed_total"] == billed.public()
 
 
 class FreshRedisStore:

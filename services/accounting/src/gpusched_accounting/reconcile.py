@@ -90,7 +90,7 @@ async def run(args: argparse.Namespace) -> dict:
         diffs = await differences(redis, want)
     finally:
         await redis.aclose()
-    total = sum(recomputed.values(), Totals())
+    total = sum(want.values(), Totals())
     return {"records": len(records), "tenant_days_checked": len(want),
             "differences": diffs, "recomputed_total": total.public()}
 
