@@ -484,6 +484,31 @@ def test_reconcile_prices_with_the_config_folder_accounting_bills_with(
     assert f"error: {tmp_path / 'prices.yaml'} is missing" in result.output
 
 
+@pytest.mark.parametrize("args,env", [
+    (["--dedup-ttl-s", "0"], {}), (["--dedup-ttl-s", "-604800"], {}),
+    (["--dedup-ttl-s", "3599"], {}), ([], {"GPUSCHED_DEDUP_TTL_S": "0"}),
+])
+def test_reconcile_refuses_a_dedup_window_accounting_refuses(
+        monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str]) -> None:
+    """Accounting starts with no window under an hour; reconcile took 0 or less, forgot
+    every id at once and reported each redelivery, billed once live, as billed twice (exit
+    1, 'totals differ')."""
+    from gpusched_accounting import reconcile
+    from gpusched_accounting.settings import MIN_DEDUP_TTL_S
+
+    async def never_read(bootstrap: str) -> list:
+        raise AssertionError("the topic was read")
+
+    monkeypatch.setattr(reconcile, "read_usage", never_read)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["reconcile", *args])
+
+    assert result.exit_code == 2, result.output
+    assert "is no dedup window accounting takes" in result.output
+    assert f"at least {MIN_DEDUP_TTL_S}" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("error", ["timeout", "noauth"])
 def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
         monkeypatch: pytest.MonkeyPatch, error: str) -> None:

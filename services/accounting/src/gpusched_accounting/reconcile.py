@@ -1,8 +1,9 @@
 """`gpusched reconcile`: recompute usage totals per tenant and day from the usage topic (every
 record still retained, with the live apply's dedup, forgetting and request rules) and report
 every difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
-differ, 2 when Kafka or Redis cannot be reached or `--tenant` names no tenant (neither
-configured nor in any retained record: a misspelt name would pass as agreeing)."""
+differ, 2 when Kafka or Redis cannot be reached, `--dedup-ttl-s` is shorter than
+accounting's own setting takes, or `--tenant` names no tenant (neither configured nor in any
+retained record: a misspelt name would pass as agreeing)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from gpusched_accounting.domain.usage import (
     row_for,
     unpack,
 )
-from gpusched_accounting.settings import DEDUP_TTL_S
+from gpusched_accounting.settings import DEDUP_TTL_S, MIN_DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import USAGE
@@ -95,6 +96,21 @@ async def run(args: argparse.Namespace) -> dict:
             "differences": diffs, "recomputed_total": total.public()}
 
 
+def dedup_window_s(text: str) -> int:
+    """`--dedup-ttl-s` as accounting's own setting takes it: whole seconds, at least
+    MIN_DEDUP_TTL_S. A window of 0 or less forgot every id at once, so each redelivery was
+    recomputed as billed again and reported as a difference."""
+    try:
+        seconds = int(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or seconds < MIN_DEDUP_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no dedup window accounting takes: give the one it runs with "
+            f"(GPUSCHED_DEDUP_TTL_S), whole seconds, at least {MIN_DEDUP_TTL_S}")
+    return seconds
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched reconcile", description=__doc__)
     parser.add_argument("--kafka", default=os.environ.get("GPUSCHED_KAFKA_BOOTSTRAP",
@@ -106,11 +122,12 @@ def main(argv: list[str]) -> int:
                         help="Redis URL (default: $GPUSCHED_REDIS_URL, else the local "
                         "stack's).")
     parser.add_argument("--tenant", default=None, help="Only this tenant.")
-    parser.add_argument("--dedup-ttl-s", type=int,  # a text default is read by `type` too
+    parser.add_argument("--dedup-ttl-s", type=dedup_window_s,  # a text default too
                         default=os.environ.get("GPUSCHED_DEDUP_TTL_S", str(DEDUP_TTL_S)),
-                        help="Accounting's dedup window (default: $GPUSCHED_DEDUP_TTL_S, else "
-                        "its default, 7 days): a request id used again after it is a new "
-                        "request, as live.")
+                        help="Accounting's dedup window, at least its minimum of "
+                        f"{MIN_DEDUP_TTL_S} s (default: $GPUSCHED_DEDUP_TTL_S, else its "
+                        "default, 7 days): a request id used again after it is a new request, "
+                        "as live.")
     parser.add_argument("--config-dir", type=Path,
                         default=os.environ.get("GPUSCHED_CONFIG_DIR", REPO_CONFIG_DIR),
                         help="Folder with prices.yaml, whose prices costs are recomputed at "

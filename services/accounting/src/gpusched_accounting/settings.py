@@ -6,6 +6,9 @@ from gpusched_common.settings import ServiceSettings
 
 DAY_S = 86_400
 DEDUP_TTL_S = 7 * DAY_S
+MIN_DEDUP_TTL_S = 3600
+"""The shortest dedup window accounting starts with, and so the shortest `gpusched
+reconcile --dedup-ttl-s` takes."""
 
 
 class AccountingSettings(ServiceSettings):
@@ -14,10 +17,10 @@ class AccountingSettings(ServiceSettings):
         default="gpusched-accounting", min_length=1, description="Kafka consumer group of the "
         "usage topic; instances in one group share its partitions.")
     dedup_ttl_s: int = Field(
-        default=DEDUP_TTL_S, ge=3600, description="How long a request's applied event ids are "
-        "remembered after its last record. Records that ended longer ago are refused (dead "
-        "letter), so it must exceed the longest redelivery (a consumer down this long needs "
-        "`gpusched reconcile`).")
+        default=DEDUP_TTL_S, ge=MIN_DEDUP_TTL_S, description="How long a request's applied "
+        "event ids are remembered after its last record. Records that ended longer ago are "
+        "refused (dead letter), so it must exceed the longest redelivery (a consumer down this "
+        "long needs `gpusched reconcile`).")
     minute_retention_s: int = Field(
         default=2 * DAY_S, ge=3600, description="How long minute buckets are kept after they "
         "end (about 0.7 KiB per active tenant-minute); older windows use hour buckets.")
