@@ -710,6 +710,16 @@ def test_an_iso_basic_date_is_a_date_not_milliseconds_of_1970() -> None:
     assert _parse_time("0", 5, "start") == 0 and _parse_time("99999999", 0, "end") == 99999999
 
 
+@pytest.mark.parametrize("value", ["2026-11-30T10:00:00Z", "2026-11-30T10:00:00z",
+                                   "2026-11-30t10:00:00z", "2026-11-30T11:00:00+01:00"])
+def test_an_rfc_3339_time_in_either_case_is_read(value: str) -> None:
+    """RFC 3339 allows a lowercase 'z': `start=...T10:00:00z` was a 400, 'not an ISO 8601
+    time'."""
+    from gpusched_accounting.api import _parse_time
+
+    assert _parse_time(value, 0, "start") == 1_795_996_800_000 + 10 * H
+
+
 @pytest.mark.parametrize("query", ["group_by=model&group_by=node", "tenant=acme&tenant=acme"])
 async def test_a_query_parameter_given_twice_is_a_400(query: str) -> None:
     """The last value was taken without a word: grouped by node only."""

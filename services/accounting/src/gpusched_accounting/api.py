@@ -118,8 +118,8 @@ def _parse_time(value: str | None, default_ms: int, name: str) -> int:
             raise HTTPException(400, f"{name}={value} looks like epoch seconds; send epoch "
                                 f"milliseconds ({at_ms * 1000}) or an ISO 8601 time")
         return at_ms
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    try:  # case-blind: RFC 3339 allows 't' and 'z', and Python reads 'Z' but not 'z'
+        moment = datetime.fromisoformat(value.upper())
     except ValueError:
         raise _not_a_time(name, value) from None
     if moment.tzinfo is None:
