@@ -1076,6 +1076,17 @@ async def test_a_usage_report_conforms_to_its_own_openapi_schema(usage_app, monk
     assert all((t["groups"] is None) == (not params) for t in report["tenants"])
 
 
+@pytest.mark.parametrize("key,status", [("sk-admin-demo", 404), ("sk-acme-demo", 403)])
+async def test_a_tenant_it_cannot_read_is_quoted_short(usage_app, key: str,
+                                                       status: int) -> None:
+    """The 404 of a tenant neither configured nor billed (and the 403 of another tenant's)
+    echoed the whole name: 3,000 characters sent, over 3,000 answered."""
+    reply = await ask(usage_app, "/v1/usage", key, tenant="x" * 3000)
+    assert reply.status_code == status
+    assert f"'{'x' * 40}'... (3000 characters)" in reply.json()["detail"]
+    assert len(reply.text) < 400
+
+
 @pytest.mark.parametrize("path,key,status", [
     ("/v1/usage", "sk-acme-demo", 200), ("/v1/usage/top", "sk-admin-demo", 200),
     ("/v1/usage/top", "sk-acme-demo", 403), ("/v1/usage/requests/r1", "sk-acme-demo", 200),

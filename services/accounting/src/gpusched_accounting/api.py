@@ -188,13 +188,13 @@ def build_router(store: UsageStore, tenants: TenantDirectory, clock: WallClockMs
         a tenant neither configured nor ever billed (a misspelt name would read as zeros)."""
         if who is not None and tenant not in (None, who):
             raise HTTPException(403, f"this API key belongs to tenant '{who}' and cannot read "
-                                f"'{tenant}'; use that tenant's key or an admin key")
+                                f"{_quoted(tenant)}; use that tenant's key or an admin key")
         if who is None and tenant is not None and tenants.get(tenant) is None:
             billed = await store.tenants()
             if tenant not in billed:
                 known = sorted({t.name for t in tenants.tenants} | set(billed))
-                raise HTTPException(404, f"no tenant '{tenant}': it is not configured and "
-                                    f"has no usage; tenants: {', '.join(known)}")
+                raise HTTPException(404, f"no tenant {_quoted(tenant)}: it is not configured "
+                                    f"and has no usage; tenants: {', '.join(known)}")
         return tenant or who
 
     def asked_window(start: str | None, end: str | None) -> tuple[int, int, int]:
