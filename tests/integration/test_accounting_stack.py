@@ -32,7 +32,7 @@ from gpusched_accounting.domain.usage import (
     recompute,
     row_for,
 )
-from gpusched_accounting.settings import DEDUP_TTL_S
+from gpusched_accounting.settings import CONSUMER_GROUP, DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, EVENT, RESULT_EVENT, UsageRecord
 from gpusched_ops.stack import ServiceSpec
@@ -567,7 +567,8 @@ async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stac
     await eventually(settled, timeout_s=60, what="accounting to consume the records")
     args = argparse.Namespace(kafka=stack.endpoints.kafka_bootstrap,
                               redis=stack.endpoints.redis_url,
-                              tenant=tenant, config_dir=CONFIG, dedup_ttl_s=DEDUP_TTL_S)
+                              tenant=tenant, config_dir=CONFIG, dedup_ttl_s=DEDUP_TTL_S,
+                              consumer_group=CONSUMER_GROUP)
     report = await reconcile.run(args)
     assert report["differences"] == [] and report["tenant_days_checked"] >= 1
     redis = Redis.from_url(stack.endpoints.redis_url)

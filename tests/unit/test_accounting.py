@@ -3,6 +3,7 @@ buckets, the recomputation used by `gpusched reconcile`, and budgets; and what t
 answers to a window it cannot read. What only the store's scripts decide is tested against a
 Redis of this module's own (`start_redis`), where redis-server is installed."""
 
+import argparse
 import asyncio
 import json
 import re
@@ -10,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -54,7 +56,7 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_accounting.handlers import enforce_budgets
 from gpusched_accounting.main import create_app
-from gpusched_accounting.settings import AccountingSettings
+from gpusched_accounting.settings import CONSUMER_GROUP, AccountingSettings
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
@@ -395,33 +397,56 @@ class LiveDays:
         return None
 
 
+def reconciling(monkeypatch, topic: list[UsageRecord], live: dict[str, bytes],
+                applied: int | None = None, tail: tuple[UsageRecord, ...] = ()) -> ModuleType:
+    """`gpusched_accounting.reconcile` reading a usage topic of one partition that holds
+    `topic` (accounting's group committed the first `applied` of them, by default all) and
+    then `tail` (produced while Redis was read), and a Redis of `live` day totals."""
+    from gpusched_accounting import reconcile
+
+    held = [*topic, *tail]
+
+    async def read_usage(bootstrap: str, since: dict[int, int] | None = None
+                         ) -> tuple[list, dict[int, int]]:
+        first, end = (0, len(topic)) if since is None else (since.get(0, 0), len(held))
+        return [reconcile.Retained(0, i, held[i]) for i in range(first, end)], {0: end}
+
+    async def applied_offsets(bootstrap: str, group: str) -> dict[int, int]:
+        return {0: len(topic) if applied is None else applied}
+
+    monkeypatch.setattr(reconcile, "read_usage", read_usage)
+    monkeypatch.setattr(reconcile, "applied_offsets", applied_offsets)
+    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays(live))
+    return reconcile
+
+
+def reconcile_args(tenant: str | None = None) -> argparse.Namespace:
+    return argparse.Namespace(kafka="kafka", redis="redis", tenant=tenant, config_dir=CONFIG,
+                              dedup_ttl_s=WEEK_S, consumer_group=CONSUMER_GROUP)
+
+
+def billed_alone(record: UsageRecord) -> Totals:
+    """What one record bills when it is its request's only one, at the shipped prices."""
+    row = row_for(record, load_prices(CONFIG))
+    return Totals(row.prompt_tokens, row.completion_tokens, 1, row.gpu_us, row.cost_nusd)
+
+
 async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_reuse(
         monkeypatch) -> None:
     """A (tenant, day) whose every record recompute dropped was counted in
     tenant_days_checked but never compared: usage billed there live went unseen. And the
     request id used again after the window, billed live, was a false difference."""
-    import argparse
-
-    from gpusched_accounting import reconcile
     from gpusched_accounting.adapters.store import bucket_key
 
     first = usage(ended_at_ms=D)
     reused = usage(ended_at_ms=9 * D)  # acme again, a week and more later
     clash = usage(tenant="globex", ended_at_ms=D + 5)  # within the window: not billed
-    prices = load_prices(CONFIG)
-    row = row_for(first, prices)
-    billed = pack(Totals(row.prompt_tokens, row.completion_tokens, 1, row.gpu_us,
-                         row.cost_nusd))
+    billed = pack(billed_alone(first))
     live = {bucket_key("acme", "day", 86_400): billed, bucket_key("acme", "day", 9 * 86_400):
             billed, bucket_key("globex", "day", 86_400): pack(Totals(prompt_tokens=10))}
 
-    async def topic(bootstrap: str) -> list[UsageRecord]:
-        return [first, reused, clash]
-
-    monkeypatch.setattr(reconcile, "read_usage", topic)
-    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays(live))
-    report = await reconcile.run(argparse.Namespace(
-        kafka="kafka", redis="redis", tenant=None, config_dir=CONFIG, dedup_ttl_s=WEEK_S))
+    reconcile = reconciling(monkeypatch, [first, reused, clash], live)
+    report = await reconcile.run(reconcile_args())
     assert report["tenant_days_checked"] == 3
     assert [(d["tenant"], d["day"], d["recomputed"]["prompt_tokens"], d["live"][
         "prompt_tokens"]) for d in report["differences"]] == [("globex", "1970-01-02", 0, 10)]
@@ -430,26 +455,51 @@ async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_
 async def test_reconcile_of_one_tenant_totals_that_tenant_only(monkeypatch) -> None:
     """`--tenant acme` compared acme's days only, but its recomputed_total summed every
     tenant's: another tenant's usage read as acme's."""
-    import argparse
-
-    from gpusched_accounting import reconcile
     from gpusched_accounting.adapters.store import bucket_key
 
     acme, globex = usage(ended_at_ms=D), usage(tenant="globex", event_id="g#0:final",
                                                 request_id="g", placement_id="g#0",
                                                 prompt_tokens=7000, ended_at_ms=D)
-    row = row_for(acme, load_prices(CONFIG))
-    billed = Totals(row.prompt_tokens, row.completion_tokens, 1, row.gpu_us, row.cost_nusd)
-
-    async def topic(bootstrap: str) -> list[UsageRecord]:
-        return [acme, globex]
-
-    monkeypatch.setattr(reconcile, "read_usage", topic)
-    monkeypatch.setattr(reconcile.Redis, "from_url", lambda url: LiveDays(
-        {bucket_key("acme", "day", 86_400): pack(billed)}))
-    report = await reconcile.run(argparse.Namespace(
-        kafka="kafka", redis="redis", tenant="acme", config_dir=CONFIG, dedup_ttl_s=WEEK_S))
+    billed = billed_alone(acme)
+    reconcile = reconciling(monkeypatch, [acme, globex],
+                            {bucket_key("acme", "day", 86_400): pack(billed)})
+    report = await reconcile.run(reconcile_args(tenant="acme"))
     assert report["differences"] == [] and report["recomputed_total"] == billed.public()
+
+
+async def test_reconcile_leaves_the_days_still_being_billed_unchecked(monkeypatch) -> None:
+    """On a running system the topic was read up to its end at one moment and Redis later:
+    a record accounting had not applied yet, or one produced and applied in between, made
+    its day differ, either way, and exit 1 as lost billing would. Only a day whose every
+    record accounting has committed is compared now; the others are listed as still being
+    billed, and a real difference is still found."""
+    from gpusched_accounting.adapters.store import bucket_key
+
+    def request(rid: str, tenant: str = "acme", ended_at_ms: int = D) -> UsageRecord:
+        return usage(request_id=rid, placement_id=f"{rid}#0", event_id=f"{rid}#0:final",
+                     tenant=tenant, ended_at_ms=ended_at_ms)
+
+    done = [request(f"a{i}") for i in range(3)] + [request("b", ended_at_ms=2 * D),
+                                                   request("i", tenant="initech")]
+    behind = request("g", tenant="globex")  # not applied yet: nothing live
+    during = request("late")  # produced and applied while Redis was read
+    one = billed_alone(done[0])
+    live = {bucket_key("acme", "day", 86_400): pack(one + one + one + one),
+            bucket_key("acme", "day", 2 * 86_400): pack(one),
+            bucket_key("initech", "day", 86_400): pack(Totals(prompt_tokens=1))}  # lost
+
+    reconcile = reconciling(monkeypatch, [*done, behind], live, applied=len(done),
+                            tail=(during,))
+    report = await reconcile.run(reconcile_args())
+    assert [(d["tenant"], d["day"]) for d in report["differences"]] == [
+        ("initech", "1970-01-02")]
+    assert report["still_being_billed"] == [{"tenant": "acme", "day": "1970-01-02"},
+                                            {"tenant": "globex", "day": "1970-01-02"}]
+    assert report["tenant_days_checked"] == 2 and report["records"] == 7
+    assert report["recomputed_total"] == (one + one).public()
+    acme = await reconcile.run(reconcile_args(tenant="acme"))
+    assert acme["differences"] == [] and acme["still_being_billed"] == [
+        {"tenant": "acme", "day": "1970-01-02"}]
 
 
 class FreshRedisStore:

@@ -451,37 +451,68 @@ def test_text_from_a_service_is_printed_as_it_is_not_read_as_markup(
     assert "req-[/x]-[b]y" in wide.export_text()
 
 
-def test_reconcile_with_a_redis_url_that_is_none_exits_2_with_the_reason(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--redis 127.0.0.1:6379` (no scheme) exited 1, 'totals differ', with a traceback."""
+@pytest.fixture
+def empty_usage_topic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpusched reconcile` reading a usage topic that holds nothing, no Kafka asked."""
     from gpusched_accounting import reconcile
 
-    async def nothing_retained(bootstrap: str) -> list:
-        return []
+    async def nothing_retained(bootstrap: str, since: object = None) -> tuple[list, dict]:
+        return [], {}
+
+    async def nothing_committed(bootstrap: str, group: str) -> dict:
+        return {}
 
     monkeypatch.setattr(reconcile, "read_usage", nothing_retained)
+    monkeypatch.setattr(reconcile, "applied_offsets", nothing_committed)
+
+
+@pytest.mark.usefixtures("empty_usage_topic")
+def test_reconcile_with_a_redis_url_that_is_none_exits_2_with_the_reason() -> None:
+    """`--redis 127.0.0.1:6379` (no scheme) exited 1, 'totals differ', with a traceback."""
     result = CliRunner().invoke(app, ["reconcile", "--redis", "127.0.0.1:6379"])
     assert result.exit_code == 2, result.output
     assert "error: Redis URL must specify" in result.output
     assert "Traceback" not in result.output
 
 
+@pytest.mark.usefixtures("empty_usage_topic")
 def test_reconcile_prices_with_the_config_folder_accounting_bills_with(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--config-dir defaulted to the checkout's config/, not GPUSCHED_CONFIG_DIR: with an
     operator's own prices every priced day read as different, and in the Docker image (no
     checkout there) every cost recomputed as 0. A folder without prices.yaml is an error."""
-    from gpusched_accounting import reconcile
-
-    async def nothing_retained(bootstrap: str) -> list:
-        return []
-
-    monkeypatch.setattr(reconcile, "read_usage", nothing_retained)
     monkeypatch.setenv("GPUSCHED_CONFIG_DIR", str(tmp_path))
     result = CliRunner().invoke(app, ["reconcile"])
 
     assert result.exit_code == 2, result.output
     assert f"error: {tmp_path / 'prices.yaml'} is missing" in result.output
+
+
+@pytest.mark.parametrize("differences,code", [([], 0), ([{
+    "tenant": "initech", "day": "2026-12-04", "recomputed": {"prompt_tokens": 10},
+    "live": {"prompt_tokens": 0}}], 1)])
+def test_reconcile_names_the_days_still_being_billed_and_exits_1_only_for_a_difference(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, differences: list[dict],
+        code: int) -> None:
+    """A day accounting was still billing read as a difference and exited 1, as lost
+    billing would; it is named as not checked, with why, in the text and the --json."""
+    from gpusched_accounting import reconcile
+
+    report = {"records": 7, "tenant_days_checked": 1, "differences": differences,
+              "still_being_billed": [{"tenant": "acme", "day": "2026-12-05"}],
+              "recomputed_total": {}}
+
+    async def run(args: object) -> dict:
+        return report
+
+    monkeypatch.setattr(reconcile, "run", run)
+    result = CliRunner().invoke(app, ["reconcile", "--json", str(tmp_path / "r.json")])
+
+    assert result.exit_code == code, result.output
+    assert f"{len(differences)} differ, 1 not checked: still being billed" in result.output
+    assert "acme 2026-12-05: not checked: still being billed" in result.output
+    assert "run reconcile again once accounting has caught up" in result.output
+    assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
 @pytest.mark.parametrize("args,env", [

@@ -5,7 +5,7 @@ dead-letters`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
@@ -57,10 +57,11 @@ def request_payload(record: ConsumerRecord) -> dict[str, Any]:
     return payload
 
 
-async def retained(bootstrap: str, topic: str, last: int | None = None
-                   ) -> AsyncIterator[ConsumerRecord]:
+async def retained(bootstrap: str, topic: str, last: int | None = None,
+                   since: Mapping[int, int] | None = None) -> AsyncIterator[ConsumerRecord]:
     """The records `topic` holds when called, partition by partition interleaved as Kafka
-    returns them: all it retains, or the `last` of each partition. Reads without a consumer
+    returns them: all it retains, or the `last` of each partition; of a partition `since`
+    names (partition -> offset), only those from that offset on. Reads without a consumer
     group, so it commits nothing. Raises aiokafka's `KafkaConnectionError` when Kafka cannot
     be reached; a topic that does not exist yields nothing."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
@@ -76,7 +77,8 @@ async def retained(bootstrap: str, topic: str, last: int | None = None
         starts = await consumer.beginning_offsets(parts)
         ends = await consumer.end_offsets(parts)
         for tp in parts:
-            consumer.seek(tp, starts[tp] if last is None else max(starts[tp], ends[tp] - last))
+            first = starts[tp] if last is None else max(starts[tp], ends[tp] - last)
+            consumer.seek(tp, max(first, (since or {}).get(tp.partition, first)))
         while any([await consumer.position(tp) < end for tp, end in ends.items()]):
             for records in (await consumer.getmany(timeout_ms=500, max_records=10_000)).values():
                 for record in records:

@@ -1,9 +1,11 @@
 """`gpusched reconcile`: recompute usage totals per tenant and day from the usage topic (every
 record still retained, with the live apply's dedup, forgetting and request rules) and report
-every difference from the live counters in Redis. Exit status 0 when they agree, 1 when they
-differ, 2 when Kafka or Redis cannot be reached, `--dedup-ttl-s` is shorter than
-accounting's own setting takes, or `--tenant` names no tenant (neither configured nor in any
-retained record: a misspelt name would pass as agreeing)."""
+every difference from the live counters in Redis. A day with a record accounting has not yet
+committed as applied is reported as still being billed, not compared. Exit status 0 when
+they agree (or are still being billed), 1 when they differ, 2 when Kafka or Redis cannot be
+reached, `--dedup-ttl-s` is shorter than accounting's own setting takes, or `--tenant` names
+no tenant (neither configured nor in any retained record: a misspelt name would pass as
+agreeing)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,45 +30,78 @@ from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
     TOTAL_FIELD,
     Totals,
+    bucket_start_s,
     load_prices,
     recompute,
     row_for,
     unpack,
 )
-from gpusched_accounting.settings import DEDUP_TTL_S, MIN_DEDUP_TTL_S
+from gpusched_accounting.settings import CONSUMER_GROUP, DEDUP_TTL_S, MIN_DEDUP_TTL_S
 from gpusched_common import topics
 from gpusched_common.catalog import load_tenants
-from gpusched_common.contracts import USAGE
+from gpusched_common.contracts import USAGE, UsageRecord
 from gpusched_common.kafka_records import retained
 from gpusched_common.settings import REPO_CONFIG_DIR
 
 
-async def read_usage(bootstrap: str, topic: str = topics.USAGE.name) -> list:
-    """Every parseable usage record `topic` retains, up to its end when called."""
-    out = []
-    async for record in retained(bootstrap, topic):
+class Retained(NamedTuple):
+    """A usage record and where the usage topic holds it."""
+
+    partition: int
+    offset: int
+    usage: UsageRecord
+
+
+async def read_usage(bootstrap: str, since: Mapping[int, int] | None = None,
+                     topic: str = topics.USAGE.name) -> tuple[list[Retained], dict[int, int]]:
+    """Every parseable usage record `topic` retains up to its end when called (of a partition
+    `since` names, from that offset on), and the offset after the last record read of each
+    partition, an unparseable one included: the `since` of a later read."""
+    out, after = [], dict(since or {})
+    async for record in retained(bootstrap, topic, since=since):
+        after[record.partition] = record.offset + 1
         try:
-            out.append(USAGE.validate_json(record.value))
+            out.append(Retained(record.partition, record.offset,
+                                USAGE.validate_json(record.value)))
         except ValidationError:
             continue  # the live consumer dead-letters these too
-    return out
+    return out, after
 
 
-async def differences(redis: Redis, want: dict[tuple[str, int], Totals]) -> list[dict]:
-    """The (tenant, day start) buckets of `want` (recomputed totals) whose live totals
-    differ."""
-    keys = sorted(want)
+async def applied_offsets(bootstrap: str, group: str, topic: str = topics.USAGE.name
+                          ) -> dict[int, int]:
+    """The offset consumer group `group` (accounting's) has committed in each partition of
+    `topic`. Accounting commits a fetch only once every record of it is applied in Redis
+    (`handlers.on_usage`), so every record below it is applied (or dead-lettered) and stays
+    so; one above it may be applied, in part or not at all. A partition missing here has
+    nothing applied."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {tp.partition: done.offset for tp, done in committed.items() if tp.topic == topic}
+
+
+TenantDay = tuple[str, int]
+"""(tenant, start of the UTC day, epoch s): one day total compared."""
+
+
+def day_of(usage: UsageRecord) -> TenantDay:
+    return usage.tenant, bucket_start_s(usage.ended_at_ms, "day")
+
+
+def _date(day_s: int) -> str:
+    return datetime.fromtimestamp(day_s, UTC).strftime("%Y-%m-%d")
+
+
+async def live_totals(redis: Redis, days: Sequence[TenantDay]) -> dict[TenantDay, Totals]:
+    """Redis's live totals of those (tenant, day) buckets, read in one pipeline."""
     async with redis.pipeline(transaction=False) as pipe:
-        for t, day in keys:
+        for t, day in days:
             pipe.hget(bucket_key(t, "day", day), TOTAL_FIELD)
-        live = [unpack(v) for v in await pipe.execute()]
-    out = []
-    for (t, day), live_totals in zip(keys, live):
-        if live_totals != want[(t, day)]:
-            out.append({"tenant": t,
-                        "day": datetime.fromtimestamp(day, UTC).strftime("%Y-%m-%d"),
-                        "recomputed": want[(t, day)].public(), "live": live_totals.public()})
-    return out
+        return {k: unpack(v) for k, v in zip(days, await pipe.execute())}
 
 
 class UnknownTenant(LookupError):
@@ -71,10 +109,16 @@ class UnknownTenant(LookupError):
 
 
 async def run(args: argparse.Namespace) -> dict:
+    """The report (as `--json` writes it). Only a (tenant, day) whose every record
+    accounting has applied is compared; the others are still being billed. The cut is the
+    offsets accounting's group has committed, read first: every record below them was
+    applied before, so Redis holds it. A record above them may be applied in part or not at
+    all: it is in the topic read, or it was produced while Redis was read and is in the
+    `tail` read afterwards (one produced later cannot be in what Redis answered)."""
     prices = load_prices(args.config_dir)
-    records = await read_usage(args.kafka)
-    rows = [row_for(r, prices) for r in records]
-    if args.tenant is not None and all(r.tenant != args.tenant for r in rows):
+    cut = await applied_offsets(args.kafka, args.consumer_group)
+    records, after = await read_usage(args.kafka)
+    if args.tenant is not None and all(r.usage.tenant != args.tenant for r in records):
         try:
             configured = load_tenants(args.config_dir).get(args.tenant) is not None
         except ValueError:  # no tenants.yaml there
@@ -82,18 +126,29 @@ async def run(args: argparse.Namespace) -> dict:
         if not configured:
             raise UnknownTenant(f"no tenant '{args.tenant}': it is not configured and no "
                                 f"usage record of it is retained")
-    recomputed = recompute(rows, dedup_ttl_s=args.dedup_ttl_s)
-    # every (tenant, day) with a record, those whose every record was dropped included: it
-    # was counted as checked and never compared
-    want = {k: v for k, v in recomputed.items() if args.tenant in (None, k[0])}
+    applied = [r.offset < cut.get(r.partition, 0) for r in records]
+    billing = {day_of(r.usage) for r, done in zip(records, applied) if not done}
+    # of the applied records alone, as Redis holds them: every (tenant, day) with one, those
+    # whose every record was dropped included (once counted as checked but never compared)
+    recomputed = recompute([row_for(r.usage, prices) for r, done in zip(records, applied)
+                            if done], dedup_ttl_s=args.dedup_ttl_s)
+    wanted = sorted(k for k in recomputed.keys() - billing if args.tenant in (None, k[0]))
     redis = Redis.from_url(args.redis)
     try:
-        diffs = await differences(redis, want)
+        live = await live_totals(redis, wanted)
     finally:
         await redis.aclose()
-    total = sum(want.values(), Totals())
-    return {"records": len(records), "tenant_days_checked": len(want),
-            "differences": diffs, "recomputed_total": total.public()}
+    tail, _ = await read_usage(args.kafka, since=after)
+    billing.update(day_of(r.usage) for r in tail)
+    checked = [k for k in wanted if k not in billing]
+    return {"records": len(records) + len(tail), "tenant_days_checked": len(checked),
+            "differences": [{"tenant": t, "day": _date(day),
+                             "recomputed": recomputed[(t, day)].public(),
+                             "live": live[(t, day)].public()}
+                            for t, day in checked if live[(t, day)] != recomputed[(t, day)]],
+            "still_being_billed": [{"tenant": t, "day": _date(day)} for t, day in sorted(
+                billing) if args.tenant in (None, t)],
+            "recomputed_total": sum((recomputed[k] for k in checked), Totals()).public()}
 
 
 def dedup_window_s(text: str) -> int:
@@ -128,6 +183,11 @@ def main(argv: list[str]) -> int:
                         f"{MIN_DEDUP_TTL_S} s (default: $GPUSCHED_DEDUP_TTL_S, else its "
                         "default, 7 days): a request id used again after it is a new request, "
                         "as live.")
+    parser.add_argument("--consumer-group", default=os.environ.get("GPUSCHED_CONSUMER_GROUP",
+                                                                   CONSUMER_GROUP),
+                        help="Accounting's consumer group, whose committed offsets say which "
+                        "records it has applied (default: $GPUSCHED_CONSUMER_GROUP, else "
+                        "accounting's default).")
     parser.add_argument("--config-dir", type=Path,
                         default=os.environ.get("GPUSCHED_CONFIG_DIR", REPO_CONFIG_DIR),
                         help="Folder with prices.yaml, whose prices costs are recomputed at "
@@ -139,6 +199,9 @@ def main(argv: list[str]) -> int:
         report = asyncio.run(run(args))
     except KafkaConnectionError:
         print(f"error: Kafka not reachable at {args.kafka}; is the stack up?", file=sys.stderr)
+        return 2
+    except KafkaError as exc:  # no group coordinator yet: not a difference found (exit 1)
+        print(f"error: Kafka at {args.kafka} answered with an error: {exc!r}", file=sys.stderr)
         return 2
     except RedisConnectionError:
         print(f"error: Redis not reachable at {args.redis}; is the stack up?", file=sys.stderr)
@@ -155,12 +218,24 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             print(f"error: cannot write {args.json}: {exc}", file=sys.stderr)
             return 2
+    differ, billing = report["differences"], report["still_being_billed"]
     print(f"{report['records']} usage records read, {report['tenant_days_checked']} "
-          f"(tenant, day) totals checked, {len(report['differences'])} differ")
-    for d in report["differences"][:50]:
+          f"(tenant, day) totals checked, {len(differ)} differ, {len(billing)} not checked: "
+          "still being billed")
+    for d in differ[:50]:
         print(f"  {d['tenant']} {d['day']}: live {d['live']} != recomputed {d['recomputed']}")
-    if report["differences"]:
+    for d in billing[:50]:
+        print(f"  {d['tenant']} {d['day']}: not checked: still being billed")
+    if differ:
         print("differences can come from days partly past the topic's retention, records "
               "dead-lettered as older than the dedup window or as ending over a day ahead of "
-              "accounting's clock, or a price table changed since", file=sys.stderr)
-    return 1 if report["differences"] else 0
+              "accounting's clock, a price table changed since, or offsets of the consumer "
+              "group (--consumer-group) past records accounting never applied: another "
+              "group's, or moved by hand", file=sys.stderr)
+    if billing:
+        print("a day is still being billed while accounting has not committed one of its "
+              "records as applied (it is behind, or the record came while reconcile ran): "
+              "its live total may lack it, so it is not compared; run reconcile again once "
+              "accounting has caught up, or once the day is over for today's",
+              file=sys.stderr)
+    return 1 if differ else 0

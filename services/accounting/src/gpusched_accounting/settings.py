@@ -5,6 +5,7 @@ from pydantic import Field, model_validator
 from gpusched_common.settings import ServiceSettings
 
 DAY_S = 86_400
+CONSUMER_GROUP = "gpusched-accounting"
 DEDUP_TTL_S = 7 * DAY_S
 MIN_DEDUP_TTL_S = 3600
 """The shortest dedup window accounting starts with, and so the shortest `gpusched
@@ -14,7 +15,7 @@ reconcile --dedup-ttl-s` takes."""
 class AccountingSettings(ServiceSettings):
     http_port: int = Field(default=8082, ge=0, le=65535)
     consumer_group: str = Field(
-        default="gpusched-accounting", min_length=1, description="Kafka consumer group of the "
+        default=CONSUMER_GROUP, min_length=1, description="Kafka consumer group of the "
         "usage topic; instances in one group share its partitions.")
     dedup_ttl_s: int = Field(
         default=DEDUP_TTL_S, ge=MIN_DEDUP_TTL_S, description="How long a request's applied "
