@@ -165,6 +165,21 @@ def test_the_gpu_agent_owns_its_node_and_drains_before_it_is_killed() -> None:
     assert agent["terminationGracePeriodSeconds"] > AgentSettings().drain_timeout_s + 10
 
 
+def test_a_stopped_router_has_the_time_to_answer_its_clients_wherever_it_runs() -> None:
+    """SIGKILLed after Docker's default 10 s (Kubernetes' 30 s, the local stack's 15 s), a
+    router stopped with clients waiting cut them off with no answer. Its grace period now
+    covers its drain and 20 s for the shutdown after it (the broker stopped, spans flushed),
+    the same in Compose, Kubernetes and the local stack."""
+    from gpusched_ops.stack import SERVICE_STOP_TIMEOUT_S
+
+    router = named(built("production"), "Deployment")["router"]["spec"]["template"]["spec"]
+    grace_s = router["terminationGracePeriodSeconds"]
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
+    assert compose["router"]["stop_grace_period"] == f"{grace_s}s"
+    assert SERVICE_STOP_TIMEOUT_S["router"] == grace_s
+    assert grace_s >= RouterSettings().drain_timeout_s + 20
+
+
 def test_dev_is_the_compose_stack() -> None:
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
     objects = built("dev")

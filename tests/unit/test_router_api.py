@@ -37,6 +37,7 @@ from gpusched_router.main import (
     _error_of,
     _failure,
     _full_response,
+    _shutting_down,
     _sse,
     _worth_retrying,
     create_app,
@@ -861,6 +862,14 @@ def test_clients_are_told_not_to_retry_where_it_would_run_the_request_again(
     assert _worth_retrying(ApiError(status, "x"), keyed=keyed) == worth
 
 
+def test_a_router_stopping_has_the_sdk_retry_only_a_request_with_an_idempotency_key() -> None:
+    """Its request goes on: a retry without the key would run it a second time; with it,
+    the retry waits for the same request at another router."""
+    stopping = _shutting_down("req-1")
+    assert not _worth_retrying(stopping, keyed=False)
+    assert _worth_retrying(stopping, keyed=True)
+
+
 def test_a_request_past_its_queue_time_limit_is_not_retried_by_the_sdk_on_its_own() -> None:
     """The fleet is full: the client decides when to send it again, not the SDK at once."""
     expired = _error_of(Rejection(request_id="r", status_code=503, reason="waited",
@@ -1036,3 +1045,86 @@ def test_a_spent_budgets_429_has_openais_insufficient_quota_type() -> None:
     assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
     assert ApiError(429, "over tokens per minute").body()["error"]["type"] == \
         "invalid_request_error"
+
+
+async def test_a_stopped_router_answers_every_client_it_still_waits_on(monkeypatch) -> None:
+    """Stopped (SIGTERM: a rollout), the router waited for its clients' requests until the
+    grace period's SIGKILL cut them off with no answer, no status and no `x-request-id`,
+    and the openai SDK sent them again (a second run). Now, on the real server: a request
+    that ends within the drain time-out is answered as ever; past it, a client still waiting
+    gets a 503 naming its request, which goes on (nothing is cancelled), a stream under way
+    an error event; and the server exits."""
+    import uvicorn
+
+    from gpusched_common.web import Server
+
+    monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                    drain_timeout_s=0.5))
+    published: dict[str, InferenceRequest] = {}  # by prompt
+    cancels: list[bytes] = []
+
+    async def publish(message: bytes, topic: str, **options: object) -> None:
+        if topic not in {spec.name for spec in REQUESTS.values()}:
+            cancels.append(message)
+            return
+        request = InferenceRequest.model_validate_json(message)
+        published[request.prompt] = request
+        if request.prompt == "streamed":  # under way: its first token is out
+            app.state.hub.dispatch([SimpleNamespace(value=TokenChunk(
+                request_id=request.request_id, seq=0, text=" a", token_count=1).to_bytes())])
+
+    monkeypatch.setattr(app.state.broker, "publish", publish)
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off",
+                                   log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                await asyncio.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers={
+                    "authorization": "Bearer sk-acme-demo"}) as client:
+                def body(prompt: str, stream: bool = False) -> dict:
+                    return {"model": "qwen2.5-1.5b", "prompt": prompt, "max_tokens": 3,
+                            "stream": stream}
+
+                async def streamed() -> list[str]:
+                    async with client.stream("POST", "/v1/completions",
+                                             json=body("streamed", True)) as reply:
+                        assert reply.status_code == 200
+                        return [line async for line in reply.aiter_lines() if line]
+
+                replies = [asyncio.create_task(client.post("/v1/completions", json=body(p)))
+                           for p in ("ends in time", "runs on")]
+                stream = asyncio.create_task(streamed())
+                while len(published) < 3:
+                    await asyncio.sleep(0.01)
+                server.should_exit = True  # as SIGTERM does
+                while server.servers[0].is_serving():
+                    await asyncio.sleep(0.01)
+                with pytest.raises(httpx.ConnectError):  # stopped, it takes no new request
+                    await client.get("/v1/models")
+                done = published["ends in time"].request_id
+                app.state.hub.dispatch([SimpleNamespace(value=_result(
+                    "completed", "length", done).to_bytes())])
+                in_time, runs_on = [await reply for reply in replies]
+                events = await stream
+            await serving  # the server ends once its clients are answered
+    finally:
+        server.force_exit = True
+        await serving
+    assert in_time.status_code == 200 and in_time.json()["choices"][0]["text"] == " partial"
+    request_id = published["runs on"].request_id
+    assert runs_on.status_code == 503
+    assert runs_on.headers["x-request-id"] == request_id
+    assert (runs_on.headers["retry-after"], runs_on.headers["x-should-retry"]) == ("1", "false")
+    error = runs_on.json()["error"]
+    assert error["code"] == "router_shutting_down"
+    assert f"GET /v1/requests/{request_id}" in error["message"]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == " a"
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["code"] == "router_shutting_down"
+    assert published["streamed"].request_id in error["message"]
+    assert events[2:] == ["data: [DONE]"]
+    assert cancels == []

@@ -73,6 +73,13 @@ JAEGER_MAX_TRACES = 20_000
 JAEGER_MEMORY_LIMIT_MIB = 384
 
 _STOP_TIMEOUT_S = {"kafka": 45.0, "redis": 15.0, "jaeger": 15.0}
+SERVICE_STOP_TIMEOUT_S = {"agent": 45.0, "router": 30.0}
+"""SIGTERM to SIGKILL when `stop` stops a service, by its name's first part (15 s for the
+rest). An agent drains for its GPUSCHED_DRAIN_TIMEOUT_S (20 s), then hands back what still
+runs: killed at 15 s, its work took the crash-recovery path instead. A router gives the
+requests its clients wait on its GPUSCHED_DRAIN_TIMEOUT_S (10 s), then answers those
+clients: killed first, they were cut off with no answer. The router's is
+docker-compose.yml's stop_grace_period and the Kubernetes terminationGracePeriodSeconds."""
 _POLL_S = 0.25
 _LOG_TAIL_LINES = 40
 # Popen objects are kept for the life of the interpreter: they reap their child when it exits
@@ -292,9 +299,7 @@ class LocalStack:
     def stop(self) -> None:
         """Stop everything in run_dir: services first, then jaeger, redis, kafka. Idempotent."""
         for name in self._service_names():
-            # an agent drains for GPUSCHED_DRAIN_TIMEOUT_S (20 s), then hands back what
-            # still runs: killed at 15 s, its work took the crash-recovery path instead
-            self._terminate(name, 45.0 if name.startswith("agent") else 15.0)
+            self._terminate(name, SERVICE_STOP_TIMEOUT_S.get(name.split("-")[0], 15.0))
         for name in reversed(INFRA_COMPONENTS):
             self._terminate(name, _STOP_TIMEOUT_S[name])
 

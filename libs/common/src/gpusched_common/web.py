@@ -38,6 +38,14 @@ def retry_shortly() -> dict[str, str]:
     return {"retry-after": str(RETRY_SHORTLY_S)}
 
 
+def on_stop(app: FastAPI, stop: Callable[[], None]) -> None:
+    """Have `stop()` run (in the event loop) as soon as the server running `app` is told to
+    stop (SIGTERM, SIGINT), as it closes its listener: uvicorn runs the lifespan's shutdown
+    only once every request in flight has ended, too late for an app that must answer the
+    requests it is waiting on itself."""
+    app.state.on_stop = [*getattr(app.state, "on_stop", ()), stop]
+
+
 def get_and_head(routes: FastAPI | APIRouter, path: str, **options: Any
                  ) -> Callable[[Endpoint], Endpoint]:
     """Route GET `path` to the endpoint, and HEAD too (clients and load balancers probe with
@@ -99,7 +107,8 @@ def run_service(name: str, settings_type: type[Settings],
 
 
 def serve(app: FastAPI, settings: ServiceSettings) -> None:
-    """Run `app` until SIGINT/SIGTERM; uvicorn runs the lifespan (broker start and drain)."""
+    """Run `app` until SIGINT/SIGTERM; uvicorn runs the lifespan (broker start and drain),
+    `Server` the app's `on_stop` callbacks."""
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -117,7 +126,8 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server; once started, what start-up created is frozen out of the GC."""
+    """uvicorn's server; once started, what start-up created is frozen out of the GC, and
+    told to stop it runs the app's `on_stop` callbacks first."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -128,6 +138,11 @@ class Server(uvicorn.Server):
         # collection at 500 requests/s pauses it for 5-14 ms instead of 28-33 ms.
         gc.collect()
         gc.freeze()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for stop in getattr(self.config.app.state, "on_stop", ()):
+            stop()
+        await super().shutdown(sockets)
 
 
 def broker_lifespan(

@@ -33,7 +33,6 @@ from gpusched_common.contracts import (
     InferenceRequest,
     Rejection,
     RequestResult,
-    ResultEvent,
     TokenChunk,
 )
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
@@ -50,11 +49,12 @@ from gpusched_common.web import (
     add_ops_routes,
     broker_lifespan,
     get_and_head,
+    on_stop,
     retry_shortly,
     unavailable_without_redis,
 )
 from gpusched_router.adapters.idempotency import IdempotencyKeys
-from gpusched_router.adapters.results import ResultsHub
+from gpusched_router.adapters.results import ResultsHub, Waited
 from gpusched_router.domain.idempotency import (
     IDEMPOTENCY_HEADER,
     FirstUse,
@@ -87,7 +87,10 @@ CONTEXT_EXCEEDED = re.compile(
     re.IGNORECASE)
 """An inference engine's refusal that says the prompt and completion exceed the model's
 context: the router answers it as OpenAI does, `context_length_exceeded`."""
-WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[ResultEvent | ApiError | None]]
+SHUTTING_DOWN = "router_shutting_down"
+"""The code of the 503 a client still waiting is answered once its router has stopped and
+the drain time-out passed: its request goes on."""
+WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[Waited | None]]
 log = logging.getLogger(__name__)
 
 
@@ -139,6 +142,20 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                                       [redis.aclose])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
+
+    def drain() -> None:
+        """Stopped (a rollout), the router takes no new request; those its clients wait on
+        get the drain time-out to end, then each client still waiting is answered (its
+        request goes on), before the grace period's SIGKILL cuts them off with nothing."""
+        def answer_the_rest() -> None:
+            if waiting := hub.stop(_shutting_down):
+                log.warning("stopping: %d client(s) still waiting after %g s are answered "
+                            "503 (their requests go on)", waiting, settings.drain_timeout_s)
+
+        asyncio.get_running_loop().call_later(settings.drain_timeout_s, answer_the_rest)
+
+    on_stop(app, drain)
+
     def redis_away(reason: str) -> dict[str, Any]:
         accepted.labels("unknown", "http_503").inc()  # as every 5xx answered: alerts read it
         return ApiError(503, reason).body()
@@ -361,7 +378,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return None
 
         async def outcome(deadline_s: float, gone: asyncio.Future[None]
-                          ) -> ResultEvent | ApiError | None:
+                          ) -> Waited | None:
             # Its outcome may have passed this router before the queue opened, and be
             # stored a moment later: read the status again every STATUS_POLL_S.
             nonlocal trace_id
@@ -391,7 +408,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                             lambda: trace_id, abandoned=None, wait=outcome)
 
     async def answer(request: Request, parsed: ParsedRequest, kind: str,
-                     queue: asyncio.Queue[ResultEvent], trace_id: Callable[[], str],
+                     queue: asyncio.Queue[Waited], trace_id: Callable[[], str],
                      abandoned: Callable[..., None] | None,
                      wait: WaitOutcome | None = None) -> Response:
         """The reply to a request taken in: wait for its first event (`wait(deadline_s,
@@ -410,7 +427,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         # quota, 422 fits nowhere) or a failure is then an HTTP status the client acts on.
         # A replay waits for the outcome: the chunks before it went to the first client.
         gone = asyncio.ensure_future(_disconnected(request))
-        first: ResultEvent | ApiError | None
+        first: Waited | None
         try:
             first = await (wait(deadline_s, gone) if wait is not None else _next_terminal(
                 queue, deadline_s, gone, stop_at_chunk=parsed.stream))
@@ -427,13 +444,14 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             if abandoned is not None:
                 abandoned()
             return Response(status_code=499)  # nobody reads it
-        failed = first if isinstance(first, ApiError) else _error_of(first)
+        failed = _error_of(first)
         if failed is not None:
             observe()
             if isinstance(first, Rejection) and (wait_s := _retry_after_s(first)) is not None:
                 headers["retry-after"] = str(wait_s)  # the openai SDK waits it
             elif isinstance(first, ApiError) and first.status_code == 503:
-                headers |= retry_shortly()  # a replay's: Kafka away, or its first use refused
+                # a replay's (Kafka away, or its first use refused), or the router stopping
+                headers |= retry_shortly()
             if not _worth_retrying(failed, keyed=IDEMPOTENCY_HEADER in request.headers):
                 headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
@@ -518,9 +536,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _next_terminal(queue: asyncio.Queue[ResultEvent], deadline_s: float,
-                         gone: asyncio.Future[None], stop_at_chunk: bool
-                         ) -> ResultEvent | None:
+async def _next_terminal(queue: asyncio.Queue[Waited], deadline_s: float,
+                         gone: asyncio.Future[None], stop_at_chunk: bool) -> Waited | None:
     """The request's terminal event, or with `stop_at_chunk` its first token chunk if that
     comes first; None once `gone` is done (the client left). Raises TimeoutError at
     `deadline_s` (event loop time)."""
@@ -553,14 +570,15 @@ def _retry_after_s(rejection: Rejection) -> int | None:
 def _worth_retrying(failed: ApiError, keyed: bool) -> bool:
     """False where a retry would run the request again for nothing: a 4xx but 408 and 429
     (refused as sent, as an inference engine refuses a prompt longer than its model's
-    context, or cancelled: 409), and one that timed out (504) and is still running, unless
-    it has an Idempotency-Key (its retry then waits for the same request); and where an
-    automatic one only adds load: a request that waited past its queue time limit, on a
-    fleet that is full, and one the scheduler refused for a spent budget (refused again
-    until the period ends)."""
+    context, or cancelled: 409), and one still running that the router stopped waiting for
+    (504 timed out, 503 shutting down), unless it has an Idempotency-Key (its retry then
+    waits for the same request); and where an automatic one only adds load: a request that
+    waited past its queue time limit, on a fleet that is full, and one the scheduler
+    refused for a spent budget (refused again until the period ends)."""
     return not ((400 <= failed.status_code < 500 and failed.status_code not in (408, 429))
                 or failed.code in ("queue_time_exceeded", "insufficient_quota")
-                or (failed.status_code == 504 and not keyed))
+                or ((failed.status_code == 504 or failed.code == SHUTTING_DOWN)
+                    and not keyed))
 
 
 def _not_taken_in(what: str, publish_timeout_s: float, what_now: str) -> ApiError:
@@ -569,16 +587,28 @@ def _not_taken_in(what: str, publish_timeout_s: float, what_now: str) -> ApiErro
 
 
 def _timed_out(request_id: str) -> ApiError:
-    return ApiError(504, f"no result within the router's wait (GPUSCHED_REQUEST_TIMEOUT_S); "
-                    f"request {request_id} still runs or waits: poll GET /v1/requests/"
-                    f"{request_id}")
+    return ApiError(504, "no result within the router's wait (GPUSCHED_REQUEST_TIMEOUT_S); "
+                    + _runs_on(request_id))
 
 
-def _error_of(event: ResultEvent) -> ApiError | None:
+def _shutting_down(request_id: str) -> ApiError:
+    return ApiError(503, "this router is shutting down and waits for no more results; "
+                    + _runs_on(request_id), code=SHUTTING_DOWN)
+
+
+def _runs_on(request_id: str) -> str:
+    """The advice of an answer given while the request still runs: where its outcome is."""
+    return f"request {request_id} still runs or waits: poll GET /v1/requests/{request_id}"
+
+
+def _error_of(event: Waited) -> ApiError | None:
     """A terminal event that is not a completion, as the error a client acts on: the
     rejection's own status, 502 for a request that failed on its node (the executor or its
     engine broke) and the engine's 4xx for one its engine refused as sent, 409 for a
-    cancelled one; None for a completion or a token chunk."""
+    cancelled one, the router's own answer as it is; None for a completion or a token
+    chunk."""
+    if isinstance(event, ApiError):
+        return event
     if isinstance(event, Rejection):
         return ApiError(event.status_code, event.reason, code=event.code)
     if isinstance(event, RequestResult):
@@ -627,13 +657,14 @@ def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> d
          "logprobs": None, "finish_reason": result.finish_reason}]}
 
 
-async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEvent],
+async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
                deadline_s: float, done: Any, abandoned: Any = None,
                first: TokenChunk | RequestResult | None = None) -> AsyncIterator[bytes]:
     """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`. `first`
     is the request's first event if the caller took it already; `deadline_s` (event loop
-    time) ends the wait with a 504 error event. `abandoned()` runs when the client leaves
-    before the request's terminal event."""
+    time) ends the wait with a 504 error event, as the router's stop does with its 503
+    (`ResultsHub.stop`). `abandoned()` runs when the client leaves before the request's
+    terminal event."""
     ended = False
     req = parsed.request
     base = {"id": _reply_id(kind, req.request_id), "created": req.created_at_ms // 1000,
@@ -657,7 +688,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[ResultEven
 
     taken = [first] if first is not None else []
 
-    async def next_event() -> ResultEvent:
+    async def next_event() -> Waited:
         """The deadline bounds only this wait: a timeout scope held across the stream's
         yields would cancel a send that a client slow to read holds up, cutting the stream
         off with no error event and leaving this generator to be closed by the GC."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
@@ -23,8 +24,12 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import request_payload
 from gpusched_common.telemetry import context_from, record_carrier, trace_id_hex
+from gpusched_router.domain.openai_api import ApiError
 
 STATUS_KEY = "gpusched:request:{}"
+Waited = ResultEvent | ApiError
+"""What a client's queue holds: its request's events, then, once the router stops, maybe
+the router's own answer (`ResultsHub.stop`)."""
 _STARTED = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'queued' then
@@ -73,15 +78,31 @@ class ResultsHub:
         self._seen = redis.register_script(_SEEN)
         # request id -> the queue of each client waiting on it here (a retry with the same
         # Idempotency-Key waits beside the first)
-        self._waiters: dict[str, list[asyncio.Queue[ResultEvent]]] = {}
+        self._waiters: dict[str, list[asyncio.Queue[Waited]]] = {}
+        self._stopped: Callable[[str], ApiError] | None = None
 
-    def open(self, request_id: str) -> asyncio.Queue[ResultEvent]:
-        """Register before publishing the request, so no event can be missed."""
-        queue: asyncio.Queue[ResultEvent] = asyncio.Queue()
+    def open(self, request_id: str) -> asyncio.Queue[Waited]:
+        """Register before publishing the request, so no event can be missed. Once `stop`
+        has run, the queue holds its answer already."""
+        queue: asyncio.Queue[Waited] = asyncio.Queue()
         self._waiters.setdefault(request_id, []).append(queue)
+        if self._stopped is not None:
+            queue.put_nowait(self._stopped(request_id))
         return queue
 
-    def close(self, request_id: str, queue: asyncio.Queue[ResultEvent]) -> None:
+    def stop(self, answer: Callable[[str], ApiError]) -> int:
+        """End the waits of this router's clients: each queue, and each opened from now on,
+        gets `answer(request_id)` behind the events come so far, the last a client reads
+        (the request itself goes on). Returns how many clients were waiting."""
+        self._stopped = answer
+        waiting = 0
+        for request_id, queues in self._waiters.items():
+            for queue in queues:
+                queue.put_nowait(answer(request_id))
+                waiting += 1
+        return waiting
+
+    def close(self, request_id: str, queue: asyncio.Queue[Waited]) -> None:
         queues = self._waiters.get(request_id, [])
         if queue in queues:
             queues.remove(queue)
