@@ -1060,7 +1060,7 @@ async def test_a_stopped_router_answers_every_client_it_still_waits_on(monkeypat
 
     monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
     app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
-                                    drain_timeout_s=0.5))
+                                    router_drain_s=0.5))
     published: dict[str, InferenceRequest] = {}  # by prompt
     cancels: list[bytes] = []
 

@@ -77,7 +77,7 @@ SERVICE_STOP_TIMEOUT_S = {"agent": 45.0, "router": 30.0}
 """SIGTERM to SIGKILL when `stop` stops a service, by its name's first part (15 s for the
 rest). An agent drains for its GPUSCHED_DRAIN_TIMEOUT_S (20 s), then hands back what still
 runs: killed at 15 s, its work took the crash-recovery path instead. A router gives the
-requests its clients wait on its GPUSCHED_DRAIN_TIMEOUT_S (10 s), then answers those
+requests its clients wait on its GPUSCHED_ROUTER_DRAIN_S (10 s), then answers those
 clients: killed first, they were cut off with no answer. The router's is
 docker-compose.yml's stop_grace_period and the Kubernetes terminationGracePeriodSeconds."""
 _POLL_S = 0.25

@@ -150,9 +150,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         def answer_the_rest() -> None:
             if waiting := hub.stop(_shutting_down):
                 log.warning("stopping: %d client(s) still waiting after %g s are answered "
-                            "503 (their requests go on)", waiting, settings.drain_timeout_s)
+                            "503 (their requests go on)", waiting, settings.router_drain_s)
 
-        asyncio.get_running_loop().call_later(settings.drain_timeout_s, answer_the_rest)
+        asyncio.get_running_loop().call_later(settings.router_drain_s, answer_the_rest)
 
     on_stop(app, drain)
 

@@ -18,7 +18,7 @@ class RouterSettings(ServiceSettings):
     publish_timeout_s: float = Field(
         default=10.0, gt=0, le=300, description="Longest the router waits for Kafka to take a "
         "request before it answers 503 (Kafka down or stalled).")
-    drain_timeout_s: float = Field(
+    router_drain_s: float = Field(
         default=10.0, ge=0, le=3600, description="On SIGTERM, the requests the router's "
         "clients wait on get this long to end before each of those clients is answered 503 "
         "(the request goes on). The grace period before SIGKILL must cover it and the "
