@@ -6,7 +6,9 @@ traceback or a raw JSON body."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -293,23 +295,18 @@ def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
     assert "qwen2.5-1.5b (idle)" in result.output and "llama-3.1-8b (idle)" not in result.output
 
 
-def _router(reply: list[bytes], heard: list[str], hang_s: float = 0.0
-            ) -> ThreadingHTTPServer:
-    """A router on a free port that answers each POST 200 with `reply` as its event stream
-    (after `hang_s` of silence), and ends the connection there, [DONE] or not."""
-    import time
+def _serve(answer: Callable[[BaseHTTPRequestHandler], None], heard: list[str]
+           ) -> ThreadingHTTPServer:
+    """A router on a free port that notes the path of each POST, reads its body, and leaves
+    the answer to `answer`."""
 
     class Router(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # chunked answers
+
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             heard.append(self.path)
             self.rfile.read(int(self.headers["content-length"]))
-            time.sleep(hang_s)
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("connection", "close")
-            self.end_headers()
-            for event in reply:
-                self.wfile.write(event)
+            answer(self)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -317,6 +314,25 @@ def _router(reply: list[bytes], heard: list[str], hang_s: float = 0.0
     server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def _router(reply: list[bytes], heard: list[str], hang_s: float = 0.0
+            ) -> ThreadingHTTPServer:
+    """A router on a free port that answers each POST 200 with `reply` as its event stream
+    (after `hang_s` of silence), and ends the connection there, [DONE] or not."""
+    import time
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        time.sleep(hang_s)
+        handler.send_response(200)
+        handler.send_header("content-type", "text/event-stream")
+        handler.send_header("connection", "close")
+        handler.end_headers()
+        for event in reply:
+            handler.wfile.write(event)
+        handler.close_connection = True
+
+    return _serve(answer, heard)
 
 
 def _chunk(text: str, finish: str | None = None) -> bytes:
@@ -328,7 +344,7 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
 @pytest.mark.parametrize("reply,hang_s,printed", [
     ([_chunk(" half")], 0.0, "ended after 1 chunks without a finish reason"),
     ([_chunk(" half"), b"data: {not json\n\n"], 0.0, "not an event stream"),
-    ([], 3.0, "no answer from the router at http://127.0.0.1:"),
+    ([], 3.0, "no answer from router at http://127.0.0.1:"),
 ])
 def test_submit_says_when_a_reply_is_cut_short_and_sends_it_once(
         reply: list[bytes], hang_s: float, printed: str) -> None:
@@ -364,6 +380,77 @@ def test_submit_of_a_whole_reply_exits_0() -> None:
 
     assert result.exit_code == 0, result.output
     assert result.stdout == " whole\n"
+
+
+def _cut_after(body: bytes, request_id: str | None) -> Callable[[BaseHTTPRequestHandler],
+                                                                 None]:
+    """An answer that breaks off: 200 and its headers (with `request_id` as x-request-id)
+    and `body` as a first chunk, then the connection ends, as when the router restarts
+    midway. With no request id, the connection ends before any answer."""
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        if request_id is not None:
+            handler.send_response(200)
+            handler.send_header("x-request-id", request_id)
+            handler.send_header("content-type", "application/json" if body.startswith(b"{")
+                                else "text/event-stream")
+            handler.send_header("transfer-encoding", "chunked")
+            handler.end_headers()
+            handler.wfile.write(f"{len(body):x}\r\n".encode() + body + b"\r\n")
+            handler.wfile.flush()
+        handler.close_connection = True
+        handler.connection.shutdown(socket.SHUT_RDWR)
+    return answer
+
+
+@pytest.mark.parametrize("args,answer,printed", [
+    ([], _cut_after(_chunk(" half"), "req-7"), "request req-7 was sent and may still run, "
+     "and be billed: GET /v1/requests/req-7 on the router shows how it ends, `gpusched "
+     "cancel req-7` stops it; submitting it again runs it twice"),
+    (["--json"], _cut_after(b'{"id": "c", "object": ', "req-7"), "request req-7 was sent"),
+    (["--json"], _cut_after(b"", None), "the request was sent and may still run, and be "
+     "billed: `gpusched queue` shows its id while it waits for a GPU"),
+])
+def test_submit_whose_reply_breaks_off_says_the_request_was_sent_not_unreachable(
+        args: list[str], answer: Callable[[BaseHTTPRequestHandler], None],
+        printed: str) -> None:
+    """It said 'router not reachable ...; is the stack up?' of a request the router had
+    taken, which ran and was billed: the operator sent it again, and it ran twice."""
+    heard: list[str] = []
+    server = _serve(answer, heard)
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        result = CliRunner().invoke(app, ["submit", "hi", *args, "--router-url", url])
+    finally:
+        server.shutdown()
+
+    assert result.exit_code == 1, result.output
+    [error] = result.stderr.splitlines()
+    assert error.startswith(f"error: no whole answer from router at {url} (")
+    assert printed in error and "not reachable" not in error
+    assert heard == ["/v1/completions"]
+    if not args:
+        assert result.stdout == " half\n"
+
+
+@pytest.mark.parametrize("args,printed", [
+    (["nodes", "--scheduler-url", "http://127.0.0.1:1"],
+     "error: no answer from scheduler at http://127.0.0.1:1 within 5 s"),
+    (["cancel", "req-7", "--router-url", "http://127.0.0.1:1"],
+     "error: no answer from router at http://127.0.0.1:1 within 30 s; it was sent, and may "
+     "have been carried out"),
+])
+def test_a_service_that_does_not_answer_in_time_is_not_called_unreachable(
+        monkeypatch: pytest.MonkeyPatch, args: list[str], printed: str) -> None:
+    """A hung service read 'not reachable ... (timed out); is the stack up?'."""
+    def hung(url: str, **kwargs: object) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out")
+    monkeypatch.setattr(httpx, "get", hung)
+    monkeypatch.setattr(httpx, "post", hung)
+
+    result = CliRunner().invoke(app, args)
+
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == [printed]
 
 
 @pytest.mark.parametrize("cluster,args,shown", [

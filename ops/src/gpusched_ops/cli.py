@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import sys
@@ -12,7 +13,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 from urllib.parse import quote
 
 import httpx
@@ -62,7 +63,7 @@ def _row(table: Table, *cells: str) -> None:
     table.add_row(*(Text(cell) for cell in cells))
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     errors.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(1)
 
@@ -77,8 +78,32 @@ def _its_api(service: str) -> Iterator[None]:
         _fail(f"{service} answered with something that is not its API ({exc!r})")
 
 
-def _unreachable(service: str, url: str, cause: object) -> None:
+def _unreachable(service: str, url: str, cause: object) -> NoReturn:
     _fail(f"{service} not reachable at {url} ({cause}); is the stack up?")
+
+
+def _http_errors(*names: str) -> tuple[type[Exception], ...]:
+    """httpx's error classes `names`, and httpx2's where it is installed: the openai SDK runs
+    on either, and an httpx2 error is no httpx one. Looked up when an error is raised: the
+    commands that never meet one do not import httpx2."""
+    modules = [httpx]
+    with contextlib.suppress(ImportError):
+        modules.append(importlib.import_module("httpx2"))
+    return tuple(getattr(module, name) for module in modules for name in names)
+
+
+def _no_answer(service: str, url: str, exc: BaseException, timeout_s: float,
+               sent: str | None) -> NoReturn:
+    """Fail for an HTTP answer that did not come whole. 'Not reachable' only where no
+    connection was made, so nothing was sent; after that `service` may have taken the
+    request, and `sent` says what it may be doing (a completion told 'not reachable' was
+    sent again: run and billed twice)."""
+    if isinstance(exc, _http_errors("ConnectError", "ConnectTimeout")):
+        _unreachable(service, url, exc)
+    lost = (f"no answer from {service} at {url} within {timeout_s:g} s"
+            if isinstance(exc, _http_errors("TimeoutException")) else
+            f"no whole answer from {service} at {url} ({exc})")
+    _fail(f"{lost}; {sent}" if sent else lost)
 
 
 _QUIET = logging.NullHandler()
@@ -364,14 +389,7 @@ def submit(
 ) -> None:
     """Send one completion through the router and stream its tokens (--json: wait for the
     whole reply and print it as JSON). One attempt: nothing is sent twice."""
-    from openai import (
-        APIConnectionError,
-        APIError,
-        APIStatusError,
-        APITimeoutError,
-        OpenAI,
-        Timeout,
-    )
+    from openai import APIConnectionError, APIError, APIStatusError, OpenAI, Timeout
 
     # No retries: the SDK's would send the completion again after a time-out or a cut
     # connection, and run it twice (a key would stop that, but also the cancel that a
@@ -382,45 +400,49 @@ def submit(
     headers = {"X-Priority-Class": priority} if priority else {}
     if max_queue_ms is not None:
         headers["X-Max-Queue-Ms"] = str(max_queue_ms)
-    streamed, finished = 0, False
+    streamed, finished, request_id = 0, False, None
     try:
-        if as_json:
-            result = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                               extra_headers=headers)
-            with _its_api("router"):
-                print(result.model_dump_json())
-            return
-        for chunk in client.completions.create(model=model, prompt=prompt, stream=True,
-                                               max_tokens=max_tokens, extra_headers=headers):
-            if chunk.choices:
-                sys.stdout.write(chunk.choices[0].text)
-                sys.stdout.flush()
-                streamed += 1
-                finished = finished or chunk.choices[0].finish_reason is not None
-        print(flush=True)  # before any error, which goes to stderr
+        # the response's headers before its body: they name the request should the body break
+        with client.completions.with_streaming_response.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, stream=not as_json,
+                extra_headers=headers) as response:
+            request_id = response.headers.get("x-request-id")
+            if as_json:
+                result = response.parse()
+                with _its_api("router"):
+                    print(result.model_dump_json())
+                return
+            try:
+                for chunk in response.parse():
+                    if chunk.choices:
+                        sys.stdout.write(chunk.choices[0].text)
+                        sys.stdout.flush()
+                        streamed += 1
+                        finished = finished or chunk.choices[0].finish_reason is not None
+            finally:
+                if streamed:  # the reply ends its line, before any error on stderr
+                    print(flush=True)
     except APIStatusError as exc:  # the router's OpenAI-shaped error carries the reason
         reason = exc.body.get("message") if isinstance(exc.body, dict) else None
         _fail(f"{exc.status_code}: {reason or exc.message}")
-    except APITimeoutError:
-        _cut(streamed, f"no answer from the router at {router_url} within {timeout:g} s")
-    except APIConnectionError as exc:
-        if streamed:
-            _cut(streamed, f"the connection broke off ({exc.__cause__ or exc})")
-        _unreachable("router", router_url, exc.__cause__ or exc)
+    except (APIConnectionError, *_http_errors("TransportError")) as exc:
+        # the SDK raises its own (a time-out too) from the transport's; a whole (--json)
+        # reply's body is read raw
+        lost = exc.__cause__ if isinstance(exc, APIConnectionError) else exc
+        _no_answer("router", router_url, lost or exc, timeout, (
+            f"request {request_id} was sent and may still run, and be billed: GET "
+            f"/v1/requests/{request_id} on the router shows how it ends, `gpusched cancel "
+            f"{request_id}` stops it; submitting it again runs it twice" if request_id else
+            "the request was sent and may still run, and be billed: `gpusched queue` shows "
+            "its id while it waits for a GPU, `gpusched cancel ID` stops it; submitting it "
+            "again may run it twice"))
     except APIError as exc:  # an error event in the stream: the request failed midway
-        _cut(streamed, exc.message)
+        _fail(exc.message)
     except ValueError as exc:  # an event that is not JSON, or not UTF-8
-        _cut(streamed, f"the router sent something that is not an event stream ({exc})")
+        _fail(f"the router sent something that is not an event stream ({exc})")
     if not as_json and not finished:
         _fail(f"the stream ended after {streamed} chunks without a finish reason: the reply "
               "is cut short")
-
-
-def _cut(streamed: int, why: str) -> None:
-    """Fail a streamed reply: on a line of its own when some of it was printed."""
-    if streamed:
-        print(flush=True)
-    _fail(why)
 
 
 @app.command()
@@ -479,14 +501,16 @@ def _ask_json(service: str, base_url: str, path: str, **kwargs: Any) -> Any:
               f"{_gist(resp.text)}")
 
 
-def _ask(service: str, base_url: str, path: str, *, post: bool = False, expect: int = 200,
-         **kwargs: Any) -> httpx.Response:
+def _ask(service: str, base_url: str, path: str, *, timeout: float, post: bool = False,
+         expect: int = 200, **kwargs: Any) -> httpx.Response:
     """`service`'s answer to a GET (or POST) of `path`, or a clear error and exit: not
-    reachable, or the status it answered with and its reason."""
+    reachable, no (whole) answer in time, or the status it answered with and its reason."""
     try:
-        resp = (httpx.post if post else httpx.get)(f"{base_url}{path}", **kwargs)
+        resp = (httpx.post if post else httpx.get)(f"{base_url}{path}", timeout=timeout,
+                                                   **kwargs)
     except httpx.HTTPError as exc:
-        _unreachable(service, base_url, exc)
+        _no_answer(service, base_url, exc, timeout,
+                   "it was sent, and may have been carried out" if post else None)
     if resp.status_code != expect:
         reason = _reason(resp)
         _fail(f"{resp.status_code}: {reason}" if reason is not None else
