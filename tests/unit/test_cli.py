@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -343,7 +343,8 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
 
 @pytest.mark.parametrize("reply,hang_s,printed", [
     ([_chunk(" half")], 0.0, "ended after 1 chunks without a finish reason"),
-    ([_chunk(" half"), b"data: {not json\n\n"], 0.0, "not an event stream"),
+    ([_chunk(" half"), b"data: {not json\n\n"], 0.0,
+     "router answered with something that is not its API (JSONDecodeError("),
     ([], 3.0, "no answer from router at http://127.0.0.1:"),
 ])
 def test_submit_says_when_a_reply_is_cut_short_and_sends_it_once(
@@ -467,6 +468,79 @@ def test_an_answer_that_is_not_the_services_api_is_a_one_line_error(
 
     assert result.exit_code == 1 and shown in result.stderr and "Traceback" not in result.output
     assert result.stdout == ""  # `nodes --json > file` gets no error text in its JSON
+
+
+_TOTALS = {"requests": 1, "prompt_tokens": 1, "completion_tokens": 1, "gpu_seconds": 1.0,
+           "cost_usd": 0.1}
+
+
+@pytest.mark.parametrize("usage,shown", [
+    ({"start_ms": 0, "end_ms": 1, "tenants": [
+        {"tenant": "acme", "totals": {**_TOTALS, "gpu_seconds": "1.0"}}]},
+     "(ValueError(\"Unknown format code 'f'"),
+    ({"start_ms": 10**20, "end_ms": 1, "tenants": []}, "(OverflowError("),
+])
+def test_usage_whose_numbers_are_not_the_apis_is_a_one_line_error(
+        monkeypatch: pytest.MonkeyPatch, usage: dict, shown: str) -> None:
+    """A number as text, or a time no calendar has: a ValueError or OSError traceback."""
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: httpx.Response(200, json=usage))
+
+    result = CliRunner().invoke(app, ["usage"])
+
+    assert result.exit_code == 1, result.output
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: accounting answered with something that is not its API")
+    assert shown in error
+
+
+@pytest.mark.parametrize("args,reply,shown", [
+    ([], [_chunk(" half"), b"data: 42\n\n"], "AttributeError(\"'int' object has no"),
+    ([], [_chunk(" half"), b'data: {"choices": [{}]}\n\n'], "TypeError("),
+    (["--json"], [b'{}'], "TypeError('choices is None, not a list')"),
+])
+def test_submit_of_a_reply_that_is_not_a_completion_is_a_one_line_error(
+        args: list[str], reply: list[bytes], shown: str) -> None:
+    """An event that is JSON but no completion chunk was a traceback; a whole reply of `{}`
+    printed a completion of nulls and exited 0."""
+    heard: list[str] = []
+    server = _router(reply, heard)
+    try:
+        result = CliRunner().invoke(app, ["submit", "hi", *args, "--router-url",
+                                          f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+
+    assert result.exit_code == 1, result.output
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: router answered with something that is not its API")
+    assert shown in error
+    assert result.stdout == ("" if args else " half\n")
+
+
+def test_dead_letters_whose_time_is_no_time_is_a_one_line_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's at_ms in microseconds: a ValueError traceback. --json prints it as it is."""
+    from types import SimpleNamespace
+
+    from gpusched_ops import cli
+
+    letter = {"source_topic": "gpusched.usage", "partition": 0, "offset": 1, "key": "k",
+              "payload": "{}", "reason": "bad", "service": "accounting",
+              "at_ms": 1_764_000_000_000_000}
+
+    async def retained(bootstrap: str, topic: str, last: int
+                       ) -> AsyncIterator[SimpleNamespace]:
+        yield SimpleNamespace(topic=topic, partition=0, offset=3, key=None,
+                              value=json.dumps(letter).encode(), timestamp=1_764_000_000_000)
+    monkeypatch.setattr(cli, "retained", retained)
+
+    result = CliRunner().invoke(app, ["dead-letters"])
+    assert result.exit_code == 1, result.output
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: gpusched.dead-letters answered with something that is "
+                            "not its API (OverflowError(")
+    as_json = CliRunner().invoke(app, ["dead-letters", "--json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)[0]["at_ms"] == letter["at_ms"]
 
 
 def test_nodes_shows_a_node_the_scheduler_no_longer_hears_from_as_lost(

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 from urllib.parse import quote
@@ -71,10 +71,12 @@ def _fail(message: str) -> NoReturn:
 @contextlib.contextmanager
 def _its_api(service: str) -> Iterator[None]:
     """Read an answer of `service` inside this: one that is not the shape of its API (a
-    proxy's page, another program on its port) is a one-line error, not a traceback."""
+    proxy's page, another program on its port, a number where text goes, a time out of any
+    calendar) is a one-line error, not a traceback or a reply of nulls."""
     try:
         yield
-    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError,
+            OverflowError) as exc:
         _fail(f"{service} answered with something that is not its API ({exc!r})")
 
 
@@ -344,15 +346,15 @@ def dead_letters(
     if as_json:
         print(json.dumps([letter.model_dump() for letter in letters]))
         return
-    console.print(dead_letter_table(letters))
+    with _its_api(topics.DEAD_LETTERS.name):  # at_ms from a clock in microseconds
+        console.print(dead_letter_table(letters))
 
 
 def dead_letter_table(letters: list[DeadLetter]) -> Table:
     table = _table("at (UTC)", "service", "from", "key", "reason",
                    title=f"{topics.DEAD_LETTERS.name}: the newest {len(letters)}")
     for letter in letters:
-        at = datetime.fromtimestamp(letter.at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        _row(table, at, letter.service,
+        _row(table, _utc(letter.at_ms, "%Y-%m-%d %H:%M:%S"), letter.service,
              f"{letter.source_topic}[{letter.partition}]@{letter.offset}", letter.key or "",
              letter.reason)
     return table
@@ -407,21 +409,23 @@ def submit(
                 model=model, prompt=prompt, max_tokens=max_tokens, stream=not as_json,
                 extra_headers=headers) as response:
             request_id = response.headers.get("x-request-id")
-            if as_json:
-                result = response.parse()
-                with _its_api("router"):
+            with _its_api("router"):
+                if as_json:
+                    result = response.parse()
+                    if not isinstance(result.choices, list):  # the SDK does not check: `{}`
+                        raise TypeError(f"choices is {result.choices!r}, not a list")
                     print(result.model_dump_json())
-                return
-            try:
-                for chunk in response.parse():
-                    if chunk.choices:
-                        sys.stdout.write(chunk.choices[0].text)
-                        sys.stdout.flush()
-                        streamed += 1
-                        finished = finished or chunk.choices[0].finish_reason is not None
-            finally:
-                if streamed:  # the reply ends its line, before any error on stderr
-                    print(flush=True)
+                    return
+                try:
+                    for chunk in response.parse():
+                        if chunk.choices:
+                            sys.stdout.write(chunk.choices[0].text)
+                            sys.stdout.flush()
+                            streamed += 1
+                            finished = finished or chunk.choices[0].finish_reason is not None
+                finally:
+                    if streamed:  # the reply ends its line, before any error on stderr
+                        print(flush=True)
     except APIStatusError as exc:  # the router's OpenAI-shaped error carries the reason
         reason = exc.body.get("message") if isinstance(exc.body, dict) else None
         _fail(f"{exc.status_code}: {reason or exc.message}")
@@ -438,8 +442,6 @@ def submit(
             "again may run it twice"))
     except APIError as exc:  # an error event in the stream: the request failed midway
         _fail(exc.message)
-    except ValueError as exc:  # an event that is not JSON, or not UTF-8
-        _fail(f"the router sent something that is not an event stream ({exc})")
     if not as_json and not finished:
         _fail(f"the stream ended after {streamed} chunks without a finish reason: the reply "
               "is cut short")
@@ -537,6 +539,16 @@ def _reason(resp: httpx.Response) -> str | None:
     return detail if isinstance(detail, str) else None
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _utc(ms: float, form: str) -> str:
+    """Epoch milliseconds as a UTC time in `form`. Added to the epoch, not converted by the
+    platform: a time out of range raises OverflowError, where time.gmtime and
+    datetime.fromtimestamp raise OSError on some platforms."""
+    return (_EPOCH + timedelta(milliseconds=ms)).strftime(form)
+
+
 def _gist(text: str, limit: int = 200) -> str:
     """A body that is not the API's, on one line: its first line, cut to `limit` characters
     (a proxy's or web server's HTML page printed whole was dozens of lines)."""
@@ -546,13 +558,10 @@ def _gist(text: str, limit: int = 200) -> str:
 
 def usage_table(data: dict) -> Table:
     group = data.get("group_by") or "model"
-
-    def utc(ms: int) -> str:
-        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ms / 1000))
-
     table = _table("tenant", group, "requests", "prompt\ntokens", "completion\ntokens",
                    "GPU-\nseconds", "cost\nUSD", title=f"usage from accounting, "
-                   f"{utc(data['start_ms'])} to {utc(data['end_ms'])} UTC")
+                   f"{_utc(data['start_ms'], '%Y-%m-%d %H:%M')} to "
+                   f"{_utc(data['end_ms'], '%Y-%m-%d %H:%M')} UTC")
 
     def cells(row: dict) -> list[str]:
         return [str(row["requests"]), str(row["prompt_tokens"]), str(row["completion_tokens"]),
