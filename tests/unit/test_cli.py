@@ -93,6 +93,8 @@ def test_a_command_without_kafka_says_so_on_one_line(command: str, code: int) ->
      "(it needs http:// or https:// and a host)"),
     (["dead-letters", "--kafka", "localhost:notaport"], {},
      "error: --kafka takes host:port[,host:port], not 'localhost:notaport'"),
+    (["nodes", "--scheduler-url", "http://127.0.0.1:8081/?x=1"], {},
+     "(it can have no query (?) or fragment (#))"),
 ])
 def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_sent(
         monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str],
@@ -381,6 +383,32 @@ def test_submit_of_a_whole_reply_exits_0() -> None:
 
     assert result.exit_code == 0, result.output
     assert result.stdout == " whole\n"
+
+
+def test_a_service_url_with_a_trailing_slash_or_a_path_asks_for_the_apis_paths(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--router-url http://host:8080/` asked for //v1/completions: every command failed with a
+    bare '404: Not Found'. A path before /v1 (a proxy's prefix) is kept."""
+    heard: list[str] = []
+    server = _router([_chunk(" whole", "stop"), b"data: [DONE]\n\n"], heard)
+    try:
+        for url in (f"http://127.0.0.1:{server.server_port}/",
+                    f"http://127.0.0.1:{server.server_port}/gpusched//"):
+            result = CliRunner().invoke(app, ["submit", "hi", "--router-url", url])
+            assert result.exit_code == 0, result.output
+    finally:
+        server.shutdown()
+    assert heard == ["/v1/completions", "/gpusched/v1/completions"]
+
+    asked: list[str] = []
+
+    def get(url: str, **kwargs: object) -> httpx.Response:
+        asked.append(url)
+        return httpx.Response(200, json={"nodes": [], "pending": {}, "reservations": 0})
+    monkeypatch.setattr(httpx, "get", get)
+    for url in ("http://127.0.0.1:8081/", "http://proxy/gpusched/"):
+        assert CliRunner().invoke(app, ["nodes", "--scheduler-url", url]).exit_code == 0
+    assert asked == ["http://127.0.0.1:8081/v1/cluster", "http://proxy/gpusched/v1/cluster"]
 
 
 def _cut_after(body: bytes, request_id: str | None) -> Callable[[BaseHTTPRequestHandler],

@@ -143,16 +143,22 @@ def _header_value(ctx: typer.Context, param: typer.CallbackParam, value: str | N
 
 
 def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
+    """A service's URL, which the commands append their paths to (/v1/...): without its
+    trailing slash (`http://host:8080/` asked for //v1/..., a bare 404), and with no query
+    or fragment, which would end up before the path. A path before /v1 (a proxy's prefix)
+    is kept, by `_ask` and the openai SDK alike."""
     try:
         url = httpx.URL(value)
         why = None if url.scheme in ("http", "https") and url.host else \
             "it needs http:// or https:// and a host"
+        if why is None and ("?" in value or "#" in value):  # empty ones too
+            why = "it can have no query (?) or fragment (#)"
     except httpx.InvalidURL as exc:
         why = str(exc)
     if why is not None:
         _fail(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
               f"({why})")
-    return value
+    return value.rstrip("/")
 
 
 def _bootstrap(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
