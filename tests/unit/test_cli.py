@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -279,6 +280,50 @@ def test_cancel_of_an_empty_or_odd_id_says_what_is_wrong(
 
     assert result.exit_code == 1 and printed in result.output
     assert asked == ([asked_path] if asked_path else [])
+
+
+@pytest.mark.parametrize("request_id", [".", ".."])
+def test_cancel_of_a_dot_id_reaches_the_routers_cancel_route(
+        monkeypatch: pytest.MonkeyPatch, request_id: str) -> None:
+    """httpx resolves a '.' or '..' segment as a folder: `cancel ..` asked for /v1/cancel and
+    printed the router's bare '404: Not Found'. Asked of the router's own app."""
+    import asyncio
+
+    from gpusched_common.settings import TelemetrySettings
+    from gpusched_router import main as router_main
+    from gpusched_router.adapters.results import STATUS_KEY
+    from gpusched_router.settings import RouterSettings
+
+    read: list[str] = []
+
+    class NoStatuses:  # Redis as the cancel route reads it: no request is known
+        def register_script(self, script: str) -> None:
+            return None
+
+        async def hgetall(self, key: str) -> dict:
+            read.append(key)
+            return {}
+
+        async def aclose(self) -> None:
+            return None
+
+    monkeypatch.setattr(router_main, "make_redis", lambda settings: NoStatuses())
+    router = router_main.create_app(RouterSettings(
+        telemetry=TelemetrySettings(otlp_endpoint="")))
+
+    def post(url: str, **kwargs: Any) -> httpx.Response:
+        async def ask() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(router)) as client:
+                return await client.post(url, **kwargs)
+        return asyncio.run(ask())
+    monkeypatch.setattr(httpx, "post", post)
+
+    result = CliRunner().invoke(app, ["cancel", request_id])
+
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == [
+        f"error: 404: request '{request_id}' is unknown (or expired)"]
+    assert read == [STATUS_KEY.format(request_id)]
 
 
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(

@@ -453,6 +453,14 @@ def submit(
               "is cut short")
 
 
+def _path_segment(text: str) -> str:
+    """`text` as one segment of a URL path: '/' and '?' escaped, and a whole '.' or '..' as
+    %2E, which the router reads back as the dots (httpx resolved them as a folder: `cancel
+    ..` asked for /v1/cancel, and printed a bare 404)."""
+    segment = quote(text, safe="")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment
+
+
 @app.command()
 def cancel(
     request_id: str = typer.Argument(..., help="The request's id: its x-request-id, or the "
@@ -465,7 +473,7 @@ def cancel(
     if not request_id.strip():
         _fail("a request id is needed: its x-request-id, or the one a 504 or `gpusched "
               "queue` names")
-    _ask("router", router_url, f"/v1/requests/{quote(request_id, safe='')}/cancel",
+    _ask("router", router_url, f"/v1/requests/{_path_segment(request_id)}/cancel",
          post=True, expect=202, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
     console.print(Text(f"cancelling {request_id}: it ends 'cancelled' (GET "
                        f"/v1/requests/{request_id} shows when)"))
