@@ -326,6 +326,24 @@ def test_cancel_of_a_dot_id_reaches_the_routers_cancel_route(
     assert read == [STATUS_KEY.format(request_id)]
 
 
+def test_usage_of_an_empty_tenant_asks_for_it_not_for_every_tenant(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tenant '' was left out of the query: it printed every tenant's usage."""
+    asked: list[object] = []
+
+    def get(url: str, **kwargs: object) -> httpx.Response:
+        asked.append(kwargs["params"])
+        return httpx.Response(404, json={"detail": "no tenant '': it is not configured and "
+                                                   "has no usage; tenants: acme"})
+    monkeypatch.setattr(httpx, "get", get)
+
+    result = CliRunner().invoke(app, ["usage", "--tenant", ""])
+
+    assert result.exit_code == 1, result.output
+    assert "error: 404: no tenant '': it is not configured" in result.output
+    assert asked == [{"group_by": "model", "tenant": ""}]
+
+
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(
         monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = {"index": 0, "gpu_type": "L4-24GB", "memory_free_mib": 4774,

@@ -491,8 +491,11 @@ def usage(
     as_json: JsonOut = False,
 ) -> None:
     """Tokens, requests, GPU-seconds and cost per tenant over a window, from accounting."""
-    params = {"group_by": group_by, **({"tenant": tenant} if tenant else {}),
-              **({"start": start} if start else {}), **({"end": end} if end else {})}
+    # what was given, empty too: accounting names what is wrong with it (--tenant '' read
+    # every tenant's usage)
+    params = {name: value for name, value in (("group_by", group_by), ("tenant", tenant),
+                                              ("start", start), ("end", end))
+              if value is not None}
     data = read_usage(accounting_url, api_key, params)
     if as_json:
         print(json.dumps(data))
