@@ -20,7 +20,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from gpusched_common.contracts import DeadLetter
-from gpusched_ops.cli import app, console, dead_letter_table, queue_table, usage_table
+from gpusched_ops.cli import (
+    app,
+    console,
+    dead_letter_table,
+    label_problem,
+    queue_table,
+    usage_table,
+)
 
 MODELS = Path(__file__).resolve().parents[2] / "config" / "models.yaml"
 
@@ -96,6 +103,14 @@ def test_a_command_without_kafka_says_so_on_one_line(command: str, code: int) ->
      "error: --kafka takes host:port[,host:port], not 'localhost:notaport'"),
     (["nodes", "--scheduler-url", "http://127.0.0.1:8081/?x=1"], {},
      "(it can have no query (?) or fragment (#))"),
+    (["monitoring-manifests", "--label", "=x"], {},
+     "error: --label =x: the key's name '' is not 1 to 63 letters, digits, '-', '_' and '.', "
+     "a letter or digit at each end, as Kubernetes takes labels"),
+    (["monitoring-manifests", "--label", "a b=c"], {}, "the key's name 'a b' is not 1 to 63"),
+    (["monitoring-manifests", "--label", "-bad=1"], {}, "the key's name '-bad' is not"),
+    (["monitoring-manifests", "--label", "Example.com/team=x"], {},
+     "the key's prefix 'Example.com' is not a DNS subdomain"),
+    (["monitoring-manifests", "--label", "team=a b"], {}, "the value 'a b' is not at most 63"),
 ])
 def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_sent(
         monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str],
@@ -342,6 +357,24 @@ def test_usage_of_an_empty_tenant_asks_for_it_not_for_every_tenant(
     assert result.exit_code == 1, result.output
     assert "error: 404: no tenant '': it is not configured" in result.output
     assert asked == [{"group_by": "model", "tenant": ""}]
+
+
+@pytest.mark.parametrize("key,value,refused", [
+    ("release", "kube-prometheus-stack", False),
+    ("app.kubernetes.io/name", "router", False),
+    ("team", "", False),
+    ("a" * 63, "A_b.c-" + "d" * 57, False),
+    ("a" * 64, "x", True),
+    ("team", "x" * 64, True),
+    ("example.com/", "x", True),
+    ("/team", "x", True),
+    ("a/b/c", "x", True),
+    ("team", "-x", True),
+    ("team_", "x", True),
+])
+def test_labels_follow_kubernetes_rules(key: str, value: str, refused: bool) -> None:
+    """Labels Kubernetes refuses made manifests that `kubectl apply` refused whole."""
+    assert (label_problem(key, value) is not None) == refused
 
 
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(

@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -328,12 +329,38 @@ def monitoring_manifests(
     if bad := [entry for entry in label if "=" not in entry]:
         _fail(f"--label takes KEY=VALUE, not {bad[0]!r}")
     labels = dict(entry.split("=", 1) for entry in label)
+    for key, value in labels.items():
+        if (why := label_problem(key, value)) is not None:
+            _fail(f"--label {key}={value}: {why}, as Kubernetes takes labels")
     try:
         root = find_repo_root()
     except StackError as exc:
         _fail(str(exc))
     print(operator_manifests(operator_objects(root, namespace, labels, dashboard_namespace)),
           end="")
+
+
+_LABEL_TEXT = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+"""A label's value, or its key's name: letters, digits, '-', '_', '.', a letter or digit at
+each end (the empty text too)."""
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why Kubernetes refuses the label `key: value`, or None: its rules for a qualified
+    name ([DNS subdomain prefix/]name) and for a label value. `kubectl apply` refused the
+    manifests made with such a label, every one of them."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return (f"the key's prefix {prefix!r} is not a DNS subdomain (at most 253 lowercase "
+                "letters, digits, '-' and '.', a letter or digit at each end)")
+    if not (0 < len(name) <= 63 and _LABEL_TEXT.fullmatch(name)):
+        return (f"the key's name {name!r} is not 1 to 63 letters, digits, '-', '_' and '.', "
+                "a letter or digit at each end")
+    if not (len(value) <= 63 and _LABEL_TEXT.fullmatch(value)):
+        return (f"the value {value!r} is not at most 63 letters, digits, '-', '_' and '.', "
+                "a letter or digit at each end")
+    return None
 
 
 @app.command("dead-letters")
