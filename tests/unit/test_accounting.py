@@ -30,6 +30,7 @@ from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
     CONFLICT,
     COUNTED,
+    COUNTERS_SIZE,
     DUPLICATE,
     GRANULARITY_S,
     NEW,
@@ -450,6 +451,20 @@ async def test_reconcile_compares_every_tenant_day_it_counts_and_agrees_after_a_
     assert report["tenant_days_checked"] == 3
     assert [(d["tenant"], d["day"], d["recomputed"]["prompt_tokens"], d["live"][
         "prompt_tokens"]) for d in report["differences"]] == [("globex", "1970-01-02", 0, 10)]
+
+
+async def test_reconcile_reads_a_live_total_that_is_no_counter_as_a_difference(
+        monkeypatch) -> None:
+    """A day's total that is no packed counter (written by hand, say) raised struct.error
+    out of the command: a traceback and exit 1, naming no day, from the tool meant to find
+    such a total."""
+    from gpusched_accounting.adapters.store import bucket_key
+
+    reconcile = reconciling(monkeypatch, [usage(ended_at_ms=D)],
+                            {bucket_key("acme", "day", 86_400): b"garbage"})
+    [diff] = (await reconcile.run(reconcile_args()))["differences"]
+    assert (diff["tenant"], diff["day"], diff["live"]) == (
+        "acme", "1970-01-02", f"unreadable: 7 bytes, not the {COUNTERS_SIZE} of a counter")
 
 
 async def test_reconcile_of_one_tenant_totals_that_tenant_only(monkeypatch) -> None:

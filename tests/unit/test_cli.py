@@ -845,6 +845,38 @@ def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
     assert "answered with an error" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("error,said", [
+    ("auth", "error: Redis at redis://:***@127.0.0.1:1/0 refused the credentials: "
+     "invalid password"),
+    ("wrongtype", "error: Redis at redis://:***@127.0.0.1:1/0 answered with an error: "
+     "ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"),
+])
+def test_reconcile_says_what_redis_answered_and_never_its_password(
+        monkeypatch: pytest.MonkeyPatch, error: str, said: str) -> None:
+    """A wrong password read as 'not reachable; is the stack up?' (redis-py's
+    AuthenticationError is a ConnectionError), an error's text was lost (its repr holds
+    none), and the URL went out whole, password and all, to the terminal and CI logs."""
+    from redis.exceptions import AuthenticationError, ResponseError
+
+    from gpusched_accounting import reconcile
+
+    async def run(args: object) -> dict:
+        raise AuthenticationError("invalid password") if error == "auth" else ResponseError(
+            "WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    monkeypatch.setattr(reconcile, "run", run)
+    result = CliRunner().invoke(app, ["reconcile", "--redis",
+                                      "redis://:hunter2@127.0.0.1:1/0"])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and "hunter2" not in result.output
+
+
+def test_reconcile_names_a_kafka_address_it_cannot_read() -> None:
+    result = CliRunner().invoke(app, ["reconcile", "--kafka", "localhost:notaport"])
+    assert result.exit_code == 2, result.output
+    assert "--kafka: takes host:port[,host:port], not 'localhost:notaport'" in result.output
+
+
 def test_the_stack_knows_its_processes_after_the_wall_clock_steps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """psutil dates a process's start from the boot time the clock implies now: after an

@@ -13,21 +13,26 @@ import argparse
 import asyncio
 import json
 import os
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlsplit, urlunsplit
 
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.conn import collect_hosts
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gpusched_accounting.adapters.store import bucket_key
 from gpusched_accounting.domain.usage import (
+    COUNTERS_SIZE,
     TOTAL_FIELD,
     Totals,
     bucket_start_s,
@@ -96,12 +101,30 @@ def _date(day_s: int) -> str:
     return datetime.fromtimestamp(day_s, UTC).strftime("%Y-%m-%d")
 
 
-async def live_totals(redis: Redis, days: Sequence[TenantDay]) -> dict[TenantDay, Totals]:
-    """Redis's live totals of those (tenant, day) buckets, read in one pipeline."""
+async def live_totals(redis: Redis, days: Sequence[TenantDay]) -> dict[TenantDay, Totals | str]:
+    """Redis's live totals of those (tenant, day) buckets, read in one pipeline; a value
+    that is no packed counter reads as what is wrong with it (a difference, where it raised
+    out of the command: a traceback and exit 1 without a word of which day)."""
     async with redis.pipeline(transaction=False) as pipe:
         for t, day in days:
             pipe.hget(bucket_key(t, "day", day), TOTAL_FIELD)
-        return {k: unpack(v) for k, v in zip(days, await pipe.execute())}
+        values = await pipe.execute()
+    out: dict[TenantDay, Totals | str] = {}
+    for k, v in zip(days, values):
+        try:
+            out[k] = unpack(v)
+        except struct.error:
+            out[k] = f"unreadable: {len(v)} bytes, not the {COUNTERS_SIZE} of a counter"
+    return out
+
+
+def shown(url: str) -> str:
+    """`url` with its password hidden, for an error message (a terminal's, a CI log's)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{parts.netloc.rpartition('@')[2]}"))
 
 
 class UnknownTenant(LookupError):
@@ -144,11 +167,15 @@ async def run(args: argparse.Namespace) -> dict:
     return {"records": len(records) + len(tail), "tenant_days_checked": len(checked),
             "differences": [{"tenant": t, "day": _date(day),
                              "recomputed": recomputed[(t, day)].public(),
-                             "live": live[(t, day)].public()}
+                             "live": _public(live[(t, day)])}
                             for t, day in checked if live[(t, day)] != recomputed[(t, day)]],
             "still_being_billed": [{"tenant": t, "day": _date(day)} for t, day in sorted(
                 billing) if args.tenant in (None, t)],
             "recomputed_total": sum((recomputed[k] for k in checked), Totals()).public()}
+
+
+def _public(totals: Totals | str) -> dict | str:
+    return totals if isinstance(totals, str) else totals.public()
 
 
 def dedup_window_s(text: str) -> int:
@@ -166,10 +193,21 @@ def dedup_window_s(text: str) -> int:
     return seconds
 
 
+def kafka_bootstrap(text: str) -> str:
+    """`--kafka` as the consumer reads it; what it cannot read was an error about an int(),
+    naming no option."""
+    try:
+        collect_hosts(text, randomize=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes host:port[,host:port], not {text!r}") from None
+    return text
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched reconcile", description=__doc__)
-    parser.add_argument("--kafka", default=os.environ.get("GPUSCHED_KAFKA_BOOTSTRAP",
-                                                          "127.0.0.1:9092"),
+    parser.add_argument("--kafka", type=kafka_bootstrap,
+                        default=os.environ.get("GPUSCHED_KAFKA_BOOTSTRAP", "127.0.0.1:9092"),
                         help="Kafka bootstrap (default: $GPUSCHED_KAFKA_BOOTSTRAP, else the "
                         "local stack's).")
     parser.add_argument("--redis", default=os.environ.get("GPUSCHED_REDIS_URL",
@@ -203,11 +241,17 @@ def main(argv: list[str]) -> int:
     except KafkaError as exc:  # no group coordinator yet: not a difference found (exit 1)
         print(f"error: Kafka at {args.kafka} answered with an error: {exc!r}", file=sys.stderr)
         return 2
+    except RedisAuthenticationError as exc:  # a ConnectionError to redis-py
+        print(f"error: Redis at {shown(args.redis)} refused the credentials: {exc}",
+              file=sys.stderr)
+        return 2
     except RedisConnectionError:
-        print(f"error: Redis not reachable at {args.redis}; is the stack up?", file=sys.stderr)
+        print(f"error: Redis not reachable at {shown(args.redis)}; is the stack up?",
+              file=sys.stderr)
         return 2
     except RedisError as exc:  # a time-out, NOAUTH: not a difference found (exit 1)
-        print(f"error: Redis at {args.redis} answered with an error: {exc!r}", file=sys.stderr)
+        print(f"error: Redis at {shown(args.redis)} answered with an error: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except (UnknownTenant, ValueError) as exc:  # ValueError: a URL that is none
         print(f"error: {exc}", file=sys.stderr)
