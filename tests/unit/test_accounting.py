@@ -12,14 +12,18 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from unittest.mock import AsyncMock
 
 import httpx
 import pytest
 import yaml
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import TestKafkaBroker
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -566,6 +570,39 @@ async def test_usage_under_a_reused_event_id_is_dead_lettered_not_billed() -> No
     counted = {o: registry.get_sample_value("gpusched_accounting_usage_records_total",
                                             {"outcome": o}) for o in ("duplicate", "conflict")}
     assert counted == {"duplicate": 1, "conflict": 1}
+
+
+async def test_a_batchs_dead_letters_and_bills_go_in_the_trace_of_their_own_record(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """One fetch of four requests' usage, each record in its request's trace, the second
+    unreadable and the fourth reusing the first's event id. The fetch's span was made in the
+    first request's trace, and so were both dead letters published under it: the second and
+    fourth requests' traces lacked them, and the first showed failures not its own. Now each
+    dead letter carries the trace of the record it refuses, and the batch makes no span."""
+    broker = make_broker(KafkaSettings(), "accounting", tracer_provider, None)
+    letters: dict[int, str] = {}
+
+    @broker.subscriber(topics.DEAD_LETTERS.name)
+    async def dead_letter(msg) -> None:  # noqa: ANN001
+        letters[DEAD_LETTER.validate_json(msg.body).offset] = msg.headers["traceparent"]
+
+    handlers.register(broker, FreshRedisStore(), PRICES, b.BudgetTable(), lambda: D, "g", 100,
+                      100, tracer_provider.get_tracer("accounting"))
+    [on_usage] = [s for s in broker.subscribers if s.topic_names == [topics.USAGE.name]]
+    values = [usage().to_bytes(), b"{not usage", usage(request_id="s", event_id="s#0:final",
+              placement_id="s#0").to_bytes(), usage(tenant="globex").to_bytes()]
+    records = tuple(ConsumerRecord(
+        topics.USAGE.name, 0, n, 0, 0, b"acme", value, None, 4, len(value),
+        [("traceparent", f"00-{n:032x}-{n:016x}-01".encode())])
+        for n, value in enumerate(values, start=1))
+    async with TestKafkaBroker(broker):
+        on_usage.parser._setup(AsyncMock())  # the Kafka consumer it commits on
+        await on_usage.consume(records)
+    assert {offset: parent.split("-")[1] for offset, parent in letters.items()} == {
+        2: f"{2:032x}", 4: f"{4:032x}"}
+    by_trace = sorted((s.context.trace_id, s.name) for s in span_exporter.get_finished_spans()
+                      if s.context.trace_id in (1, 3))
+    assert by_trace == [(1, "bill usage"), (3, "bill usage")]
 
 
 def test_day_and_month_periods() -> None:

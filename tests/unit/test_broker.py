@@ -1,5 +1,6 @@
-"""The shared broker's parsing (gpusched_common.broker): what a producer's odd headers do to
-a consumer, on FastStream's in-memory broker."""
+"""The shared broker (gpusched_common.broker): what a producer's odd headers do to a
+consumer, and which trace a consumed batch's spans land in, on FastStream's in-memory
+broker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
 from faststream.kafka import KafkaMessage, TestKafkaBroker
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gpusched_common.broker import RAW_BATCH, make_broker
 from gpusched_common.settings import KafkaSettings
@@ -33,6 +36,11 @@ def record(offset: int, headers: list) -> ConsumerRecord:
                           timestamp_type=0, key=b"k", value=value, checksum=None,
                           serialized_key_size=1, serialized_value_size=len(value),
                           headers=headers)
+
+
+def traceparent(trace_id: int) -> tuple[str, bytes]:
+    """The W3C trace header of a record sent in trace `trace_id` (sampled)."""
+    return "traceparent", f"00-{trace_id:032x}-{trace_id:016x}-01".encode()
 
 
 ODD_HEADERS = pytest.mark.parametrize("headers", [
@@ -82,3 +90,31 @@ async def test_a_record_with_an_odd_header_reaches_its_handler(headers: list) ->
         subscriber.parser._setup(consumer)
         await subscriber.consume(record(10, headers))
     assert handled == [10] and consumer.calls == ["commit"]
+
+
+async def test_a_batch_makes_no_span_in_its_first_records_trace(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """FastStream made a batch's span from its message's headers, the first record's: one
+    fetch of three requests' records (the router's results, the scheduler's usage) showed
+    up as a span in the first request's trace alone, with whatever its handler published
+    under it. A batch now makes no span (what a handler does for one record goes in that
+    record's trace); a record consumed alone still continues its trace."""
+    broker = make_broker(KafkaSettings(), "test", tracer_provider, None)
+    batches = broker.subscriber(TOPIC, batch=True, group_id="g", **RAW_BATCH)
+    alone = broker.subscriber(f"{TOPIC}.alone", group_id="g")
+
+    @batches
+    async def on_batch(msg: KafkaMessage) -> None:
+        await broker.publish(b"{}", f"{TOPIC}.out")
+
+    @alone
+    async def on_record(msg: KafkaMessage) -> None:
+        pass
+
+    async with TestKafkaBroker(broker):
+        batches.parser._setup(Consumer())
+        alone.parser._setup(Consumer())
+        await batches.consume(tuple(record(n, [traceparent(n)]) for n in (1, 2, 3)))
+        await alone.consume(record(4, [traceparent(4)]))
+    traced = {s.context.trace_id for s in span_exporter.get_finished_spans()}
+    assert not traced & {1, 2, 3} and 4 in traced

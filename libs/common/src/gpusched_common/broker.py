@@ -12,8 +12,13 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import OutOfOrderSequenceNumber, ProducerClosed
 from aiokafka.structs import ConsumerRecord
 from faststream.kafka import KafkaBroker
-from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
+from faststream.kafka.opentelemetry.provider import (
+    KafkaTelemetrySettingsProvider,
+    telemetry_attributes_provider_factory,
+)
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
+from faststream.kafka.response import KafkaPublishCommand
+from faststream.opentelemetry import TelemetryMiddleware
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -101,8 +106,9 @@ def make_broker(
     registry: CollectorRegistry | None,
     **kwargs: object,
 ) -> Broker:
-    """A broker whose every publish and consume is a span (W3C context in Kafka headers)
-    and is counted in `registry`. Producer waits for the leader's ack (`acks=all` on one node)
+    """A broker whose every publish and every record consumed alone is a span (W3C context
+    in Kafka headers), and every batch consumed none (`_spans_for`); all counted in
+    `registry`. Producer waits for the leader's ack (`acks=all` on one node)
     and is idempotent, so a retried send is not duplicated by the broker (see `Broker`).
 
     Handlers take one argument, the message itself (`msg: KafkaMessage`): no dependency
@@ -110,7 +116,9 @@ def make_broker(
     handling a batch), and each handler validates the raw bytes it reads once."""
     middlewares = []
     if tracer_provider is not None:
-        middlewares.append(KafkaTelemetryMiddleware(tracer_provider=tracer_provider))
+        middlewares.append(TelemetryMiddleware[KafkaPublishCommand](
+            settings_provider_factory=_spans_for, tracer_provider=tracer_provider,
+            include_messages_counters=True))  # as FastStream's KafkaTelemetryMiddleware
     if registry is not None:
         middlewares.append(KafkaPrometheusMiddleware(registry=registry, app_name=service_name))
     return Broker(
@@ -126,6 +134,17 @@ def make_broker(
         logger=None,
         **kwargs,
     )
+
+
+def _spans_for(msg: object) -> KafkaTelemetrySettingsProvider | None:
+    """FastStream's Kafka telemetry for a record consumed alone and for a publish (`msg`
+    None); none for a batch (a tuple of records, as many requests'). Its span of a batch
+    went in the trace of the first record, whose headers the message carries
+    (`lean_batch_parser`), with all the handler published; made from every record's headers,
+    as FastStream would, it is a new trace per fetch, several a second per consumer, crowding
+    requests' traces out of Jaeger. Batch handlers put what they do for one record in that
+    record's trace (`telemetry.record_carrier`)."""
+    return None if isinstance(msg, tuple) else telemetry_attributes_provider_factory(msg)
 
 
 def _is_text(value: object) -> bool:
@@ -163,8 +182,8 @@ async def lean_batch_parser(records: Any, original: Any) -> Any:
     decoding every record's headers into a dict, and its telemetry's per-record baggage
     (together about as costly as handling the record). The message is FastStream's own, made
     from the first record (its headers readable, see `_readable`) and then given the whole
-    batch; batch handlers read each record's own trace context
-    (`telemetry.record_carrier`)."""
+    batch; no span is made of it (`_spans_for`), so the first record's trace context goes
+    nowhere, and batch handlers read each record's own (`telemetry.record_carrier`)."""
     msg = await original((_readable(records[0]),))
     first, last = records[0], records[-1]
     msg.raw_message = records

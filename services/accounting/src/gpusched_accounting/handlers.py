@@ -115,6 +115,13 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
         await broker.publish(message.to_bytes(), topic, key=key.encode(),
                              headers={"content-type": "application/json"})
 
+    async def refuse(record: ConsumerRecord, reason: str, now_ms: int) -> None:
+        """Dead-letter `record` in the trace of the request it bills (a batch has none of
+        its own: `broker._spans_for`)."""
+        with trace.use_span(trace.get_current_span(context_from(record_carrier(record.headers)))):
+            await publish(dead_letter(record, reason, SERVICE, now_ms), topics.DEAD_LETTERS.name,
+                          record.topic)
+
     async def parse(records: Sequence[ConsumerRecord], now_ms: int
                     ) -> tuple[list[UsageRow], list[ConsumerRecord]]:
         """Rows of the valid records (and those records); invalid ones are dead-lettered."""
@@ -136,8 +143,7 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                           "its agent's clock is off by more than a day; fix it, then produce "
                           "this record again")
             outcomes.labels("invalid").inc()
-            await publish(dead_letter(record, reason, SERVICE, now_ms),
-                          topics.DEAD_LETTERS.name, record.topic)
+            await refuse(record, reason, now_ms)
         return rows, sources
 
     async def settle(rows: list[UsageRow], sources: list[ConsumerRecord], statuses: list[int],
@@ -150,21 +156,19 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
                 outcomes.labels(name).inc(n)
         for row, record, status in zip(rows, sources, statuses):
             if status == STALE:
-                await publish(dead_letter(
+                await refuse(
                     record, f"usage record ended at {row.ended_at_ms}, before the dedup window "
                     f"({store.dedup_ttl_s} s): not applied, since it cannot be told apart from a "
-                    "duplicate; check it with `gpusched reconcile`", SERVICE, now_ms),
-                    topics.DEAD_LETTERS.name, record.topic)
+                    "duplicate; check it with `gpusched reconcile`", now_ms)
             elif status == CONFLICT:
-                await publish(dead_letter(
+                await refuse(
                     record, f"event id {row.event_id} reused with other content: not billed. "
                     "A record with this id and another tenant, model, node, count or end, or "
                     "one of this request id with another tenant or model, was applied within "
                     f"the dedup window ({store.dedup_ttl_s} s); request ids must be unique, so "
                     f"was request id {row.request_id} used again? GET "
                     f"/v1/usage/requests/{row.request_id} shows what was billed under it",
-                    SERVICE, now_ms),
-                    topics.DEAD_LETTERS.name, record.topic)
+                    now_ms)
             # one span per traced record, in the trace of the request it bills
             carrier = record_carrier(record.headers)
             if carrier:
