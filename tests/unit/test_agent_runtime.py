@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 from faststream.kafka import KafkaMessage, TestKafkaBroker
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Counter
 
 from gpusched_agent import handlers
@@ -945,6 +947,23 @@ async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_n
     assert (result.request_id, result.status, result.completion_tokens) == ("done", "completed", 6)
     assert not sink.of(InferenceRequest)
     assert ledger.held == {"n1": {}}
+
+
+async def test_node_state_reports_start_no_trace(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """Each heartbeat, published outside any span, was a trace of its own: 100 nodes
+    reporting every 2 s made 50 traces a second, pushing requests' traces out of Jaeger's
+    newest 20,000 within minutes."""
+    broker = make_broker(KafkaSettings(), "gpu-agent", tracer_provider, None)
+
+    async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
+        await broker.publish(message.to_bytes(), topic, key=key.encode())
+
+    runtime, _, _ = make(sink=publish)
+    async with TestKafkaBroker(broker):
+        for _ in range(3):
+            await runtime.report()
+    assert span_exporter.get_finished_spans() == ()
 
 
 @pytest.mark.parametrize("spec", ["1xL4-24GB"])
