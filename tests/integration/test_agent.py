@@ -327,7 +327,8 @@ async def test_the_scheduler_reads_the_final_records_an_agent_filed(stack) -> No
         assert filed == [Filed(node, done.placement_id,
                                [(result, topics.RESULTS.name, result.request_id)])]
         await store.release_claims(filed)
-        assert [pid for pid, _ in await ledger.left_over(node, 8)] == [running.placement_id]
+        assert [held.placement_id for held in await ledger.left_over(node, 8)] == [
+            running.placement_id]
         # a placement sent again to another node (the first send had failed after all) is
         # judged by the node that claimed it: still held there, not ended
         elsewhere = RunningPlacement(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from faststream.kafka import KafkaMessage, TestKafkaBroker
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Counter
@@ -947,6 +948,57 @@ async def test_a_crash_while_the_final_records_go_out_ends_with_them_published_n
     assert (result.request_id, result.status, result.completion_tokens) == ("done", "completed", 6)
     assert not sink.of(InferenceRequest)
     assert ledger.held == {"n1": {}}
+
+
+def in_trace(trace_id: int) -> contextlib.AbstractContextManager:
+    """The context a placement's command is taken in: FastStream's span of its record, of
+    the request's trace `trace_id` (sampled)."""
+    return trace.use_span(trace.NonRecordingSpan(trace.SpanContext(
+        trace_id, trace_id, is_remote=True, trace_flags=trace.TraceFlags(
+            trace.TraceFlags.SAMPLED))))
+
+
+class TracedSink(Sink):
+    """What the agent publishes, and the span each is published under (FastStream's publish
+    goes in its trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.under: list[tuple[type, trace.SpanContext]] = []
+
+    async def __call__(self, message: Message, topic: str, key: str, wait: bool = True) -> None:
+        self.under.append((type(message), trace.get_current_span().get_span_context()))
+        await super().__call__(message, topic, key, wait)
+
+
+async def test_after_a_crash_what_the_next_run_publishes_stays_in_the_requests_trace(
+) -> None:
+    """The claim kept no trace context and `recover` published outside any span: after a
+    crash, a request's zero final usage and its next attempt (or the final records its run
+    had filed) each started a trace of its own, and its trace in Jaeger ended at the
+    crash. A claim the release before filed (no trace context) is still handed back, in new
+    traces as before; and the scheduler still reads the placement after the first space."""
+    crashed, dying, ledger = make(time_scale=1.0, sink=DiesPublishingTheResult())
+    cut = placement("cut", max_tokens=5000)
+    with in_trace(4):
+        await crashed.command(cut)
+    with in_trace(7):
+        await crashed.command(placement("done", max_tokens=6, gpu=1))
+    assert ledger.held["n1"]["cut#0"].partition(b" ")[2] == cut.to_bytes()
+    async with asyncio.timeout(5):
+        while not dying.refused:  # "done" filed its final records; its result waits
+            await asyncio.sleep(0.005)
+    await crash("cut#0")
+    await crash("done#0")
+    before = placement("before", max_tokens=5000, gpu=1)
+    ledger.held["n1"]["before#0"] = b"1000 " + before.to_bytes()
+
+    restarted, sink, _ = make(ledger=ledger, now_ms=2_000, sink=TracedSink())
+    assert await restarted.recover() == 2
+    assert sorted((m.__name__, ctx.trace_id) for m, ctx in sink.under) == [
+        ("InferenceRequest", 0), ("InferenceRequest", 4), ("RequestResult", 7),
+        ("UsageRecord", 0), ("UsageRecord", 4), ("UsageRecord", 7)]
+    assert sorted(r.request_id for r in sink.of(InferenceRequest)) == ["before", "cut"]
 
 
 async def test_node_state_reports_start_no_trace(

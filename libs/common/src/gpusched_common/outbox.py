@@ -45,6 +45,6 @@ def decode(raw: bytes) -> list[Final] | None:
 
 
 def in_claim(entry: bytes) -> list[Final] | None:
-    """The records filed in a node's claims-hash entry (`<agent run id> <payload>`, as the
-    agent's ledger writes it); None when the entry holds the placement itself."""
+    """The records filed in a node's claims-hash entry (`<agent run id>[;<trace headers>]
+    <payload>`, as the agent's ledger writes it); None when it holds the placement itself."""
     return decode(entry.partition(b" ")[2])

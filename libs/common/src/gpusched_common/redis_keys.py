@@ -15,7 +15,8 @@ FENCED_CLAIM = "scheduler:fenced"
 """The owner a placement's claim names when the scheduler fenced it."""
 CLAIM_TTL_S = 7 * 86_400
 NODE_CLAIMS_KEY = "gpusched:agent:node:{}:claims"
-"""Hash: placement id -> '<agent run started_at_ms> <placement JSON>' while the agent run
+"""Hash: placement id -> '<agent run started_at_ms>[;<W3C trace headers, URL-encoded>]
+<placement JSON>' (or, while its final records go out, their outbox) while the agent run
 that claimed the placement holds it; removed once that run ended it (final usage sent)."""
 NODE_ALIVE_KEY = "gpusched:agent:node:{}:alive"
 """Refreshed by a node's agent every second, whether or not Kafka takes its reports;

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gpusched_agent.adapters.executor import (
     EngineFinished,
@@ -65,8 +66,10 @@ from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
+from gpusched_common.telemetry import context_from
 
 log = logging.getLogger(__name__)
+_W3C = TraceContextTextMapPropagator()
 
 Publish = Callable[..., Awaitable[None]]
 """publish(message, topic, key, wait=True); wait=False pipelines the send (token chunks:
@@ -125,6 +128,10 @@ Outcome = Started | Ignored | Stale | Reused | Stopping
 @dataclass
 class _Running:
     placement: Placement
+    carrier: dict[str, str] = field(default_factory=dict)
+    """The W3C trace headers of the placement's trace (the agent's span of its command),
+    filed with its claim: what a later run publishes for it after a crash (`recover`)
+    stays in its request's trace."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     """'cancelled', 'preempted' or 'drained' once asked to stop."""
@@ -425,11 +432,13 @@ class AgentRuntime:
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         asks = cmd.request.asks_digest()
+        carrier: dict[str, str] = {}
+        _W3C.inject(carrier)  # the span of the command (FastStream's, from its record)
         running = self._running.get(cmd.placement_id)
         claim = Taken(running.placement.request.asks_digest()) if running is not None \
             else await self._ledger.claim(
                 cmd.placement_id, self.node_id, self._started_at_ms, cmd.to_bytes(),
-                cmd.request.request_id, asks)
+                cmd.request.request_id, asks, carrier)
         if isinstance(claim, Taken):
             if claim.asks is not None and asks_differ(claim.asks, asks):
                 # a scheduler that had forgotten the first request (past its memory of
@@ -443,7 +452,7 @@ class AgentRuntime:
                               "its own id")
             log.info("placement %s already taken; ignoring the duplicate", cmd.placement_id)
             return Ignored("duplicate")
-        run = self._running[cmd.placement_id] = _Running(cmd)
+        run = self._running[cmd.placement_id] = _Running(cmd, carrier)
         if claim.cancelled is not None:  # a cancel this agent never read: it ends unrun
             # (kept in Redis by a release that did not cut its reason yet)
             run.stop_reason, run.detail = "cancelled", cut_reason(claim.cancelled)
@@ -573,30 +582,32 @@ class AgentRuntime:
         scheduler has already retried it elsewhere (the node was declared lost meanwhile),
         the request goes back to its class as the next attempt. Returns how many it handed
         back."""
-        left: list[Placement] = []
-        for pid, raw in await self._ledger.left_over(self.node_id, self._started_at_ms):
+        left: list[_Running] = []
+        for pid, raw, carrier in await self._ledger.left_over(self.node_id,
+                                                              self._started_at_ms):
             try:
                 finals = outbox.decode(raw)
                 if finals is None:
-                    left.append(PLACEMENT.validate_json(raw))
+                    left.append(_Running(PLACEMENT.validate_json(raw), carrier))
                     continue
             except ValueError as exc:  # nothing to act on; must not stop the agent
                 log.error("dropping the unreadable claim of %s an earlier run left: %s",
                           pid, exc)
             else:
                 log.info("publishing again the final records of %s an earlier run filed", pid)
-                for message, topic, key in finals:  # Kafka away at start: until it is back
-                    await self._publish_until_sent(message, topic, key)
+                with _in_trace(carrier):
+                    for message, topic, key in finals:  # Kafka away at start: until it is back
+                        await self._publish_until_sent(message, topic, key)
             await self._release(pid)
-        placed = await self._ledger.still_placed([p.placement_id for p in left])
-        for placement, still in zip(left, placed, strict=True):
-            run = _Running(placement)
-            if still:  # a lost node's work: it does not use up the request's `refused`
-                await self._handback(run, "an earlier run of the agent ended without it",
-                                     "node_lost", refused=False)
-            else:
-                await self._finish(run, [])
-            await self._release(placement.placement_id)
+        placed = await self._ledger.still_placed([r.placement.placement_id for r in left])
+        for run, still in zip(left, placed, strict=True):
+            with _in_trace(run.carrier):
+                if still:  # a lost node's work: it does not use up the request's `refused`
+                    await self._handback(run, "an earlier run of the agent ended without it",
+                                         "node_lost", refused=False)
+                else:
+                    await self._finish(run, [])
+            await self._release(run.placement.placement_id)
         self._heard_at = max(self._heard_at, self._mono())  # reporting starts now
         return sum(placed)
 
@@ -932,7 +943,8 @@ class AgentRuntime:
         finals = [*run.unsent, self._usage(run, final=True), *then]
         try:
             await self._ledger.finishing(run.placement.placement_id, self.node_id,
-                                         self._started_at_ms, outbox.encode(finals))
+                                         self._started_at_ms, outbox.encode(finals),
+                                         run.carrier)
         except Exception:
             log.exception("filing the final records of %s failed; publishing them anyway",
                           run.placement.placement_id)
@@ -1141,6 +1153,12 @@ def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+def _in_trace(carrier: dict[str, str]) -> contextlib.AbstractContextManager[trace.Span]:
+    """What is published within goes in the trace `carrier` names (W3C trace headers), as
+    if under the span they name; with none, in a new trace each."""
+    return trace.use_span(trace.get_current_span(context_from(carrier)))
 
 
 def _untraced() -> contextlib.AbstractContextManager[trace.Span]:

@@ -5,12 +5,15 @@ A claim also files the placement under its node (with the agent run that claimed
 the run ends it, so a run that starts after a crash finds the work its predecessor left.
 Before a run publishes the records that end a placement it files them there in the
 placement's stead (an outbox): a run that starts after a crash in between publishes them
-again rather than running the request a second time."""
+again rather than running the request a second time. Either is filed with the placement's
+W3C trace context, so that what a later run publishes for it stays in its request's trace."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
+from urllib.parse import parse_qsl, urlencode
 
 from redis.asyncio import Redis
 
@@ -63,6 +66,15 @@ class Taken:
     asks: str | None
     """The `asks_digest` of the request the claimant took it for; None where unknown."""
 
+class LeftOver(NamedTuple):
+    """A placement a crashed run of the node claimed and never released."""
+
+    placement_id: str
+    payload: bytes
+    """The placement's JSON, or the outbox of its final records."""
+    carrier: dict[str, str]
+    """The W3C trace headers of its placement's trace ({} for a claim filed without)."""
+
 REPORT_CLAIM_KEY = "gpusched:agent:report:{}"
 """Which agent dead-letters a record that every agent reads and none can (SET NX, first wins),
 so that it is reported once, not once per node."""
@@ -70,22 +82,24 @@ so that it is reported once, not once per node."""
 
 class PlacementLedger(Protocol):
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str, asks: str) -> Claim | Taken:
+                    request_id: str, asks: str, carrier: Mapping[str, str] = {}
+                    ) -> Claim | Taken:
         """A `Claim` for the first claim of `placement_id` ever (across redeliveries and
         agent restarts), made for a request whose `asks_digest` is `asks`; `Taken` for
-        every later one. The first also files it under the node."""
+        every later one. The first also files it under the node, with `carrier` (the W3C
+        trace headers of the placement's trace)."""
 
-    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
-                        ) -> None:
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes,
+                        carrier: Mapping[str, str] = {}) -> None:
         """File `outbox` (the records that end the placement, about to be published) under
-        the node in the placement's stead, for run `run_id`."""
+        the node in the placement's stead, for run `run_id`, with `carrier` as `claim`."""
 
     async def release(self, placement_id: str, node_id: str) -> None:
         """The run ended the placement (its final usage is sent): no longer the node's."""
 
-    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
-        """(placement id, placement JSON or outbox) of what runs of this node other than
-        `run_id` claimed and never released: what a crashed run left behind."""
+    async def left_over(self, node_id: str, run_id: int) -> list[LeftOver]:
+        """What runs of this node other than `run_id` claimed and never released: what a
+        crashed run left behind."""
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
         """For each, whether the scheduler still counts it as running (not yet retried)."""
@@ -107,23 +121,24 @@ class RedisLedger:
         self._claim = redis.register_script(_CLAIM)
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str, asks: str) -> Claim | Taken:
+                    request_id: str, asks: str, carrier: Mapping[str, str] = {}
+                    ) -> Claim | Taken:
         claimed, said = await self._claim(
             keys=[PLACEMENT_CLAIM_KEY.format(placement_id), NODE_CLAIMS_KEY.format(node_id),
                   CANCELLED_KEY.format(request_id), CLAIM_ASKS_KEY.format(placement_id)],
-            args=[node_id, CLAIM_TTL_S, placement_id, b"%d %s" % (run_id, placement), asks])
+            args=[node_id, CLAIM_TTL_S, placement_id, _entry(run_id, carrier, placement), asks])
         said = said.decode(errors="replace") or None
         return Claim(said) if claimed else Taken(said)
 
-    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
-                        ) -> None:
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes,
+                        carrier: Mapping[str, str] = {}) -> None:
         await self._redis.hset(NODE_CLAIMS_KEY.format(node_id), placement_id,
-                               b"%d %s" % (run_id, outbox))
+                               _entry(run_id, carrier, outbox))
 
     async def release(self, placement_id: str, node_id: str) -> None:
         await self._redis.hdel(NODE_CLAIMS_KEY.format(node_id), placement_id)
 
-    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
+    async def left_over(self, node_id: str, run_id: int) -> list[LeftOver]:
         held = await self._redis.hgetall(NODE_CLAIMS_KEY.format(node_id))
         return _others({pid.decode(): entry for pid, entry in held.items()}, run_id)
 
@@ -161,22 +176,23 @@ class MemoryLedger:
         """Request id -> reason, as the router keeps cancels in Redis."""
 
     async def claim(self, placement_id: str, node_id: str, run_id: int, placement: bytes,
-                    request_id: str, asks: str) -> Claim | Taken:
+                    request_id: str, asks: str, carrier: Mapping[str, str] = {}
+                    ) -> Claim | Taken:
         if placement_id in self.claims:
             return Taken(self.asks.get(placement_id))
         self.claims[placement_id] = node_id
         self.asks[placement_id] = asks
-        self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, placement)
+        self.held.setdefault(node_id, {})[placement_id] = _entry(run_id, carrier, placement)
         return Claim(self.cancels.get(request_id))
 
-    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes
-                        ) -> None:
-        self.held.setdefault(node_id, {})[placement_id] = b"%d %s" % (run_id, outbox)
+    async def finishing(self, placement_id: str, node_id: str, run_id: int, outbox: bytes,
+                        carrier: Mapping[str, str] = {}) -> None:
+        self.held.setdefault(node_id, {})[placement_id] = _entry(run_id, carrier, outbox)
 
     async def release(self, placement_id: str, node_id: str) -> None:
         self.held.get(node_id, {}).pop(placement_id, None)
 
-    async def left_over(self, node_id: str, run_id: int) -> list[tuple[str, bytes]]:
+    async def left_over(self, node_id: str, run_id: int) -> list[LeftOver]:
         return _others(self.held.get(node_id, {}), run_id)
 
     async def still_placed(self, placement_ids: list[str]) -> list[bool]:
@@ -192,10 +208,23 @@ class MemoryLedger:
         return self.reporters.setdefault(record_ref, node_id) == node_id
 
 
-def _others(held: dict[str, bytes], run_id: int) -> list[tuple[str, bytes]]:
+def _entry(run_id: int, carrier: Mapping[str, str], payload: bytes) -> bytes:
+    """A node's claims-hash entry: `<run id>[;<carrier, URL-encoded>] <payload>`. The trace
+    headers go before the first space, where readers of the payload (the scheduler,
+    `outbox.in_claim`) do not look, and which the release before read as a run id other
+    than its own: it recovers such a claim still, without its trace."""
+    head = b"%d" % run_id
+    if carrier:
+        head += b";" + urlencode(carrier).encode()
+    return head + b" " + payload
+
+
+def _others(held: dict[str, bytes], run_id: int) -> list[LeftOver]:
     out = []
     for placement_id, entry in held.items():
-        run, _, placement = entry.partition(b" ")
+        head, _, payload = entry.partition(b" ")
+        run, _, carrier = head.partition(b";")  # none in a claim the release before filed
         if run != b"%d" % run_id:
-            out.append((placement_id, placement))
+            out.append(LeftOver(placement_id, payload,
+                                dict(parse_qsl(carrier.decode(errors="replace")))))
     return out
