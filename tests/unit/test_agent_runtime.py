@@ -1001,6 +1001,39 @@ async def test_after_a_crash_what_the_next_run_publishes_stays_in_the_requests_t
     assert sorted(r.request_id for r in sink.of(InferenceRequest)) == ["before", "cut"]
 
 
+async def test_a_run_is_a_span_of_its_requests_trace_saying_how_it_ended(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """Nothing showed the inference itself: the agent's span of a placement ended as its
+    run began. Each run is now a span in the placement's trace, under which its records
+    go out, naming the request, placement, node, model and GPUs, and at its end how it
+    ended and the reply's tokens."""
+    runtime, sink, _ = make(time_scale=1.0, sink=TracedSink(),
+                            tracer=tracer_provider.get_tracer("gpu-agent"))
+    with in_trace(5):
+        await runtime.command(placement("done", max_tokens=3))
+    with in_trace(6):
+        await runtime.command(placement("moved", max_tokens=5000, gpu=1))
+    await until_tokens(sink, 4)
+    await runtime.command(Preempt(placement_id="moved#0", request_id="moved", node_id="n1",
+                                  scheduler_epoch=1, reason="interactive work"))
+    await settle(runtime)
+    runs = {s.attributes["gpusched.request_id"]: s
+            for s in span_exporter.get_finished_spans() if s.name == "run"}
+    assert {rid: (s.context.trace_id, s.parent.span_id) for rid, s in runs.items()} == {
+        "done": (5, 5), "moved": (6, 6)}
+    assert {k: v for k, v in runs["done"].attributes.items() if k != "gpusched.finish_reason"
+            } == {"gpusched.request_id": "done", "gpusched.placement_id": "done#0",
+                  "gpusched.node_id": "n1", "gpusched.tenant": "acme", "gpusched.model": MODEL,
+                  "gpusched.attempt": 0, "gpusched.gpu_indices": (0,),
+                  "gpusched.status": "completed", "gpusched.completion_tokens": 3}
+    moved = runs["moved"].attributes
+    assert (moved["gpusched.status"], moved["gpusched.finish_reason"]) == (
+        "handed_back", "preempted")
+    assert moved["gpusched.completion_tokens"] == usage_sum(sink, "moved")[1] > 0
+    # every record a run published went under its span
+    assert {ctx.span_id for _, ctx in sink.under} == {s.context.span_id for s in runs.values()}
+
+
 async def test_node_state_reports_start_no_trace(
         tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
     """Each heartbeat, published outside any span, was a trace of its own: 100 nodes

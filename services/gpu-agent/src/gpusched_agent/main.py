@@ -161,7 +161,8 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         read_inventory=read_inventory, models=served,
         refused=lambda model, status: refusals.labels(model, str(status)).inc(),
         load_failure_cooldown_s=settings.load_failure_cooldown_s,
-        load_failed=lambda model: load_failures.labels(model).inc())
+        load_failed=lambda model: load_failures.labels(model).inc(),
+        tracer=provider.get_tracer(SERVICE))
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)

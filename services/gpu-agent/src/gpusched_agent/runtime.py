@@ -19,7 +19,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
@@ -130,8 +130,8 @@ class _Running:
     placement: Placement
     carrier: dict[str, str] = field(default_factory=dict)
     """The W3C trace headers of the placement's trace (the agent's span of its command),
-    filed with its claim: what a later run publishes for it after a crash (`recover`)
-    stays in its request's trace."""
+    filed with its claim: its `run` span, and what a later run publishes for it after a
+    crash (`recover`), stay in its request's trace."""
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None
     """'cancelled', 'preempted' or 'drained' once asked to stop."""
@@ -153,6 +153,8 @@ class _Running:
     unbilled_gpu_s: float | None = None
     """GPU time since the last record, taken when the work left its GPUs (its meters
     stopped there: waiting on Kafka for its last records is no GPU time)."""
+    ended: Message | None = None
+    """What its final records end it with: its result, or its request handed back."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ class AgentRuntime:
                  models: tuple[str, ...] | None = None,
                  refused: Callable[[str, int], None] = lambda model, status: None,
                  load_failure_cooldown_s: float = 60.0,
-                 load_failed: Callable[[str], None] = lambda model: None) -> None:
+                 load_failed: Callable[[str], None] = lambda model: None,
+                 tracer: trace.Tracer = trace.NoOpTracer()) -> None:
         self.node_id = node_id
         self.node = node
         self.catalog = catalog
@@ -206,6 +209,7 @@ class AgentRuntime:
         self._unmatched: frozenset[str] | None = None
         """The engine's list of models last warned about as naming no catalog model."""
         self._publish = publish
+        self._tracer = tracer
         self._ledger = ledger
         self._clock = clock
         self._mono = monotonic
@@ -522,21 +526,40 @@ class AgentRuntime:
     # --- one placement -------------------------------------------------------------------
     async def _run(self, run: _Running) -> None:
         pid = run.placement.placement_id
-        try:
+        with self._run_span(run):
             try:
-                await self._attempt(run)
-            except Exception as exc:  # a fault of the agent's own: the run ends all the same
-                log.exception("placement %s failed in the agent; it ends failed", pid)
-                await self._end_failed(run, exc)
-            # not when the loop shuts down mid-run: the next run of this node hands it back
-            # (`recover`), as it does when even the last resort failed
-            await self._release(pid)
-        except Exception:
-            log.exception("placement %s could not end; the next run of the agent hands it "
-                          "back", pid)
-        finally:
-            self._running.pop(pid, None)
-            self._dirty.set()
+                try:
+                    await self._attempt(run)
+                except Exception as exc:  # a fault of the agent's own: the run ends anyway
+                    log.exception("placement %s failed in the agent; it ends failed", pid)
+                    await self._end_failed(run, exc)
+                # not when the loop shuts down mid-run: the next run of this node hands it
+                # back (`recover`), as it does when even the last resort failed
+                await self._release(pid)
+            except Exception:
+                log.exception("placement %s could not end; the next run of the agent hands "
+                              "it back", pid)
+            finally:
+                self._running.pop(pid, None)
+                self._dirty.set()
+
+    @contextlib.contextmanager
+    def _run_span(self, run: _Running) -> Iterator[None]:
+        """The `run` span of `run`, from its start to its final records, in its placement's
+        trace: current while it lasts (the run's records go out under it), and saying at
+        its end how the run ended (`_how_it_ended`)."""
+        placement, request = run.placement, run.placement.request
+        what = {"gpusched.request_id": request.request_id,
+                "gpusched.placement_id": placement.placement_id,
+                "gpusched.node_id": self.node_id, "gpusched.tenant": request.tenant,
+                "gpusched.model": request.model, "gpusched.attempt": request.attempt,
+                "gpusched.gpu_indices": placement.gpu_indices}
+        with self._tracer.start_as_current_span("run", context=context_from(run.carrier),
+                                                attributes=what) as span:
+            try:
+                yield
+            finally:
+                span.set_attributes(_how_it_ended(run.ended))
 
     async def _attempt(self, run: _Running) -> None:
         placement = run.placement
@@ -941,6 +964,7 @@ class AgentRuntime:
         ledger first and then published. If filing fails they are published all the same
         (a crash before the claim's release then hands the request back, as before)."""
         finals = [*run.unsent, self._usage(run, final=True), *then]
+        run.ended = then[-1][0] if then else None
         try:
             await self._ledger.finishing(run.placement.placement_id, self.node_id,
                                          self._started_at_ms, outbox.encode(finals),
@@ -1091,6 +1115,20 @@ class AgentRuntime:
                 queued_ms=0, total_ms=0), topics.RESULTS.name, request.request_id)])
             return
         await self._finish(run, [_retry(request, why, refused=refused)])
+
+
+def _how_it_ended(ended: Message | None) -> dict[str, str | int]:
+    """A run's end as its span says it, from what its final records end it with: the
+    result's status and finish reason, or `handed_back` and why; and the reply's tokens
+    then (a resumed attempt's count those before it, as its result does)."""
+    if isinstance(ended, RequestResult):
+        return {"gpusched.status": ended.status,
+                "gpusched.finish_reason": cut_reason(ended.finish_reason),
+                "gpusched.completion_tokens": ended.completion_tokens}
+    if isinstance(ended, InferenceRequest):
+        return {"gpusched.status": "handed_back", "gpusched.finish_reason": ended.requeued or "",
+                "gpusched.completion_tokens": len((ended.resume or Resume()).tokens)}
+    return {}  # it never got to its final records (the agent is stopping)
 
 
 def _streamable(chunk: list[str], start_chars: int, final_chars: int) -> int:
