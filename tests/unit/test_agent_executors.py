@@ -1559,7 +1559,9 @@ async def test_a_request_whose_engine_crashed_mid_stream_goes_on_elsewhere_bille
     await place(runtime, request)
     [again] = [m for m in sent if isinstance(m, InferenceRequest)]
     assert again.requeued == "node_lost" and again.resume.tokens == (" e0", " e1", " e2", " e3")
-    assert again.prompt_tokens == 23  # as the engine counted it (the estimate is 10)
+    # as the engine counted it (the estimate is 10), in its resume: the request is as it came
+    assert again.resume.prompt_tokens == again.billed_prompt_tokens == 23
+    assert again.asks() == request.asks() and again.prompt_tokens is None
     _, elsewhere = make_runtime(Engine(prompt_tokens=40).executor())  # another node
     elsewhere._publish = runtime._publish
     await place(elsewhere, again)

@@ -1438,42 +1438,96 @@ async def test_a_leader_elected_after_redis_lost_its_data_is_not_fenced_off_for_
 # --- 2. context limit vs a hand-back carrying the engine's prompt count ----------------------
 class CountsALongerPrompt(SimulatedExecutor):
     """An engine whose tokenizer/chat template counts 1,000 prompt tokens where gpusched
-    estimated 3 (within the model's context, so the agent bills it and carries it on)."""
+    estimated 3 (within the model's context, so the agent bills it and carries it on). A
+    first attempt generates `before_stop` tokens and goes on until stopped; a resumed one,
+    at most `resumed` more (the model ends its text). `asked`: each attempt's max_tokens."""
+
+    def __init__(self, before_stop: int = 5, resumed: int = 3) -> None:
+        super().__init__(0.01, seed=7)
+        self.before_stop, self.resumed = before_stop, resumed
+        self.asked: list[int] = []
 
     def generate(self, job):  # noqa: ANN001, ANN202
+        self.asked.append(job.request.max_tokens)
+
         async def tokens():  # noqa: ANN202
             if not job.prefix:
                 yield PromptTokens(1_000)
-            for _ in range(job.request.max_tokens):
-                await asyncio.sleep(0.002)
-                yield " x"
+                for _ in range(self.before_stop):
+                    await asyncio.sleep(0)
+                    yield " x"
+                await asyncio.Event().wait()  # generating on, until stopped
+            for _ in range(min(self.resumed, job.request.max_tokens)):
+                await asyncio.sleep(0)
+                yield " y"
         return tokens()
 
 
-async def test_a_preempted_request_near_its_context_limit_is_not_refused_when_resumed(
-) -> None:
-    """3 (estimate) + 32,000 max_tokens fits qwen2.5-1.5b's 32,768, so it was admitted and
-    ran. The hand-back carries prompt_tokens=1,000 (the engine's count): 33,000 > 32,768, so
-    the next agent's admission (and the scheduler's parse) refuses the resumed attempt as
-    too long for the context, after its client already streamed text."""
-    first, sink, _ = make(time_scale=1.0)
-    first.executor = CountsALongerPrompt(1.0, seed=7)
-    await first.command(placement("near", max_tokens=32_000))
-    await until_tokens(sink, 4)
-    await first.command(Preempt(placement_id="near#0", request_id="near", node_id="n1",
+async def preempted_engine_counted(request: InferenceRequest, engine: CountsALongerPrompt,
+                                   ) -> tuple[InferenceRequest, Sink]:
+    """`request` run by `engine` (its first token at 1,500 ms) until it has generated all
+    `before_stop` tokens, then preempted: its next attempt."""
+    first, sink, _ = make(now_ms=1_500)
+    first.executor = engine
+    await first.command(placement(request.request_id).model_copy(update={"request": request}))
+    async with asyncio.timeout(10):
+        while engine.before_stop > sum(r.completion_tokens for r in first._running.values()):
+            await asyncio.sleep(0.001)
+    await first.command(Preempt(placement_id=f"{request.request_id}#0",
+                                request_id=request.request_id, node_id="n1",
                                 scheduler_epoch=1, reason="interactive work"))
     await settle(first)
     [again] = sink.of(InferenceRequest)
-    assert again.prompt_tokens == 1_000 and again.resume is not None  # the engine's count
-    # fixed hand-back: assert again.prompt_token_count + again.max_tokens <= 32_768
+    return again, sink
 
-    second, sink2, _ = make(time_scale=1.0, now_ms=2_000)
-    second.executor = CountsALongerPrompt(1.0, seed=7)
+
+async def test_a_request_handed_back_as_it_asked_gets_the_room_its_engines_count_leaves(
+) -> None:
+    """3 (estimate) + 32,000 max_tokens fits qwen2.5-1.5b's 32,768, so it was admitted and
+    ran, and its engine counted the prompt as 1,000. Preempted, it went back with max_tokens
+    cut to the 31,768 that count leaves: another request to the scheduler (not what the
+    first attempt asked), which dead-lettered it, and its client's stream stalled. Now it
+    goes back as it asked, with the count in its resume; the attempt that runs it asks its
+    engine for the room left, and its result tells the prompt billed."""
+    engine = CountsALongerPrompt()
+    asked = placement("near", max_tokens=32_000).request
+    again, sink = await preempted_engine_counted(asked, engine)
+    assert again.asks() == asked.asks() and again.prompt_tokens is None
+    assert (again.resume.prompt_tokens, len(again.resume.tokens)) == (1_000, 5)
+
+    second, _, _ = make(sink=sink, now_ms=2_000)
+    second.executor = engine
     await second.command(placement("near", attempt=1).model_copy(update={"request": again}))
-    await asyncio.sleep(0.1)
-    assert not sink2.of(InferenceRequest)  # not handed back unrun
-    second.cancel(Cancel(request_id="near", reason="test over", at_ms=0))
     await settle(second)
+    assert engine.asked == [32_000, 32_768 - 1_000 - 5]
+    [result] = sink.of(RequestResult)
+    assert (result.status, result.finish_reason, result.completion_tokens) == (
+        "completed", "stop", 8)
+    assert usage_sum(sink, "near")[:2] == (result.prompt_tokens, 8) == (1_000, 8)
+
+
+async def test_a_reply_its_engine_ran_past_the_catalogs_context_tells_the_prompt_billed(
+) -> None:
+    """llama-3.1-8b has 8,192 positions in the catalog; vLLM serves it with 131,072. With
+    the prompt counted 1,000, its engine generated 7,300 tokens, past the 7,192 left, and
+    the request was preempted: the hand-back dropped the engine's count, so its result said
+    3 prompt tokens where 1,000 were billed. Now the count goes on in the resume, and the
+    reply goes on to max_tokens (the room cannot hold what it has)."""
+    engine = CountsALongerPrompt(before_stop=7_300, resumed=8_000)
+    asked = placement("late", max_tokens=8_000).request.model_copy(
+        update={"model": "llama-3.1-8b"})
+    again, sink = await preempted_engine_counted(asked, engine)
+    assert (again.resume.prompt_tokens, len(again.resume.tokens)) == (1_000, 7_300)
+
+    second, _, _ = make(sink=sink, now_ms=2_000)
+    second.executor = engine
+    await second.command(placement("late", attempt=1).model_copy(update={"request": again}))
+    await settle(second)
+    assert engine.asked == [8_000, 700]
+    [result] = sink.of(RequestResult)
+    assert (result.status, result.finish_reason) == ("completed", "length")
+    assert usage_sum(sink, "late")[:2] == (result.prompt_tokens, result.completion_tokens) \
+        == (1_000, 8_000)
 
 
 # --- 3. a failed load whose last waiter ended for another reason ------------------------------

@@ -18,6 +18,7 @@ from gpusched_common.contracts import (
     NodeState,
     Placement,
     Rejection,
+    Resume,
     TokenChunk,
     UsageRecord,
     count_prompt_tokens,
@@ -141,6 +142,57 @@ def test_node_states_without_load_failures_read_and_write_as_a_release_before() 
     failed = state.model_copy(update={"load_failures": (
         LoadFailure(model="qwen2.5-1.5b", until_ms=60_002),)})
     assert NodeState.model_validate_json(failed.to_bytes()) == failed
+
+
+def test_a_resume_without_what_its_engine_told_reads_and_writes_as_a_release_before() -> None:
+    """A hand-back from an agent a release behind carries no engine count; one that has
+    none leaves it out, so a reader a release behind (which refuses fields it does not
+    know) still takes it; one with it carries it unchanged."""
+    old = {"request_id": "r", "tenant": "t", "model": "m", "prompt": "p", "max_tokens": 8,
+           "created_at_ms": 1, "attempt": 1, "requeued": "preempted",
+           "resume": {"tokens": [" a"], "streamed_tokens": 1, "next_seq": 1}}
+    request = REQUEST.validate_python(old)
+    assert request.resume.prompt_tokens is None
+    assert json.loads(request.to_bytes())["resume"] == old["resume"]
+    told = request.model_copy(update={"resume": request.resume.model_copy(
+        update={"prompt_tokens": 1_000})})
+    assert REQUEST.validate_json(told.to_bytes()) == told
+
+
+def resumed(resume: Resume | None, max_tokens: int = 32_000) -> InferenceRequest:
+    """A request of 3 prompt tokens by the estimate, at the attempt `resume` says."""
+    return InferenceRequest(request_id="r", tenant="t", model="m", prompt="hello there",
+                            max_tokens=max_tokens, created_at_ms=1, resume=resume,
+                            attempt=0 if resume is None else 1,
+                            requeued=None if resume is None else "preempted")
+
+
+@pytest.mark.parametrize("resume,billed,reply", [
+    (None, 3, 32_000),  # a first attempt: what it asks
+    (Resume(tokens=(" a",) * 5), 3, 32_000),  # its engine counted the prompt as estimated
+    (Resume(tokens=(" a",) * 5, prompt_tokens=1_000), 1_000, 31_768),  # the room left
+    (Resume(prompt_tokens=1_000), 1_000, 31_768),  # stopped before its first token
+    (Resume(tokens=(" a",) * 5, prompt_tokens=500), 500, 32_000),  # room beyond max_tokens
+    # that engine served a longer context than the catalog's: on to max_tokens
+    (Resume(tokens=(" a",) * 31_800, prompt_tokens=1_000), 1_000, 32_000),
+])
+def test_a_resumed_reply_is_bounded_by_the_room_its_engines_prompt_count_leaves(
+        resume: Resume | None, billed: int, reply: int) -> None:
+    """A context of 32,768: 3 + 32,000 fits; by its engine's count of 1,000 the prompt
+    leaves room for 31,768 tokens, which the attempt that runs it asks its engine for, and
+    the scheduler sizes its KV cache by. The request itself still asks for 32,000."""
+    request = resumed(resume)
+    assert request.billed_prompt_tokens == billed and request.prompt_token_count == 3
+    assert request.reply_limit(32_768) == reply
+    assert request.context_tokens(32_768) == billed + reply
+    assert request.asks() == resumed(None).asks()
+
+
+def test_what_earlier_attempts_did_is_reported_as_they_billed_it() -> None:
+    request = resumed(Resume(tokens=(" a", " b"), streamed_tokens=2, next_seq=2,
+                             prompt_tokens=1_000))
+    assert request.so_far() == {"text": " a b", "prompt_tokens": 1_000,
+                                "completion_tokens": 2}
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe",

@@ -21,7 +21,12 @@ from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from gpusched_agent.adapters.ledger import Claim, RedisLedger, Taken
+from gpusched_agent.adapters.executor import PromptTokens
+from gpusched_agent.adapters.ledger import Claim, MemoryLedger, RedisLedger, Taken
+from gpusched_agent.adapters.simulated import SimulatedExecutor
+from gpusched_agent.domain.inventory import parse_simulated
+from gpusched_agent.domain.node import NodeModel
+from gpusched_agent.runtime import AgentRuntime
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import (
@@ -43,9 +48,11 @@ from gpusched_common.contracts import (
     LoadFailure,
     NodeState,
     Placement,
+    Preempt,
     Rejection,
     RequestResult,
     Resume,
+    TokenChunk,
     UsageRecord,
 )
 from gpusched_common.redis_client import make_redis
@@ -802,6 +809,81 @@ async def test_a_record_read_while_a_rejection_under_its_id_is_on_its_way_does_n
     assert not len(engine.queue)
     assert [type(o.message).__name__ for o in out] == ["DeadLetter", "Rejection", "DeadLetter"]
     assert "request_id 'r7' was refused before" in out[-1].message.reason
+
+
+class CountsTheChatTemplate(SimulatedExecutor):
+    """vLLM behind the agent: with its chat template the prompt is 1,000 tokens, where
+    gpusched estimated 3. A first attempt generates until it is stopped; a resumed one ends
+    its reply 3 tokens on (the model ends its text)."""
+
+    def generate(self, job):  # noqa: ANN001, ANN202
+        async def tokens():  # noqa: ANN202
+            if job.prefix:
+                for token in (" a", " b", " c"):
+                    yield token
+                return
+            yield PromptTokens(1_000)
+            while True:
+                await asyncio.sleep(0.002)
+                yield " x"
+        return tokens()
+
+
+async def test_a_request_preempted_after_its_engine_counted_a_longer_prompt_completes(
+) -> None:
+    """Scheduler and agent together: 3 prompt tokens by the estimate plus max_tokens 32,000
+    fit qwen2.5-1.5b's 32,768; its engine counted 1,000, and it was preempted after a few
+    tokens. The agent handed it back with max_tokens cut to 31,768, which the scheduler took
+    for another request under its id: dead-lettered, nothing queued or answered (the
+    client's stream stalled until its 504; its status said running for a day). Now it is
+    queued, placed again and completes, telling the usage it was billed."""
+    engine, sent = leading_engine()
+    engine.view.apply_node_state(node("n1", [80000, 80000]), 1000, NODE_TIMEOUT_MS)
+    standard = topics.REQUESTS["standard"].name
+    asked = InferenceRequest(request_id="long-1", tenant="acme", model=SMALL.name,
+                             prompt="hello there", max_tokens=32_000, created_at_ms=1000)
+    await engine.admit([request_record(standard, 0, asked.to_bytes())])
+    assert await engine.cycle() == 1
+    published: list = []
+
+    async def publish(message, topic, key, wait=True) -> None:  # noqa: ANN001
+        published.append(message)
+
+    def of(kind: type) -> list:
+        return [m for m in published if isinstance(m, kind)]
+
+    async def settle() -> None:
+        async with asyncio.timeout(10):
+            while agent.in_flight:
+                await asyncio.sleep(0.002)
+
+    agent = AgentRuntime("n1", NodeModel.from_inventory(parse_simulated("2xH100-80GB", "n1")),
+                         CATALOG, CountsTheChatTemplate(0.01, seed=7), publish,
+                         MemoryLedger(None), lambda: 1_200, chunk_tokens=4, heartbeat_s=1.0)
+    await agent.command(PLACEMENT.validate_json(sent[topics.PLACEMENTS.name][-1]))
+    async with asyncio.timeout(10):
+        while sum(c.token_count for c in of(TokenChunk)) < 5:
+            await asyncio.sleep(0.002)
+    await agent.command(Preempt(placement_id="long-1#0", request_id="long-1", node_id="n1",
+                                scheduler_epoch=3, reason="interactive work"))
+    await settle()
+    [again] = of(InferenceRequest)
+
+    await engine.admit([request_record(standard, 1, again.to_bytes())])
+    assert topics.DEAD_LETTERS.name not in sent and len(engine.queue) == 1
+    engine.view.apply_node_state(node("n1", [80000, 80000], seq=2), 1000, NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 1
+    placed = PLACEMENT.validate_json(sent[topics.PLACEMENTS.name][-1])
+    assert placed.placement_id == "long-1#1"  # its KV cache sized by its engine's count:
+    assert placed.kv_cache_mib == SMALL.kv_cache_mib(32_768)  # 1,000 + the 31,768 left
+    await agent.command(placed)
+    await settle()
+    [result] = of(RequestResult)
+    assert (result.status, result.completion_tokens) == ("completed",
+                                                         len(again.resume.tokens) + 3)
+    billed = of(UsageRecord)
+    assert sum(u.prompt_tokens for u in billed) == result.prompt_tokens == 1_000
+    assert sum(u.completion_tokens for u in billed) == result.completion_tokens
 
 
 async def test_a_handback_that_does_not_parse_still_ends_its_request() -> None:

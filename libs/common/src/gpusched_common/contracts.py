@@ -141,6 +141,15 @@ class Resume(BaseModel):
     streamed_tokens: int = Field(default=0, ge=0, description="How many of `tokens` were "
                                  "streamed.")
     next_seq: int = Field(default=0, ge=0, description="`seq` of the next token chunk.")
+    # What the earlier attempts learned, which the request's own fields do not say: those
+    # stay as the client sent them, since the scheduler tells a hand-back from another
+    # request under the same id by what it asks for (`InferenceRequest.asks`)
+    prompt_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_USAGE_TOKENS, strict=True, description="The prompt as "
+        "an earlier attempt's engine counted it (its tokenizer and chat template), where "
+        "that is not the request's own count: what was billed and what the result reports "
+        "(`InferenceRequest.billed_prompt_tokens`), and what bounds the reply in the model's "
+        "context (`InferenceRequest.reply_limit`).")
 
 
 ASKS_VERSION = 1
@@ -240,9 +249,35 @@ class InferenceRequest(Message):
 
     @property
     def prompt_token_count(self) -> int:
-        """The prompt tokens this request is sized and billed for: the explicit override,
+        """The prompt tokens this request asks to be sized for (prompt plus max_tokens
+        within the model's context, checked as it is taken in): the explicit override,
         else `count_prompt_tokens(prompt)`."""
         return self.prompt_tokens or count_prompt_tokens(self.prompt)
+
+    @property
+    def billed_prompt_tokens(self) -> int:
+        """The prompt tokens this request is billed for: as an earlier attempt's engine
+        counted them (`Resume.prompt_tokens`), else `prompt_token_count`."""
+        counted = None if self.resume is None else self.resume.prompt_tokens
+        return counted or self.prompt_token_count
+
+    def reply_limit(self, context_limit_tokens: int) -> int:
+        """The most tokens the reply may have, the resumed ones included: max_tokens, or
+        less where the prompt as an earlier attempt's engine counted it leaves less room in
+        the model's context (no engine generates past it, and one asked to refuses the
+        request). Not where the tokens the request has already overran that room: that
+        engine serves a longer context than the catalog's, and the reply goes on to
+        max_tokens."""
+        if self.resume is None or self.resume.prompt_tokens is None:
+            return self.max_tokens  # by its own count, which it was taken in by
+        room = context_limit_tokens - self.resume.prompt_tokens
+        return room if max(1, len(self.resume.tokens)) <= room < self.max_tokens \
+            else self.max_tokens
+
+    def context_tokens(self, context_limit_tokens: int) -> int:
+        """The positions of the model's context this attempt may take (its KV cache): its
+        prompt as billed and `reply_limit`; prompt plus max_tokens for a first attempt."""
+        return self.billed_prompt_tokens + self.reply_limit(context_limit_tokens)
 
     def so_far(self) -> dict[str, Any]:
         """The text and tokens earlier attempts generated and billed (the resume), as the
@@ -250,7 +285,7 @@ class InferenceRequest(Message):
         one. (A stop string would have ended the request: the text holds none.)"""
         if self.resume is None:
             return {"text": "", "prompt_tokens": 0, "completion_tokens": 0}
-        return {"text": "".join(self.resume.tokens), "prompt_tokens": self.prompt_token_count,
+        return {"text": "".join(self.resume.tokens), "prompt_tokens": self.billed_prompt_tokens,
                 "completion_tokens": len(self.resume.tokens)}
 
 

@@ -732,11 +732,12 @@ class AgentRuntime:
         slot = self.node.gpus[placement.gpu_indices[0]]  # the gang's GPUs run in lockstep
         gpu_type = GPU_TYPES[slot.info.gpu_type]
         run.gpu_type, run.gpu_slots = gpu_type.name, placement.gpu_indices
-        run.prompt_tokens = request.prompt_token_count
+        run.prompt_tokens = request.billed_prompt_tokens
         # A resumed attempt goes on after what the earlier ones generated and billed (the
         # prompt and those tokens), streaming from where they stopped. One stopped before
         # its first token billed the prompt too: it is resumed with no tokens.
         resume = request.resume or Resume()
+        limit = request.reply_limit(model.context_limit_tokens)  # the most tokens in all
         pieces: list[str] = list(resume.tokens)
         if request.resume is not None:
             run.billed_prompt = run.prompt_tokens
@@ -768,11 +769,12 @@ class AgentRuntime:
                 raise asyncio.CancelledError
             if load is not None:
                 await asyncio.shield(load)
-            # a resumed engine continues the text: the prompt is all that came before
-            prefix, left = "".join(pieces), request.max_tokens - len(pieces)
+            # a resumed engine continues the text (the prompt is all that came before), and
+            # is asked for what is left of the reply
+            prefix, left = "".join(pieces), limit - len(pieces)
             asked = request.model_copy(update={
                 "prompt": request.prompt + prefix, "resume": None, "max_tokens": left,
-            }) if pieces else request
+            }) if left != request.max_tokens else request
             job = Job(asked, run.prompt_tokens + len(pieces), model, gpu_type,
                       slot.info.index, pid, prefix)
             generated = self.executor.generate(job) if left > 0 else _no_tokens()
@@ -785,7 +787,7 @@ class AgentRuntime:
                     if isinstance(token, EngineFinished):
                         engine_finish = token.reason
                         continue
-                    if len(pieces) >= request.max_tokens:  # an engine that overran: unasked,
+                    if len(pieces) >= limit:  # an engine that overran: unasked,
                         break  # so neither kept nor billed (and a hand-back stays valid)
                     if ttft_ms is None and not resume.tokens:
                         ttft_ms = float(self._clock() - request.created_at_ms)
@@ -820,7 +822,7 @@ class AgentRuntime:
             if finish_reason != "stop":  # not ended at a stop string found here: the
                 # engine's word, else fewer tokens than asked is the model ending its text
                 finish_reason = engine_finish or (
-                    "stop" if len(pieces) < request.max_tokens else "length")
+                    "stop" if len(pieces) < limit else "length")
         except asyncio.CancelledError:
             if run.stop_reason is None:
                 raise  # not ours (the loop is shutting down): let it propagate
@@ -895,22 +897,14 @@ class AgentRuntime:
             if not run.prompt_tokens:  # unrun, and nothing billed it: it goes back as it came,
                 # and the attempt that runs it bills its prompt, as its engine counts it
                 retry = _retry(request, requeue, refused=refused)
-            else:
-                update: dict[str, object] = {}
-                if run.prompt_tokens != request.prompt_token_count:
-                    update["prompt_tokens"] = run.prompt_tokens
-                    room = model.context_limit_tokens - run.prompt_tokens
-                    if request.max_tokens > room:  # the engine's count leaves less room than
-                        # the estimate: no engine generates past it, and a resumed attempt
-                        # sized beyond the context is refused (here and by the scheduler)
-                        if room >= max(1, len(pieces)):
-                            update["max_tokens"] = room
-                        else:
-                            del update["prompt_tokens"]
-                billed = request.model_copy(update=update) if update else request
-                retry = _retry(billed, requeue, Resume(
+            else:  # the request as it asked (the scheduler knows it by that), and in its
+                # resume what ran of it: the next attempt's reply is bounded by the room the
+                # engine's count of the prompt leaves (`InferenceRequest.reply_limit`)
+                retry = _retry(request, requeue, Resume(
                     tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk),
-                    next_seq=seq), refused=refused)
+                    next_seq=seq, prompt_tokens=None if
+                    run.prompt_tokens == request.prompt_token_count else run.prompt_tokens),
+                    refused=refused)
             if (size := len(retry[0].to_bytes())) <= MAX_HANDBACK_BYTES:
                 log.info("placement %s handed back after %d tokens: %s", pid, len(pieces), why)
                 await self._finish(run, [retry])
@@ -950,8 +944,8 @@ class AgentRuntime:
         resumed one's prompt was billed by then, and the engine's count holds the earlier
         tokens too), never below what a partial record already billed, and
         never beyond the model's context (no engine runs a longer prompt: such a count is
-        not one to bill, nor to size the request by). A hand-back carries the count on as
-        the request's `prompt_tokens`."""
+        not one to bill, nor to size the request by). A hand-back carries the count on in
+        its resume (`Resume.prompt_tokens`)."""
         if request.resume is None and run.billed_prompt <= count <= model.context_limit_tokens:
             run.prompt_tokens = count
         elif count > model.context_limit_tokens:

@@ -27,7 +27,8 @@ class Job:
     """The placement id: unique per attempt."""
     prefix: str = ""
     """Text earlier attempts generated (a resumed request): the engine continues after it.
-    `request` then already has it appended to its prompt and max_tokens reduced by it."""
+    `request` then already has it appended to its prompt, and max_tokens is what is left of
+    its reply (`InferenceRequest.reply_limit`, less that text's tokens)."""
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,10 @@ def request_tokens(request: InferenceRequest) -> int:
 
 
 def memory_per_gpu(request: InferenceRequest, model: ModelSpec) -> tuple[int, int]:
-    """(KV cache MiB, weights MiB) on each GPU of the request's gang (split evenly)."""
-    return gang_memory_per_gpu(model, request_tokens(request), request.num_gpus)
+    """(KV cache MiB, weights MiB) on each GPU of the request's gang (split evenly); the KV
+    cache of a resumed request is sized by its prompt as its engine counted it."""
+    return gang_memory_per_gpu(model, request.context_tokens(model.context_limit_tokens),
+                               request.num_gpus)
 
 
 def gang_memory_per_gpu(model: ModelSpec, tokens: int, num_gpus: int) -> tuple[int, int]:
