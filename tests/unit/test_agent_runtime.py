@@ -306,6 +306,8 @@ async def test_a_preempted_request_resumes_where_it_stopped_streaming_and_billin
     assert result.completion_tokens == sum(c.token_count for c in chunks) == 40
     prompt, completion, _ = usage_sum(sink, "p2")
     assert (prompt, completion) == (result.prompt_tokens, 40)  # each token billed once
+    # the first token came at 1,000 ms, in the first attempt (it was null after a resume)
+    assert result.ttft_ms == again.resume.ttft_ms == 1_000.0
 
 
 async def test_partial_usage_records_are_deltas_that_sum_to_the_total() -> None:
@@ -1488,12 +1490,14 @@ async def test_a_request_handed_back_as_it_asked_gets_the_room_its_engines_count
     cut to the 31,768 that count leaves: another request to the scheduler (not what the
     first attempt asked), which dead-lettered it, and its client's stream stalled. Now it
     goes back as it asked, with the count in its resume; the attempt that runs it asks its
-    engine for the room left, and its result tells the prompt billed."""
+    engine for the room left, and its result tells the prompt billed and the time of the
+    first token, which came in the first attempt."""
     engine = CountsALongerPrompt()
     asked = placement("near", max_tokens=32_000).request
     again, sink = await preempted_engine_counted(asked, engine)
     assert again.asks() == asked.asks() and again.prompt_tokens is None
-    assert (again.resume.prompt_tokens, len(again.resume.tokens)) == (1_000, 5)
+    assert (again.resume.prompt_tokens, len(again.resume.tokens), again.resume.ttft_ms) == (
+        1_000, 5, 1_500.0)
 
     second, _, _ = make(sink=sink, now_ms=2_000)
     second.executor = engine
@@ -1504,6 +1508,7 @@ async def test_a_request_handed_back_as_it_asked_gets_the_room_its_engines_count
     assert (result.status, result.finish_reason, result.completion_tokens) == (
         "completed", "stop", 8)
     assert usage_sum(sink, "near")[:2] == (result.prompt_tokens, 8) == (1_000, 8)
+    assert result.ttft_ms == 1_500.0
 
 
 async def test_a_reply_its_engine_ran_past_the_catalogs_context_tells_the_prompt_billed(

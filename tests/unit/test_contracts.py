@@ -145,17 +145,17 @@ def test_node_states_without_load_failures_read_and_write_as_a_release_before() 
 
 
 def test_a_resume_without_what_its_engine_told_reads_and_writes_as_a_release_before() -> None:
-    """A hand-back from an agent a release behind carries no engine count; one that has
-    none leaves it out, so a reader a release behind (which refuses fields it does not
-    know) still takes it; one with it carries it unchanged."""
+    """A hand-back from an agent a release behind carries no engine count nor first token's
+    time; one that has neither leaves them out, so a reader a release behind (which refuses
+    fields it does not know) still takes it; one with them carries them unchanged."""
     old = {"request_id": "r", "tenant": "t", "model": "m", "prompt": "p", "max_tokens": 8,
            "created_at_ms": 1, "attempt": 1, "requeued": "preempted",
            "resume": {"tokens": [" a"], "streamed_tokens": 1, "next_seq": 1}}
     request = REQUEST.validate_python(old)
-    assert request.resume.prompt_tokens is None
+    assert (request.resume.prompt_tokens, request.resume.ttft_ms) == (None, None)
     assert json.loads(request.to_bytes())["resume"] == old["resume"]
     told = request.model_copy(update={"resume": request.resume.model_copy(
-        update={"prompt_tokens": 1_000})})
+        update={"prompt_tokens": 1_000, "ttft_ms": 120.0})})
     assert REQUEST.validate_json(told.to_bytes()) == told
 
 
@@ -190,9 +190,9 @@ def test_a_resumed_reply_is_bounded_by_the_room_its_engines_prompt_count_leaves(
 
 def test_what_earlier_attempts_did_is_reported_as_they_billed_it() -> None:
     request = resumed(Resume(tokens=(" a", " b"), streamed_tokens=2, next_seq=2,
-                             prompt_tokens=1_000))
+                             prompt_tokens=1_000, ttft_ms=250.0))
     assert request.so_far() == {"text": " a b", "prompt_tokens": 1_000,
-                                "completion_tokens": 2}
+                                "completion_tokens": 2, "ttft_ms": 250.0}
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe",

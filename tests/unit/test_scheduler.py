@@ -884,6 +884,7 @@ async def test_a_request_preempted_after_its_engine_counted_a_longer_prompt_comp
     billed = of(UsageRecord)
     assert sum(u.prompt_tokens for u in billed) == result.prompt_tokens == 1_000
     assert sum(u.completion_tokens for u in billed) == result.completion_tokens
+    assert result.ttft_ms == 200.0  # created at 1,000 ms, its first token at 1,200
 
 
 async def test_a_handback_that_does_not_parse_still_ends_its_request() -> None:

@@ -150,6 +150,9 @@ class Resume(BaseModel):
         "that is not the request's own count: what was billed and what the result reports "
         "(`InferenceRequest.billed_prompt_tokens`), and what bounds the reply in the model's "
         "context (`InferenceRequest.reply_limit`).")
+    ttft_ms: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False, description="From the request's creation "
+        "to its first token, as the attempt that generated it measured: the result's.")
 
 
 ASKS_VERSION = 1
@@ -280,13 +283,14 @@ class InferenceRequest(Message):
         return self.billed_prompt_tokens + self.reply_limit(context_limit_tokens)
 
     def so_far(self) -> dict[str, Any]:
-        """The text and tokens earlier attempts generated and billed (the resume), as the
-        result of an attempt that ends without running reports them: nothing for a first
-        one. (A stop string would have ended the request: the text holds none.)"""
+        """The text and tokens earlier attempts generated and billed (the resume), and when
+        the first came, as the result of an attempt that ends without running reports them:
+        nothing for a first one. (A stop string would have ended the request: the text
+        holds none.)"""
         if self.resume is None:
-            return {"text": "", "prompt_tokens": 0, "completion_tokens": 0}
+            return {"text": "", "prompt_tokens": 0, "completion_tokens": 0, "ttft_ms": None}
         return {"text": "".join(self.resume.tokens), "prompt_tokens": self.billed_prompt_tokens,
-                "completion_tokens": len(self.resume.tokens)}
+                "completion_tokens": len(self.resume.tokens), "ttft_ms": self.resume.ttft_ms}
 
 
 MAX_GPU_MEMORY_MIB = 2**24

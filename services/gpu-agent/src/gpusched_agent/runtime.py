@@ -752,7 +752,7 @@ class AgentRuntime:
         stops = StopScan(request.stop)
         for token in pieces:
             stops.feed(token)
-        ttft_ms: float | None = None
+        ttft_ms = resume.ttft_ms
         status, finish_reason = "completed", "length"
         engine_finish: str | None = None  # why the engine said it ended the reply
         requeue: str | None = None  # handed back as the next attempt, requeued so
@@ -902,7 +902,7 @@ class AgentRuntime:
                 # engine's count of the prompt leaves (`InferenceRequest.reply_limit`)
                 retry = _retry(request, requeue, Resume(
                     tokens=tuple(pieces), streamed_tokens=len(pieces) - len(chunk),
-                    next_seq=seq, prompt_tokens=None if
+                    next_seq=seq, ttft_ms=ttft_ms, prompt_tokens=None if
                     run.prompt_tokens == request.prompt_token_count else run.prompt_tokens),
                     refused=refused)
             if (size := len(retry[0].to_bytes())) <= MAX_HANDBACK_BYTES:
