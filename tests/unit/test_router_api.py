@@ -85,12 +85,13 @@ class NoBudgetSpent:
         return None
 
 
-def answering(monkeypatch, outcome: Callable[[InferenceRequest], Rejection | RequestResult]
-              ) -> tuple[FastAPI, list[InferenceRequest]]:
+def answering(monkeypatch, outcome: Callable[[InferenceRequest], Rejection | RequestResult],
+              trace_sample_ratio: float = 1.0) -> tuple[FastAPI, list[InferenceRequest]]:
     """A router whose requests Kafka takes in and that end in `outcome(request)`; and the
     list of the requests it publishes."""
     monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
-    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(
+        otlp_endpoint="", trace_sample_ratio=trace_sample_ratio)))
     published: list[InferenceRequest] = []
 
     async def publish(message: bytes, topic: str, **options: object) -> None:
@@ -109,6 +110,23 @@ async def refused(monkeypatch, **refusal: object) -> httpx.Response:
         request_id=request.request_id, tenant=request.tenant, **refusal))
     return await post(app, "/v1/completions",
                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.0])
+async def test_x_trace_id_names_a_trace_only_where_it_is_sampled(monkeypatch, ratio) -> None:
+    """With GPUSCHED_TRACE_SAMPLE_RATIO below 1, a request whose trace was not sampled got
+    the id of a trace Jaeger never receives in `x-trace-id`: the user looked for it in
+    vain. Now its `x-trace-id` is empty; a sampled one's names its trace."""
+    app, _ = answering(monkeypatch, lambda request: Rejection(
+        request_id=request.request_id, tenant=request.tenant, status_code=422,
+        reason="fits no node"), trace_sample_ratio=ratio)
+    reply = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert reply.status_code == 422
+    if ratio:
+        assert re.fullmatch("[0-9a-f]{32}", reply.headers["x-trace-id"])
+    else:
+        assert reply.headers["x-trace-id"] == ""
 
 
 def completion(body: object, priority: str | None = None, **headers: str):

@@ -46,6 +46,7 @@ def record_carrier(headers: object) -> dict[str, str]:
 
 
 def trace_id_hex(span: trace.Span | None = None) -> str | None:
-    """The 32-hex-digit trace id of `span` (default: the current span), None when unsampled."""
+    """The 32-hex-digit trace id of `span` (default: the current span), None when unsampled
+    (Jaeger never gets such a trace: an id would send the user looking for nothing)."""
     ctx = (span or trace.get_current_span()).get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else None
+    return format(ctx.trace_id, "032x") if ctx.is_valid and ctx.trace_flags.sampled else None

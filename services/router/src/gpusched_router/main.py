@@ -322,7 +322,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "gpusched.priority_class": req.priority_class,
                         "gpusched.model": req.model},
         ) as span:
-            trace_id = trace_id_hex(span)
+            trace_id = trace_id_hex(span) or ""  # unsampled: Jaeger never gets the trace
             async with asyncio.timeout(settings.publish_timeout_s):
                 await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
                                      key=req.request_id.encode(),
