@@ -17,6 +17,9 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker, TestKafkaBroker
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
@@ -62,6 +65,7 @@ from gpusched_common.redis_keys import (
     SCHEDULER_RUNNING_KEY,
 )
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
+from gpusched_common.telemetry import make_tracer_provider
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.redis_state import (
     LEADER_KEY,
@@ -549,11 +553,11 @@ def test_each_tenants_running_and_waiting_share_stays_equal_to_a_recount(ops) ->
 
 def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None,
                    store=None, tenants: TenantDirectory | None = None,
-                   **config  # noqa: ANN001
+                   tracer: trace.Tracer | None = None, **config  # noqa: ANN001
                    ) -> tuple[SchedulingEngine, dict[str, list[bytes]]]:
     """A leading engine whose publishes Kafka acknowledges at once, and what it sent per
     topic; `config` overrides EngineConfig (no micro-batch wait, nodes never time out);
-    `tenants` are config/tenants.yaml's unless given."""
+    `tenants` are config/tenants.yaml's unless given; `tracer`, none unless given."""
     sent: dict[str, list[bytes]] = {}
 
     async def publish(batch):
@@ -562,11 +566,34 @@ def leading_engine(clock=lambda: 1000, registry: CollectorRegistry | None = None
         return asyncio.gather()  # acknowledged at once
 
     engine = SchedulingEngine(CATALOG, tenants or load_tenants(CONFIG), publish, clock,
-                              NoOpTracer(),
+                              tracer or NoOpTracer(),
                               EngineConfig(**{"cycle_window_ms": 0, "node_timeout_ms": 10**12,
                                               **config}), store=store, registry=registry)
     engine.lead(3, [])
     return engine, sent
+
+
+def recording_tracer(sample_ratio: float = 1.0) -> tuple[trace.Tracer, InMemorySpanExporter]:
+    """The scheduler's tracer as its service makes it, and where its spans are kept."""
+    spans = InMemorySpanExporter()
+    provider = make_tracer_provider("scheduler", TelemetrySettings(
+        otlp_endpoint="", trace_sample_ratio=sample_ratio))
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    return provider.get_tracer("scheduler"), spans
+
+
+def traced_record(offset: int, request_id: str, trace_id: int | None = None,
+                  traceparent: bytes | None = None) -> ConsumerRecord:
+    """A standard request record, keyed by its id, whose `traceparent` names trace
+    `trace_id` (as the router sends them; none: one produced straight to Kafka), or is
+    `traceparent` as given."""
+    value = json.dumps({"request_id": request_id, "tenant": "acme", "model": SMALL.name,
+                        "prompt": "hi", "max_tokens": 4}).encode()
+    if trace_id is not None:
+        traceparent = f"00-{trace_id:032x}-{trace_id:016x}-01".encode()
+    headers = () if traceparent is None else (("traceparent", traceparent),)
+    return ConsumerRecord(topics.REQUESTS["standard"].name, 0, offset, 1000, 0,
+                          request_id.encode(), value, None, 0, len(value), headers)
 
 
 @pytest.fixture
@@ -588,6 +615,20 @@ def node_state_record(offset: int, key: bytes | None, value: bytes | None,
     subscriber hands it to the engine."""
     return ConsumerRecord(topics.NODE_STATE.name, 0, offset, timestamp_ms, 0, key, value, None,
                           0, len(value or b""), ())
+
+
+async def test_a_cycle_span_links_every_request_it_decided() -> None:
+    """A cycle decides up to 1,024 requests, and its `scheduling cycle` span is linked to
+    each; it kept 128 links (the SDK's default limit) and dropped the rest, so most of a
+    busy cycle's requests could not be found from it."""
+    tracer, spans = recording_tracer()
+    engine, _ = leading_engine(tracer=tracer, max_pending_per_class=1024)
+    for n in range(8):
+        engine.view.apply_node_state(node(f"n{n}", [80000] * 8), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([traced_record(i, f"r{i}", trace_id=i) for i in range(1, 301)])
+    assert await engine.cycle() == 300
+    [cycle] = [s for s in spans.get_finished_spans() if s.name == "scheduling cycle"]
+    assert sorted(link.context.trace_id for link in cycle.links) == list(range(1, 301))
 
 
 async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
@@ -20,12 +20,18 @@ from gpusched_common.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
+MAX_SPAN_LINKS = 4096
+"""Links a span keeps (the SDK's default, 128, dropped the rest): a scheduler's `scheduling
+cycle` links each request it decided, up to 1,024 it planned (`max_units_per_cycle`) plus
+the placements it sends again and the work it ends (cancelled, expired)."""
+
 
 def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
     """A provider exporting to `settings.otlp_endpoint`; call `.shutdown()` on exit to flush."""
     provider = TracerProvider(
         resource=Resource.create({"service.name": service_name}),
         sampler=ParentBasedTraceIdRatio(settings.trace_sample_ratio),
+        span_limits=SpanLimits(max_links=MAX_SPAN_LINKS),
     )
     if settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -37,6 +43,11 @@ def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> Trac
 
 def context_from(carrier: dict[str, str]) -> Context:
     return extract(carrier)
+
+
+def carried_span(carrier: dict[str, str]) -> trace.SpanContext:
+    """The span a W3C carrier names; not `is_valid` where it names none (empty, malformed)."""
+    return trace.get_current_span(extract(carrier)).get_span_context()
 
 
 def record_carrier(headers: object) -> dict[str, str]:

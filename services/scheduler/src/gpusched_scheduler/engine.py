@@ -15,7 +15,6 @@ from typing import Literal
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
-from opentelemetry.propagate import extract
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -45,7 +44,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payload
 from gpusched_common.recent import Recent
-from gpusched_common.telemetry import record_carrier
+from gpusched_common.telemetry import carried_span, record_carrier
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore, SpentBudget
@@ -922,8 +921,9 @@ class SchedulingEngine:
 
         with self._tracer.start_as_current_span(
             "scheduling cycle",
-            links=[trace.Link(trace.get_current_span(extract(p.trace_carrier)).get_span_context())
-                   for p, _ in messages],
+            # one link per request (a preempting one sends a record per victim)
+            links=[trace.Link(carried_span(item.trace_carrier))
+                   for item in {id(item): item for item, _ in messages}.values()],
             attributes={"gpusched.epoch": epoch, "gpusched.placed": len(decisions.placed),
                         "gpusched.waiting": len(decisions.waiting),
                         "gpusched.preemptions": len(decisions.preemptions)},
