@@ -67,6 +67,7 @@ from gpusched_common.redis_keys import (
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_scheduler import handlers
+from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import (
     LEADER_KEY,
     Filed,
@@ -580,6 +581,35 @@ def recording_tracer(sample_ratio: float = 1.0) -> tuple[trace.Tracer, InMemoryS
         otlp_endpoint="", trace_sample_ratio=sample_ratio))
     provider.add_span_processor(SimpleSpanProcessor(spans))
     return provider.get_tracer("scheduler"), spans
+
+
+class KafkaTakesAll:
+    """aiokafka's producer as DecisionProducer uses it: each record taken at once, and kept
+    as (topic, value, key, headers)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes, bytes, dict[str, bytes]]] = []
+
+    async def send(self, topic: str, value: bytes, key: bytes, headers: list) -> asyncio.Future:
+        self.records.append((topic, value, key, dict(headers)))
+        taken = asyncio.get_running_loop().create_future()
+        taken.set_result(None)
+        return taken
+
+
+def traced_engine(clock=lambda: 1000, **config  # noqa: ANN001
+                  ) -> tuple[SchedulingEngine, InMemorySpanExporter,
+                             list[tuple[str, bytes, bytes, dict[str, bytes]]]]:
+    """A leading engine with the scheduler's tracer, publishing through its DecisionProducer
+    (whose Kafka keeps what it takes); its spans and the records it published."""
+    tracer, spans = recording_tracer()
+    decisions = DecisionProducer("127.0.0.1:1", "test", tracer, CollectorRegistry())
+    decisions._producer = kafka = KafkaTakesAll()
+    engine = SchedulingEngine(CATALOG, load_tenants(CONFIG), decisions.send, clock,
+                              tracer, EngineConfig(**{"cycle_window_ms": 0,
+                                                      "node_timeout_ms": 10**12, **config}))
+    engine.lead(3, [])
+    return engine, spans, kafka.records
 
 
 def traced_record(offset: int, request_id: str, trace_id: int | None = None,
@@ -3591,6 +3621,20 @@ async def test_the_scaling_signal_wants_whole_gangs_and_a_gang_at_least_while_wo
     await engine._maybe_signal_scaling()
     [signal] = [EVENT.validate_json(v) for v in sent[topics.EVENTS.name]]
     assert (signal.model, signal.gpus_wanted, signal.gpus_in_use) == (model, wanted, 0)
+
+
+async def test_the_scaling_signal_starts_no_trace() -> None:
+    """Every 5 s, a scaling signal per model with work: each was a trace of its own (its
+    `schedule` span, then its consumers'), which with the agents' heartbeats filled
+    Jaeger's store of 20,000 traces with traces of no request. It goes out unsampled: no
+    span is recorded, and its traceparent tells its consumers to record none."""
+    engine, spans, records = traced_engine(lambda: 10_000)
+    await engine.admit([traced_record(0, "r0", trace_id=7)])  # no node yet: it waits
+    await engine._maybe_signal_scaling()
+    [(_, value, _, headers)] = [r for r in records if r[0] == topics.EVENTS.name]
+    assert EVENT.validate_json(value).type == "scaling_signal"
+    assert not int(headers["traceparent"][-2:], 16) & 1  # its sampled flag is off
+    assert not spans.get_finished_spans()
 
 
 def test_a_scheduler_that_steps_down_stops_serving_its_last_gpu_demand() -> None:

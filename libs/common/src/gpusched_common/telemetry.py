@@ -7,6 +7,8 @@ one trace across router, scheduler, agent and accounting.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -14,6 +16,7 @@ from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
 from gpusched_common.settings import TelemetrySettings
@@ -24,6 +27,8 @@ MAX_SPAN_LINKS = 4096
 """Links a span keeps (the SDK's default, 128, dropped the rest): a scheduler's `scheduling
 cycle` links each request it decided, up to 1,024 it planned (`max_units_per_cycle`) plus
 the placements it sends again and the work it ends (cancelled, expired)."""
+
+_IDS = RandomIdGenerator()
 
 
 def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
@@ -54,6 +59,21 @@ def record_carrier(headers: object) -> dict[str, str]:
     """The W3C trace headers of a Kafka record (a batch consumer's per-record parent)."""
     return {k: v.decode(errors="replace") for k, v in (headers or ())  # type: ignore[attr-defined]
             if k in ("traceparent", "tracestate") and isinstance(v, bytes)}
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """Publish in this block without starting a trace: for messages of no request sent all
+    the time (heartbeats, scaling signals), each of which was a trace of its own, and which
+    crowded requests out of Jaeger's store. Its current span is a fresh unsampled one, so a
+    span started under it, FastStream's publish spans included, is not recorded (samplers
+    are parent-based), and the `traceparent` it puts in a record tells consumers not to
+    record theirs either."""
+    unsampled = trace.NonRecordingSpan(trace.SpanContext(
+        trace_id=_IDS.generate_trace_id(), span_id=_IDS.generate_span_id(), is_remote=False,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT)))
+    with trace.use_span(unsampled):
+        yield
 
 
 def trace_id_hex(span: trace.Span | None = None) -> str | None:

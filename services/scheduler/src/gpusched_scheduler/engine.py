@@ -44,7 +44,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payload
 from gpusched_common.recent import Recent
-from gpusched_common.telemetry import carried_span, record_carrier
+from gpusched_common.telemetry import carried_span, record_carrier, untraced
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore, SpentBudget
@@ -1857,10 +1857,11 @@ class SchedulingEngine:
                 tightest_target_s=tightest)
             wanted = gpus_wanted(load)
             self._metrics.gpus_wanted.labels(spec.name).set(wanted)
-            await self._publish([Outgoing(ScalingSignal(
-                model=spec.name, gpus_wanted=wanted, gpus_in_use=len(gpus),
-                queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
-                topics.EVENTS.name, spec.name, {})])
+            with untraced():  # a trace per model every 5 s crowded requests out of Jaeger
+                await self._publish([Outgoing(ScalingSignal(
+                    model=spec.name, gpus_wanted=wanted, gpus_in_use=len(gpus),
+                    queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
+                    topics.EVENTS.name, spec.name, {})])
 
     async def _refuse(self, refused: Refused) -> None:
         self._metrics.rejected.labels("invalid").inc()

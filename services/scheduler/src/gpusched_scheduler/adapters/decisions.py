@@ -39,7 +39,8 @@ class Outgoing:
     topic: str
     key: str
     trace_carrier: dict[str, str]
-    """The request's trace context; empty for records that belong to no request."""
+    """The request's trace context; empty for records that belong to no request, sent in
+    the caller's context (`telemetry.untraced()` for those that should start no trace)."""
 
 
 class DecisionProducer:
