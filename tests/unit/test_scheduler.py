@@ -613,11 +613,11 @@ def traced_engine(clock=lambda: 1000, **config  # noqa: ANN001
 
 
 def traced_record(offset: int, request_id: str, trace_id: int | None = None,
-                  traceparent: bytes | None = None) -> ConsumerRecord:
+                  traceparent: bytes | None = None, model: str = SMALL.name) -> ConsumerRecord:
     """A standard request record, keyed by its id, whose `traceparent` names trace
     `trace_id` (as the router sends them; none: one produced straight to Kafka), or is
     `traceparent` as given."""
-    value = json.dumps({"request_id": request_id, "tenant": "acme", "model": SMALL.name,
+    value = json.dumps({"request_id": request_id, "tenant": "acme", "model": model,
                         "prompt": "hi", "max_tokens": 4}).encode()
     if trace_id is not None:
         traceparent = f"00-{trace_id:032x}-{trace_id:016x}-01".encode()
@@ -659,6 +659,55 @@ async def test_a_cycle_span_links_every_request_it_decided() -> None:
     assert await engine.cycle() == 300
     [cycle] = [s for s in spans.get_finished_spans() if s.name == "scheduling cycle"]
     assert sorted(link.context.trace_id for link in cycle.links) == list(range(1, 301))
+
+
+def trace_of(headers: dict[str, bytes]) -> int:
+    """The trace id a record's traceparent names."""
+    return int(headers["traceparent"].split(b"-")[1], 16)
+
+
+async def test_a_request_produced_straight_to_kafka_has_a_trace_of_its_own() -> None:
+    """Requests produced to Kafka with no traceparent (or a malformed one) were placed in
+    the trace of the cycle that decided them: one trace held every such request of a cycle
+    (and their agents' and accounting's spans), and none named its request. Each now has a
+    trace of its own, begun by an `admit` span that names it, found in Jaeger by its
+    request id; a request the router traced stays in the router's trace."""
+    engine, spans, records = traced_engine()
+    engine.view.apply_node_state(node("n1", [80000] * 4), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([traced_record(0, "r0"), traced_record(1, "r1"),
+                        traced_record(2, "r2", traceparent=b"garbage"),
+                        traced_record(3, "routed", trace_id=5)])
+    assert await engine.cycle() == 4
+    trace_ids = {PLACEMENT.validate_json(value).request.request_id: trace_of(headers)
+                 for topic, value, _, headers in records if topic == topics.PLACEMENTS.name}
+    [cycle] = [s for s in spans.get_finished_spans() if s.name == "scheduling cycle"]
+    assert trace_ids["routed"] == 5
+    assert len(set(trace_ids.values())) == 4 and cycle.context.trace_id not in trace_ids.values()
+    admitted = {s.attributes["gpusched.request_id"]: s for s in spans.get_finished_spans()
+                if s.name == "admit"}
+    assert sorted(admitted) == ["r0", "r1", "r2"]
+    for request_id, span in admitted.items():
+        assert span.parent is None and span.context.trace_id == trace_ids[request_id]
+        assert span.attributes["gpusched.tenant"] == "acme"
+
+
+async def test_a_rejection_goes_in_its_requests_trace() -> None:
+    """An invalid record's rejection and dead letter were published in a new trace each,
+    apart from the trace its traceparent named; now both go in that trace, or, with none,
+    in one of their own that names the request."""
+    engine, spans, records = traced_engine()
+    await engine.admit([traced_record(0, "bad", trace_id=9, model="no-such-model"),
+                        traced_record(1, "bad2", model="no-such-model")])
+    by_id: dict[str, set[int]] = {}
+    for topic, value, _, headers in records:
+        message = RESULT_EVENT.validate_json(value) if topic == topics.RESULTS.name else \
+            json.loads(DEAD_LETTER.validate_json(value).payload)
+        request_id = message.request_id if topic == topics.RESULTS.name else message["request_id"]
+        by_id.setdefault(request_id, set()).add(trace_of(headers))
+    assert by_id["bad"] == {9}
+    [admit] = [s for s in spans.get_finished_spans() if s.name == "admit"]
+    assert admit.attributes["gpusched.request_id"] == "bad2"
+    assert by_id["bad2"] == {admit.context.trace_id}
 
 
 async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
+from gpusched_common.contracts import InferenceRequest
 from gpusched_common.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,13 @@ def record_carrier(headers: object) -> dict[str, str]:
     """The W3C trace headers of a Kafka record (a batch consumer's per-record parent)."""
     return {k: v.decode(errors="replace") for k, v in (headers or ())  # type: ignore[attr-defined]
             if k in ("traceparent", "tracestate") and isinstance(v, bytes)}
+
+
+def request_attributes(request: InferenceRequest) -> dict[str, str]:
+    """The attributes that name a request on its spans, alike in every service: Jaeger finds
+    a request's trace by its tag `gpusched.request_id`."""
+    return {"gpusched.request_id": request.request_id, "gpusched.tenant": request.tenant,
+            "gpusched.priority_class": request.priority_class, "gpusched.model": request.model}
 
 
 @contextmanager

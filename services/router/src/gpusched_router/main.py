@@ -43,7 +43,7 @@ from gpusched_common.redis_keys import (
     CANCELLED_TTL_S,
     budget_reason,
 )
-from gpusched_common.telemetry import make_tracer_provider, trace_id_hex
+from gpusched_common.telemetry import make_tracer_provider, request_attributes, trace_id_hex
 from gpusched_common.web import (
     RETRY_SHORTLY_S,
     add_ops_routes,
@@ -318,9 +318,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         time-out (KafkaError when aiokafka gave up first)."""
         with tracer.start_as_current_span(
             f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
-            attributes={"gpusched.request_id": req.request_id, "gpusched.tenant": req.tenant,
-                        "gpusched.priority_class": req.priority_class,
-                        "gpusched.model": req.model},
+            attributes=request_attributes(req),
         ) as span:
             trace_id = trace_id_hex(span) or ""  # unsampled: Jaeger never gets the trace
             async with asyncio.timeout(settings.publish_timeout_s):

@@ -9,12 +9,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.propagate import inject
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -44,7 +46,12 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payload
 from gpusched_common.recent import Recent
-from gpusched_common.telemetry import carried_span, record_carrier, untraced
+from gpusched_common.telemetry import (
+    carried_span,
+    record_carrier,
+    request_attributes,
+    untraced,
+)
 from gpusched_scheduler.adapters.decisions import Outgoing
 from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore, SpentBudget
@@ -521,7 +528,7 @@ class SchedulingEngine:
                 # class's topic) is refused as taking it, not run; kept if the publish fails
                 # (the rejection may be out), the record read again is rejected again
                 self._note_refused(outcome)
-                await self._refuse(outcome)
+                await self._refuse(outcome, record)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
                 self.offsets.track(record, None, commit)
@@ -541,7 +548,8 @@ class SchedulingEngine:
                     f"request_id '{request.request_id}' is taken by another request "
                     "(it asks for something else: tenant, model, class, prompt, messages, "
                     "max_tokens, num_gpus or sampling) this scheduler has taken in; this "
-                    "record is ignored: give each request its own id", SERVICE, now), None))
+                    "record is ignored: give each request its own id", SERVICE, now), None),
+                    record)
                 if self.epoch != epoch:
                     return
                 self.offsets.track(record, None, commit)
@@ -553,6 +561,8 @@ class SchedulingEngine:
                 self.offsets.track(record, self._in_cycle.get(key) or
                                    self._decide_when_retried.get(_placement_id(*key)), commit)
                 continue
+            if waiting is None:  # new here (a redelivery of waiting work keeps its item's)
+                carrier = self._own_trace(outcome.carrier, record, request_attributes(request))
             if waiting is None and self._charges_quota(request, now):
                 # a spent budget (accounting's flag), then the tenant's hard quotas: refused
                 # for good, and so again when the record is read again (`_over_quota_records`)
@@ -578,7 +588,7 @@ class SchedulingEngine:
                         Rejection(request_id=request.request_id, tenant=request.tenant,
                                   status_code=429, code=code, reason=reason,
                                   retry_after_s=retry_after_s),
-                        topics.RESULTS.name, request.request_id, outcome.carrier)))
+                        topics.RESULTS.name, request.request_id, carrier)))
                     if self.epoch != epoch:
                         return
                     self.offsets.track(record, None, commit)
@@ -589,7 +599,7 @@ class SchedulingEngine:
                 self._retried.pop(request.request_id, None)  # queued now: counted there
             item = waiting  # a redelivery of work still pending keeps its item
             if item is None:
-                item = Pending(request, outcome.carrier, now, waiting_since_ms=min(
+                item = Pending(request, carrier, now, waiting_since_ms=min(
                     now, request.created_at_ms) if request.requeued is not None else None)
                 self.queue.push(item)
             if request.request_id in self._cancelled:  # its cancel came first
@@ -597,6 +607,24 @@ class SchedulingEngine:
             self.offsets.track(record, item, commit)
         self._wake.set()
         self._commit_decided()
+
+    def _own_trace(self, carrier: dict[str, str], record: ConsumerRecord,
+                   attributes: Mapping[str, str]) -> dict[str, str]:
+        """`carrier`, the trace context of a request record, where it names a trace (the
+        router's, or that of the attempt before); else that of a new trace of the request's
+        own, begun by an `admit` span with `attributes` (Jaeger finds it by its request id).
+        Before, the records of a request produced straight to Kafka went in the trace of the
+        cycle that decided it, with every other such request of that cycle, and those sent
+        later for it (a retry, its rejection) in a new trace each."""
+        if carried_span(carrier).is_valid:
+            return carrier
+        span = self._tracer.start_span(
+            "admit", context=Context(), kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": record.topic, **attributes})
+        span.end()
+        own: dict[str, str] = {}
+        inject(own, context=trace.set_span_in_context(span))
+        return own
 
     async def _answer_429(self, record: ConsumerRecord, answer: Outgoing) -> None:
         await self._publish([answer])
@@ -919,23 +947,26 @@ class SchedulingEngine:
                     f"{pre.item.request.request_id} of tenant {pre.item.request.tenant}"),
                     topics.PLACEMENTS.name, victim.node_id, pre.item.trace_carrier)))
 
-        with self._tracer.start_as_current_span(
+        # Not the current span: each record goes in its own request's trace, never the
+        # cycle's (those of requests produced straight to Kafka all did)
+        cycle_span = self._tracer.start_span(
             "scheduling cycle",
             # one link per request (a preempting one sends a record per victim)
             links=[trace.Link(carried_span(item.trace_carrier))
                    for item in {id(item): item for item, _ in messages}.values()],
             attributes={"gpusched.epoch": epoch, "gpusched.placed": len(decisions.placed),
                         "gpusched.waiting": len(decisions.waiting),
-                        "gpusched.preemptions": len(decisions.preemptions)},
-        ):
-            try:
-                acked = await self._send([out for _, out in messages])
-            except Exception as exc:  # the producer refused them at once (a partition's
-                # batch that could not drain, a producer retired): settled as Kafka's refusal,
-                # or this cycle's placements stayed running while their work waited again,
-                # to be planned again under the same ids, maybe on other nodes
-                acked = asyncio.get_running_loop().create_future()
-                acked.set_exception(exc)
+                        "gpusched.preemptions": len(decisions.preemptions)})
+        try:
+            acked = await self._send([out for _, out in messages])
+        except Exception as exc:  # the producer refused them at once (a partition's batch
+            # that could not drain, a producer retired): settled as Kafka's refusal, or this
+            # cycle's placements stayed running while their work waited again, to be
+            # planned again under the same ids, maybe on other nodes
+            acked = asyncio.get_running_loop().create_future()
+            acked.set_exception(exc)
+        finally:
+            cycle_span.end()
         finished = [item for item, _ in resent] + [p.item for p in decisions.placed] \
             + [r.item for r in decisions.rejected] + [item for item, _ in ended]
         stops = [v.placement_id for pre in decisions.preemptions for v in pre.victims]
@@ -1863,13 +1894,21 @@ class SchedulingEngine:
                     queue_depth=load.queued_by_class, at_ms=int(now_s * 1000)),
                     topics.EVENTS.name, spec.name, {})])
 
-    async def _refuse(self, refused: Refused) -> None:
+    async def _refuse(self, refused: Refused, record: ConsumerRecord) -> None:
+        """Dead-letter request `record`, and send its rejection where it has one, in the
+        trace of the request it is (`_own_trace`)."""
         self._metrics.rejected.labels("invalid").inc()
+        attributes: Mapping[str, str] = {}
+        if refused.request is not None:
+            attributes = request_attributes(refused.request)
+        elif refused.rejection is not None:  # invalid, but its request id is valid
+            attributes = {"gpusched.request_id": refused.rejection.request_id}
+        carrier = self._own_trace(record_carrier(record.headers), record, attributes)
         out = [Outgoing(refused.dead_letter, topics.DEAD_LETTERS.name,
-                        refused.dead_letter.source_topic, {})]
+                        refused.dead_letter.source_topic, carrier)]
         if refused.rejection is not None:
             out.append(Outgoing(refused.rejection, topics.RESULTS.name,
-                                refused.rejection.request_id, {}))
+                                refused.rejection.request_id, carrier))
         await self._publish(out)
 
     async def _publish(self, out: list[Outgoing]) -> None:
