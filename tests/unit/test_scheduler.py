@@ -65,7 +65,7 @@ from gpusched_common.redis_keys import (
     SCHEDULER_RUNNING_KEY,
 )
 from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
-from gpusched_common.telemetry import make_tracer_provider
+from gpusched_common.telemetry import carried_span, make_tracer_provider
 from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import (
@@ -612,16 +612,21 @@ def traced_engine(clock=lambda: 1000, **config  # noqa: ANN001
     return engine, spans, kafka.records
 
 
+def traceparent(trace_id: int) -> dict[str, str]:
+    """A W3C carrier that names trace `trace_id`, as the router sends it."""
+    return {"traceparent": f"00-{trace_id:032x}-{trace_id:016x}-01"}
+
+
 def traced_record(offset: int, request_id: str, trace_id: int | None = None,
-                  traceparent: bytes | None = None, model: str = SMALL.name) -> ConsumerRecord:
+                  header: bytes | None = None, model: str = SMALL.name) -> ConsumerRecord:
     """A standard request record, keyed by its id, whose `traceparent` names trace
-    `trace_id` (as the router sends them; none: one produced straight to Kafka), or is
-    `traceparent` as given."""
+    `trace_id` (as the router sends them), or is `header` as given; none with neither (one
+    produced straight to Kafka)."""
     value = json.dumps({"request_id": request_id, "tenant": "acme", "model": model,
                         "prompt": "hi", "max_tokens": 4}).encode()
     if trace_id is not None:
-        traceparent = f"00-{trace_id:032x}-{trace_id:016x}-01".encode()
-    headers = () if traceparent is None else (("traceparent", traceparent),)
+        header = traceparent(trace_id)["traceparent"].encode()
+    headers = () if header is None else (("traceparent", header),)
     return ConsumerRecord(topics.REQUESTS["standard"].name, 0, offset, 1000, 0,
                           request_id.encode(), value, None, 0, len(value), headers)
 
@@ -675,7 +680,7 @@ async def test_a_request_produced_straight_to_kafka_has_a_trace_of_its_own() -> 
     engine, spans, records = traced_engine()
     engine.view.apply_node_state(node("n1", [80000] * 4), 1000, NODE_TIMEOUT_MS)
     await engine.admit([traced_record(0, "r0"), traced_record(1, "r1"),
-                        traced_record(2, "r2", traceparent=b"garbage"),
+                        traced_record(2, "r2", header=b"garbage"),
                         traced_record(3, "routed", trace_id=5)])
     assert await engine.cycle() == 4
     trace_ids = {PLACEMENT.validate_json(value).request.request_id: trace_of(headers)
@@ -2003,8 +2008,9 @@ async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_r
 
     store = RunningStore(Hash())  # type: ignore[arg-type]
     assert await store.save([placement], 3)
-    assert set(json.loads(saved["r#0"])) == set(placement.model_dump(exclude_none=True)) | {
-        "borrowed"} and json.loads(saved["r#0"])["borrowed"] is False
+    assert set(json.loads(saved["r#0"])) == set(placement.model_dump(
+        exclude_none=True, exclude={"trace_carrier"})) | {"borrowed"}
+    assert json.loads(saved["r#0"])["borrowed"] is False
     saved["old#0"] = saved["r#0"].replace('"r#0"', '"old#0"').replace("false", "true")
     assert await store.load() == [placement, placement.model_copy(
         update={"placement_id": "old#0"})]
@@ -2210,6 +2216,31 @@ async def test_work_of_a_lost_node_on_its_last_attempt_ends_failed() -> None:
     assert (result.request_id, result.status) == ("last", "failed")
     assert "on attempt 100, the last a request may have" in result.finish_reason
     assert one.fences.removed == ["last#100"]
+
+
+async def test_what_is_sent_for_work_of_a_lost_node_goes_on_in_its_requests_trace() -> None:
+    """n1 is lost: the retry of its work, the failure of work on its last attempt and the
+    final records its agent had filed (published on its behalf) each began a new trace,
+    with no link to their request's: a request's later attempts, and how it ended, were
+    not in its trace. Each now goes in its request's trace (the retry carries it on to the
+    next attempt, read back)."""
+    one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
+    last = req("last").model_copy(update={"attempt": 100, "requeued": "node_lost"})
+    for trace_id, request in enumerate((req("taken"), req("untaken"), last), start=1):
+        one.engine.queue.push(Pending(request, traceparent(trace_id), 0))
+    assert await one.engine.cycle() == 3
+    await asyncio.sleep(0)  # settled
+    one.fences.filed["taken#0"] = [(RequestResult(
+        request_id="taken", tenant="acme", model="qwen2.5-1.5b", status="completed",
+        finish_reason="length", prompt_tokens=3, completion_tokens=6, queued_ms=1,
+        total_ms=1000), topics.RESULTS.name, "taken")]
+    one.sent.clear()
+    one.now = 12_000  # silent for 11 s
+    await one.engine.cycle()
+    assert {(o.message.type, o.message.request_id): carried_span(o.trace_carrier).trace_id
+            for o in one.sent} == {("request_result", "taken"): 1,
+                                   ("inference_request", "untaken"): 2,
+                                   ("request_result", "last"): 3}
 
 
 async def test_a_lost_nodes_filed_final_records_are_published_and_nothing_is_rerun() -> None:

@@ -902,7 +902,7 @@ class SchedulingEngine:
 
         # placements sent again go first: a preempt of one this cycle follows it to its node
         messages: list[tuple[Pending, Outgoing]] = [
-            (item, self._placement(r, epoch, item.trace_carrier)) for item, r in resent]
+            (item, self._placement(r, epoch)) for item, r in resent]
         messages += ended
         new_running = [r for _, r in resent]
         for place in decisions.placed:
@@ -912,7 +912,8 @@ class SchedulingEngine:
                 placement_id=pid, node_id=place.node_id, gpu_indices=place.gpu_indices,
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
-                request=request, aged=True if self._aged(place.item, now) else None)
+                request=request, aged=True if self._aged(place.item, now) else None,
+                trace_carrier=place.item.trace_carrier)
             self.view.reserve(self._reservation(running))
             self.running[pid] = running
             new_running.append(running)
@@ -921,8 +922,7 @@ class SchedulingEngine:
             self._give_back_estimate(pid, request.tenant, now / 1000)
             self.fair.charge(request.tenant, running.estimate_gpu_s, now / 1000)
             self._estimated[pid] = Estimated(id(running), now, running.estimate_gpu_s)
-            messages.append((place.item, self._placement(running, epoch,
-                                                         place.item.trace_carrier)))
+            messages.append((place.item, self._placement(running, epoch)))
             self._metrics.placement_latency[request.priority_class].observe(
                 max(0.0, now - request.created_at_ms) / 1000)
         for reject in decisions.rejected:
@@ -1150,14 +1150,13 @@ class SchedulingEngine:
                 self._undo([item], [r], requeue=True, later_term=token != epoch)
         return again
 
-    def _placement(self, r: RunningPlacement, epoch: int, carrier: dict[str, str]
-                   ) -> Outgoing:
+    def _placement(self, r: RunningPlacement, epoch: int) -> Outgoing:
         """The command that sends placement `r` to its node under token `epoch`: the same
         record each time it is sent."""
         return Outgoing(Placement(
             placement_id=r.placement_id, node_id=r.node_id, gpu_indices=r.gpu_indices,
             kv_cache_mib=r.kv_cache_mib, scheduler_epoch=epoch, placed_at_ms=r.placed_at_ms,
-            request=r.request), topics.PLACEMENTS.name, r.node_id, carrier)
+            request=r.request), topics.PLACEMENTS.name, r.node_id, r.trace_carrier)
 
     def _undo(self, finished: list[Pending], new_running: list[RunningPlacement],
               requeue: bool, later_term: bool = False) -> None:
@@ -1657,9 +1656,12 @@ class SchedulingEngine:
         final usage then ends its placement here, as the agent's would have); False when
         Kafka refused them."""
         assert self._store is not None
+        # in the trace of each one's request, where this instance still knows it
+        carriers = {f.placement_id: r.trace_carrier for f in filed
+                    if (r := self.running.get(f.placement_id)) is not None}
         try:
-            await self._publish([Outgoing(message, topic, key, {}) for f in filed
-                                 for message, topic, key in f.records])
+            await self._publish([Outgoing(message, topic, key, carriers.get(f.placement_id, {}))
+                                 for f in filed for message, topic, key in f.records])
         except Exception:
             log.exception("publishing the final records filed for %s failed",
                           [f.placement_id for f in filed])
@@ -1825,7 +1827,7 @@ class SchedulingEngine:
                     status="failed", finish_reason=f"its node {what} on attempt "
                     f"{request.attempt}, the last a request may have", **request.so_far(),
                     queued_ms=waited_ms, total_ms=waited_ms), topics.RESULTS.name,
-                    request.request_id, {})))
+                    request.request_id, r.trace_carrier)))
                 continue
             retry = request.model_copy(update={"attempt": request.attempt + 1,
                                                "requeued": "node_lost"})
@@ -1833,8 +1835,10 @@ class SchedulingEngine:
             log.warning("node %s %s: retrying %s as attempt %d", r.node_id, what,
                         r.request.request_id, retry.attempt)
             self._metrics.retried.labels(why).inc()
+            # in its request's trace: read back, the next attempt goes on in it
             self._retries.append((r.placement_id, Outgoing(
-                retry, topics.REQUESTS[retry.priority_class].name, retry.request_id, {})))
+                retry, topics.REQUESTS[retry.priority_class].name, retry.request_id,
+                r.trace_carrier)))
         await self._publish_retries()
 
     async def _publish_retries(self) -> None:

@@ -134,10 +134,11 @@ class RunningStore:
         fields: list[str] = []
         for p in placements:
             # readable by a scheduler one release behind: unset optional fields left out, as
-            # in Message.to_bytes, and `aged` (it forbids fields it does not know), and the
+            # in Message.to_bytes, and `aged` and `trace_carrier` (it forbids fields it does
+            # not know), and the
             # `borrowed` mark it requires, false (this release reads no mark: it judges what
             # is borrowed afresh each cycle; that one reclaims none of the work it inherits)
-            saved = p.model_dump_json(exclude_none=True, exclude={"aged"})
+            saved = p.model_dump_json(exclude_none=True, exclude={"aged", "trace_carrier"})
             fields += (p.placement_id, saved[:-1] + ',"borrowed":false}')
         if self._save is None:
             self._save = self._redis.register_script(_SAVE)

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, MutableMapping, ValuesView
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusched_common.contracts import InferenceRequest
 
@@ -31,6 +31,11 @@ class RunningPlacement(BaseModel):
     next cycle and aged work never ran. A tenant reclaiming its guarantee still may. None
     otherwise. Not saved in Redis (a standby of an earlier version, which forbids fields it
     does not know, reads what is saved): a next leader does not know it."""
+    trace_carrier: dict[str, str] = Field(default_factory=dict)
+    """Its request's W3C trace context (`Pending.trace_carrier`): what is sent for it once
+    placed (sent again, its retry, its end on its node's behalf) goes on in its request's
+    trace. Not saved in Redis (as `aged`): a next leader does not know it, and what it
+    sends for the placement starts a new trace."""
 
     @property
     def tenant(self) -> str:
