@@ -70,6 +70,7 @@ from gpusched_scheduler import handlers
 from gpusched_scheduler.adapters.decisions import DecisionProducer
 from gpusched_scheduler.adapters.redis_state import (
     LEADER_KEY,
+    TRACES_KEY,
     Filed,
     LeaderLease,
     RunningStore,
@@ -1965,7 +1966,8 @@ async def test_a_placement_saved_after_leading_again_under_the_same_token_is_hel
     assert list(engine.running) == ["r1#0"] and list(engine.view.reservations) == ["r1#0"]
 
 
-async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog) -> None:
+async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(
+        caplog, redis: Redis) -> None:
     """One unreadable entry in Redis's hash of placements in flight (a newer release's
     field, a hand edit) made every lease renewal fail to lead: the instance held the lease
     and never led, and no other instance could take it."""
@@ -1973,17 +1975,15 @@ async def test_a_placement_in_flight_this_release_cannot_read_is_left_out(caplog
         placement_id="ok#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
         kv_cache_mib=1000, estimate_gpu_s=1.0, placed_at_ms=500,
         request=req("ok"))
-
-    class Hash:
-        async def hgetall(self, key):
-            return {b"ok#0": readable.model_dump_json().encode(),
-                    b"odd#0": b'{"placement_id": "odd#0", "from_a_newer_release": 1}'}
-    assert await RunningStore(Hash()).load() == [readable]
+    await redis.hset(SCHEDULER_RUNNING_KEY, mapping={
+        "ok#0": readable.model_dump_json(),
+        "odd#0": '{"placement_id": "odd#0", "from_a_newer_release": 1}'})
+    assert await RunningStore(redis).load() == [readable]
     assert "ignoring the unreadable placement in flight odd#0" in caplog.text
 
 
 async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_requires(
-) -> None:
+        redis: Redis) -> None:
     """That release decided whether work is borrowed at placement, and requires the mark on
     each placement it takes over (forbidding fields it does not know); this one judges it
     afresh each cycle and reads no mark: saved with it (false), read back without it, as a
@@ -1994,26 +1994,17 @@ async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_r
         request=InferenceRequest(request_id="r", tenant="acme", model=SMALL.name,
                                  prompt="hi", messages=[{"role": "user", "content": "hi"}],
                                  created_at_ms=0))
-    saved: dict[str, str] = {}
-
-    class Hash:
-        def register_script(self, script: str):  # noqa: ANN202
-            async def run(keys: list[str], args: list[str]) -> int:
-                saved.update(zip(args[1::2], args[2::2], strict=True))
-                return 1
-            return run
-
-        async def hgetall(self, key: str) -> dict[bytes, bytes]:
-            return {k.encode(): v.encode() for k, v in saved.items()}
-
-    store = RunningStore(Hash())  # type: ignore[arg-type]
+    store = RunningStore(redis)
+    await redis.set(SCHEDULER_EPOCH_KEY, 3)
     assert await store.save([placement], 3)
-    assert set(json.loads(saved["r#0"])) == set(placement.model_dump(
+    saved = (await redis.hget(SCHEDULER_RUNNING_KEY, "r#0")).decode()
+    assert set(json.loads(saved)) == set(placement.model_dump(
         exclude_none=True, exclude={"trace_carrier"})) | {"borrowed"}
-    assert json.loads(saved["r#0"])["borrowed"] is False
-    saved["old#0"] = saved["r#0"].replace('"r#0"', '"old#0"').replace("false", "true")
-    assert await store.load() == [placement, placement.model_copy(
-        update={"placement_id": "old#0"})]
+    assert json.loads(saved)["borrowed"] is False
+    await redis.hset(SCHEDULER_RUNNING_KEY, "old#0",
+                     saved.replace('"r#0"', '"old#0"').replace("false", "true"))
+    assert sorted(await store.load(), key=lambda p: p.placement_id) == [
+        placement.model_copy(update={"placement_id": "old#0"}), placement]
 
 
 class Fences:
@@ -4351,6 +4342,45 @@ async def test_a_request_an_earlier_leader_placed_is_counted_where_it_runs_and_r
     reports(45, n1_reports=False)  # Redis: lost
     await b.cycle()
     assert retries() == [("r", 1)] and not b.running and not b.view.reservations
+
+
+async def test_a_next_leaders_retry_goes_on_in_the_requests_trace(redis: Redis) -> None:
+    """Leader A placed r on n1 and crashed; n1 was lost. B's retry of r began a new trace:
+    r's trace context was in A's memory only. It is saved with the placement (apart from
+    the running hash, which a scheduler one release behind reads), so B's retry goes on in
+    r's trace; it leaves Redis with the placement."""
+    store, now = RunningStore(redis), [1000]
+
+    def instance(sent: list) -> SchedulingEngine:
+        async def send(batch):
+            sent.extend(batch)
+            return asyncio.gather()
+        return SchedulingEngine(CATALOG, load_tenants(CONFIG), send, lambda: now[0],
+                                NoOpTracer(), EngineConfig(cycle_window_ms=0,
+                                                           node_timeout_ms=NODE_TIMEOUT_MS),
+                                store=store)
+    a = instance([])
+    a.lead(await LeaderLease(redis, "A", 3000).acquire_or_renew(), await store.load())
+    a.view.apply_node_state(node("n1", [80000]), now[0], NODE_TIMEOUT_MS)
+    await a.admit([traced_record(0, "r", trace_id=5)])
+    assert await a.cycle() == 1
+    await asyncio.sleep(0.05)  # Kafka took it: saved
+    await redis.delete(LEADER_KEY)  # A crashed: its lease lapses
+    # left by a release that does not save them: removed as B takes over
+    await redis.hset(TRACES_KEY, "ended-long-ago#0", json.dumps(traceparent(6)))
+
+    b_sent: list = []
+    b = instance(b_sent)
+    running = await store.load()
+    b.lead(await LeaderLease(redis, "B", 3000).acquire_or_renew(), running,
+           await store.claims(running))
+    await b.cycle()
+    now[0] += NODE_TIMEOUT_MS + 1000  # n1 never reported to B: lost
+    await b.cycle()
+    [retry] = [o for o in b_sent if isinstance(o.message, InferenceRequest)]
+    assert (retry.message.request_id, retry.message.attempt) == ("r", 1)
+    assert carried_span(retry.trace_carrier).trace_id == 5
+    assert not await redis.exists(SCHEDULER_RUNNING_KEY, TRACES_KEY)
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

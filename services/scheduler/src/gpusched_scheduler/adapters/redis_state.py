@@ -1,6 +1,7 @@
 """Scheduler state in Redis: the leader lease with its fencing token, the placements in
-flight (so a new leader knows what runs where) and the request records answered 429; and
-what it reads of others' state (agents' claims, accounting's budget flags)."""
+flight (so a new leader knows what runs where, and in which trace) and the request records
+answered 429; and what it reads of others' state (agents' claims, accounting's budget
+flags)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
@@ -38,6 +40,14 @@ record at its position, a topic deleted and made again); a leader that reads one
 the same one or the next, keeps it refused. The latest `keep` (see `note_over_quota`) are
 kept."""
 
+TRACES_KEY = "gpusched:scheduler:traces"
+"""Hash: placement id -> the W3C trace context (JSON) of each placement in flight that has
+one, written and removed with it: what a next leader sends for it (its retry, its end)
+goes on in its request's trace. Beside the running hash, not in it: a scheduler one release
+behind reads that hash and forbids fields it does not know."""
+
+_CARRIER = TypeAdapter(dict[str, str])
+
 Position = tuple[str, int, int]
 """A Kafka record's (topic, partition, offset)."""
 
@@ -60,12 +70,18 @@ return 0
 """
 
 
-# KEYS: epoch, running hash. ARGV: the token the placements went out with, then field,
-# value, ... Writes only while that token is still the current one; returns 1 if it wrote.
+# KEYS: epoch, running hash, traces hash. ARGV: the token the placements went out with,
+# how many arguments of the running hash follow, then its field, value, ..., then the
+# traces hash's. Writes only while that token is still the current one; returns 1 if it
+# wrote.
 _SAVE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-for first = 2, #ARGV, 1000 do
-  redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+local last = 2 + tonumber(ARGV[2])
+for first = 3, last, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + 999, last)))
+end
+for first = last + 1, #ARGV, 1000 do
+  redis.call('HSET', KEYS[3], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
 return 1
 """
@@ -119,7 +135,8 @@ class SpentBudget:
 
 
 class RunningStore:
-    """Placements in flight, one hash field each; written once per cycle (pipelined)."""
+    """Placements in flight, one hash field each (and their trace contexts, `TRACES_KEY`);
+    written once per cycle (one script)."""
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
@@ -132,22 +149,29 @@ class RunningStore:
         if not placements:
             return True
         fields: list[str] = []
+        traces: list[str] = []
         for p in placements:
             # readable by a scheduler one release behind: unset optional fields left out, as
             # in Message.to_bytes, and `aged` and `trace_carrier` (it forbids fields it does
-            # not know), and the
-            # `borrowed` mark it requires, false (this release reads no mark: it judges what
-            # is borrowed afresh each cycle; that one reclaims none of the work it inherits)
+            # not know; the trace context goes to TRACES_KEY), and the `borrowed` mark it
+            # requires, false (this release reads no mark: it judges what is borrowed afresh
+            # each cycle; that one reclaims none of the work it inherits)
             saved = p.model_dump_json(exclude_none=True, exclude={"aged", "trace_carrier"})
             fields += (p.placement_id, saved[:-1] + ',"borrowed":false}')
+            if p.trace_carrier:
+                traces += (p.placement_id, json.dumps(p.trace_carrier))
         if self._save is None:
             self._save = self._redis.register_script(_SAVE)
-        return bool(await self._save(keys=[SCHEDULER_EPOCH_KEY, SCHEDULER_RUNNING_KEY],
-                                     args=[str(epoch), *fields]))
+        return bool(await self._save(
+            keys=[SCHEDULER_EPOCH_KEY, SCHEDULER_RUNNING_KEY, TRACES_KEY],
+            args=[str(epoch), str(len(fields)), *fields, *traces]))
 
     async def remove(self, placement_ids: list[str]) -> None:
         if placement_ids:
-            await self._redis.hdel(SCHEDULER_RUNNING_KEY, *placement_ids)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(SCHEDULER_RUNNING_KEY, *placement_ids)
+                pipe.hdel(TRACES_KEY, *placement_ids)
+                await pipe.execute()
 
     async def fence(self, placement_ids: list[str]) -> list[bool]:
         """Claim placements in the agents' ledger under the scheduler's name; True for each
@@ -282,20 +306,37 @@ class RunningStore:
             await pipe.execute()
 
     async def load(self) -> list[RunningPlacement]:
-        """The placements in flight; one this release cannot read is left out with a
-        warning (raising would keep every instance from leading)."""
-        raw = await self._redis.hgetall(SCHEDULER_RUNNING_KEY)
+        """The placements in flight, each with its trace context where one was saved; one
+        this release cannot read is left out with a warning (raising would keep every
+        instance from leading). Trace contexts of placements no longer in flight (removed
+        by a release that does not save them) are removed."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(SCHEDULER_RUNNING_KEY)
+            pipe.hgetall(TRACES_KEY)
+            raw, traces = await pipe.execute()
         out = []
         for pid, value in raw.items():
             try:
                 saved = json.loads(value)
-                if isinstance(saved, dict):  # for (or by) an earlier release: unread here
-                    saved.pop("borrowed", None)
+                if isinstance(saved, dict):
+                    saved.pop("borrowed", None)  # for (or by) an earlier release: unread here
+                    saved["trace_carrier"] = _carrier(traces.get(pid))
                 out.append(RunningPlacement.model_validate(saved))
             except ValueError as exc:
                 log.warning("ignoring the unreadable placement in flight %s: %s",
                             pid.decode(errors="replace"), exc)
+        if stale := traces.keys() - raw.keys():
+            await self._redis.hdel(TRACES_KEY, *stale)
         return out
+
+
+def _carrier(saved: bytes | None) -> dict[str, str]:
+    """A saved trace context; empty where there is none or it cannot be read (what is sent
+    for the placement then begins a new trace; the placement itself is kept)."""
+    try:
+        return {} if saved is None else _CARRIER.validate_json(saved)
+    except ValueError:
+        return {}
 
 
 def claim_state(owner: bytes | None, held: bool) -> ClaimState:

@@ -34,8 +34,8 @@ class RunningPlacement(BaseModel):
     trace_carrier: dict[str, str] = Field(default_factory=dict)
     """Its request's W3C trace context (`Pending.trace_carrier`): what is sent for it once
     placed (sent again, its retry, its end on its node's behalf) goes on in its request's
-    trace. Not saved in Redis (as `aged`): a next leader does not know it, and what it
-    sends for the placement starts a new trace."""
+    trace. Saved in Redis apart from the placement (`redis_state.TRACES_KEY`), for a next
+    leader."""
 
     @property
     def tenant(self) -> str:
