@@ -716,6 +716,45 @@ async def test_a_rejection_goes_in_its_requests_trace() -> None:
     assert by_id["bad2"] == {admit.context.trace_id}
 
 
+def gpusched_attributes(span) -> dict[str, object]:  # noqa: ANN001
+    return {k: v for k, v in span.attributes.items() if k.startswith("gpusched.")}
+
+
+async def test_a_schedule_span_names_what_it_decides() -> None:
+    """A `schedule` span said only its topic and the kind of record: nothing named the
+    request, placement or node it decided, so Jaeger found no request's scheduling by its
+    id, nor showed where it went. They are named now, as on the router's spans; a preempt,
+    in the trace of the request it makes room for, names its victim too."""
+    engine, spans, _ = traced_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([traced_record(0, "r", trace_id=5)])
+    assert await engine.cycle() == 1
+    [placed] = [s for s in spans.get_finished_spans() if s.name == "schedule"]
+    assert gpusched_attributes(placed) == {
+        "gpusched.decision": "placement", "gpusched.request_id": "r",
+        "gpusched.tenant": "acme", "gpusched.priority_class": "standard",
+        "gpusched.model": SMALL.name, "gpusched.placement_id": "r#0", "gpusched.node_id": "n1"}
+
+    engine, spans, _ = traced_engine()  # S runs on a's only GPU; interactive I preempts it
+    batch = req("S", "batch", model=EIGHT_B.name, tenant="soylent", max_tokens=7990)
+    kv, weights = memory_per_gpu(batch, EIGHT_B)
+    engine.view.apply_node_state(node("a", [300], models=(EIGHT_B.name,), active=("S#0",)),
+                                 1000, NODE_TIMEOUT_MS)
+    engine.running["S#0"] = _victim("S#0", batch, (0,), kv + weights, kv)
+    urgent = request_record(topics.REQUESTS["interactive"].name, 0, req(
+        "I", "interactive", model=EIGHT_B.name, tenant="soylent", max_tokens=7990).to_bytes())
+    await engine.admit([replace(urgent, headers=(
+        ("traceparent", traceparent(7)["traceparent"].encode()),))])
+    assert await engine.cycle() == 1
+    [preempt] = [s for s in spans.get_finished_spans() if s.name == "schedule"]
+    assert preempt.context.trace_id == 7
+    assert gpusched_attributes(preempt) == {
+        "gpusched.decision": "preempt", "gpusched.request_id": "I",
+        "gpusched.tenant": "soylent", "gpusched.priority_class": "interactive",
+        "gpusched.model": EIGHT_B.name, "gpusched.node_id": "a",
+        "gpusched.victim_request_id": "S", "gpusched.victim_placement_id": "S#0"}
+
+
 async def test_a_request_is_placed_and_garbage_dead_lettered(wired) -> None:
     broker, engine, sent = wired
     standard = topics.REQUESTS["standard"].name

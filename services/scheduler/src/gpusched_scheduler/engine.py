@@ -945,7 +945,8 @@ class SchedulingEngine:
                     node_id=victim.node_id, scheduler_epoch=epoch,
                     reason=f"preempted for {pre.item.request.priority_class} request "
                     f"{pre.item.request.request_id} of tenant {pre.item.request.tenant}"),
-                    topics.PLACEMENTS.name, victim.node_id, pre.item.trace_carrier)))
+                    topics.PLACEMENTS.name, victim.node_id, pre.item.trace_carrier,
+                    preemptor=pre.item.request)))
 
         # Not the current span: each record goes in its own request's trace, never the
         # cycle's (those of requests produced straight to Kafka all did)

@@ -4,8 +4,9 @@ cycle need not wait for it).
 
 This is the scheduler's hot path, so it talks to aiokafka directly (the broker's per-message
 middlewares cost more than the decision itself); each record still carries the W3C
-context of a `schedule` span opened in the request's own trace. Like the broker's, its
-producer is replaced once Kafka refuses it as out of order (`gpusched_common.broker.Broker`);
+context of a `schedule` span opened in the request's own trace, which names the request,
+placement and node it decides for. Like the broker's, its producer is replaced once Kafka
+refuses it as out of order (`gpusched_common.broker.Broker`);
 the placements of the cycle whose records were refused are published again, unchanged,
 and the rest of its work is decided again.
 """
@@ -21,16 +22,21 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import OutOfOrderSequenceNumber
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
 from gpusched_common.broker import retire_producer
-from gpusched_common.contracts import Message
+from gpusched_common.contracts import InferenceRequest, Message, Placement, Preempt
+from gpusched_common.telemetry import request_attributes
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH_BYTES = 1 << 20
 """Per partition and request; Kafka's default `max.message.bytes` is about 1 MiB."""
+
+NAMED_FIELDS = ("request_id", "tenant", "priority_class", "model", "placement_id", "node_id")
+"""The fields of a record's message its `schedule` span names, as `gpusched.<field>`."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,33 @@ class Outgoing:
     trace_carrier: dict[str, str]
     """The request's trace context; empty for records that belong to no request, sent in
     the caller's context (`telemetry.untraced()` for those that should start no trace)."""
+    preemptor: InferenceRequest | None = None
+    """For a preempt, the request it makes room for, whose trace it goes in (the message
+    names its victim)."""
+
+
+def decision_attributes(out: Outgoing) -> dict[str, AttributeValue]:
+    """What the `schedule` span of `out` says of its decision: the request it decides for
+    (the one whose trace it is in), and the placement and node it names, under the names
+    the router's spans use (`telemetry.request_attributes`); for a preempt, its victim's
+    request and placement too (`gpusched.victim_*`). A field the message lacks is left
+    out."""
+    message = out.message
+    attributes: dict[str, AttributeValue] = {
+        "messaging.destination.name": out.topic,
+        "gpusched.decision": message.type}  # type: ignore[attr-defined]
+    if isinstance(message, Preempt):
+        if out.preemptor is not None:
+            attributes.update(request_attributes(out.preemptor))
+        attributes.update({"gpusched.node_id": message.node_id,
+                           "gpusched.victim_request_id": message.request_id,
+                           "gpusched.victim_placement_id": message.placement_id})
+        return attributes
+    for source in (message.request, message) if isinstance(message, Placement) else (message,):
+        for name in NAMED_FIELDS:
+            if isinstance(value := getattr(source, name, None), str):
+                attributes[f"gpusched.{name}"] = value
+    return attributes
 
 
 class DecisionProducer:
@@ -80,9 +113,7 @@ class DecisionProducer:
         for out in batch:
             span = self._tracer.start_span(
                 "schedule", context=extract(out.trace_carrier) if out.trace_carrier else None,
-                kind=trace.SpanKind.PRODUCER,
-                attributes={"messaging.destination.name": out.topic,
-                            "gpusched.decision": out.message.type})  # type: ignore[attr-defined]
+                kind=trace.SpanKind.PRODUCER, attributes=decision_attributes(out))
             carrier: dict[str, str] = {}
             inject(carrier, context=trace.set_span_in_context(span))
             span.end()
