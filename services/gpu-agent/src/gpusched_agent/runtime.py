@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,7 +65,7 @@ from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
-from gpusched_common.telemetry import context_from
+from gpusched_common.telemetry import context_from, untraced
 
 log = logging.getLogger(__name__)
 _W3C = TraceContextTextMapPropagator()
@@ -408,7 +407,7 @@ class AgentRuntime:
         self._seq += 1
         state = self.node_state(self._seq)
         sent = self._mono()
-        with _untraced():  # a trace per heartbeat crowded requests' traces out of Jaeger
+        with untraced():  # a trace per heartbeat crowded requests' traces out of Jaeger
             await self._publish(state, topics.NODE_STATE.name, self.node_id)
         self._heard_at = max(self._heard_at, sent)
 
@@ -1191,12 +1190,3 @@ def _in_trace(carrier: dict[str, str]) -> contextlib.AbstractContextManager[trac
     """What is published within goes in the trace `carrier` names (W3C trace headers), as
     if under the span they name; with none, in a new trace each."""
     return trace.use_span(trace.get_current_span(context_from(carrier)))
-
-
-def _untraced() -> contextlib.AbstractContextManager[trace.Span]:
-    """What is published within starts no trace. FastStream's publish makes its spans under
-    the current one, or as a new trace when there is none; under a span context that is
-    not sampled (a parent's decision the sampler follows) they record nothing."""
-    return trace.use_span(trace.NonRecordingSpan(trace.SpanContext(
-        trace_id=random.getrandbits(128) or 1, span_id=random.getrandbits(64) or 1,
-        is_remote=False, trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT))))
