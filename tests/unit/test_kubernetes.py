@@ -149,6 +149,10 @@ def test_production_runs_the_services_and_an_agent_per_gpu_node() -> None:
     assert (spread["topologyKey"], spread["maxSkew"], spread["whenUnsatisfiable"]) == (
         "kubernetes.io/hostname", 1, "DoNotSchedule")
     assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "scheduler"}
+    # counted otherwise, tainted nodes (GPU nodes, a control plane) and the rollout's old
+    # pods held the standby or the rollout's new pod Pending
+    assert spread["nodeTaintsPolicy"] == "Honor"
+    assert spread["matchLabelKeys"] == ["pod-template-hash"]
     settings = named(objects, "ConfigMap")["gpusched-settings"]["data"]
     assert settings["GPUSCHED_KAFKA_REPLICATION_FACTOR"] == "3"
     assert "kafka:9092" not in settings["GPUSCHED_KAFKA_BOOTSTRAP"].split(",")
