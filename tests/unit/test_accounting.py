@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import re
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -927,12 +928,14 @@ def test_merge_keys_still_load_and_a_budget_written_twice_stops_the_start(tmp_pa
 @pytest.mark.parametrize("change,needle", [
     (lambda ms: ms.append(dict(ms[1], context_limit_tokens=131072)),
      "value: Value error, model(s) listed twice: qwen2.5-1.5b"),
-    (lambda ms: ms[0].update(num_gpus=True), "models.0.num_gpus: Input should be a valid "
-     "integer"),
-    (lambda ms: ms[0].update(weight_memory_mib="16000"), "models.0.weight_memory_mib: "
-     "Input should be a valid integer"),
+    (lambda ms: ms[0].update(num_gpus=True), "models.0.num_gpus: Value error, a number is "
+     "wanted, not true/false"),
+    (lambda ms: ms[0].update(weight_memory_mib="16k"), "models.0.weight_memory_mib: "
+     "Input should be a valid integer, unable to parse string as an integer"),
+    (lambda ms: ms[0].update(weight_memory_mib=16000.5), "models.0.weight_memory_mib: "
+     "Input should be a valid integer, got a number with a fractional part"),
     (lambda ms: ms[0].update(num_gpu=2), "models.0.num_gpu: Extra inputs are not permitted"),
-], ids=["model-twice", "bool-gpus", "string-memory", "misspelt-key"])
+], ids=["model-twice", "bool-gpus", "text-memory", "fractional-memory", "misspelt-key"])
 def test_a_model_written_so_it_is_read_otherwise_stops_the_start_in_one_line(
         tmp_path, change, needle) -> None:
     """A model listed twice was served by its last entry while /v1/models listed both;
@@ -944,6 +947,27 @@ def test_a_model_written_so_it_is_read_otherwise_stops_the_start_in_one_line(
     with pytest.raises(ValueError) as refused:
         load_models(tmp_path)
     assert str(refused.value) == f"{tmp_path / 'models.yaml'} is invalid: {needle}"
+
+
+def test_whole_numbers_written_as_floats_still_load(tmp_path) -> None:
+    """A models.yaml that loaded before (16384.0 for 16384, 8e0, which YAML 1.1 reads as
+    text) is not refused for it."""
+    models = yaml.safe_load((CONFIG / "models.yaml").read_text())
+    models["models"][0].update(weight_memory_mib=16384.0, num_gpus=2.0, parameters_b="8e0")
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
+    first = load_models(tmp_path).models[0]
+    assert (first.weight_memory_mib, first.num_gpus, first.parameters_b) == (16384, 2, 8.0)
+
+
+def test_a_retired_models_price_is_kept_for_its_records(tmp_path) -> None:
+    """A model taken out of models.yaml: its price refused the start, and once deleted, its
+    records still to come billed at the default price (and reconcile saw every retained day
+    of it differ)."""
+    for name in ("models.yaml", "prices.yaml"):
+        shutil.copy(CONFIG / name, tmp_path)
+    with (tmp_path / "prices.yaml").open("a") as prices:
+        prices.write("  gpt-old: {prompt: 9.0, completion: 9.0, retired: true}\n")
+    assert load_prices(tmp_path).rates("H100-80GB", 0, "gpt-old")[1:] == (9.0, 9.0)
 
 
 def test_a_budgets_file_that_is_no_yaml_is_named_once_on_one_line(tmp_path) -> None:

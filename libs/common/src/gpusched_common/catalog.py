@@ -5,29 +5,56 @@ Pure data: services load them once at start-up and pass them where they are need
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from gpusched_common.contracts import Name, PriorityClass, invalid_fields
 
 
+def _not_bool(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError("a number is wanted, not true/false")
+    return value
+
+
+NOT_BOOL = BeforeValidator(_not_bool)
+"""A number of a config file is no `true`, which pydantic reads as 1 (a limit of 1 token,
+1 MiB of weights). Otherwise as pydantic reads numbers: 16384.0 is a whole number, and
+"1e6" (which YAML 1.1 reads as text) is a number; "32k" is none."""
+ConfigInt = Annotated[int, NOT_BOOL]
+ConfigFloat = Annotated[float, NOT_BOOL]
+
+
+def listed_twice(names: list[str]) -> list[str]:
+    """The names `names` holds more than once, sorted."""
+    return sorted(n for n, count in Counter(names).items() if count > 1)
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # strict: `true` is no 1 MiB of weights, nor "32k" anything
     name: Name
-    parameters_b: float = Field(gt=0, strict=True, allow_inf_nan=False,
-                                description="Parameters, in billions.")
-    weight_memory_mib: int = Field(gt=0, strict=True)
-    kv_cache_bytes_per_token: int = Field(gt=0, strict=True)
-    context_limit_tokens: int = Field(gt=0, strict=True)
-    num_gpus: int = Field(default=1, ge=1, le=8, strict=True,
-                          description="GPUs of one node a request of it runs on unless the "
-                          "request says (tensor parallel, as vLLM's --tensor-parallel-size): "
-                          "a model too big for one GPU needs more.")
+    parameters_b: ConfigFloat = Field(gt=0, allow_inf_nan=False,
+                                      description="Parameters, in billions.")
+    weight_memory_mib: ConfigInt = Field(gt=0)
+    kv_cache_bytes_per_token: ConfigInt = Field(gt=0)
+    context_limit_tokens: ConfigInt = Field(gt=0)
+    num_gpus: ConfigInt = Field(default=1, ge=1, le=8,
+                                description="GPUs of one node a request of it runs on unless "
+                                "the request says (tensor parallel, as vLLM's "
+                                "--tensor-parallel-size): a model too big for one GPU needs "
+                                "more.")
 
     def kv_cache_mib(self, tokens: int) -> int:
         """GPU memory of the KV cache for `tokens` tokens, rounded up to whole MiB."""
@@ -59,8 +86,7 @@ class ModelCatalog(BaseModel):
     def _one_entry_per_model(self) -> ModelCatalog:
         """A model listed twice was served by its last entry while `/v1/models` listed both:
         refused at start, naming it."""
-        names = self.names
-        if twice := sorted({n for n in names if names.count(n) > 1}):
+        if twice := listed_twice(self.names):
             raise ValueError(f"model(s) listed twice: {', '.join(twice)}")
         return self
 
@@ -83,13 +109,12 @@ class TenantQuota(BaseModel):
     guarantee."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # strict: `true` is no 1, and a limit left empty is no "unlimited" (leave it out for that)
-    tokens_per_minute: int | None = Field(default=None, gt=0, strict=True,
-                                          description="Prompt + max tokens admitted per minute.")
-    max_inflight_requests: int | None = Field(default=None, gt=0, strict=True)
-    guaranteed_gpu_memory_mib: int | None = Field(
-        default=None, ge=0, strict=True,
-        description="None: no guarantee and nothing borrowed (unlimited).")
+    # a limit left empty is no "unlimited" (leave it out for that)
+    tokens_per_minute: ConfigInt | None = Field(
+        default=None, gt=0, description="Prompt + max tokens admitted per minute.")
+    max_inflight_requests: ConfigInt | None = Field(default=None, gt=0)
+    guaranteed_gpu_memory_mib: ConfigInt | None = Field(
+        default=None, ge=0, description="None: no guarantee and nothing borrowed (unlimited).")
 
     @model_validator(mode="before")
     @classmethod
@@ -105,8 +130,8 @@ class Tenant(BaseModel):
     name: Name
     api_keys: tuple[str, ...]
     default_priority_class: PriorityClass = "standard"
-    weight: float = Field(default=1.0, gt=0, strict=True, allow_inf_nan=False,
-                          description="Fair-share weight inside a class.")
+    weight: ConfigFloat = Field(default=1.0, gt=0, allow_inf_nan=False,
+                                description="Fair-share weight inside a class.")
     quota: TenantQuota = Field(default_factory=TenantQuota)
 
     def never_admitted(self, tokens: int) -> str | None:
@@ -130,9 +155,7 @@ class TenantDirectory(BaseModel):
         """A key listed twice went silently to the tenant listed last (one tenant's requests
         billed to another, its usage read by another), and a tenant's key that is also an
         admin key read every tenant's usage: refused at start, naming it."""
-        names = [t.name for t in self.tenants]
-        if len(set(names)) < len(names):
-            twice = sorted({n for n in names if names.count(n) > 1})
+        if twice := listed_twice([t.name for t in self.tenants]):
             raise ValueError(f"tenant name(s) listed twice: {', '.join(twice)}")
         owners: dict[str, str] = {}
         for owner, keys in [*((t.name, t.api_keys) for t in self.tenants),

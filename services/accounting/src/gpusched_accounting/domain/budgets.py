@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpusched_accounting.domain.usage import Totals
-from gpusched_common.catalog import read_config_as
+from gpusched_common.catalog import ConfigFloat, read_config_as
 
 Period = Literal["day", "month"]
 Unit = Literal["tokens", "usd"]
@@ -24,8 +24,8 @@ class Budget(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tenant: str
     period: Period = Field(description="Calendar day or month, UTC.")
-    limit: float = Field(gt=0, strict=True, allow_inf_nan=False,
-                         description="Tokens (prompt + completion) or USD per period.")
+    limit: ConfigFloat = Field(gt=0, allow_inf_nan=False,
+                               description="Tokens (prompt + completion) or USD per period.")
     unit: Unit
 
 

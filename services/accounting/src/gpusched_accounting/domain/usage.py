@@ -16,7 +16,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusched_common.catalog import GPU_TYPES, load_models, read_config_as
+from gpusched_common.catalog import GPU_TYPES, NOT_BOOL, load_models, read_config_as
 from gpusched_common.contracts import UsageRecord
 
 Granularity = Literal["minute", "hour", "day"]
@@ -99,8 +99,9 @@ MAX_USD_PER_MILLION_TOKENS = 1000.0
 """Far above any real price, and low enough that one record's cost (at most 8 GPUs for a
 month and 10**9 tokens of each kind: under $8M) stays exact in a bucket's nano-USD counter
 (2**53: $9M)."""
-GpuHourUsd = Annotated[float, Field(ge=0, le=MAX_GPU_HOUR_USD, allow_inf_nan=False)]
-TokenUsd = Annotated[float, Field(ge=0, le=MAX_USD_PER_MILLION_TOKENS, allow_inf_nan=False)]
+GpuHourUsd = Annotated[float, Field(ge=0, le=MAX_GPU_HOUR_USD, allow_inf_nan=False), NOT_BOOL]
+TokenUsd = Annotated[float, Field(ge=0, le=MAX_USD_PER_MILLION_TOKENS, allow_inf_nan=False),
+                     NOT_BOOL]
 # A negative price made USD budgets never trip, NaN or infinity dead-lettered every record
 # (its cost cannot be rounded to nano-USD): refused when prices.yaml is read, at start
 
@@ -109,6 +110,9 @@ class ModelPrice(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     prompt: TokenUsd = Field(default=0.0, description="USD per million prompt tokens.")
     completion: TokenUsd = Field(default=0.0, description="USD per million completion tokens.")
+    retired: bool = Field(default=False, strict=True, description="A model no longer in "
+                          "models.yaml, whose records still come (work in flight, a "
+                          "backlog) and are recomputed by reconcile: billed at this price.")
 
 
 _FREE = ModelPrice()
@@ -160,11 +164,12 @@ def load_prices(config_dir: Path) -> PriceTable:
     unknown = [f"gpu_hour_usd.{t} (GPU types: {', '.join(GPU_TYPES)})"
                for t in table.gpu_hour_usd if t not in GPU_TYPES and t != "default"]
     unknown += [f"model_usd_per_million_tokens.{m} (models.yaml: {', '.join(models)})"
-                for m in table.model_usd_per_million_tokens
-                if m not in models and m != "default"]
+                for m, price in table.model_usd_per_million_tokens.items()
+                if m not in models and m != "default" and not price.retired]
     if unknown:
         raise ValueError(f"{path} is invalid: no such GPU type or model: {'; '.join(unknown)}"
-                         " (what is not listed costs the `default` entry)")
+                         " (what is not listed costs the `default` entry; a model no longer"
+                         " served keeps its price with `retired: true`)")
     return table
 
 
