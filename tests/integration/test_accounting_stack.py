@@ -581,5 +581,5 @@ async def test_reconcile_agrees_with_live_totals_and_reports_a_tampered_one(stac
     assert [d["tenant"] for d in report["differences"]] == [tenant]
     assert report["differences"][0]["live"]["prompt_tokens"] == 1
     # a misspelt tenant passed as agreeing (0 checked, exit 0)
-    with pytest.raises(reconcile.UnknownTenant, match="no tenant 'reconcile-nosuch'"):
+    with pytest.raises(reconcile.NamesNothing, match="no tenant 'reconcile-nosuch'"):
         await reconcile.run(argparse.Namespace(**vars(args) | {"tenant": "reconcile-nosuch"}))

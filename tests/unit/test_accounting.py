@@ -472,6 +472,21 @@ async def test_reconcile_reads_a_live_total_that_is_no_counter_as_a_difference(
         "acme", "1970-01-02", f"unreadable: 7 bytes, not the {COUNTERS_SIZE} of a counter")
 
 
+async def test_reconcile_with_a_group_that_committed_nothing_says_so(monkeypatch) -> None:
+    """A misspelt --consumer-group (Kafka answers no offsets for a group it does not know)
+    marked every day still being billed: nothing compared, exit 0, over a Redis that had
+    lost every total."""
+    reconcile = reconciling(monkeypatch, [usage(ended_at_ms=D)], {})
+
+    async def nothing_committed(bootstrap: str, group: str) -> dict[int, int]:
+        return {}
+
+    monkeypatch.setattr(reconcile, "applied_offsets", nothing_committed)
+    with pytest.raises(reconcile.NamesNothing, match=re.escape(
+            f"consumer group '{CONSUMER_GROUP}' has committed nothing on gpusched.usage")):
+        await reconcile.run(reconcile_args())
+
+
 async def test_reconcile_of_one_tenant_totals_that_tenant_only(monkeypatch) -> None:
     """`--tenant acme` compared acme's days only, but its recomputed_total summed every
     tenant's: another tenant's usage read as acme's."""

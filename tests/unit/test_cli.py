@@ -825,6 +825,25 @@ def test_reconcile_refuses_a_dedup_window_accounting_refuses(
     assert f"at least {MIN_DEDUP_TTL_S}" in result.output and "Traceback" not in result.output
 
 
+def test_reconcile_reads_the_dedup_window_as_accounting_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUSCHED_DEDUP_TTL_S=7200.0, which accounting starts with, was refused as no window."""
+    from gpusched_accounting import reconcile
+
+    taken = []
+
+    async def run(args: Any) -> dict:
+        taken.append(args.dedup_ttl_s)
+        return {"records": 0, "tenant_days_checked": 0, "differences": [],
+                "still_being_billed": [], "recomputed_total": {}}
+
+    monkeypatch.setattr(reconcile, "run", run)
+    monkeypatch.setenv("GPUSCHED_DEDUP_TTL_S", "7200.0")
+    result = CliRunner().invoke(app, ["reconcile"])
+    assert result.exit_code == 0, result.output
+    assert taken == [7200]
+
+
 @pytest.mark.parametrize("error", ["timeout", "noauth"])
 def test_reconcile_with_redis_answering_an_error_exits_2_not_1(
         monkeypatch: pytest.MonkeyPatch, error: str) -> None:

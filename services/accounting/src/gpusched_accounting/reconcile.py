@@ -3,9 +3,10 @@ record still retained, with the live apply's dedup, forgetting and request rules
 every difference from the live counters in Redis. A day with a record accounting has not yet
 committed as applied is reported as still being billed, not compared. Exit status 0 when
 they agree (or are still being billed), 1 when they differ, 2 when Kafka or Redis cannot be
-reached, `--dedup-ttl-s` is shorter than accounting's own setting takes, or `--tenant` names
+reached, `--dedup-ttl-s` is shorter than accounting's own setting takes, `--tenant` names
 no tenant (neither configured nor in any retained record: a misspelt name would pass as
-agreeing)."""
+agreeing), or `--consumer-group` names a group that committed nothing on the usage topic
+while it holds records (every day would pass as still being billed)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.conn import collect_hosts
 from aiokafka.errors import KafkaConnectionError, KafkaError
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -41,7 +42,12 @@ from gpusched_accounting.domain.usage import (
     row_for,
     unpack,
 )
-from gpusched_accounting.settings import CONSUMER_GROUP, DEDUP_TTL_S, MIN_DEDUP_TTL_S
+from gpusched_accounting.settings import (
+    CONSUMER_GROUP,
+    DEDUP_TTL_S,
+    MIN_DEDUP_TTL_S,
+    AccountingSettings,
+)
 from gpusched_common import topics
 from gpusched_common.catalog import load_tenants
 from gpusched_common.contracts import USAGE, UsageRecord
@@ -127,8 +133,9 @@ def shown(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}@{parts.netloc.rpartition('@')[2]}"))
 
 
-class UnknownTenant(LookupError):
-    pass
+class NamesNothing(LookupError):
+    """`--tenant` or `--consumer-group` names nothing there is: a misspelt one would pass as
+    agreeing (nothing compared, exit 0)."""
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -147,8 +154,12 @@ async def run(args: argparse.Namespace) -> dict:
         except ValueError:  # no tenants.yaml there
             configured = False
         if not configured:
-            raise UnknownTenant(f"no tenant '{args.tenant}': it is not configured and no "
+            raise NamesNothing(f"no tenant '{args.tenant}': it is not configured and no "
                                 f"usage record of it is retained")
+    if records and not cut:
+        raise NamesNothing(f"consumer group '{args.consumer_group}' has committed nothing on "
+                            f"{topics.USAGE.name}: it is not accounting's (--consumer-group, "
+                            "GPUSCHED_CONSUMER_GROUP), or accounting has applied nothing yet")
     applied = [r.offset < cut.get(r.partition, 0) for r in records]
     billing = {day_of(r.usage) for r, done in zip(records, applied) if not done}
     # of the applied records alone, as Redis holds them: every (tenant, day) with one, those
@@ -179,18 +190,19 @@ def _public(totals: Totals | str) -> dict | str:
 
 
 def dedup_window_s(text: str) -> int:
-    """`--dedup-ttl-s` as accounting's own setting takes it: whole seconds, at least
-    MIN_DEDUP_TTL_S. A window of 0 or less forgot every id at once, so each redelivery was
-    recomputed as billed again and reported as a difference."""
+    """`--dedup-ttl-s` as accounting's own setting reads it (AccountingSettings'
+    `dedup_ttl_s`, the one rule: at least MIN_DEDUP_TTL_S). A window of 0 or less forgot
+    every id at once, so each redelivery was recomputed as billed again and reported as a
+    difference."""
     try:
-        seconds = int(text)
-    except ValueError:
-        seconds = None
-    if seconds is None or seconds < MIN_DEDUP_TTL_S:
+        return DEDUP_WINDOW.validate_python(text)
+    except ValidationError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is no dedup window accounting takes: give the one it runs with "
-            f"(GPUSCHED_DEDUP_TTL_S), whole seconds, at least {MIN_DEDUP_TTL_S}")
-    return seconds
+            f"(GPUSCHED_DEDUP_TTL_S), whole seconds, at least {MIN_DEDUP_TTL_S}") from None
+
+
+DEDUP_WINDOW = TypeAdapter(Annotated[int, AccountingSettings.model_fields["dedup_ttl_s"]])
 
 
 def kafka_bootstrap(text: str) -> str:
@@ -228,9 +240,10 @@ def main(argv: list[str]) -> int:
                         "accounting's default).")
     parser.add_argument("--config-dir", type=Path,
                         default=os.environ.get("GPUSCHED_CONFIG_DIR", REPO_CONFIG_DIR),
-                        help="Folder with prices.yaml, whose prices costs are recomputed at "
-                        "(default: $GPUSCHED_CONFIG_DIR, which accounting bills with, else "
-                        "the checkout's config/).")
+                        help="The config folder accounting bills with: prices.yaml, whose "
+                        "prices costs are recomputed at, and models.yaml, which names its "
+                        "models (tenants.yaml too for --tenant) (default: "
+                        "$GPUSCHED_CONFIG_DIR, else the checkout's config/).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the report here.")
     args = parser.parse_args(argv)
     try:
@@ -253,7 +266,7 @@ def main(argv: list[str]) -> int:
         print(f"error: Redis at {shown(args.redis)} answered with an error: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    except (UnknownTenant, ValueError) as exc:  # ValueError: a URL that is none
+    except (NamesNothing, ValueError) as exc:  # ValueError: a URL that is none
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
