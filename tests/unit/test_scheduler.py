@@ -3112,7 +3112,9 @@ async def test_a_report_written_past_the_node_time_out_gets_its_node_no_work() -
     node's (an attempt and ~10 s lost per request, GpuschedNodeLost firing on a redeploy
     with every live agent healthy). Heard when written, it is lost at once and gets none.
     Fresh reports count as heard when read, as before, their writer's clock a few seconds
-    behind or far ahead: none is kept alive past the time-out."""
+    behind or far ahead: none is kept alive past the time-out. An agent whose clock is a
+    minute behind loses its first report only (judged by its writer's clock, each of its
+    reports had it lost: never any work)."""
     t0 = 1_800_000_000_000
     now = [t0]
     registry = CollectorRegistry()
@@ -3120,8 +3122,8 @@ async def test_a_report_written_past_the_node_time_out_gets_its_node_no_work() -
                                   node_timeout_ms=NODE_TIMEOUT_MS)
 
     async def report(seq: int) -> None:
-        written = {"behind": now[0] - 3_000, "ahead": now[0] + 10**9} | (
-            {"gone": t0 - 86_400_000} if seq == 1 else {})
+        written = {"behind": now[0] - 3_000, "ahead": now[0] + 10**9,
+                   "skewed": now[0] - 60_000} | ({"gone": t0 - 86_400_000} if seq == 1 else {})
         await engine.node_states([node_state_record(
             i, n.encode(), node(n, [80000] * 8 if n == "gone" else [3100], seq=seq).to_bytes(),
             at) for i, (n, at) in enumerate(written.items())])
@@ -3132,11 +3134,12 @@ async def test_a_report_written_past_the_node_time_out_gets_its_node_no_work() -
         "max_tokens": 2000, "created_at_ms": t0}).encode()) for i in range(40)])
     await engine.cycle()
     placed = [PLACEMENT.validate_json(v).node_id for v in sent[topics.PLACEMENTS.name]]
-    assert placed and "gone" not in placed
+    assert placed and not {"gone", "skewed"} & set(placed)
     assert engine.view.live_nodes(t0 + NODE_TIMEOUT_MS, NODE_TIMEOUT_MS) == {"behind", "ahead"}
     assert engine.view.live_nodes(t0 + NODE_TIMEOUT_MS + 1, NODE_TIMEOUT_MS) == set()
     now[0] = t0 + NODE_TIMEOUT_MS + 1_000  # the live agents report on, as every heartbeat
     await report(2)
+    assert engine.view.live_nodes(now[0], NODE_TIMEOUT_MS) == {"behind", "ahead", "skewed"}
     await engine.cycle()
     assert topics.REQUESTS["standard"].name not in sent  # nothing retried
     assert not registry.get_sample_value("gpusched_scheduler_retries_total",

@@ -730,18 +730,18 @@ class SchedulingEngine:
                 log.exception("dead-lettering %d invalid node states failed", len(dead))
 
     def _note_written_long_ago(self, node_id: str, now_ms: int) -> None:
-        """Warn, once until it reports afresh, of a node heard when its report was written,
-        past the time-out: it gets no work, and one whose agent runs has a clock behind."""
+        """Say, once, of a node first heard when its report was written, past the time-out,
+        that it gets no work until it reports again."""
         written_ms = self.view.last_seen_ms[node_id]
         if written_ms == now_ms:
             self._written_long_ago.discard(node_id)
         elif node_id not in self._written_long_ago:
             self._written_long_ago.add(node_id)
-            log.warning("node %s: its report was written %s before this scheduler read it, "
-                        "past the node time-out: the node gets no work until a fresh one "
-                        "comes (a node gone without its record deleted; if its agent runs, "
-                        "its clock is behind this scheduler's: sync it)", node_id,
-                        _duration(now_ms - written_ms))
+            log.info("node %s: its latest report was written %s before this scheduler read "
+                     "it, past the node time-out: it gets no work until it reports again "
+                     "(a node gone without its record deleted, or an agent whose clock is "
+                     "behind or whose heartbeat is longer than the time-out)", node_id,
+                     _duration(now_ms - written_ms))
 
     async def usage(self, records: list[ConsumerRecord]) -> None:
         """Measured usage: charge fair share; a final record ends its placement (its copies
