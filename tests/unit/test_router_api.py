@@ -1065,6 +1065,21 @@ def test_a_spent_budgets_429_has_openais_insufficient_quota_type() -> None:
         "invalid_request_error"
 
 
+async def test_a_request_whose_body_comes_after_the_drain_is_not_sent(monkeypatch) -> None:
+    """A request that reached the router after its drain (a slow upload) was published and
+    ran, billed, while its client was told 503 `router_shutting_down` not to retry. Now it
+    is not sent: a 503 the client may retry at once, elsewhere."""
+    app, published = answering(monkeypatch, lambda request: Rejection(
+        request_id=request.request_id, tenant=request.tenant, status_code=422, reason="no"))
+    app.state.hub.stop(lambda request_id: ApiError(503, "stopped"))
+    reply = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert published == [] and reply.status_code == 503
+    assert reply.json()["error"]["code"] == "router_shutting_down"
+    assert "nothing was sent, send it again" in reply.json()["error"]["message"]
+    assert reply.headers["retry-after"] == "1" and "x-should-retry" not in reply.headers
+
+
 async def test_a_stopped_router_answers_every_client_it_still_waits_on(monkeypatch) -> None:
     """Stopped (SIGTERM: a rollout), the router waited for its clients' requests until the
     grace period's SIGKILL cut them off with no answer, no status and no `x-request-id`,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -49,6 +49,12 @@ def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> Trac
 
 def context_from(carrier: dict[str, str]) -> Context:
     return extract(carrier)
+
+
+def in_trace(carrier: dict[str, str]) -> AbstractContextManager[trace.Span]:
+    """What is published within goes in the trace `carrier` names (W3C trace headers), as
+    if under the span they name; with none, in a new trace each."""
+    return trace.use_span(trace.get_current_span(context_from(carrier)))
 
 
 def carried_span(carrier: dict[str, str]) -> trace.SpanContext:

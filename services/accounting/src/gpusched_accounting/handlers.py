@@ -32,7 +32,7 @@ from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message, invalid_fields
 from gpusched_common.kafka_records import WallClockMs, dead_letter
-from gpusched_common.telemetry import context_from, record_carrier
+from gpusched_common.telemetry import context_from, in_trace, record_carrier
 
 log = logging.getLogger(__name__)
 SERVICE = "accounting"
@@ -118,7 +118,7 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     async def refuse(record: ConsumerRecord, reason: str, now_ms: int) -> None:
         """Dead-letter `record` in the trace of the request it bills (a batch has none of
         its own: `broker._spans_for`)."""
-        with trace.use_span(trace.get_current_span(context_from(record_carrier(record.headers)))):
+        with in_trace(record_carrier(record.headers)):
             await publish(dead_letter(record, reason, SERVICE, now_ms), topics.DEAD_LETTERS.name,
                           record.topic)
 

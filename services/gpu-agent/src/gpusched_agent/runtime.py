@@ -65,7 +65,7 @@ from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
-from gpusched_common.telemetry import context_from, untraced
+from gpusched_common.telemetry import context_from, in_trace, untraced
 
 log = logging.getLogger(__name__)
 _W3C = TraceContextTextMapPropagator()
@@ -617,13 +617,13 @@ class AgentRuntime:
                           pid, exc)
             else:
                 log.info("publishing again the final records of %s an earlier run filed", pid)
-                with _in_trace(carrier):
+                with in_trace(carrier):
                     for message, topic, key in finals:  # Kafka away at start: until it is back
                         await self._publish_until_sent(message, topic, key)
             await self._release(pid)
         placed = await self._ledger.still_placed([r.placement.placement_id for r in left])
         for run, still in zip(left, placed, strict=True):
-            with _in_trace(run.carrier):
+            with in_trace(run.carrier):
                 if still:  # a lost node's work: it does not use up the request's `refused`
                     await self._handback(run, "an earlier run of the agent ended without it",
                                          "node_lost", refused=False)
@@ -1184,9 +1184,3 @@ def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-
-
-def _in_trace(carrier: dict[str, str]) -> contextlib.AbstractContextManager[trace.Span]:
-    """What is published within goes in the trace `carrier` names (W3C trace headers), as
-    if under the span they name; with none, in a new trace each."""
-    return trace.use_span(trace.get_current_span(context_from(carrier)))

@@ -284,6 +284,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             if left_ms > 0:
                 headers["retry-after"] = str(-(-left_ms // 1000))
             return error(_budget_error(spent), req.priority_class, headers)
+        if hub.stopped:  # its body came in after the drain: it would run, its client told 503
+            await free_key()
+            return error(_not_sent(), req.priority_class, retry_shortly())
         queue = hub.open(request_id)
         try:
             trace_id = await take_in(req, kind)
@@ -368,6 +371,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "use: its router died before Kafka took it in; a retry sends it "
                         "again (a copy Kafka did take is skipped as a redelivery)", request_id,
                         (now_ms - current.claimed_at_ms) / 1000)
+            if hub.stopped:
+                return _not_sent()
             try:
                 trace_id = await take_in(original, kind)
             except (TimeoutError, KafkaError):
@@ -592,6 +597,11 @@ def _timed_out(request_id: str) -> ApiError:
 def _shutting_down(request_id: str) -> ApiError:
     return ApiError(503, "this router is shutting down and waits for no more results; "
                     + _runs_on(request_id), code=SHUTTING_DOWN)
+
+
+def _not_sent() -> ApiError:
+    return ApiError(503, "this router is shutting down and takes no new request in; nothing "
+                    "was sent, send it again", code=SHUTTING_DOWN)
 
 
 def _runs_on(request_id: str) -> str:

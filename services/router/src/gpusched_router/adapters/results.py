@@ -90,6 +90,11 @@ class ResultsHub:
             queue.put_nowait(self._stopped(request_id))
         return queue
 
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop` has run: the router waits for no more results."""
+        return self._stopped is not None
+
     def stop(self, answer: Callable[[str], ApiError]) -> int:
         """End the waits of this router's clients: each queue, and each opened from now on,
         gets `answer(request_id)` behind the events come so far, the last a client reads
