@@ -440,7 +440,8 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
 
 
 @pytest.mark.parametrize("reply,hang_s,printed", [
-    ([_chunk(" half")], 0.0, "ended after 1 chunks without a finish reason"),
+    ([_chunk(" half")], 0.0, "ended after 1 chunks without a finish reason: the reply is "
+     "cut short; the request was sent and may still run, and be billed"),
     ([_chunk(" half"), b"data: {not json\n\n"], 0.0,
      "router answered with something that is not its API (JSONDecodeError("),
     ([], 3.0, "no answer from router at http://127.0.0.1:"),

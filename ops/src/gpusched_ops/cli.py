@@ -466,18 +466,23 @@ def submit(
         # the SDK raises its own (a time-out too) from the transport's; a whole (--json)
         # reply's body is read raw
         lost = exc.__cause__ if isinstance(exc, APIConnectionError) else exc
-        _no_answer("router", router_url, lost or exc, timeout, (
-            f"request {request_id} was sent and may still run, and be billed: GET "
-            f"/v1/requests/{request_id} on the router shows how it ends, `gpusched cancel "
-            f"{request_id}` stops it; submitting it again runs it twice" if request_id else
-            "the request was sent and may still run, and be billed: `gpusched queue` shows "
-            "its id while it waits for a GPU, `gpusched cancel ID` stops it; submitting it "
-            "again may run it twice"))
+        _no_answer("router", router_url, lost or exc, timeout, _may_still_run(request_id))
     except APIError as exc:  # an error event in the stream: the request failed midway
         _fail(exc.message)
     if not as_json and not finished:
         _fail(f"the stream ended after {streamed} chunks without a finish reason: the reply "
-              "is cut short")
+              f"is cut short; {_may_still_run(request_id)}")
+
+
+def _may_still_run(request_id: str | None) -> str:
+    """What to do about a request whose reply was lost after it went out."""
+    if request_id:
+        return (f"request {request_id} was sent and may still run, and be billed: GET "
+                f"/v1/requests/{request_id} on the router shows how it ends, `gpusched "
+                f"cancel {request_id}` stops it; submitting it again runs it twice")
+    return ("the request was sent and may still run, and be billed: `gpusched queue` shows "
+            "its id while it waits for a GPU, `gpusched cancel ID` stops it; submitting it "
+            "again may run it twice")
 
 
 def _path_segment(text: str) -> str:
