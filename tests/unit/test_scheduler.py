@@ -514,6 +514,24 @@ def test_a_tokens_per_minute_refusal_says_when_enough_admissions_have_left_the_w
     assert book.check("t", quota, 500, inflight=0, now_ms=70_000) is None
 
 
+@pytest.mark.parametrize("step_back_ms", [30_000, 600_000, 2 * 3_600_000])
+def test_a_clock_stepped_back_does_not_stretch_the_tokens_per_minute_window(
+        step_back_ms: int) -> None:
+    """The scheduler's wall clock is stepped back (NTP, a VM restored): the admissions of
+    the minute before the step counted for the whole step, and the 429 said to retry in
+    the step plus a minute (past an hour, more than a rejection may say). Now they leave
+    the window: the next request fits, and none is ever told to wait more than a minute."""
+    book = QuotaBook()
+    quota = TenantQuota(tokens_per_minute=1000)
+    book.admit("t", 900, 10_000_000)
+    now_ms = 10_000_000 - step_back_ms
+    assert book.tokens_last_minute("t", now_ms) == 0
+    assert book.check("t", quota, 600, inflight=0, now_ms=now_ms) is None
+    book.admit("t", 600, now_ms)
+    over = book.check("t", quota, 600, inflight=0, now_ms=now_ms + 1000)
+    assert over.retry_after_s == 59  # the admission after the step, not the one before
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "remove", "requeue"]), st.integers(0, 7),
                           st.sampled_from(["acme", "globex", "initech"]),
@@ -1574,6 +1592,29 @@ async def test_a_request_cancelled_while_it_waited_gives_its_quota_back() -> Non
     assert not [r.reason for r in results if isinstance(r, Rejection)]
     assert [(r.request_id, r.status) for r in results] == [("waits", "cancelled")]
     assert [p.request.request_id for p in engine.queue.in_order()] == ["next"]
+
+
+async def test_a_clock_stepped_back_two_hours_stalls_no_request_topic() -> None:
+    """hooli had 2,500 of its 3,000 tokens a minute admitted, then the clock went back two
+    hours: its next request's 429 said to retry in 7,260 s, past the rejection's hour, so
+    building it raised, `admit` raised, and the request consumer read the batch again
+    every second: acme's request in it (every tenant's of the class) was never admitted.
+    Now the minute before the step is forgotten and the batch is admitted."""
+    now = [10_000_000]
+    engine, sent = leading_engine(lambda: now[0])
+    standard = topics.REQUESTS["standard"].name
+
+    def record(offset: int, request_id: str, tenant: str, max_tokens: int) -> ConsumerRecord:
+        return request_record(standard, offset, json.dumps({
+            "request_id": request_id, "tenant": tenant, "model": SMALL.name, "prompt": "hi",
+            "prompt_tokens": 1, "max_tokens": max_tokens, "created_at_ms": now[0]}).encode())
+
+    await engine.admit([record(0, "before", "hooli", 2499)])
+    now[0] -= 2 * 3_600_000
+    await engine.admit([record(1, "acme-req", "acme", 99), record(2, "hooli-req", "hooli", 999)])
+    assert topics.RESULTS.name not in sent
+    assert [p.request.request_id for p in engine.queue.in_order()] == [
+        "before", "acme-req", "hooli-req"]
 
 
 class BudgetFlags:

@@ -42,6 +42,7 @@ from gpusched_common.contracts import (
     Rejection,
     RequestResult,
     ScalingSignal,
+    cut_reason,
     invalid_fields,
 )
 from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payload
@@ -573,10 +574,9 @@ class SchedulingEngine:
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
                 if spent is not None and not ran:
-                    left_s = MAX_RETRY_AFTER_S if spent.left_ms is None else \
-                        -(-spent.left_ms // 1000)
                     refusal = ("budget_spent", spent.reason, "insufficient_quota",
-                               min(max(1, left_s), MAX_RETRY_AFTER_S))
+                               MAX_RETRY_AFTER_S if spent.left_ms is None else
+                               -(-spent.left_ms // 1000))
                 elif (over := self._over_quota(request, now)) is not None:
                     refusal = ("quota", over.reason, None, over.retry_after_s)
                 if refusal is not None:
@@ -587,7 +587,7 @@ class SchedulingEngine:
                     await asyncio.shield(self._answer_429(record, Outgoing(
                         Rejection(request_id=request.request_id, tenant=request.tenant,
                                   status_code=429, code=code, reason=reason,
-                                  retry_after_s=retry_after_s),
+                                  retry_after_s=_within_contract(retry_after_s)),
                         topics.RESULTS.name, request.request_id, carrier)))
                     if self.epoch != epoch:
                         return
@@ -1383,8 +1383,9 @@ class SchedulingEngine:
             f"request_id '{rid}' is taken by a request this scheduler has taken in, so no "
             "rejection goes out under it (it would end that request): give each request its "
             "own id")
-        return Refused(letter.model_copy(update={"reason": f"{letter.reason}; {why}"}), None,
-                       refused.request, attempt)
+        # cut as a Reason is when made (a copy is not validated again)
+        return Refused(letter.model_copy(update={"reason": cut_reason(f"{letter.reason}; {why}")}),
+                       None, refused.request, attempt)
 
     def _note_refused(self, refused: Refused) -> None:
         """Note the id of a rejection (`_refused`), so a later record under it, the
@@ -1443,8 +1444,10 @@ class SchedulingEngine:
         within RETRY_IN_TRANSIT_MS is no longer counted: it went to another leader)."""
         if not self._retried:  # the common case: nothing to prune on each admission
             return 0
+        # one sent "later" than now (the clock was stepped back) is no longer counted either:
+        # kept, it counted for the whole step
         self._retried = {rid: (t, at) for rid, (t, at) in self._retried.items()
-                         if now_ms - at < RETRY_IN_TRANSIT_MS}
+                         if 0 <= now_ms - at < RETRY_IN_TRANSIT_MS}
         return sum(1 for t, _ in self._retried.values() if t == tenant)
 
     def _handed_back_while_running(self, tenant: str) -> int:
@@ -1937,6 +1940,13 @@ def _past(limit_ms: float | None, request: InferenceRequest, now_ms: int) -> boo
     work placed once never expire)."""
     return limit_ms is not None and request.attempt == 0 \
         and now_ms - request.created_at_ms > limit_ms
+
+
+def _within_contract(retry_after_s: int | None) -> int | None:
+    """`retry_after_s` as a rejection may say it (1 s to MAX_RETRY_AFTER_S). Past that it
+    failed the contract as the rejection was made: `admit` raised, and the request consumer
+    read the same batch again and again, its whole class stalled for every tenant."""
+    return None if retry_after_s is None else min(max(1, retry_after_s), MAX_RETRY_AFTER_S)
 
 
 def _duration(ms: float) -> str:

@@ -28,12 +28,20 @@ class QuotaBook:
     """Tenant -> (admitted at ms, tokens) within the last minute."""
 
     def tokens_last_minute(self, tenant: str, now_ms: int) -> int:
-        window = self._admitted.get(tenant)
-        if not window:
-            return 0
+        return sum(t for _, t in self._window(tenant, now_ms))
+
+    def _window(self, tenant: str, now_ms: int) -> deque[tuple[int, int]]:
+        """`tenant`'s admissions in the minute up to `now_ms`, oldest first. Those older
+        leave it, and so do those stamped after `now_ms`: the clock was stepped back, and
+        kept they counted for the whole step, and a 429 said to retry that far ahead (past
+        an hour, none could be sent, and the request topic stalled on it). The minute before
+        such a step is forgotten instead: its tokens may be admitted again once."""
+        window = self._admitted.setdefault(tenant, deque())
         while window and window[0][0] <= now_ms - WINDOW_MS:
             window.popleft()
-        return sum(t for _, t in window)
+        while window and window[-1][0] > now_ms:  # kept in time order: newest last
+            window.pop()
+        return window
 
     def check(self, tenant: str, quota: TenantQuota, tokens: int, inflight: int,
               now_ms: int) -> OverQuota | None:
@@ -56,7 +64,7 @@ class QuotaBook:
         """Whole seconds until admissions of at least `excess` tokens have left the window
         (the oldest leave first); a minute when the window holds fewer."""
         freed = 0
-        for at_ms, tokens in self._admitted.get(tenant, ()):
+        for at_ms, tokens in self._window(tenant, now_ms):  # so each within the minute
             freed += tokens
             if freed >= excess:
                 return max(1, -(-(at_ms + WINDOW_MS - now_ms) // 1000))
@@ -74,9 +82,6 @@ class QuotaBook:
         window.insert(bisect.bisect(window, (admitted_ms, tokens)), (admitted_ms, tokens))
 
     def admit(self, tenant: str, tokens: int, now_ms: int) -> None:
-        """Record an admission; entries older than the window are dropped as it goes, so
+        """Record an admission; entries outside the window are dropped as it goes, so
         memory stays bounded by one minute of admissions."""
-        window = self._admitted.setdefault(tenant, deque())
-        while window and window[0][0] <= now_ms - WINDOW_MS:
-            window.popleft()
-        window.append((now_ms, tokens))
+        self._window(tenant, now_ms).append((now_ms, tokens))
