@@ -1618,8 +1618,9 @@ async def test_a_clock_stepped_back_two_hours_stalls_no_request_topic() -> None:
 
 
 class BudgetFlags:
-    """The running store with accounting's budget flags as Redis holds them (`spent`), or
-    refusing to read them while `down`; `reads` are the tenants each read asked for."""
+    """The running store with accounting's budget flags as Redis holds them (`spent`), and
+    the placements agents hold (`claimed`), or refusing to read them while `down`; `reads`
+    are the tenants each read asked for."""
 
     def __init__(self, spent: dict[str, SpentBudget], claimed: tuple[str, ...] = ()) -> None:
         self.spent, self.down, self.reads, self.claimed = spent, False, [], set(claimed)
@@ -1635,6 +1636,11 @@ class BudgetFlags:
         if self.down:
             raise ConnectionError("Redis is away")
         return placement_id in self.claimed
+
+    async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
+        if self.down:
+            raise ConnectionError("Redis is away")
+        return {pid: "held" if pid in self.claimed else "untaken" for pid in placement_ids}
 
     async def note_over_quota(self, position, timestamp: int, keep: int) -> None:
         self.noted.append(position)
@@ -1654,15 +1660,16 @@ async def test_work_of_a_tenant_whose_budget_is_spent_is_refused_as_it_is_admitt
     router's 429 for a spent budget (insufficient_quota, the flag's reason, a retry when the
     flag expires, an hour at most) and takes none of hooli's minute; acme's request is
     placed, and hooli's preempted request, which ran and streamed part of its reply, runs
-    on, as does a first attempt an agent claimed once (read again: it ran). Before, only the
-    router read the flag: everything produced to Kafka ran and was billed past the budget.
+    on, as does a first attempt an agent claimed once (read again: it ran, and takes none of
+    hooli's minute). Before, only the router read the flag: everything produced to Kafka
+    ran and was billed past the budget.
     Each tenant's flag is read once a second at most, and a refused record read again
     stays refused (noted as the over-quota ones are), though the flag is gone by then."""
     registry = CollectorRegistry()
     spent = "tenant 'hooli' has spent its day budget; new requests are accepted again from ..."
     flags = BudgetFlags({"hooli": SpentBudget(spent, left_ms=90_500),
                          "initech": SpentBudget("initech's month is spent", left_ms=86_400_000)},
-                        claimed=("ran#0",))
+                        claimed=("ran#0", "resumed#0"))
     engine, sent = leading_engine(registry=registry, store=flags)
     engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
     resumed = {"attempt": 1, "requeued": "preempted", "max_tokens": 8,
@@ -1676,7 +1683,7 @@ async def test_work_of_a_tenant_whose_budget_is_spent_is_refused_as_it_is_admitt
             for r in rejections] == [
         ("fresh", 429, "insufficient_quota", spent, 91),
         ("later", 429, "insufficient_quota", "initech's month is spent", 3600)]
-    assert engine.quotas.tokens_last_minute("hooli", 1000) == 2000  # `ran`'s alone
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 0
     assert await engine.cycle() == 3
     placed = {PLACEMENT.validate_json(v).request.request_id
               for v in sent[topics.PLACEMENTS.name]}
@@ -4464,6 +4471,114 @@ async def test_a_next_leaders_retry_goes_on_in_the_requests_trace(redis: Redis) 
     assert (retry.message.request_id, retry.message.attempt) == ("r", 1)
     assert carried_span(retry.trace_carrier).trace_id == 5
     assert not await redis.exists(SCHEDULER_RUNNING_KEY, TRACES_KEY)
+
+
+def _hooli_record(offset: int, request_id: str, timestamp_ms: int = 1000,
+                  **extra) -> ConsumerRecord:
+    """A request of hooli (3 in flight, 3,000 tokens a minute) of 1,000 tokens, written at
+    `timestamp_ms`."""
+    return replace(_standard_record(offset, request_id, **{
+        "tenant": "hooli", "prompt_tokens": 1, "max_tokens": 999} | extra),
+        timestamp=timestamp_ms)
+
+
+async def test_first_attempts_read_again_after_a_take_over_are_settled_by_the_agents_ledger(
+        redis: Redis) -> None:
+    """A new leader reads again, from the last commit, records that a request still
+    waiting held back: hooli's `ended` ran to its end, `retried` was fenced and went on as
+    attempt 1, and `runs` still runs (the leader that placed it died before saving it).
+    Before, all three were charged and counted in flight again: hooli's `fresh` request
+    got a 429 "3 requests in flight" though one ran, and the other two were placed again
+    for nothing, held as running until the untaken check. Now those two are decided at
+    once (their offsets commit), and `runs` is placed again (the untaken check books it
+    where it runs) but neither charged nor refused."""
+    store, ledger = RunningStore(redis), RedisLedger(redis)
+    await redis.set(SCHEDULER_EPOCH_KEY, 3)
+    for pid in ("ended#0", "runs#0"):
+        assert isinstance(await ledger.claim(pid, "n1", 111, b"{}", pid[:-2], "1:x"), Claim)
+    await ledger.release("ended#0", "n1")
+    assert await store.fence(["retried#0"]) == [True]
+    engine, sent = leading_engine(lambda: 5000, store=store, commit_interval_ms=0)
+    engine.view.apply_node_state(node("n1", [80000]), 5000, NODE_TIMEOUT_MS)
+    kafka = Commits()
+    await engine.admit([_hooli_record(0, "ended"), _hooli_record(1, "retried"),
+                        _hooli_record(2, "runs"), _hooli_record(3, "fresh"),
+                        _hooli_record(4, "next")], kafka.commit)
+    assert topics.RESULTS.name not in sent
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["runs", "fresh", "next"]
+    assert engine.quotas.tokens_last_minute("hooli", 5000) == 2000  # `fresh` and `next`
+    await asyncio.sleep(0.01)
+    assert kafka.offsets == {TopicPartition(topics.REQUESTS["standard"].name, 0): 2}
+    assert await engine.cycle() == 3
+    assert sorted(PLACEMENT.validate_json(v).placement_id
+                  for v in sent[topics.PLACEMENTS.name]) == ["fresh#0", "next#0", "runs#0"]
+
+
+async def test_a_record_that_only_says_it_is_a_retry_is_judged_as_new_work(
+        redis: Redis) -> None:
+    """Records produced straight to Kafka that say they are retries (attempt 1, requeued)
+    skipped every admission limit: initech's spent budget, hooli's 3 requests in flight and
+    its 3,000 tokens a minute, even a request larger than that whole minute (a first
+    attempt's 400). Now a later attempt is a retry only where the agents' ledger holds its
+    previous attempt, claimed by an agent (a hand-back) or fenced by a scheduler (a lost
+    node's work); the others are judged as new work."""
+    store, ledger = RunningStore(redis), RedisLedger(redis)
+    await redis.set(BUDGET_EXHAUSTED_KEY.format("initech"),
+                    json.dumps({"reason": "initech has spent its day budget"}), px=3_600_000)
+    assert isinstance(await ledger.claim("handed#0", "n1", 111, b"{}", "handed", "1:x"), Claim)
+    assert await store.fence(["lost#0"]) == [True]
+    engine, sent = leading_engine(store=store)
+    retry = {"attempt": 1, "requeued": "handback"}
+    await engine.admit([
+        replace(_standard_record(0, "i-forged", tenant="initech", **retry), timestamp=1000),
+        *[_hooli_record(offset, f"h{offset}") for offset in (1, 2, 3)],
+        _hooli_record(4, "h-forged", **retry),
+        _hooli_record(5, "h-forged-huge", **retry | {"max_tokens": 20_000}),
+        _hooli_record(6, "handed", **retry),
+        _hooli_record(7, "lost", attempt=1, requeued="node_lost")])
+    results = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert [(r.request_id, r.status_code, r.code) for r in results] == [
+        ("i-forged", 429, "insufficient_quota"), ("h-forged", 429, None),
+        ("h-forged-huge", 400, "tokens_per_minute_exceeded")]
+    assert "3 requests in flight" in results[1].reason
+    assert [p.key for p in engine.queue.in_order()] == [
+        ("lost", 1), ("h1", 0), ("h2", 0), ("h3", 0), ("handed", 1)]
+    assert engine.quotas.tokens_last_minute("hooli", 1000) == 3000  # the retries take none
+
+
+async def test_the_ledger_is_read_for_retries_and_for_records_an_earlier_leader_may_have_read(
+        ) -> None:
+    """One Redis read per later attempt, and per first attempt written before this
+    instance took the lead (a leader before may have placed it); none for a first attempt
+    written since (this instance would know it), nor for one whose earlier attempt this
+    instance saw end."""
+    class Ledger:
+        def __init__(self) -> None:
+            self.reads: list[str] = []
+
+        async def ever_claimed(self, placement_id: str) -> bool:
+            self.reads.append(placement_id)
+            return True
+
+        async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
+            self.reads += placement_ids
+            return dict.fromkeys(placement_ids, "untaken")
+
+        async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
+            return {}
+
+    now, ledger = [1000], Ledger()
+    engine, _ = leading_engine(lambda: now[0], store=ledger)
+    now[0] += 10 * 60_000
+    engine._ended["seen#0"] = None  # its final usage was read
+    await engine.admit([_standard_record(0, "before"),
+                        replace(_standard_record(1, "since"), timestamp=now[0]),
+                        replace(_standard_record(2, "retry", attempt=1, requeued="preempted"),
+                                timestamp=now[0]),
+                        replace(_standard_record(3, "seen", attempt=1, requeued="handback"),
+                                timestamp=now[0])])
+    assert ledger.reads == ["before#0", "retry#0"]
+    assert len(engine.queue) == 4
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

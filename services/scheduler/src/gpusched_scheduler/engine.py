@@ -128,6 +128,14 @@ reason say of its node. takeover: fenced by a leader that did not get to retry i
 either of the other reasons."""
 
 
+Standing = Literal["new", "ran", "done"]
+"""How a request that does not wait here is taken in, by what is known of its placements
+(`_standing`): `new` work is judged by its tenant's budget and quotas, and charged; work
+that `ran` (a retry of an attempt an agent claimed, or a first attempt an agent holds) is
+neither, as it was taken in once already; `done`, a first attempt whose placement ended or
+went on as a retry, is decided at once."""
+
+
 @dataclass(frozen=True)
 class Admitted:
     request: InferenceRequest
@@ -280,8 +288,6 @@ def parse_request_record(
                       f"behind this scheduler's clock ({now_ms}), more than a year: if it is "
                       "epoch seconds, send milliseconds, or leave it out for the record's "
                       "timestamp", rid, 400, tenant)
-    if request.attempt == 0 and (never := known.never_admitted(request_tokens(request))):
-        return refuse(never, rid, 400, tenant, "tokens_per_minute_exceeded")
     return Admitted(request, record_carrier(record.headers))
 
 
@@ -376,6 +382,9 @@ class SchedulingEngine:
         not come yet: a record of it read again commits once that decision stands."""
         self._led_with: int | None = None
         """The token of the latest term this instance led (`epoch` is None between)."""
+        self._led_at_ms = 0
+        """When this instance last took the lead: records written before may have been read,
+        and placed, by a leader before it (`_standing`)."""
         self._over_quota_records = Recent(RECENT_DECISIONS)
         """(topic, partition, offset) -> timestamp of the request records answered 429
         lately: read again (the consumer seeks back when a batch's admission fails, or a new
@@ -470,6 +479,7 @@ class SchedulingEngine:
             self._placed.clear()
             self._in_cycle.clear()
         self.epoch = self._led_with = epoch
+        self._led_at_ms = self._clock()
         self.running = RunningSet(running)
         self.view.drop_reservations()  # `_take_over` reserves what is inherited
         self._inherited = dict(claims or {})
@@ -524,12 +534,7 @@ class SchedulingEngine:
                 outcome = Refused(dead_letter(record, f"unreadable request record: {exc!r}",
                                               SERVICE, now), None)
             if isinstance(outcome, Refused):
-                outcome = self._unless_taken(outcome)
-                # noted before Kafka answers: a record under its id read meanwhile (another
-                # class's topic) is refused as taking it, not run; kept if the publish fails
-                # (the rejection may be out), the record read again is rejected again
-                self._note_refused(outcome)
-                await self._refuse(outcome, record)
+                await self._refuse_request(outcome, record)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
                 self.offsets.track(record, None, commit)
@@ -562,18 +567,43 @@ class SchedulingEngine:
                 self.offsets.track(record, self._in_cycle.get(key) or
                                    self._decide_when_retried.get(_placement_id(*key)), commit)
                 continue
-            if waiting is None:  # new here (a redelivery of waiting work keeps its item's)
+            standing: Standing = "ran"  # a redelivery of waiting work keeps its item
+            if waiting is None:
                 carrier = self._own_trace(outcome.carrier, record, request_attributes(request))
-            if waiting is None and self._charges_quota(request, now):
+                standing = await self._standing(record, request)
+                if self.epoch != epoch:
+                    return  # stepped down meanwhile: this batch is the next leader's
+            if standing == "done":
+                # its work went on without it (ended, or retried) under an earlier leader: a
+                # copy of its record read later is skipped as a redelivery
+                self._placed[key] = _identity(request)
+                self.offsets.track(record, None, commit)
+                continue
+            tenant = self.tenants.get(request.tenant)  # known: the record parsed
+            never = None if standing != "new" or tenant is None else \
+                tenant.never_admitted(request_tokens(request))
+            if never is not None:  # refused for good: a 429 would ask for a retry in vain
+                rejection = Rejection(request_id=request.request_id, tenant=request.tenant,
+                                      status_code=400, reason=never,
+                                      code="tokens_per_minute_exceeded")
+                await self._refuse_request(Refused(dead_letter(record, never, SERVICE, now),
+                                                   rejection, request, request.attempt), record)
+                if self.epoch != epoch:
+                    return
+                self.offsets.track(record, None, commit)
+                continue
+            # not one that waited in Kafka past its queue time limit: it ends at the next
+            # cycle, unrun, and the retry its 503 asks for must fit
+            charged = standing == "new" and not _past(self.queue_limit(request)[0], request, now)
+            if charged:
                 # a spent budget (accounting's flag), then the tenant's hard quotas: refused
                 # for good, and so again when the record is read again (`_over_quota_records`)
                 refusal: tuple[str, str, str | None, int | None] | None = None
                 spent = None if request.request_id in self._cancelled else \
                     await self._budget_flag(request.tenant, now)  # a cancel ends it anyway
-                ran = spent is not None and await self._ran_before(request)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
-                if spent is not None and not ran:
+                if spent is not None:
                     refusal = ("budget_spent", spent.reason, "insufficient_quota",
                                MAX_RETRY_AFTER_S if spent.left_ms is None else
                                -(-spent.left_ms // 1000))
@@ -599,8 +629,9 @@ class SchedulingEngine:
                 self._retried.pop(request.request_id, None)  # queued now: counted there
             item = waiting  # a redelivery of work still pending keeps its item
             if item is None:
-                item = Pending(request, carrier, now, waiting_since_ms=min(
-                    now, request.created_at_ms) if request.requeued is not None else None)
+                item = Pending(request, carrier, now, charged=charged,
+                               waiting_since_ms=min(now, request.created_at_ms)
+                               if request.requeued is not None else None)
                 self.queue.push(item)
             if request.request_id in self._cancelled:  # its cancel came first
                 self._to_cancel.add(request.request_id)
@@ -1289,17 +1320,36 @@ class SchedulingEngine:
         self._flags[tenant] = (now_ms, flag)
         return flag
 
-    async def _ran_before(self, request: InferenceRequest) -> bool:
-        """Whether an agent ever claimed `request`'s first placement (or it was fenced): a
-        first attempt read again (an earlier record held its offset back, or a new leader
-        reads it) may have run, ended or gone on as a retry; it is not refused then. Redis
-        away: it may have."""
-        if self._store is None:
-            return False
+    async def _standing(self, record: ConsumerRecord, request: InferenceRequest) -> Standing:
+        """How `request`, which does not wait here, is taken in (`Standing`), by what this
+        instance and the agents' ledger know of its placements.
+
+        A later attempt is a retry only where its previous attempt was claimed by an agent
+        (which hands it back) or fenced by a scheduler (which retries it): a record produced
+        straight to Kafka that only says it is a retry skipped its tenant's budget, its
+        requests in flight and its tokens per minute. A first attempt read again (an earlier
+        record held its offset back) may have been placed by a leader before: ended, it was
+        charged again, counted in flight and placed again for nothing. Only a first attempt
+        written before this instance took the lead (within producers' clock skew) is looked
+        up: one written since would be known here. One Redis round trip for each looked up
+        (two for a first attempt an agent claimed). Where the ledger cannot tell (Redis away;
+        no Redis: tests, benchmarks), a record is taken as it says: a first attempt as new,
+        a retry as one."""
+        attempt = request.attempt
+        placement_id = _placement_id(request.request_id, max(0, attempt - 1))
+        if self._gone(placement_id):  # it ended, or was retried, here
+            return "ran" if attempt else "done"
+        as_said: Standing = "ran" if attempt else "new"
+        if self._store is None or (
+                not attempt and record.timestamp - self._led_at_ms > MAX_CLOCK_AHEAD_MS):
+            return as_said
         try:
-            return await self._store.ever_claimed(_placement_id(request.request_id, 0))
+            if attempt:
+                return "ran" if await self._store.ever_claimed(placement_id) else "new"
+            claim = (await self._store.claim_states([placement_id]))[placement_id]
         except Exception:
-            return True
+            return as_said
+        return "new" if claim == "untaken" else "ran" if claim == "held" else "done"
 
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The requests still waiting for their first placement past their queue time limit
@@ -1330,7 +1380,7 @@ class SchedulingEngine:
     def _refund(self, item: Pending) -> None:
         """Give back the quota charge of work that ends unrun, if its admission took one."""
         request = item.request
-        if not item.refunded and self._charges_quota(request, item.enqueued_ms):
+        if item.charged and not item.refunded:
             item.refunded = True  # once: a cycle undone queues it again, to end it again
             self.quotas.refund(request.tenant, request_tokens(request), item.enqueued_ms)
 
@@ -1387,20 +1437,21 @@ class SchedulingEngine:
         return Refused(letter.model_copy(update={"reason": cut_reason(f"{letter.reason}; {why}")}),
                        None, refused.request, attempt)
 
+    async def _refuse_request(self, refused: Refused, record: ConsumerRecord) -> None:
+        """Dead-letter request `record`, with its rejection unless that would end another
+        request (`_unless_taken`). Its id is noted before Kafka answers: a record under it
+        read meanwhile (another class's topic) is refused as taking it, not run; kept if the
+        publish fails (the rejection may be out), the record read again is rejected again."""
+        refused = self._unless_taken(refused)
+        self._note_refused(refused)
+        await self._refuse(refused, record)
+
     def _note_refused(self, refused: Refused) -> None:
         """Note the id of a rejection (`_refused`), so a later record under it, the
         producer's corrected one, is refused as taking it, not run after its client was
         told it failed. This instance's memory: a next leader does not know it."""
         if refused.rejection is not None and refused.rejection.request_id not in self._refused:
             self._refused[refused.rejection.request_id] = refused.attempt
-
-    def _charges_quota(self, request: InferenceRequest, admitted_ms: int) -> bool:
-        """Whether admitting `request` at `admitted_ms` takes from its tenant's quota: a
-        first attempt, not a retry, that has not already waited past its queue time limit
-        (it waited in Kafka: it ends at the next cycle, unrun). One that ends unrun later,
-        expired or cancelled in the queue, gives its charge back (`_refund`)."""
-        return request.attempt == 0 and request.requeued is None \
-            and not _past(self.queue_limit(request)[0], request, admitted_ms)
 
     def queue_limit(self, request: InferenceRequest) -> tuple[float | None, str]:
         """The longest `request` may wait for its first placement, and who set it."""

@@ -242,13 +242,23 @@ class RunningStore:
         """Where each placement stands in the agents' ledger (placement id -> state). A claim
         is looked up under the node that made it, which need not be the one this scheduler
         last placed it on (a placement sent twice: the first send failed after all)."""
-        owners = await self._owners(placements)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for p, owner in zip(placements, owners, strict=True):
-                pipe.hexists(NODE_CLAIMS_KEY.format((owner or b"").decode()), p.placement_id)
-            held = await pipe.execute()
-        return {p.placement_id: claim_state(owner, bool(h)) for p, owner, h
-                in zip(placements, owners, held, strict=True)}
+        return await self.claim_states([p.placement_id for p in placements])
+
+    async def claim_states(self, placement_ids: list[str]) -> dict[str, ClaimState]:
+        """`claims` by placement id: one round trip where no agent claimed any, else two."""
+        owners = await self._owners(placement_ids)
+        by_agents = [(pid, owner.decode()) for pid, owner in zip(placement_ids, owners,
+                                                                  strict=True)
+                     if owner is not None and owner.decode() != FENCED_CLAIM]
+        held: set[str] = set()
+        if by_agents:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for pid, node_id in by_agents:
+                    pipe.hexists(NODE_CLAIMS_KEY.format(node_id), pid)
+                held = {pid for (pid, _), h in zip(by_agents, await pipe.execute(),
+                                                   strict=True) if h}
+        return {pid: claim_state(owner, pid in held)
+                for pid, owner in zip(placement_ids, owners, strict=True)}
 
     async def held_as(self, placements: list[RunningPlacement]) -> dict[str, Placement]:
         """Placement id -> the placement as the agent that holds it claimed it (its node,
@@ -256,8 +266,9 @@ class RunningStore:
         `placements` an agent holds; which may differ from what this scheduler booked (its
         request placed again by a leader that did not know the placement). Left out: those
         no agent holds, and those whose holder filed the records that end it in its stead."""
-        held = [(p.placement_id, owner.decode()) for p, owner
-                in zip(placements, await self._owners(placements), strict=True)
+        ids = [p.placement_id for p in placements]
+        held = [(pid, owner.decode()) for pid, owner in zip(ids, await self._owners(ids),
+                                                            strict=True)
                 if owner is not None and owner.decode() != FENCED_CLAIM]
         async with self._redis.pipeline(transaction=False) as pipe:
             for pid, node_id in held:
@@ -272,11 +283,11 @@ class RunningStore:
                 log.warning("ignoring the unreadable claim of %s: %s", pid, exc)
         return out
 
-    async def _owners(self, placements: list[RunningPlacement]) -> list[bytes | None]:
+    async def _owners(self, placement_ids: list[str]) -> list[bytes | None]:
         """Who claimed each placement (an agent's node id, FENCED_CLAIM), None if nobody."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            for p in placements:
-                pipe.get(PLACEMENT_CLAIM_KEY.format(p.placement_id))
+            for pid in placement_ids:
+                pipe.get(PLACEMENT_CLAIM_KEY.format(pid))
             return await pipe.execute()
 
     async def filed_finals(self, node_ids: list[str]) -> list[Filed]:

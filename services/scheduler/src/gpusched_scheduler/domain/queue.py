@@ -22,6 +22,9 @@ class Pending:
     enqueued_ms: int
     decided: bool = False
     """Placed or rejected, and that decision published: its records may be committed."""
+    charged: bool = False
+    """Its admission took from its tenant's tokens per minute (new work, not a retry nor a
+    request placed before): given back if it ends unrun (expired, cancelled)."""
     refunded: bool = False
     """Its quota charge was given back (a cycle undone puts it in the queue again)."""
     placed_once: bool = False
