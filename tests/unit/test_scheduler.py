@@ -1642,7 +1642,7 @@ class BudgetFlags:
             raise ConnectionError("Redis is away")
         return {pid: "held" if pid in self.claimed else "untaken" for pid in placement_ids}
 
-    async def note_over_quota(self, position, timestamp: int, keep: int) -> None:
+    async def note_over_quota(self, position, timestamp: int) -> None:
         self.noted.append(position)
 
     async def save(self, placements, epoch: int) -> bool:
@@ -4642,10 +4642,13 @@ class QuotaNotes:
         self.kept: list[tuple[tuple[str, int, int], int]] = []
         self.down = False
 
-    async def note_over_quota(self, position, timestamp_ms: int, keep: int) -> None:  # noqa: ANN001
+    async def note_over_quota(self, position, timestamp_ms: int) -> None:  # noqa: ANN001
         if self.down:
             raise ConnectionError("Redis is away")
-        self.kept = [*self.kept, (position, timestamp_ms)][-keep:]
+        self.kept = [*self.kept, (position, timestamp_ms)]
+
+    async def forget_over_quota(self, floors) -> None:  # noqa: ANN001
+        self.kept = [(p, at) for p, at in self.kept if p[2] >= floors.get(p[:2], 0)]
 
     async def over_quota(self) -> list[tuple[tuple[str, int, int], int]]:
         return list(self.kept)
@@ -4728,17 +4731,19 @@ async def test_a_note_of_a_429_does_not_refuse_another_record_at_its_position() 
     assert [p.request.request_id for p in new.queue.in_order()] == ["fresh"]
 
 
-async def test_a_note_this_release_cannot_read_is_left_out(caplog) -> None:
+async def test_a_note_this_release_cannot_read_is_left_out(caplog, redis: Redis) -> None:
     """As with the placements in flight: one note of a 429 this release cannot read (a
     newer release's, a hand edit) failed every take-over: the instance held the lease and
-    never led."""
-    class SortedSet:
-        async def zrange(self, key, start, end, withscores=False):  # noqa: ANN001, ANN202
-            return [(f"{topics.REQUESTS['standard'].name}:0:7".encode(), 1000.0),
-                    (b"from-a-newer-release", 1000.0)]
-    kept = await RunningStore(SortedSet()).over_quota()  # type: ignore[arg-type]
-    assert kept == [((topics.REQUESTS["standard"].name, 0, 7), 1000)]
-    assert "unreadable note of a 429" in caplog.text
+    never led. Those the release before kept are read too."""
+    standard = topics.REQUESTS["standard"].name
+    store = RunningStore(redis)
+    await store.note_over_quota((standard, 1, 9), 2000)
+    await redis.zadd(f"gpusched:scheduler:over-quota:{standard}:1", {b"newer-release": 10})
+    await redis.zadd("gpusched:scheduler:over-quota", {f"{standard}:0:7": 1000,
+                                                       "from-a-newer-release": 1000})
+    assert sorted(await store.over_quota()) == [((standard, 0, 7), 1000),
+                                                ((standard, 1, 9), 2000)]
+    assert caplog.text.count("unreadable note of a 429") == 2
 
 
 async def test_a_429_whose_note_a_step_down_cuts_short_stays_refused() -> None:
@@ -4746,9 +4751,9 @@ async def test_a_429_whose_note_a_step_down_cuts_short_stays_refused() -> None:
     takes the note of a 429 that went out: the note was lost, and the next leader ran the
     request for a client that had its 429."""
     class SlowNotes(QuotaNotes):
-        async def note_over_quota(self, position, timestamp_ms, keep):  # noqa: ANN001
+        async def note_over_quota(self, position, timestamp_ms):  # noqa: ANN001
             await asyncio.sleep(0.05)  # one Redis round trip
-            await super().note_over_quota(position, timestamp_ms, keep)
+            await super().note_over_quota(position, timestamp_ms)
 
     notes = SlowNotes()
     old, _, kafka = _held_engine(_acked_at_once, notes)
@@ -4783,6 +4788,67 @@ async def test_a_429_that_went_out_stays_refused_across_a_step_down() -> None:
     engine.quotas = type(engine.quotas)()  # a fresh minute
     await engine.admit([record])
     assert not len(engine.queue)
+
+
+async def test_a_429_held_back_by_waiting_work_stays_refused_however_many_429s_follow(
+        redis: Redis) -> None:
+    """hooli's `victim`, answered 429, sits behind `first`, which waits, so its partition
+    commits nothing; then a client hammering at hooli's limit on another partition is
+    answered as many 429s as the notes kept (RECENT_DECISIONS, made small here to keep the
+    test short). The notes were trimmed to that many: the next leader, reading partition 0
+    again with a fresh minute, ran `victim` for a client told it was refused. Now a note is
+    kept until its partition's commit passes it, and no longer: the flood's partition
+    committed, and Redis keeps none of its notes."""
+    standard = topics.REQUESTS["standard"].name
+    with patch("gpusched_scheduler.engine.RECENT_DECISIONS", 1000):
+        store, kafka = RunningStore(redis), Commits()
+        old, sent = leading_engine(store=store, commit_interval_ms=0)
+        old.quotas.admit("hooli", 2500, 1000)  # most of its minute taken
+        held_back = [_standard_record(0, "first"), _hooli_record(1, "victim", max_tokens=1999)]
+        await old.admit(held_back, kafka.commit)
+        flood = [replace(_hooli_record(offset, f"w{offset}"), partition=1)
+                 for offset in range(1001)]
+        for start in range(0, len(flood), 200):
+            await old.admit(flood[start:start + 200], kafka.commit)
+        await asyncio.sleep(0.05)
+        assert len(sent[topics.RESULTS.name]) == 1002  # all 429s
+        assert kafka.offsets == {TopicPartition(standard, 1): 1001}
+        new, sent = leading_engine(store=store)
+        new.lead(4, [], {}, await store.over_quota())
+        await new.admit(held_back, kafka.commit)
+    assert [p.request.request_id for p in new.queue.in_order()] == ["first"]
+    assert topics.RESULTS.name not in sent
+    assert await store.over_quota() == [((standard, 0, 1), 1000)]
+
+
+async def test_a_429_stays_refused_when_its_batch_is_read_again_after_a_commit_passed_it(
+        ) -> None:
+    """A cycle's answer let the partition commit past a record just answered 429 while its
+    batch was still being admitted; then Kafka refused the answer to a later record of the
+    batch, and the consumer read the batch again from its start. The note, forgotten at the
+    commit, must still refuse the record read again (a fresh minute would now admit it)."""
+    sends = [0]
+
+    async def send(batch):  # noqa: ANN001, ANN202
+        sends[0] += 1
+        if sends[0] == 2:  # the dead letter of the garbage record
+            engine._commit_decided()  # as a cycle's settle does, meanwhile
+            await asyncio.sleep(0.01)
+            raise KafkaConnectionError()
+        return asyncio.gather()
+    notes = QuotaNotes()
+    engine, _, kafka = _held_engine(send, notes)
+    engine.quotas.admit("hooli", 2000, 1000)  # most of its minute taken
+    standard = topics.REQUESTS["standard"].name
+    batch = [_hooli_record(0, "over", max_tokens=1999), request_record(standard, 1, b"{")]
+    with pytest.raises(KafkaConnectionError):
+        await engine.admit(batch, kafka.commit)
+    assert kafka.offsets == {TopicPartition(standard, 0): 1}  # past the 429
+    engine.quotas = QuotaBook()  # a minute later
+    await engine.admit(batch, kafka.commit)
+    assert not len(engine.queue) and sends[0] == 3  # the garbage record's dead letter alone
+    await asyncio.sleep(0.01)
+    assert [p for p, _ in notes.kept] == []  # both committed: forgotten in Redis too
 
 
 async def test_leading_again_under_the_same_token_keeps_its_decisions() -> None:

@@ -1,10 +1,13 @@
 """Request offsets commit only past decided records, per partition, whatever order the
-cycles decide them in; a refused commit is retried, a rewind supersedes older records."""
+cycles decide them in; a refused commit is retried, a rewind supersedes older records. The
+notes of records answered 429 last until no reader can come back to them."""
+
+from dataclasses import replace
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from gpusched_common.contracts import InferenceRequest
-from gpusched_scheduler.adapters.offsets import OffsetBook
+from gpusched_scheduler.adapters.offsets import AnsweredRecords, OffsetBook
 from gpusched_scheduler.domain.queue import Pending
 
 TOPIC = "gpusched.requests.standard"
@@ -84,3 +87,22 @@ async def test_records_decided_behind_a_waiting_one_are_folded_not_kept() -> Non
     book.advance()
     assert await book.commit()
     assert kafka.committed == {TopicPartition(TOPIC, 0): 5001}
+
+
+async def test_notes_of_429s_are_forgotten_once_no_reader_comes_back_to_them() -> None:
+    """Below its partition's floor (what was committed, or the batch read again) a record is
+    never read again: its note goes, however few came after it; at or above, it stays,
+    however many did. Only the partitions that lost notes are named (Redis forgets them)."""
+    kafka, book, notes = Kafka(), OffsetBook(), AnsweredRecords()
+    for offset in (3, 4, 7):
+        notes.add(TopicPartition(TOPIC, 0), offset, 1000 + offset)
+    notes.add(TopicPartition(TOPIC, 1), 9, 1009)
+    book.track(record(0, 5), None, kafka.commit)
+    book.advance()
+    assert await book.commit() and book.committed == {TopicPartition(TOPIC, 0): 6}
+    assert notes.forget_below(book.committed) == {TopicPartition(TOPIC, 0): 6}
+    assert notes.forget_below(book.committed) == {}  # nothing more to forget there
+    assert len(notes) == 2
+    assert notes.answered(replace(record(0, 7), timestamp=1007))
+    assert not notes.answered(record(0, 7))  # another record at its position
+    assert not notes.answered(replace(record(0, 4), timestamp=1004))

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagate import inject
@@ -54,7 +54,7 @@ from gpusched_common.telemetry import (
     untraced,
 )
 from gpusched_scheduler.adapters.decisions import Outgoing
-from gpusched_scheduler.adapters.offsets import Commit, OffsetBook
+from gpusched_scheduler.adapters.offsets import AnsweredRecords, Commit, OffsetBook
 from gpusched_scheduler.adapters.redis_state import Filed, Position, RunningStore, SpentBudget
 from gpusched_scheduler.domain.cluster import ClusterView, Reservation
 from gpusched_scheduler.domain.ordering import Chunk, FairShare, is_aged, order_pending
@@ -385,13 +385,16 @@ class SchedulingEngine:
         self._led_at_ms = 0
         """When this instance last took the lead: records written before may have been read,
         and placed, by a leader before it (`_standing`)."""
-        self._over_quota_records = Recent(RECENT_DECISIONS)
-        """(topic, partition, offset) -> timestamp of the request records answered 429
-        lately: read again (the consumer seeks back when a batch's admission fails, or a new
-        leader reads from an offset an earlier request held back), one is not judged again,
-        which a minute later could run it for a client that had its 429. Kept in Redis too,
-        for the next leader (`lead`). The timestamp tells the record from another at its
-        position (a topic deleted and made again); a client's retry is a new record."""
+        self._over_quota_records = AnsweredRecords()
+        """The request records answered 429: read again (the consumer seeks back when a
+        batch's admission fails, or a new leader reads from an offset an earlier request
+        held back), one is not judged again. Kept in Redis too, for the next leader (`lead`),
+        until their partition's commit passes them (`_forget_passed_429s`). A client's retry
+        is a new record."""
+        self._reading: dict[TopicPartition, int] = {}
+        """Per partition, the first offset of the request batch being admitted, or whose
+        admission failed (the consumer reads it again from there): 429s from there on are
+        kept, even past a commit made meanwhile."""
         self._estimated = Recent(RECENT_DECISIONS)
         """Placement id -> the fair-share estimate charged at its placement (`Estimated`)."""
         self._preempting: dict[str, tuple[int, Room]] = {}
@@ -467,8 +470,9 @@ class SchedulingEngine:
         `claims` says where each stands in the agents' ledger (its first cycle settles them,
         see `_take_over`); `over_quota`, the request records answered 429 that Redis keeps
         (by any leader: read again, they stay refused)."""
-        for position, timestamp_ms in over_quota:
-            self._over_quota_records[position] = timestamp_ms
+        for (topic, partition, offset), timestamp_ms in sorted(over_quota):  # offset order
+            self._over_quota_records.add(TopicPartition(topic, partition), offset, timestamp_ms)
+        self._reading.clear()  # the consumers start again, from the last commit
         if epoch != self._led_with:
             # what a term under another token decided: a cycle of it still in flight is
             # undone (its records read again must be placed again), and `running` knows
@@ -517,13 +521,16 @@ class SchedulingEngine:
         committed through `commit` as their decisions are published. Records that arrive
         or wait while this instance does not lead are left alone (uncommitted: the next
         leader reads them)."""
+        reading: dict[TopicPartition, int] = {}
+        for record in records:
+            reading.setdefault(TopicPartition(record.topic, record.partition), record.offset)
+        self._reading.update(reading)
         if not await self._wait_for_room(records):
             return
         now = self._clock()
         epoch = self.epoch
         for record in records:
-            if self._over_quota_records.get((record.topic, record.partition,
-                                             record.offset)) == record.timestamp:
+            if self._over_quota_records.answered(record):
                 self.offsets.track(record, None, commit)  # read again: its 429 went out
                 continue
             try:
@@ -636,6 +643,8 @@ class SchedulingEngine:
             if request.request_id in self._cancelled:  # its cancel came first
                 self._to_cancel.add(request.request_id)
             self.offsets.track(record, item, commit)
+        for tp in reading:
+            self._reading.pop(tp, None)
         self._wake.set()
         self._commit_decided()
 
@@ -665,12 +674,12 @@ class SchedulingEngine:
         """Note that `record` was answered 429 (Kafka took the answer), here and in Redis for
         a next leader."""
         position = (record.topic, record.partition, record.offset)
-        self._over_quota_records[position] = record.timestamp
+        self._over_quota_records.add(TopicPartition(record.topic, record.partition),
+                                     record.offset, record.timestamp)
         if self._store is None:
             return
         try:  # shielded: a step-down stops the consumer mid-batch, and the 429 went out
-            await asyncio.shield(self._store.note_over_quota(position, record.timestamp,
-                                                             RECENT_DECISIONS))
+            await asyncio.shield(self._store.note_over_quota(position, record.timestamp))
         except Exception:  # this instance still knows; a next leader may judge it again
             log.warning("the 429 of request record %s-%d@%d not kept in Redis", *position,
                         exc_info=True)
@@ -720,8 +729,24 @@ class SchedulingEngine:
         # one commit at a time, at most one per interval; what was decided meanwhile goes
         # in the next round
         while self.offsets.due and await self.offsets.commit():
+            await self._forget_passed_429s()
             await asyncio.sleep(self.config.commit_interval_ms / 1000)
             self.offsets.advance()
+
+    async def _forget_passed_429s(self) -> None:
+        """Forget the 429s of records no reader comes back to, here and in Redis: those below
+        their partition's commit (a next leader reads from there), and below the batch being
+        admitted (where this consumer reads again if its admission fails)."""
+        passed = self._over_quota_records.forget_below({
+            tp: min(offset, self._reading.get(tp, offset))
+            for tp, offset in self.offsets.committed.items()})
+        if not passed or self._store is None:
+            return
+        try:
+            await self._store.forget_over_quota(passed)
+        except Exception:  # left below the commit, harmless: gone with the partition's next
+            log.warning("forgetting the 429s of committed request records in Redis failed",
+                        exc_info=True)
 
     async def node_states(self, records: list[ConsumerRecord]) -> None:
         """Apply node states to the view. An invalid one is skipped; the leader dead-letters

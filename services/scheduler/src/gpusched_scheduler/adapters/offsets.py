@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -52,6 +52,9 @@ class OffsetBook:
         self._commits: dict[TopicPartition, Commit] = {}
         self._due: dict[TopicPartition, int] = {}
         """Committable offsets not yet committed (kept across a failed commit)."""
+        self.committed: dict[TopicPartition, int] = {}
+        """The offset Kafka took last for each partition (the next record to read): a next
+        leader reads from there."""
 
     def track(self, record: ConsumerRecord, item: Pending | None, commit: Commit | None) -> None:
         """Remember `record`; `commit` commits its consumer's offsets (None: nothing to commit,
@@ -97,12 +100,55 @@ class OffsetBook:
                 ok = False
                 continue
             for tp, offset in offsets.items():
+                self.committed[tp] = offset
                 if self._due.get(tp) == offset:
                     del self._due[tp]
         return ok
 
     def clear(self) -> None:
-        """Forget everything (stepping down: the next leader reads from the last commit)."""
+        """Forget what was to commit (stepping down: the next leader reads from the last
+        commit), not what was committed."""
         self._records.clear()
         self._commits.clear()
         self._due.clear()
+
+
+class AnsweredRecords:
+    """The request records answered 429 (over quota, or a spent budget) that may be read
+    again, per partition: offset -> the record's timestamp (which tells it from another
+    record at its position, a topic deleted and made again). Read again, one must be
+    refused again, not judged anew (a minute later it could run, for a client that had its
+    429). So a note is kept until no reader can come back to its record (`forget_below`),
+    however many 429s come after it: trimmed to the latest 20,000, a flood of them let a
+    next leader run a request its client was told was refused."""
+
+    def __init__(self) -> None:
+        self._by_partition: dict[TopicPartition, dict[int, int]] = {}
+
+    def add(self, tp: TopicPartition, offset: int, timestamp_ms: int) -> None:
+        self._by_partition.setdefault(tp, {})[offset] = timestamp_ms
+
+    def answered(self, record: ConsumerRecord) -> bool:
+        """Whether `record` itself (not another at its position) was answered 429."""
+        notes = self._by_partition.get(TopicPartition(record.topic, record.partition))
+        return notes is not None and notes.get(record.offset) == record.timestamp
+
+    def forget_below(self, floors: Mapping[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Forget the notes below each partition's floor (records no reader comes back to);
+        returns the partitions that had some, with their floor. Notes come in offset order
+        (records are read in order), so a partition whose first note is at or above its
+        floor is passed over at once: a commit that passes none costs nothing."""
+        forgot: dict[TopicPartition, int] = {}
+        for tp, floor in floors.items():
+            notes = self._by_partition.get(tp)
+            if notes and next(iter(notes)) < floor:
+                kept = {offset: at for offset, at in notes.items() if offset >= floor}
+                if kept:
+                    self._by_partition[tp] = kept
+                else:
+                    del self._by_partition[tp]
+                forgot[tp] = floor
+        return forgot
+
+    def __len__(self) -> int:
+        return sum(len(notes) for notes in self._by_partition.values())

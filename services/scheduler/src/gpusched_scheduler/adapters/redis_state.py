@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter
@@ -33,12 +34,20 @@ from gpusched_scheduler.domain.running import ClaimState, RunningPlacement
 log = logging.getLogger(__name__)
 
 LEADER_KEY = "gpusched:scheduler:leader"
-OVER_QUOTA_KEY = "gpusched:scheduler:over-quota"
-"""Sorted set: '<topic>:<partition>:<offset>' of each request record answered 429 (over
-quota, or a spent budget), scored by the record's timestamp (which tells it from another
-record at its position, a topic deleted and made again); a leader that reads one again,
-the same one or the next, keeps it refused. The latest `keep` (see `note_over_quota`) are
-kept."""
+OVER_QUOTA_KEY = "gpusched:scheduler:over-quota:{}"
+"""Sorted set per request topic partition ('<topic>:<partition>'): '<offset>:<timestamp>'
+of each record answered 429 (over quota, or a spent budget), scored by its offset; the
+timestamp tells the record from another at its position (a topic deleted and made again).
+A leader that reads one again, the same one or the next, keeps it refused. A note is kept
+until its partition's committed offset has passed it (`forget_over_quota`): no leader reads
+a record below that again."""
+OVER_QUOTA_PARTITIONS_KEY = "gpusched:scheduler:over-quota:partitions"
+"""Set: the '<topic>:<partition>' of every OVER_QUOTA_KEY, for a new leader to find them
+without a scan."""
+OVER_QUOTA_BEFORE_KEY = "gpusched:scheduler:over-quota"
+"""Where the release before kept its notes (a sorted set of '<topic>:<partition>:<offset>'
+scored by timestamp, its latest 20,000): read as well, so its 429s stay refused across an
+upgrade; written no more."""
 
 TRACES_KEY = "gpusched:scheduler:traces"
 """Hash: placement id -> the W3C trace context (JSON) of each placement in flight that has
@@ -192,25 +201,51 @@ class RunningStore:
                 pipe.set(CANCELLED_KEY.format(request_id), reason, nx=True, ex=CANCELLED_TTL_S)
             await pipe.execute()
 
-    async def note_over_quota(self, position: Position, timestamp_ms: int, keep: int) -> None:
+    async def note_over_quota(self, position: Position, timestamp_ms: int) -> None:
         """Remember that the record at `position`, of that timestamp, was answered 429 (Kafka
-        took the answer), forgetting all but the `keep` latest such records."""
+        took the answer), in place of any note at its position."""
+        topic, partition, offset = position
+        where = f"{topic}:{partition}"
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(OVER_QUOTA_KEY, {":".join(map(str, position)): timestamp_ms})
-            pipe.zremrangebyrank(OVER_QUOTA_KEY, 0, -keep - 1)
+            pipe.zremrangebyscore(OVER_QUOTA_KEY.format(where), offset, offset)
+            pipe.zadd(OVER_QUOTA_KEY.format(where), {f"{offset}:{timestamp_ms}": offset})
+            pipe.sadd(OVER_QUOTA_PARTITIONS_KEY, where)
+            await pipe.execute()
+
+    async def forget_over_quota(self, floors: Mapping[tuple[str, int], int]) -> None:
+        """Forget the notes below each (topic, partition)'s floor, whose records no leader
+        reads again (the partition's committed offset has passed them); one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for (topic, partition), floor in floors.items():
+                pipe.zremrangebyscore(OVER_QUOTA_KEY.format(f"{topic}:{partition}"), "-inf",
+                                      f"({floor}")
             await pipe.execute()
 
     async def over_quota(self) -> list[tuple[Position, int]]:
-        """The request records answered 429 that `note_over_quota` keeps, each with its
-        timestamp; one this release cannot read is left out with a warning (raising would
-        keep every instance from leading)."""
+        """The request records answered 429 that `note_over_quota` keeps (and the release
+        before kept), each with its timestamp; one this release cannot read is left out with
+        a warning (raising would keep every instance from leading)."""
+        partitions = sorted(await self._redis.smembers(OVER_QUOTA_PARTITIONS_KEY))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(OVER_QUOTA_BEFORE_KEY, 0, -1, withscores=True)
+            for where in partitions:
+                pipe.zrange(OVER_QUOTA_KEY.format(where.decode()), 0, -1)
+            before, *noted = await pipe.execute()
         out = []
-        for member, score in await self._redis.zrange(OVER_QUOTA_KEY, 0, -1, withscores=True):
+        for member, score in before:
             try:
                 topic, partition, offset = member.decode().rsplit(":", 2)
                 out.append(((topic, int(partition), int(offset)), int(score)))
             except ValueError:
                 log.warning("ignoring the unreadable note of a 429 %r", member)
+        for where, members in zip(partitions, noted, strict=True):
+            for member in members:
+                try:
+                    topic, partition = where.decode().rsplit(":", 1)
+                    offset, timestamp_ms = member.decode().split(":")
+                    out.append(((topic, int(partition), int(offset)), int(timestamp_ms)))
+                except ValueError:
+                    log.warning("ignoring the unreadable note of a 429 %r in %r", member, where)
         return out
 
     async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
