@@ -340,6 +340,9 @@ class SchedulingEngine:
         self.epoch: int | None = None
         self._send = send
         self._clock = clock
+        self._started_ms = clock()
+        """Node reports written before this (the compacted topic read afresh at start) are
+        judged by when they were written (`ClusterView.apply_node_state`)."""
         self._tracer = tracer
         self._store = store
         self._targets = dict(config.class_target_ms)
@@ -773,8 +776,8 @@ class SchedulingEngine:
                     letter = dead_letter(record, reason, SERVICE, now)
                     dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
-            if self.view.apply_node_state(state, now, self.config.node_timeout_ms,
-                                          record.timestamp):
+            written = record.timestamp if record.timestamp < self._started_ms else None
+            if self.view.apply_node_state(state, now, self.config.node_timeout_ms, written):
                 self._note_written_long_ago(state.node_id, now)
         self._wake.set()
         if dead:
@@ -786,17 +789,17 @@ class SchedulingEngine:
                 log.exception("dead-lettering %d invalid node states failed", len(dead))
 
     def _note_written_long_ago(self, node_id: str, now_ms: int) -> None:
-        """Say, once, of a node first heard when its report was written, past the time-out,
-        that it gets no work until it reports again."""
+        """Say, once, of a node heard when its report was written, past the time-out, that
+        it gets no work until a report written since this scheduler started comes."""
         written_ms = self.view.last_seen_ms[node_id]
         if written_ms == now_ms:
             self._written_long_ago.discard(node_id)
         elif node_id not in self._written_long_ago:
             self._written_long_ago.add(node_id)
             log.info("node %s: its latest report was written %s before this scheduler read "
-                     "it, past the node time-out: it gets no work until it reports again "
-                     "(a node gone without its record deleted, or an agent whose clock is "
-                     "behind or whose heartbeat is longer than the time-out)", node_id,
+                     "it, past the node time-out: it gets no work until a newer report "
+                     "comes (a node gone without its record deleted, or an agent whose "
+                     "clock is behind this scheduler's)", node_id,
                      _duration(now_ms - written_ms))
 
     async def usage(self, records: list[ConsumerRecord]) -> None:

@@ -55,17 +55,16 @@ class ClusterView:
         its dead run, and would otherwise never be heard again (nor declared lost, while it
         says in Redis that it is alive).
 
-        The node counts as heard at `now_ms`, unless this is the first report of it this
-        view takes and it was written (`written_ms`, its record's timestamp; None or
-        Kafka's -1: not known) longer than the time-out before: then it is heard when
-        written, silent past the time-out at once. A scheduler started cold reads the
-        compacted topic from the start, where a node that died without a tombstone left its
-        last report; heard then, it was offered work for a whole time-out, and that work
-        was retried as a lost node's. Every later report counts as heard when read, as
-        every report did: the timestamp is the agent's clock (Kafka's CreateTime), and
-        judged by it an agent whose clock is behind by more than the time-out would never
-        get work; so it costs such an agent (or one whose heartbeat is longer than the
-        time-out) one report at most."""
+        The node counts as heard at `now_ms`, unless the report was written (`written_ms`:
+        its record's timestamp, which the caller gives for reports written before it
+        started, the topic's history; None or Kafka's -1: not known) longer than the
+        time-out before: then it is heard when written, silent past the time-out at once. A
+        scheduler started cold reads the compacted topic from the start, where a node that
+        died without a tombstone left its last reports; heard then, it was offered work for
+        a whole time-out, and that work was retried as a lost node's. The timestamp is the
+        agent's clock (Kafka's CreateTime): judged by it alone, an agent whose clock is
+        behind by more than the time-out would never get work; judged only where written
+        before the scheduler started, it waits at most that far behind, once."""
         node_id = state.node_id
         old = self.nodes.get(node_id)
         heard_lately = now_ms - self.last_seen_ms.get(node_id, now_ms) <= node_timeout_ms
@@ -73,8 +72,7 @@ class ClusterView:
                 (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq)):
             return False
         self.nodes[node_id] = state
-        long_ago = (old is None and written_ms is not None
-                    and 0 <= written_ms < now_ms - node_timeout_ms)
+        long_ago = written_ms is not None and 0 <= written_ms < now_ms - node_timeout_ms
         self.last_seen_ms[node_id] = written_ms if long_ago else now_ms
         if self.first_heard_ms is None:
             self.first_heard_ms = now_ms
