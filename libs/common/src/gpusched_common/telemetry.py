@@ -51,15 +51,21 @@ def context_from(carrier: dict[str, str]) -> Context:
     return extract(carrier)
 
 
+def carried(carrier: dict[str, str]) -> trace.Span:
+    """The span a W3C carrier (trace headers) names, as a parent; an invalid one where it
+    names none (empty, malformed)."""
+    return trace.get_current_span(extract(carrier))
+
+
 def in_trace(carrier: dict[str, str]) -> AbstractContextManager[trace.Span]:
     """What is published within goes in the trace `carrier` names (W3C trace headers), as
     if under the span they name; with none, in a new trace each."""
-    return trace.use_span(trace.get_current_span(context_from(carrier)))
+    return trace.use_span(carried(carrier))
 
 
 def carried_span(carrier: dict[str, str]) -> trace.SpanContext:
     """The span a W3C carrier names; not `is_valid` where it names none (empty, malformed)."""
-    return trace.get_current_span(extract(carrier)).get_span_context()
+    return carried(carrier).get_span_context()
 
 
 def record_carrier(headers: object) -> dict[str, str]:

@@ -358,6 +358,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             in (or once this retry has sent it, its router having died before it was taken
             in); a 503 if it was refused (its key freed or held by another request)."""
             nonlocal trace_id
+            if hub.stopped:  # before taking the key over: a retry elsewhere must get it
+                return _not_sent()
             now_ms = clock()
             current = await idempotency.holder(tenant, key)
             if current is None or current.request_id != request_id:
@@ -371,8 +373,6 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "use: its router died before Kafka took it in; a retry sends it "
                         "again (a copy Kafka did take is skipped as a redelivery)", request_id,
                         (now_ms - current.claimed_at_ms) / 1000)
-            if hub.stopped:
-                return _not_sent()
             try:
                 trace_id = await take_in(original, kind)
             except (TimeoutError, KafkaError):

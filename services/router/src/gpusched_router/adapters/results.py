@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
-from opentelemetry import trace as trace_api
 from redis.asyncio import Redis
 
 from gpusched_common.contracts import (
@@ -23,7 +22,7 @@ from gpusched_common.contracts import (
     TokenChunk,
 )
 from gpusched_common.kafka_records import request_payload
-from gpusched_common.telemetry import context_from, record_carrier, trace_id_hex
+from gpusched_common.telemetry import carried, record_carrier, trace_id_hex
 from gpusched_router.domain.openai_api import ApiError
 
 STATUS_KEY = "gpusched:request:{}"
@@ -150,7 +149,7 @@ class ResultsHub:
                 request = REQUEST.validate_python(request_payload(record))
             except ValueError:
                 continue
-            trace = trace_api.get_current_span(context_from(record_carrier(record.headers)))
+            trace = carried(record_carrier(record.headers))
             fields = {**_queued_fields(request, trace_id_hex(trace)), "status": "queued"}
             seen.append((request.request_id, _flat(fields)))
         if not seen:

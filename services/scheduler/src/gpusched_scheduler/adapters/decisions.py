@@ -70,8 +70,9 @@ def decision_attributes(out: Outgoing) -> dict[str, AttributeValue]:
                            "gpusched.victim_placement_id": message.placement_id})
         return attributes
     for source in (message.request, message) if isinstance(message, Placement) else (message,):
+        fields = type(source).model_fields  # looked up: getattr's miss raised, ~2 us each
         for name in NAMED_FIELDS:
-            if isinstance(value := getattr(source, name, None), str):
+            if name in fields and isinstance(value := getattr(source, name), str):
                 attributes[f"gpusched.{name}"] = value
     return attributes
 
