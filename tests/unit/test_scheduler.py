@@ -3153,53 +3153,6 @@ async def test_an_ended_placement_redis_did_not_remove_is_removed_later() -> Non
     assert sorted(one.fences.removed) == ["taken#0", "untaken#0"]  # none dropped on the way
 
 
-async def test_a_report_written_past_the_node_time_out_gets_its_node_no_work() -> None:
-    """A scheduler started cold reads the node-state topic from the start, where a node
-    that died a day ago without a tombstone left its last `ready` reports (compaction keeps
-    the latest; the active segment, many). Heard when read, it was offered work for a node
-    time-out, then that work was retried as a lost node's (an attempt and ~10 s lost per
-    request, GpuschedNodeLost firing on a redeploy with every live agent healthy). Heard
-    when written, it is lost at once and gets none. Reports written since the scheduler
-    started count as heard when read, as before, their writer's clock a few seconds behind
-    or far ahead: none is kept alive past the time-out; and an agent whose clock is a
-    minute behind waits a minute once (judged by its writer's clock, each of its reports
-    had it lost: never any work)."""
-    t0 = 1_800_000_000_000
-    now = [t0]
-    registry = CollectorRegistry()
-    engine, sent = leading_engine(lambda: now[0], registry=registry,
-                                  node_timeout_ms=NODE_TIMEOUT_MS)
-
-    async def report(seq: int, history: bool = False) -> None:
-        written = [("behind", now[0] - 3_000), ("ahead", now[0] + 10**9),
-                   ("skewed", now[0] - 60_000)]
-        if history:  # what the topic held of the dead node: its last two heartbeats
-            written[:0] = [("gone", t0 - 86_400_000 + i) for i in range(2)]
-        await engine.node_states([node_state_record(
-            i, n.encode(), node(n, [80000] * 8 if n == "gone" else [3100], seq=seq + i
-                                ).to_bytes(), at) for i, (n, at) in enumerate(written)])
-
-    await report(1, history=True)
-    await engine.admit([request_record(topics.REQUESTS["standard"].name, i, json.dumps({
-        "request_id": f"r{i}", "tenant": "acme", "model": SMALL.name, "prompt": "hi",
-        "max_tokens": 2000, "created_at_ms": t0}).encode()) for i in range(40)])
-    await engine.cycle()
-    placed = [PLACEMENT.validate_json(v).node_id for v in sent[topics.PLACEMENTS.name]]
-    assert placed and not {"gone", "skewed"} & set(placed)
-    assert engine.view.live_nodes(t0 + NODE_TIMEOUT_MS, NODE_TIMEOUT_MS) == {"behind", "ahead"}
-    assert engine.view.live_nodes(t0 + NODE_TIMEOUT_MS + 1, NODE_TIMEOUT_MS) == set()
-    now[0] = t0 + NODE_TIMEOUT_MS + 1_000  # the live agents report on, as every heartbeat
-    await report(10)
-    assert engine.view.live_nodes(now[0], NODE_TIMEOUT_MS) == {"behind", "ahead"}
-    await engine.cycle()
-    assert topics.REQUESTS["standard"].name not in sent  # nothing retried
-    assert not registry.get_sample_value("gpusched_scheduler_retries_total",
-                                         {"why": "node_lost"})
-    now[0] = t0 + 61_000  # written (by its clock) since the scheduler started: heard
-    await report(20)
-    assert engine.view.live_nodes(now[0], NODE_TIMEOUT_MS) == {"behind", "ahead", "skewed"}
-
-
 async def test_a_decommissioned_nodes_tombstone_takes_it_out_of_the_fleet() -> None:
     """Its last report stayed in the view: offered to the solver until the time-out, then
     counted in the fleet for good, so work only it could hold waited forever instead of

@@ -340,9 +340,6 @@ class SchedulingEngine:
         self.epoch: int | None = None
         self._send = send
         self._clock = clock
-        self._started_ms = clock()
-        """Node reports written before this (the compacted topic read afresh at start) are
-        judged by when they were written (`ClusterView.apply_node_state`)."""
         self._tracer = tracer
         self._store = store
         self._targets = dict(config.class_target_ms)
@@ -428,9 +425,6 @@ class SchedulingEngine:
         (their work is never retried: it has finished)."""
         self._silent_alive: set[str] = set()
         """Nodes silent on Kafka past the time-out whose agents are alive in Redis."""
-        self._written_long_ago: set[str] = set()
-        """Nodes whose latest report was written past the node time-out before it was read
-        (`ClusterView.apply_node_state`): logged once, not at each such report."""
         self._alive_read_ms = -ALIVE_READ_INTERVAL_MS
         """When Redis was last asked whether silent nodes are alive."""
         self._budgets_warned_ms = -BUDGET_WARN_INTERVAL_MS
@@ -776,9 +770,7 @@ class SchedulingEngine:
                     letter = dead_letter(record, reason, SERVICE, now)
                     dead.append(Outgoing(letter, topics.DEAD_LETTERS.name, record.topic, {}))
                 continue
-            written = record.timestamp if record.timestamp < self._started_ms else None
-            if self.view.apply_node_state(state, now, self.config.node_timeout_ms, written):
-                self._note_written_long_ago(state.node_id, now)
+            self.view.apply_node_state(state, now, self.config.node_timeout_ms)
         self._wake.set()
         if dead:
             # counted where the other dead letters are, which GpuschedRecordsDeadLettered reads
@@ -787,20 +779,6 @@ class SchedulingEngine:
                 await self._publish(dead)
             except Exception:  # the view is up to date; only the notice is missing
                 log.exception("dead-lettering %d invalid node states failed", len(dead))
-
-    def _note_written_long_ago(self, node_id: str, now_ms: int) -> None:
-        """Say, once, of a node heard when its report was written, past the time-out, that
-        it gets no work until a report written since this scheduler started comes."""
-        written_ms = self.view.last_seen_ms[node_id]
-        if written_ms == now_ms:
-            self._written_long_ago.discard(node_id)
-        elif node_id not in self._written_long_ago:
-            self._written_long_ago.add(node_id)
-            log.info("node %s: its latest report was written %s before this scheduler read "
-                     "it, past the node time-out: it gets no work until a newer report "
-                     "comes (a node gone without its record deleted, or an agent whose "
-                     "clock is behind this scheduler's)", node_id,
-                     _duration(now_ms - written_ms))
 
     async def usage(self, records: list[ConsumerRecord]) -> None:
         """Measured usage: charge fair share; a final record ends its placement (its copies

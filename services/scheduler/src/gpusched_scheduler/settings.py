@@ -28,8 +28,7 @@ class SchedulerSettings(ServiceSettings):
         "graceful restart) still counts this long in the fleet that decides whether work "
         "that fits nowhere now waits or is rejected (422): work only it could hold waits for "
         "it to come back. Counted from when this instance read the report (a scheduler "
-        "started later counts a node stopped for good this long after its start, or after "
-        "the report was written, where that is past the node time-out).")
+        "started later counts a node stopped for good this long after its start).")
     untaken_timeout_s: float = Field(
         default=30.0, gt=0, le=3600, description="A placement its node has not taken (not "
         "listed as active, not finished) this long after it was sent, while the node kept "

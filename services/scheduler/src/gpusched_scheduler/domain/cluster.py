@@ -47,24 +47,12 @@ class ClusterView:
     report listed it, so the weights it loaded show in no report yet; its reservation
     stays until a report from after that, or one of another agent run."""
 
-    def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int,
-                         written_ms: int | None = None) -> bool:
+    def apply_node_state(self, state: NodeState, now_ms: int, node_timeout_ms: int) -> bool:
         """Take a newer report of a node; returns False for a stale or reordered one. Once
         the node is silent past the time-out (declared lost or not), any report is its latest: an
         agent that started again after its clock was set back reports an earlier start than
         its dead run, and would otherwise never be heard again (nor declared lost, while it
-        says in Redis that it is alive).
-
-        The node counts as heard at `now_ms`, unless the report was written (`written_ms`:
-        its record's timestamp, which the caller gives for reports written before it
-        started, the topic's history; None or Kafka's -1: not known) longer than the
-        time-out before: then it is heard when written, silent past the time-out at once. A
-        scheduler started cold reads the compacted topic from the start, where a node that
-        died without a tombstone left its last reports; heard then, it was offered work for
-        a whole time-out, and that work was retried as a lost node's. The timestamp is the
-        agent's clock (Kafka's CreateTime): judged by it alone, an agent whose clock is
-        behind by more than the time-out would never get work; judged only where written
-        before the scheduler started, it waits at most that far behind, once."""
+        says in Redis that it is alive)."""
         node_id = state.node_id
         old = self.nodes.get(node_id)
         heard_lately = now_ms - self.last_seen_ms.get(node_id, now_ms) <= node_timeout_ms
@@ -72,8 +60,7 @@ class ClusterView:
                 (state.started_at_ms, state.seq) < (old.started_at_ms, old.seq)):
             return False
         self.nodes[node_id] = state
-        long_ago = written_ms is not None and 0 <= written_ms < now_ms - node_timeout_ms
-        self.last_seen_ms[node_id] = written_ms if long_ago else now_ms
+        self.last_seen_ms[node_id] = now_ms
         if self.first_heard_ms is None:
             self.first_heard_ms = now_ms
         self.lost.discard(node_id)
