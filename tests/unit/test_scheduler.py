@@ -514,13 +514,14 @@ def test_a_tokens_per_minute_refusal_says_when_enough_admissions_have_left_the_w
     assert book.check("t", quota, 500, inflight=0, now_ms=70_000) is None
 
 
-@pytest.mark.parametrize("step_back_ms", [30_000, 600_000, 2 * 3_600_000])
+@pytest.mark.parametrize("step_back_ms", [90_000, 600_000, 2 * 3_600_000])
 def test_a_clock_stepped_back_does_not_stretch_the_tokens_per_minute_window(
         step_back_ms: int) -> None:
-    """The scheduler's wall clock is stepped back (NTP, a VM restored): the admissions of
-    the minute before the step counted for the whole step, and the 429 said to retry in
-    the step plus a minute (past an hour, more than a rejection may say). Now they leave
-    the window: the next request fits, and none is ever told to wait more than a minute."""
+    """The scheduler's wall clock is stepped back by over a minute (NTP, a VM restored):
+    the admissions of the minute before the step counted for the whole step, and the 429
+    said to retry in the step plus a minute (past an hour, more than a rejection may say).
+    Now they leave the window: the next request fits, and none is told to wait more than a
+    minute."""
     book = QuotaBook()
     quota = TenantQuota(tokens_per_minute=1000)
     book.admit("t", 900, 10_000_000)
@@ -530,6 +531,18 @@ def test_a_clock_stepped_back_does_not_stretch_the_tokens_per_minute_window(
     book.admit("t", 600, now_ms)
     over = book.check("t", quota, 600, inflight=0, now_ms=now_ms + 1000)
     assert over.retry_after_s == 59  # the admission after the step, not the one before
+
+
+def test_admissions_a_batch_read_the_clock_before_still_count() -> None:
+    """A batch reads the clock once, then waits on Redis and Kafka while another class's
+    batch admits the same tenant: those admissions, stamped after the first batch's
+    `now`, were dropped from the window as if the clock had been stepped back, and the
+    tenant went past its limit."""
+    book = QuotaBook()
+    quota = TenantQuota(tokens_per_minute=3000)
+    book.admit("t", 2000, 1_000_200)  # the other class's batch, 200 ms "later"
+    assert book.tokens_last_minute("t", 1_000_000) == 2000
+    assert book.check("t", quota, 2000, inflight=0, now_ms=1_000_000) is not None
 
 
 @settings(max_examples=60, deadline=None)

@@ -1501,10 +1501,11 @@ class SchedulingEngine:
         within RETRY_IN_TRANSIT_MS is no longer counted: it went to another leader)."""
         if not self._retried:  # the common case: nothing to prune on each admission
             return 0
-        # one sent "later" than now (the clock was stepped back) is no longer counted either:
-        # kept, it counted for the whole step
+        # one sent over RETRY_IN_TRANSIT_MS "later" than now (the clock was stepped back) is
+        # no longer counted either: kept, it counted for the whole step; one sent a little
+        # later stays (`now_ms` may be a batch's, read before it waited on Redis)
         self._retried = {rid: (t, at) for rid, (t, at) in self._retried.items()
-                         if 0 <= now_ms - at < RETRY_IN_TRANSIT_MS}
+                         if -RETRY_IN_TRANSIT_MS < now_ms - at < RETRY_IN_TRANSIT_MS}
         return sum(1 for t, _ in self._retried.values() if t == tenant)
 
     def _handed_back_while_running(self, tenant: str) -> int:
