@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gpusched_agent.adapters.executor import PromptTokens
 from gpusched_agent.adapters.ledger import Claim, MemoryLedger, RedisLedger, Taken
@@ -4551,6 +4552,31 @@ async def test_the_ledger_is_read_for_retries_and_for_records_an_earlier_leader_
                                 timestamp=now[0])])
     assert ledger.reads == ["before#0", "retry#0"]
     assert len(engine.queue) == 4
+
+
+async def test_the_ledger_is_read_only_for_records_of_the_first_half_minute_and_not_while_away(
+        ) -> None:
+    """Every first attempt written in the 5 minutes after this instance took the lead was
+    looked up, a Redis round trip each, record by record; with Redis away each waited for
+    its client's time-out (seconds a record, until the lease lapsed). Now only those of the
+    first half minute are, and after a read fails none is tried for a while."""
+    class Away:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
+            self.reads += 1
+            raise RedisError("away")
+
+        async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
+            return {}
+
+    now, ledger = [1000], Away()
+    engine, _ = leading_engine(lambda: now[0], store=ledger)
+    await engine.admit([replace(_standard_record(i, f"r{i}"), timestamp=1000 + 10_000)
+                        for i in range(5)] +
+                       [replace(_standard_record(5, "later"), timestamp=1000 + 60_000)])
+    assert ledger.reads == 1 and len(engine.queue) == 6  # taken as they say: new
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

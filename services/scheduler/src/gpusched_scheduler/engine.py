@@ -104,6 +104,13 @@ from Kafka slower than this restarts a placement's untaken time-out."""
 MAX_CLOCK_AHEAD_MS = 300_000
 """How far a new request's `created_at_ms` may be ahead of this scheduler's clock (producers'
 clocks drift); later, the waits counted from it (queue time limit, latency) are nonsense."""
+RE_READ_SKEW_MS = 30_000
+"""A first attempt's record written (by its producer's clock) up to this long after this
+instance took the lead may have been written before it: `_standing` looks it up in the
+agents' ledger. Longer was a Redis round trip for every new request that long."""
+LEDGER_AWAY_MS = 5_000
+"""After a ledger read failed, `_standing` takes records as they say for this long: each
+read of a Redis away waited its client's time-out, record by record."""
 MAX_CLOCK_BEHIND_MS = 365 * 86_400_000
 """How far behind it may be: a backlog, but no Kafka keeps a year of one. Epoch seconds sent
 as milliseconds land in January 1970, 56 years behind."""
@@ -385,6 +392,8 @@ class SchedulingEngine:
         self._led_at_ms = 0
         """When this instance last took the lead: records written before may have been read,
         and placed, by a leader before it (`_standing`)."""
+        self._ledger_failed_ms = -LEDGER_AWAY_MS
+        """When a read of the agents' ledger last failed (`_standing`)."""
         self._over_quota_records = AnsweredRecords()
         """The request records answered 429: read again (the consumer seeks back when a
         batch's admission fails, or a new leader reads from an offset an earlier request
@@ -1336,24 +1345,26 @@ class SchedulingEngine:
         requests in flight and its tokens per minute. A first attempt read again (an earlier
         record held its offset back) may have been placed by a leader before: ended, it was
         charged again, counted in flight and placed again for nothing. Only a first attempt
-        written before this instance took the lead (within producers' clock skew) is looked
-        up: one written since would be known here. One Redis round trip for each looked up
-        (two for a first attempt an agent claimed). Where the ledger cannot tell (Redis away;
-        no Redis: tests, benchmarks), a record is taken as it says: a first attempt as new,
-        a retry as one."""
+        written before this instance took the lead (within RE_READ_SKEW_MS of producers'
+        clock skew) is looked up: one written since would be known here. One Redis round
+        trip for each looked up (two for a first attempt an agent claimed). Where the ledger
+        cannot tell (Redis away, and for LEDGER_AWAY_MS after a read failed; no Redis:
+        tests, benchmarks), a record is taken as it says: a first attempt as new, a retry
+        as one."""
         attempt = request.attempt
         placement_id = _placement_id(request.request_id, max(0, attempt - 1))
         if self._gone(placement_id):  # it ended, or was retried, here
             return "ran" if attempt else "done"
         as_said: Standing = "ran" if attempt else "new"
-        if self._store is None or (
-                not attempt and record.timestamp - self._led_at_ms > MAX_CLOCK_AHEAD_MS):
+        if self._store is None or self._clock() - self._ledger_failed_ms < LEDGER_AWAY_MS or (
+                not attempt and record.timestamp - self._led_at_ms > RE_READ_SKEW_MS):
             return as_said
         try:
             if attempt:
                 return "ran" if await self._store.ever_claimed(placement_id) else "new"
             claim = (await self._store.claim_states([placement_id]))[placement_id]
         except Exception:
+            self._ledger_failed_ms = self._clock()
             return as_said
         return "new" if claim == "untaken" else "ran" if claim == "held" else "done"
 
