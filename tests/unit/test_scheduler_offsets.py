@@ -106,3 +106,16 @@ async def test_notes_of_429s_are_forgotten_once_no_reader_comes_back_to_them() -
     assert notes.answered(replace(record(0, 7), timestamp=1007))
     assert not notes.answered(record(0, 7))  # another record at its position
     assert not notes.answered(replace(record(0, 4), timestamp=1004))
+
+
+async def test_a_topic_made_again_keeps_the_notes_of_its_records() -> None:
+    """A request topic deleted and made again starts its offsets over: the old topic's
+    commit (10,001) stayed the partition's floor, and the next commit forgot every 429 of
+    the new topic's records below it; a next leader then ran a request its client was told
+    was refused."""
+    kafka, book, notes = Kafka(), OffsetBook(), AnsweredRecords()
+    book.committed[TopicPartition(TOPIC, 0)] = 10_001  # the old topic's
+    notes.add(TopicPartition(TOPIC, 0), 2, 1002)
+    book.track(record(0, 1), None, kafka.commit)  # read from the new topic's start
+    assert TopicPartition(TOPIC, 0) not in book.committed
+    assert notes.forget_below(book.committed) == {} and len(notes) == 1

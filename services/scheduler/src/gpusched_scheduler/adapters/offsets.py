@@ -62,6 +62,11 @@ class OffsetBook:
         if commit is None:
             return
         tp = TopicPartition(record.topic, record.partition)
+        if record.offset < self.committed.get(tp, 0):
+            # read below what was committed: the topic was made again (or the group's
+            # offsets reset), and that commit no longer tells which records no reader comes
+            # back to (as a floor, it forgot the 429s of the new topic's records below it)
+            del self.committed[tp]
         entries = self._records.setdefault(tp, deque())
         if entries and record.offset <= entries[-1][0]:
             # read again from an earlier offset (the group rebalanced): everything after it
