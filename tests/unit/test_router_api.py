@@ -1075,7 +1075,7 @@ async def test_a_request_whose_body_comes_after_the_drain_is_not_sent(monkeypatc
     reply = await post(app, "/v1/completions",
                        json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
     assert published == [] and reply.status_code == 503
-    assert reply.json()["error"]["code"] == "router_shutting_down"
+    assert reply.json()["error"]["code"] == "router_not_taking_requests"
     assert "nothing was sent, send it again" in reply.json()["error"]["message"]
     assert reply.headers["retry-after"] == "1" and "x-should-retry" not in reply.headers
 

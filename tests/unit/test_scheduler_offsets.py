@@ -114,8 +114,32 @@ async def test_a_topic_made_again_keeps_the_notes_of_its_records() -> None:
     the new topic's records below it; a next leader then ran a request its client was told
     was refused."""
     kafka, book, notes = Kafka(), OffsetBook(), AnsweredRecords()
-    book.committed[TopicPartition(TOPIC, 0)] = 10_001  # the old topic's
-    notes.add(TopicPartition(TOPIC, 0), 2, 1002)
+    tp = TopicPartition(TOPIC, 0)
+    book.committed[tp] = 10_001  # the old topic's
+    notes.add(tp, 2, 1002)
     book.track(record(0, 1), None, kafka.commit)  # read from the new topic's start
-    assert TopicPartition(TOPIC, 0) not in book.committed
+    assert tp not in book.committed
     assert notes.forget_below(book.committed) == {} and len(notes) == 1
+
+
+async def test_an_old_topics_offset_due_or_going_out_is_not_taken_for_the_new_ones() -> None:
+    """Due (its commit had failed, the topic being deleted) or under way as the partition
+    started over, the old topic's offset was committed, or kept as the floor, for the new
+    topic: a next leader skipped the new records below it."""
+    tp = TopicPartition(TOPIC, 0)
+    kafka, book = Kafka(refuse=1), OffsetBook()
+    book.track(record(0, 10_000), None, kafka.commit)
+    book.advance()
+    assert not await book.commit()  # refused: due still
+    book.track(record(0, 0), item("new"), kafka.commit)  # the new topic's first, undecided
+    book.advance()
+    assert not book.due and await book.commit() and tp not in book.committed
+
+    class Slow:  # a commit that goes out as the partition starts over
+        async def commit(self, offsets: dict) -> None:
+            book.track(record(0, 0), item("new"), self.commit)
+
+    book = OffsetBook()
+    book.track(record(0, 10_000), None, Slow().commit)
+    book.advance()
+    assert await book.commit() and tp not in book.committed

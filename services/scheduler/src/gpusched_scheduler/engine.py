@@ -108,9 +108,6 @@ RE_READ_SKEW_MS = 30_000
 """A first attempt's record written (by its producer's clock) up to this long after this
 instance took the lead may have been written before it: `_standing` looks it up in the
 agents' ledger. Longer was a Redis round trip for every new request that long."""
-LEDGER_AWAY_MS = 5_000
-"""After a ledger read failed, `_standing` takes records as they say for this long: each
-read of a Redis away waited its client's time-out, record by record."""
 MAX_CLOCK_BEHIND_MS = 365 * 86_400_000
 """How far behind it may be: a backlog, but no Kafka keeps a year of one. Epoch seconds sent
 as milliseconds land in January 1970, 56 years behind."""
@@ -392,8 +389,6 @@ class SchedulingEngine:
         self._led_at_ms = 0
         """When this instance last took the lead: records written before may have been read,
         and placed, by a leader before it (`_standing`)."""
-        self._ledger_failed_ms = -LEDGER_AWAY_MS
-        """When a read of the agents' ledger last failed (`_standing`)."""
         self._over_quota_records = AnsweredRecords()
         """The request records answered 429: read again (the consumer seeks back when a
         batch's admission fails, or a new leader reads from an offset an earlier request
@@ -616,6 +611,10 @@ class SchedulingEngine:
                     await self._budget_flag(request.tenant, now)  # a cancel ends it anyway
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
+                # the clock read again after the waits: older, `now` was behind what another
+                # class's batch admitted meanwhile, which the window took for a clock stepped
+                # back and dropped (the tenant went past its limit)
+                now = self._clock()
                 if spent is not None:
                     refusal = ("budget_spent", spent.reason, "insufficient_quota",
                                MAX_RETRY_AFTER_S if spent.left_ms is None else
@@ -1348,15 +1347,15 @@ class SchedulingEngine:
         written before this instance took the lead (within RE_READ_SKEW_MS of producers'
         clock skew) is looked up: one written since would be known here. One Redis round
         trip for each looked up (two for a first attempt an agent claimed). Where the ledger
-        cannot tell (Redis away, and for LEDGER_AWAY_MS after a read failed; no Redis:
-        tests, benchmarks), a record is taken as it says: a first attempt as new, a retry
-        as one."""
+        cannot tell (Redis away; no Redis: tests, benchmarks), a record is taken as it says:
+        a first attempt as new, a retry as one. With Redis away, each looked-up record waits
+        for its client's time-out until the lease lapses and this instance steps down."""
         attempt = request.attempt
         placement_id = _placement_id(request.request_id, max(0, attempt - 1))
         if self._gone(placement_id):  # it ended, or was retried, here
             return "ran" if attempt else "done"
         as_said: Standing = "ran" if attempt else "new"
-        if self._store is None or self._clock() - self._ledger_failed_ms < LEDGER_AWAY_MS or (
+        if self._store is None or (
                 not attempt and record.timestamp - self._led_at_ms > RE_READ_SKEW_MS):
             return as_said
         try:
@@ -1364,7 +1363,6 @@ class SchedulingEngine:
                 return "ran" if await self._store.ever_claimed(placement_id) else "new"
             claim = (await self._store.claim_states([placement_id]))[placement_id]
         except Exception:
-            self._ledger_failed_ms = self._clock()
             return as_said
         return "new" if claim == "untaken" else "ran" if claim == "held" else "done"
 
@@ -1512,11 +1510,10 @@ class SchedulingEngine:
         within RETRY_IN_TRANSIT_MS is no longer counted: it went to another leader)."""
         if not self._retried:  # the common case: nothing to prune on each admission
             return 0
-        # one sent over RETRY_IN_TRANSIT_MS "later" than now (the clock was stepped back) is
-        # no longer counted either: kept, it counted for the whole step; one sent a little
-        # later stays (`now_ms` may be a batch's, read before it waited on Redis)
+        # one sent "later" than now (the clock was stepped back) is no longer counted either:
+        # kept, it counted for the whole step
         self._retried = {rid: (t, at) for rid, (t, at) in self._retried.items()
-                         if -RETRY_IN_TRANSIT_MS < now_ms - at < RETRY_IN_TRANSIT_MS}
+                         if 0 <= now_ms - at < RETRY_IN_TRANSIT_MS}
         return sum(1 for t, _ in self._retried.values() if t == tenant)
 
     def _handed_back_while_running(self, tenant: str) -> int:

@@ -55,6 +55,9 @@ class OffsetBook:
         self.committed: dict[TopicPartition, int] = {}
         """The offset Kafka took last for each partition (the next record to read): a next
         leader reads from there."""
+        self._restarts: dict[TopicPartition, int] = {}
+        """How often each partition was read below what was committed (`track`): a commit
+        under way since then is of the old topic's offsets."""
 
     def track(self, record: ConsumerRecord, item: Pending | None, commit: Commit | None) -> None:
         """Remember `record`; `commit` commits its consumer's offsets (None: nothing to commit,
@@ -62,11 +65,14 @@ class OffsetBook:
         if commit is None:
             return
         tp = TopicPartition(record.topic, record.partition)
-        if record.offset < self.committed.get(tp, 0):
-            # read below what was committed: the topic was made again (or the group's
-            # offsets reset), and that commit no longer tells which records no reader comes
-            # back to (as a floor, it forgot the 429s of the new topic's records below it)
-            del self.committed[tp]
+        if record.offset < max(self.committed.get(tp, 0), self._due.get(tp, 0)):
+            # read below what was committed or due: the topic was made again (or the group's
+            # offsets reset), and those offsets are the old topic's: committed to the new
+            # one, a next leader skipped its records; as a floor, they forgot the 429s of
+            # the new topic's records below them
+            self.committed.pop(tp, None)
+            self._due.pop(tp, None)
+            self._restarts[tp] = self._restarts.get(tp, 0) + 1
         entries = self._records.setdefault(tp, deque())
         if entries and record.offset <= entries[-1][0]:
             # read again from an earlier offset (the group rebalanced): everything after it
@@ -98,6 +104,7 @@ class OffsetBook:
         for tp, offset in self._due.items():
             by_consumer.setdefault(self._commits[tp], {})[tp] = offset
         for commit, offsets in by_consumer.items():
+            restarts = {tp: self._restarts.get(tp, 0) for tp in offsets}
             try:
                 await commit(offsets)
             except Exception:  # retried with the next decisions; at worst redelivered
@@ -105,6 +112,8 @@ class OffsetBook:
                 ok = False
                 continue
             for tp, offset in offsets.items():
+                if self._restarts.get(tp, 0) != restarts[tp]:
+                    continue  # the partition started over while this went out: an old offset
                 self.committed[tp] = offset
                 if self._due.get(tp) == offset:
                     del self._due[tp]

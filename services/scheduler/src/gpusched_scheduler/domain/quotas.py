@@ -32,17 +32,17 @@ class QuotaBook:
 
     def _window(self, tenant: str, now_ms: int) -> deque[tuple[int, int]]:
         """`tenant`'s admissions in the minute up to `now_ms`, oldest first. Those older
-        leave it, and so do those stamped more than a minute after `now_ms`: the clock was
-        stepped back, and kept they counted for the whole step, and a 429 said to retry that
-        far ahead (past an hour, none could be sent, and the request topic stalled on it).
-        The minute before such a step is forgotten instead: its tokens may be admitted again
-        once. One stamped less than a minute ahead stays: `now_ms` is a batch's, read before
-        it waited on Redis and Kafka, while another class's batch admitted the same tenant
-        later (dropped, those admissions let the tenant past its limit)."""
+        leave it, and so do those stamped after `now_ms`: the clock was stepped back, and
+        kept they counted for the whole step, and a 429 said to retry that far ahead (past
+        an hour, none could be sent, and the request topic stalled on it). The minute before
+        such a step is forgotten instead: its tokens may be admitted again once. So `now_ms`
+        is the clock as it reads now, never an older reading (another batch may have
+        admitted since: dropped as if stamped after a step, the tenant went past its
+        limit)."""
         window = self._admitted.setdefault(tenant, deque())
         while window and window[0][0] <= now_ms - WINDOW_MS:
             window.popleft()
-        while window and window[-1][0] > now_ms + WINDOW_MS:  # in time order: newest last
+        while window and window[-1][0] > now_ms:  # kept in time order: newest last
             window.pop()
         return window
 
