@@ -135,11 +135,31 @@ async def test_an_old_topics_offset_due_or_going_out_is_not_taken_for_the_new_on
     book.advance()
     assert not book.due and await book.commit() and tp not in book.committed
 
-    class Slow:  # a commit that goes out as the partition starts over
+    class Slow(Kafka):  # a commit that goes out as the partition starts over
         async def commit(self, offsets: dict) -> None:
+            await super().commit(offsets)
             book.track(record(0, 0), item("new"), self.commit)
 
-    book = OffsetBook()
-    book.track(record(0, 10_000), None, Slow().commit)
+    book, slow = OffsetBook(), Slow()
+    book.track(record(0, 10_000), None, slow.commit)
     book.advance()
     assert await book.commit() and tp not in book.committed
+    assert await book.commit() and slow.committed[tp] == 0  # Kafka taken back to it
+
+    # two consumers: the other class's partition starts over while the first commits
+    other = TopicPartition("gpusched.requests.batch", 0)
+    second = Kafka()
+
+    class Restarting(Kafka):
+        async def commit(self, offsets: dict) -> None:
+            await super().commit(offsets)
+            book.track(ConsumerRecord(other.topic, 0, 0, 0, 0, None, b"", None, 0, 0, ()),
+                       item("b"), second.commit)
+
+    book, restarting = OffsetBook(), Restarting()
+    book.track(record(0, 5), None, restarting.commit)
+    book.track(ConsumerRecord(other.topic, 0, 10_000, 0, 0, None, b"", None, 0, 0, ()),
+               None, second.commit)
+    book.advance()
+    assert await book.commit()
+    assert other not in second.committed and other not in book.committed

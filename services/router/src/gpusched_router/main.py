@@ -88,11 +88,11 @@ CONTEXT_EXCEEDED = re.compile(
 """An inference engine's refusal that says the prompt and completion exceed the model's
 context: the router answers it as OpenAI does, `context_length_exceeded`."""
 SHUTTING_DOWN = "router_shutting_down"
+"""The code of the 503 a client still waiting is answered once its router has stopped and
+the drain time-out passed: its request goes on."""
 NOT_TAKING = "router_not_taking_requests"
 """A stopping router's 503 for a request it did not send (its body came after the drain):
 nothing runs, send it again."""
-"""The code of the 503 a client still waiting is answered once its router has stopped and
-the drain time-out passed: its request goes on."""
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[Waited | None]]
 log = logging.getLogger(__name__)
 

@@ -103,8 +103,14 @@ class OffsetBook:
         by_consumer: dict[Commit, dict[TopicPartition, int]] = {}
         for tp, offset in self._due.items():
             by_consumer.setdefault(self._commits[tp], {})[tp] = offset
+        # a partition that starts over (`track`) while a commit is under way has only old
+        # offsets here: none is sent after that, and one sent as it happened is taken back
+        restarts = {tp: self._restarts.get(tp, 0) for tp in self._due}
         for commit, offsets in by_consumer.items():
-            restarts = {tp: self._restarts.get(tp, 0) for tp in offsets}
+            offsets = {tp: o for tp, o in offsets.items()
+                       if self._restarts.get(tp, 0) == restarts[tp]}
+            if not offsets:
+                continue
             try:
                 await commit(offsets)
             except Exception:  # retried with the next decisions; at worst redelivered
@@ -113,7 +119,12 @@ class OffsetBook:
                 continue
             for tp, offset in offsets.items():
                 if self._restarts.get(tp, 0) != restarts[tp]:
-                    continue  # the partition started over while this went out: an old offset
+                    # it started over while this went out: Kafka holds the old topic's
+                    # offset; the new topic's first record read is due instead (read again
+                    # at worst, never skipped)
+                    if entries := self._records.get(tp):
+                        self._due[tp] = entries[0][0]
+                    continue
                 self.committed[tp] = offset
                 if self._due.get(tp) == offset:
                     del self._due[tp]
