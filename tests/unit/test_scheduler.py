@@ -4529,28 +4529,33 @@ async def test_a_record_that_only_says_it_is_a_retry_is_judged_as_new_work(
     assert engine.quotas.tokens_last_minute("hooli", 1000) == 3000  # the retries take none
 
 
+class _ReadsLedger:
+    """The agents' ledger as `_standing` reads it, noting the ids it is asked about: every
+    earlier attempt was claimed (a retry is one), and no first attempt was taken (it is
+    new)."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    async def ever_claimed(self, placement_id: str) -> bool:
+        self.reads.append(placement_id)
+        return True
+
+    async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
+        self.reads += placement_ids
+        return dict.fromkeys(placement_ids, "untaken")
+
+    async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
+        return {}
+
+
 async def test_the_ledger_is_read_for_retries_and_for_records_an_earlier_leader_may_have_read(
         ) -> None:
     """One Redis read per later attempt, and per first attempt written before this
     instance took the lead (a leader before may have placed it); none for a first attempt
     written since (this instance would know it), nor for one whose earlier attempt this
     instance saw end."""
-    class Ledger:
-        def __init__(self) -> None:
-            self.reads: list[str] = []
-
-        async def ever_claimed(self, placement_id: str) -> bool:
-            self.reads.append(placement_id)
-            return True
-
-        async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
-            self.reads += placement_ids
-            return dict.fromkeys(placement_ids, "untaken")
-
-        async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
-            return {}
-
-    now, ledger = [1000], Ledger()
+    now, ledger = [1000], _ReadsLedger()
     engine, _ = leading_engine(lambda: now[0], store=ledger)
     now[0] += 10 * 60_000
     engine._ended["seen#0"] = None  # its final usage was read
@@ -4569,18 +4574,7 @@ async def test_the_ledger_is_read_only_for_first_attempts_of_the_first_half_minu
     """Every first attempt written in the 5 minutes after this instance took the lead was
     looked up, a Redis round trip each, record by record. Now only those of the first half
     minute are (by their producer's clock)."""
-    class Ledger:
-        def __init__(self) -> None:
-            self.reads: list[str] = []
-
-        async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
-            self.reads += placement_ids
-            return dict.fromkeys(placement_ids, "untaken")
-
-        async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
-            return {}
-
-    now, ledger = [1000], Ledger()
+    now, ledger = [1000], _ReadsLedger()
     engine, _ = leading_engine(lambda: now[0], store=ledger)
     await engine.admit([replace(_standard_record(0, "early"), timestamp=1000 + 10_000),
                         replace(_standard_record(1, "later"), timestamp=1000 + 60_000)])
