@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Seque
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.propagate import inject
 
 from gpusched_agent.adapters.executor import (
     EngineFinished,
@@ -68,7 +68,6 @@ from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import context_from, in_trace, untraced
 
 log = logging.getLogger(__name__)
-_W3C = TraceContextTextMapPropagator()
 
 Publish = Callable[..., Awaitable[None]]
 """publish(message, topic, key, wait=True); wait=False pipelines the send (token chunks:
@@ -436,7 +435,7 @@ class AgentRuntime:
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         asks = cmd.request.asks_digest()
         carrier: dict[str, str] = {}
-        _W3C.inject(carrier)  # the span of the command (FastStream's, from its record)
+        inject(carrier)  # the span of the command (FastStream's, from its record)
         running = self._running.get(cmd.placement_id)
         claim = Taken(running.placement.request.asks_digest()) if running is not None \
             else await self._ledger.claim(

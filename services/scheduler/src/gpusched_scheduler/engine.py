@@ -577,7 +577,8 @@ class SchedulingEngine:
                 continue
             standing: Standing = "ran"  # a redelivery of waiting work keeps its item
             if waiting is None:
-                carrier = self._own_trace(outcome.carrier, record, request_attributes(request))
+                carrier = self._own_trace(outcome.carrier, record,
+                                          functools.partial(request_attributes, request))
                 standing = await self._standing(record, request)
                 if self.epoch != epoch:
                     return  # stepped down meanwhile: this batch is the next leader's
@@ -654,10 +655,11 @@ class SchedulingEngine:
         self._commit_decided()
 
     def _own_trace(self, carrier: dict[str, str], record: ConsumerRecord,
-                   attributes: Mapping[str, str]) -> dict[str, str]:
+                   attributes: Callable[[], Mapping[str, str]]) -> dict[str, str]:
         """`carrier`, the trace context of a request record, where it names a trace (the
         router's, or that of the attempt before); else that of a new trace of the request's
-        own, begun by an `admit` span with `attributes` (Jaeger finds it by its request id).
+        own, begun by an `admit` span with `attributes()` (Jaeger finds it by its request
+        id; built only then: most records carry the router's context).
         Before, the records of a request produced straight to Kafka went in the trace of the
         cycle that decided it, with every other such request of that cycle, and those sent
         later for it (a retry, its rejection) in a new trace each."""
@@ -665,7 +667,7 @@ class SchedulingEngine:
             return carrier
         span = self._tracer.start_span(
             "admit", context=Context(), kind=trace.SpanKind.CONSUMER,
-            attributes={"messaging.destination.name": record.topic, **attributes})
+            attributes={"messaging.destination.name": record.topic, **attributes()})
         span.end()
         own: dict[str, str] = {}
         inject(own, context=trace.set_span_in_context(span))
@@ -1972,11 +1974,14 @@ class SchedulingEngine:
         """Dead-letter request `record`, and send its rejection where it has one, in the
         trace of the request it is (`_own_trace`)."""
         self._metrics.rejected.labels("invalid").inc()
-        attributes: Mapping[str, str] = {}
-        if refused.request is not None:
-            attributes = request_attributes(refused.request)
-        elif refused.rejection is not None:  # invalid, but its request id is valid
-            attributes = {"gpusched.request_id": refused.rejection.request_id}
+
+        def attributes() -> Mapping[str, str]:
+            if refused.request is not None:
+                return request_attributes(refused.request)
+            if refused.rejection is not None:  # invalid, but its request id is valid
+                return {"gpusched.request_id": refused.rejection.request_id}
+            return {}
+
         carrier = self._own_trace(record_carrier(record.headers), record, attributes)
         out = [Outgoing(refused.dead_letter, topics.DEAD_LETTERS.name,
                         refused.dead_letter.source_topic, carrier)]
