@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from gpusched_scheduler.domain.solver import (
     POLICIES,
     ClusterState,
+    GpuSpec,
     NodeSpec,
     ShapeDistribution,
+    WorkBatch,
     solve,
 )
 from gpusched_scheduler.domain.solver.reference import reference_solve
@@ -98,5 +100,48 @@ def test_single_gpu_fast_path_matches_reference(policy, state, batch, seed):
     units = batch.take(one[rng.integers(len(one), size=3 * len(one))])
     fast = solve(state, units, policy)
     slow = reference_solve(state, units, policy)
+    np.testing.assert_array_equal(fast.node, slow.node)
+    np.testing.assert_array_equal(fast.gpus, slow.gpus)
+
+
+@st.composite
+def gang_clusters(draw, max_nodes: int = 4) -> ClusterState:
+    """Nodes of 2-4 GPUs, most of them wholly free: few enough that gpusched's held node
+    (the last one wholly free for the workload's largest gang) comes into play."""
+    fresh = st.builds(GpuSpec, type_name=st.just("A"),
+                      milli_free=st.sampled_from([1000, 1000, 1000, 500]),
+                      memory_free_mib=st.just(16), memory_total_mib=st.none(),
+                      healthy=st.sampled_from([True, True, True, False]))
+    nodes = [
+        NodeSpec(f"n{i}", draw(st.integers(2, 8)), 8,
+                 tuple(draw(st.lists(fresh, min_size=2, max_size=4))),
+                 cpu_total_milli=8, memory_total_mib=8)
+        for i in range(draw(st.integers(2, max_nodes)))
+    ]
+    return ClusterState.from_nodes(nodes, model_slots=3)
+
+
+@SETTINGS
+@given(state=gang_clusters(), batch=batches(max_units=10), gang=st.integers(2, 3),
+       seed=st.integers(0, 2**16), scanned=st.booleans())
+def test_held_node_matches_reference(state, batch, gang, seed, scanned):
+    """The held node, through the cached trees and the plain scan: units in random order,
+    repeated, with a gang of ``gang`` whole GPUs in the workload's shapes."""
+    from gpusched_scheduler.domain.solver import solve as solve_mod
+
+    sample = WorkBatch.from_units(num_gpu=[*batch.num_gpu, gang],
+                                  gpu_milli=[*batch.gpu_milli, 1000],
+                                  cpu_milli=[*batch.cpu_milli, 1], mem_mib=[*batch.mem_mib, 0])
+    shapes = ShapeDistribution.from_batch(sample, coverage=1.0)
+    rng = np.random.default_rng(seed)
+    units = batch.take(rng.integers(len(batch), size=3 * len(batch)))
+    old = solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"]
+    if scanned:
+        solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"] = 0
+    try:
+        fast = solve(state, units, "gpusched", shapes=shapes)
+    finally:
+        solve_mod.__globals__["SHAPE_CACHE_BUDGET_BYTES"] = old
+    slow = reference_solve(state, units, "gpusched", shapes=shapes)
     np.testing.assert_array_equal(fast.node, slow.node)
     np.testing.assert_array_equal(fast.gpus, slow.gpus)

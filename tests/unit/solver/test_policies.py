@@ -178,6 +178,37 @@ def test_gpusched_puts_cpu_only_work_where_gpus_need_the_cpu_least():
     assert res.outcome(0).node_id == "busy-gpus"
 
 
+def test_gpusched_holds_the_last_wholly_free_node_for_the_largest_gang():
+    """A unit that is not the workload's largest gang avoids the last node whose GPUs are
+    all free while another node fits it, even where its score prefers that node; it goes
+    there when nothing else fits."""
+    workload = WorkBatch.from_units(num_gpu=[1, 1, 2], gpu_milli=[300, 1000, 1000],
+                                    cpu_milli=[1000] * 3, mem_mib=[0] * 3)
+    shapes = ShapeDistribution.from_batch(workload, coverage=1.0)
+    no_gang = ShapeDistribution.from_batch(workload.take([0, 1]), coverage=1.0)
+    share = one(gpu_milli=300, cpu=1000, mem=0)
+    # node-0 is short of CPU: a share there strands GPU, so the score prefers node-1
+    state = cluster((2000, [1000, 700]), (None, [1000, 1000]))
+    assert solve(state, share, "gpusched", shapes=no_gang).node.tolist() == [1]
+    assert solve(state, share, "gpusched", shapes=shapes).node.tolist() == [0]
+    # only the held node has the CPU: it is used
+    assert solve(state, one(gpu_milli=300, cpu=3000, mem=0), "gpusched",
+                 shapes=shapes).node.tolist() == [1]
+    # two wholly free nodes: neither is the last one, the score decides
+    roomy = cluster((2000, [1000, 700]), (None, [1000, 1000]), (None, [1000, 1000]))
+    assert solve(roomy, share, "gpusched", shapes=shapes).node.tolist() == [1]
+
+
+def test_gpusched_online_places_the_late_gang_of_the_small_optimality_instance():
+    """``rand-12u-4x4-s0`` (bench: distance to optimal) ends with a 4-GPU gang; before the
+    held node its CPU-heavy sharing units had broken all four nodes by then."""
+    from gpusched_scheduler.bench.optimal import random_instance
+
+    inst = random_instance(0, n_units=12, n_nodes=4, gpus_per_node=4)
+    res = solve(inst.state(), inst.batch, "gpusched")
+    assert res.placed.all()
+
+
 def test_lookahead_places_big_units_first_but_reports_in_batch_order():
     state = cluster((None, [1000, 1000]))
     batch = WorkBatch.from_units(num_gpu=[1, 1, 2], gpu_milli=[500, 500, 1000],

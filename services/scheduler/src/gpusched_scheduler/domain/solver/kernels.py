@@ -718,6 +718,68 @@ def score_all(policy, S, u, U, W, C, params, sc, group, group_score, group_epoch
     return m
 
 
+HELD_NODES = 1
+"""gpusched holds back the last node(s) wholly free for the workload's largest gang: a
+unit that is not such a gang goes there only when no other node fits it."""
+
+
+@njit(cache=True)
+def held_gang(policy, W):
+    """GPUs of the largest gang among the workload's shapes when gpusched holds nodes for
+    it (see ``HELD_NODES``), else 0."""
+    gang = 0
+    if policy == GPUSCHED:
+        for s in range(W[2].shape[0]):
+            gang = max(gang, W[2][s])
+    return gang if gang >= 2 else 0
+
+
+@njit(cache=True)
+def node_free_for(S, n, gang):
+    """Node ``n`` has at least ``gang`` healthy GPUs and all of them wholly free."""
+    c = 0
+    for g in range(S[4][n], S[4][n + 1]):
+        if S[8][g]:
+            if S[6][g] < 1000:
+                return False
+            c += 1
+    return c >= gang
+
+
+@njit(cache=True)
+def past_held_tree(S, best, gang, sc, tr, size, held, held_score):
+    """The lowest (score, index) node of tournament tree ``tr`` that is not wholly free for
+    ``gang``, or ``best`` when none fits: takes the free nodes out of the tree one by one
+    (at most ``HELD_NODES`` of them exist when this is asked), then puts them back."""
+    nh = 0
+    alt = best
+    while alt >= 0 and sc[alt] < INF and nh < HELD_NODES and node_free_for(S, alt, gang):
+        held[nh] = alt
+        held_score[nh] = sc[alt]
+        nh += 1
+        sc[alt] = INF
+        tree_update(tr, sc, alt, size)
+        alt = tr[1]
+    if alt >= 0 and sc[alt] < INF and not node_free_for(S, alt, gang):
+        best = alt
+    for i in range(nh):
+        sc[held[i]] = held_score[i]
+        tree_update(tr, sc, held[i], size)
+    return best
+
+
+@njit(cache=True)
+def past_held_scan(S, best, gang, scan):
+    """``past_held_tree`` over a plain array of node scores."""
+    alt_score = INF
+    alt = best
+    for n in range(scan.shape[0]):
+        if scan[n] < alt_score and not node_free_for(S, n, gang):
+            alt_score = scan[n]
+            alt = n
+    return alt
+
+
 @njit(cache=True)
 def solve_kernel(
     policy, S, U, W, order, shape_of, scores, trees, C, P, out_node, out_gpus, out_reason,
@@ -762,6 +824,14 @@ def solve_kernel(
     pscore = np.empty(n_nodes, np.float64)
     pgpu = np.empty(n_nodes, np.int64)
     scan = np.empty(n_nodes, np.float64)
+    gang = held_gang(policy, W)
+    n_free = 0  # nodes wholly free for the held gang (0 when none is held)
+    if gang > 0:
+        for n in range(n_nodes):
+            if node_free_for(S, n, gang):
+                n_free += 1
+    held = np.empty(HELD_NODES, np.int64)
+    held_score = np.empty(HELD_NODES, np.float64)
     for idx in range(len(order)):
         u = order[idx]
         k = U[0][u]
@@ -816,10 +886,18 @@ def solve_kernel(
                     if scan[n] < best_score:
                         best_score = scan[n]
                         best = n
+        if (best >= 0 and gang > 0 and k < gang and n_free <= HELD_NODES
+                and node_free_for(S, best, gang)):
+            if slot >= 0:
+                best = past_held_tree(S, best, gang, scores[slot], trees[slot], size, held,
+                                      held_score)
+            else:
+                best = past_held_scan(S, best, gang, scan)
         if best < 0:
             out_node[u] = -1
             out_reason[u] = diagnose(S, u, U)
             continue
+        was_free = gang > 0 and node_free_for(S, best, gang)
         stats[2] += 1
         if fast:
             pend[0] = best
@@ -828,6 +906,8 @@ def solve_kernel(
         else:
             eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
         apply_unit(S, best, u, U, best_sel)
+        if was_free and not node_free_for(S, best, gang):
+            n_free -= 1
         C[0][best] = np.nan
         if groups_built:
             group[best] = -1  # no longer equal to its old group

@@ -209,6 +209,21 @@ def _place(c: _Cluster, n: int, unit: dict, sel: list[int]) -> None:
         c.gmem[g] -= need
 
 
+def _free_for(c: _Cluster, n: int, gang: int) -> bool:
+    """At least ``gang`` healthy GPUs on node ``n``, all wholly free (kernels.node_free_for)."""
+    healthy = [g for g in c.gpus[n] if c.healthy[g]]
+    return len(healthy) >= gang and all(c.gmilli[g] >= 1000 for g in healthy)
+
+
+def _lowest(scored: list, nodes) -> int:
+    """The node of ``nodes`` with the lowest finite score (ties: the lowest index), or -1."""
+    best, best_score = -1, math.inf
+    for n in nodes:
+        if scored[n][0] < best_score:
+            best, best_score = n, scored[n][0]
+    return best
+
+
 def _valid(unit: dict) -> bool:
     k, milli = unit["k"], unit["milli"]
     if not 0 <= k <= MAX_GANG_GPUS or not 0 <= milli <= 1000 or (k > 0 and milli == 0):
@@ -276,21 +291,32 @@ def reference_solve(
     out_gpus = np.full((n_units, MAX_GANG_GPUS), -1, np.int64)
     out_reason = np.zeros(n_units, np.int64)
     order = unit_order(batch, pol, lookahead)
+    gang = 0
+    if pol.kernel_id == K.GPUSCHED:
+        gang = max((s["k"] for s in shape_rows), default=0)
+    gang = gang if gang >= 2 else 0
+    n_free = sum(1 for n in range(len(c.cpu)) if gang and _free_for(c, n, gang))
     for u in order.tolist()[: limit if limit is not None else n_units]:
         unit = dict(k=cols[0][u], milli=cols[1][u], gmem=cols[2][u], cpu=cols[3][u],
                     mem=cols[4][u], mask=cols[5][u], model=cols[6][u], weight=cols[7][u])
         if not _valid(unit):
             out_reason[u] = K.INVALID_REQUEST
             continue
-        best, best_score, best_sel = -1, math.inf, []
-        for n in range(len(c.cpu)):
-            sc, sel = score_node(pol.kernel_id, c, n, unit, shape_rows, params, prices)
-            if sc < best_score:
-                best, best_score, best_sel = n, sc, sel
+        scored = [score_node(pol.kernel_id, c, n, unit, shape_rows, params, prices)
+                  for n in range(len(c.cpu))]
+        best = _lowest(scored, range(len(c.cpu)))
+        if (best >= 0 and gang and unit["k"] < gang and n_free <= K.HELD_NODES
+                and _free_for(c, best, gang)):
+            alt = _lowest(scored, [n for n in range(len(c.cpu)) if not _free_for(c, n, gang)])
+            best = alt if alt >= 0 else best
         if best < 0:
             out_reason[u] = _diagnose(c, unit)
             continue
+        best_sel = scored[best][1]
+        was_free = gang and _free_for(c, best, gang)
         _place(c, best, unit, best_sel)
+        if was_free and not _free_for(c, best, gang):
+            n_free -= 1
         out_node[u] = best
         out_gpus[u, : len(best_sel)] = best_sel
     after = work.copy()
