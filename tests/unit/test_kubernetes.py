@@ -177,11 +177,30 @@ def test_a_stopped_router_has_the_time_to_answer_its_clients_wherever_it_runs() 
     from gpusched_ops.stack import SERVICE_STOP_TIMEOUT_S
 
     router = named(built("production"), "Deployment")["router"]["spec"]["template"]["spec"]
-    grace_s = router["terminationGracePeriodSeconds"]
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
-    assert compose["router"]["stop_grace_period"] == f"{grace_s}s"
-    assert SERVICE_STOP_TIMEOUT_S["router"] == grace_s
+    grace_s = SERVICE_STOP_TIMEOUT_S["router"]
+    assert compose["router"]["stop_grace_period"] == f"{grace_s:g}s"
     assert grace_s >= RouterSettings().router_drain_s + 20
+    # Kubernetes counts the preStop pause in the grace period
+    [container] = router["containers"]
+    pause_s = _pre_stop_sleep_s(container)
+    assert router["terminationGracePeriodSeconds"] == grace_s + pause_s
+
+
+def _pre_stop_sleep_s(container: dict) -> float:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    return float(command[1])
+
+
+def test_a_stopping_router_pod_keeps_taking_connections_until_it_leaves_the_endpoints(
+) -> None:
+    """Deleted, a pod is taken out of the Service's endpoints while it is told to stop;
+    proxies keep sending it new connections for a few seconds. The router closes its
+    listener on SIGTERM, so it pauses before it (preStop) and those are still served."""
+    router = named(built("production"), "Deployment")["router"]["spec"]["template"]["spec"]
+    [container] = router["containers"]
+    assert 3 <= _pre_stop_sleep_s(container) <= 10
 
 
 def test_dev_is_the_compose_stack() -> None:
