@@ -1473,3 +1473,16 @@ async def test_a_check_from_an_older_reading_does_not_shorten_a_months_flag(
         {(day.label, "tokens"): 150.0, (month.label, "tokens"): 900.0})
     assert json.loads(await redis_store.redis.get(key))["period"] == month.label
 
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/14"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/14"),
+    ("redis://:secret@cache:6380/3?socket_timeout=5", "redis://:secret@cache:6380/14?socket_timeout=5"),
+])
+def test_the_bench_uses_its_own_database_of_any_redis_url(url: str, expected: str) -> None:
+    """`bench accounting --redis` cut the URL at its last '/' to add its database: a URL
+    without one, `redis://127.0.0.1:6379`, became `redis://14` (host "14")."""
+    from gpusched_accounting.bench import in_database
+
+    assert in_database(url, 14) == expected

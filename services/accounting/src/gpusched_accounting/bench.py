@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import psutil
@@ -157,6 +158,12 @@ async def _redis_cpu_s(redis: Redis) -> float:
     return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
+def in_database(redis_url: str, db: int) -> str:
+    """`redis_url` naming database `db`, whatever database it named (or none), its host,
+    credentials and options kept."""
+    return urlunsplit(urlsplit(redis_url)._replace(path=f"/{db}"))
+
+
 async def in_process(redis_url: str, rows: list[UsageRow], batch: int) -> float:
     redis = Redis.from_url(redis_url)
     await redis.flushdb()
@@ -260,10 +267,10 @@ def main(argv: list[str]) -> int:
             stack.start_component("kafka")
             stack.start_component("redis")
         bootstrap = args.kafka or stack.endpoints().kafka_bootstrap
-        redis_base = (args.redis or stack.endpoints().redis_url).rsplit("/", 1)[0]
+        redis_url = args.redis or stack.endpoints().redis_url
         asyncio.run(topics.ensure_topics(bootstrap))
         try:
-            kafka = asyncio.run(through_kafka(args, stack, bootstrap, f"{redis_base}/14",
+            kafka = asyncio.run(through_kafka(args, stack, bootstrap, in_database(redis_url, 14),
                                               prices))
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -271,9 +278,9 @@ def main(argv: list[str]) -> int:
         rows = [row_for(e, prices) for e in usage_events(
             args.baseline_events, [f"t{i}" for i in range(args.tenants)],
             int(time.time() * 1000), seed=2)]
-        naive = asyncio.run(in_process(f"{redis_base}/15", rows, 1))
-        batched = asyncio.run(in_process(f"{redis_base}/15", rows, args.batch))
-        day = asyncio.run(day_of_buckets(f"{redis_base}/15", prices, args.tenants,
+        naive = asyncio.run(in_process(in_database(redis_url, 15), rows, 1))
+        batched = asyncio.run(in_process(in_database(redis_url, 15), rows, args.batch))
+        day = asyncio.run(day_of_buckets(in_database(redis_url, 15), prices, args.tenants,
                                          args.queries))
     finally:
         if own:
