@@ -40,6 +40,7 @@ def test_measure_reports_rates_latency_and_memory():
                              lookahead=True)
     assert row.numba_per_s > 0 and row.reference_per_s > 0 and row.peak_mib > 0
     assert row.p99_ms >= row.p50_ms and row.order == "lookahead"
+    assert row.shapes_ms > 0  # building the shapes the solves are handed, timed apart
 
 
 def test_optimality_rows_and_lower_bound():
@@ -116,7 +117,7 @@ def test_without_default_throughput_takes_the_first_pod_lists_shapes_and_json_ke
     part, so a later part that fails keeps the earlier ones."""
     _write_tiny_traces(tmp_path, pod_list="tiny")
     row = throughput.ThroughputRow("gpusched", "arrival", 4096, 1000, 1.0, 1.0, 1.0, 1.0,
-                                   1.0, 100.0, 1.0, 1)
+                                   1.0, 100.0, 1.0, 1, 1.0)
     monkeypatch.setattr(throughput, "measure", lambda *a, **k: row)  # the grid, not timing
 
     def fails(*_a, **_k):

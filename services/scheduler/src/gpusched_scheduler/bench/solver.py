@@ -314,10 +314,11 @@ def run_throughput(args, traces: Path, names: list[str], out: dict) -> None:
         budget = 1.0
     rows = []
     print(f"\n== 2. throughput (single core, single-GPU units, {shapes_from}'s shapes scaled "
-          "to ~90% fill; reference timed on a prefix) ==")
+          "to ~90% fill; reference timed on a prefix; solves are handed the batch's shapes "
+          "and price tables, built in 'shapes ms') ==")
     hdr = (f"{'policy':<10} {'order':<9} {'gpus':>6} {'batch':>6} {'numba/s':>10} "
            f"{'ref/s':>8} {'x ref':>7} {'p50 ms':>8} {'p99 ms':>8} {'placed%':>7} "
-           f"{'peak MiB':>8}")
+           f"{'peak MiB':>8} {'shapes ms':>9}")
     print(hdr)
     print("-" * len(hdr))
     for gpus, batch in grid:
@@ -332,7 +333,7 @@ def run_throughput(args, traces: Path, names: list[str], out: dict) -> None:
                 print(f"{r.policy:<10} {r.order:<9} {r.gpus:>6} {r.batch:>6} "
                       f"{r.numba_per_s:>10.0f} {r.reference_per_s:>8.1f} {r.speedup:>7.0f} "
                       f"{r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.placed_pct:>7.1f} "
-                      f"{r.peak_mib:>8.2f}")
+                      f"{r.peak_mib:>8.2f} {r.shapes_ms:>9.2f}")
                 sys.stdout.flush()
     out["throughput"] = rows
     at4k = [r for r in rows if r["gpus"] == 4096]
