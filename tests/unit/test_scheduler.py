@@ -90,7 +90,12 @@ from gpusched_scheduler.domain.queue import Pending, PendingQueue
 from gpusched_scheduler.domain.quotas import QuotaBook
 from gpusched_scheduler.domain.running import RunningPlacement, RunningSet
 from gpusched_scheduler.domain.solver import ClusterState
-from gpusched_scheduler.engine import EngineConfig, SchedulingEngine, parse_request_record
+from gpusched_scheduler.engine import (
+    RE_READ_SKEW_MS,
+    EngineConfig,
+    SchedulingEngine,
+    parse_request_record,
+)
 from gpusched_scheduler.settings import SchedulerSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -1631,11 +1636,6 @@ class BudgetFlags:
         if self.down:
             raise ConnectionError("Redis is away")
         return {t: flag for t, flag in self.spent.items() if t in tenants}
-
-    async def ever_claimed(self, placement_id: str) -> bool:
-        if self.down:
-            raise ConnectionError("Redis is away")
-        return placement_id in self.claimed
 
     async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
         if self.down:
@@ -4530,20 +4530,24 @@ async def test_a_record_that_only_says_it_is_a_retry_is_judged_as_new_work(
 
 
 class _ReadsLedger:
-    """The agents' ledger as `_standing` reads it, noting the ids it is asked about: every
-    earlier attempt was claimed (a retry is one), and no first attempt was taken (it is
-    new)."""
+    """The agents' ledger as `_standing`'s lookups read it, with the states of `claims`
+    (placement id -> state; untaken where it has none), noting the ids each call asks
+    about (`calls`); every call fails while `down`."""
 
-    def __init__(self) -> None:
-        self.reads: list[str] = []
+    def __init__(self, claims: dict[str, str] | None = None) -> None:
+        self.claims = claims or {}
+        self.calls: list[list[str]] = []
+        self.down = False
 
-    async def ever_claimed(self, placement_id: str) -> bool:
-        self.reads.append(placement_id)
-        return True
+    @property
+    def reads(self) -> list[str]:
+        return [pid for call in self.calls for pid in call]
 
     async def claim_states(self, placement_ids: list[str]) -> dict[str, str]:
-        self.reads += placement_ids
-        return dict.fromkeys(placement_ids, "untaken")
+        self.calls.append(list(placement_ids))
+        if self.down:
+            raise ConnectionError("Redis is away")
+        return {pid: self.claims.get(pid, "untaken") for pid in placement_ids}
 
     async def spent_budgets(self, tenants: list[str]) -> dict[str, SpentBudget]:
         return {}
@@ -4579,6 +4583,89 @@ async def test_the_ledger_is_read_only_for_first_attempts_of_the_first_half_minu
     await engine.admit([replace(_standard_record(0, "early"), timestamp=1000 + 10_000),
                         replace(_standard_record(1, "later"), timestamp=1000 + 60_000)])
     assert ledger.reads == ["early#0"] and len(engine.queue) == 2
+
+
+def _backlog(retries: int, first_attempts: int) -> list[ConsumerRecord]:
+    """Records a new leader reads again after a fail-over: `retries` later attempts, then
+    `first_attempts` first ones, all written before it took the lead."""
+    retry = {"attempt": 1, "requeued": "handback"}
+    return [*[_standard_record(i, f"retry{i}", **retry) for i in range(retries)],
+            *[_standard_record(retries + i, f"first{i}") for i in range(first_attempts)]]
+
+
+@pytest.mark.parametrize("retries,first_attempts", [(1, 1), (100, 100)])
+async def test_a_batch_reads_the_ledger_in_one_call_however_many_records_it_looks_up(
+        retries: int, first_attempts: int) -> None:
+    """A backlog read again after a fail-over: each record looked up in the agents' ledger
+    was a Redis round trip of its own, one after the other (10,000 records took 2.7 s).
+    Now a batch asks for all of them at once."""
+    ledger = _ReadsLedger(dict.fromkeys((f"retry{i}#0" for i in range(retries)), "held"))
+    engine, _ = leading_engine(store=ledger)
+    await engine.admit(_backlog(retries, first_attempts))
+    assert len(ledger.calls) == 1
+    assert ledger.reads == [*(f"retry{i}#0" for i in range(retries)),
+                            *(f"first{i}#0" for i in range(first_attempts))]
+    assert len(engine.queue) == retries + first_attempts
+
+
+async def test_a_batch_read_from_the_ledger_at_once_is_judged_as_record_by_record() -> None:
+    """Each record of one batch is taken in by the state of its own placement in the
+    agents' ledger, all read in one call: a first attempt no agent took is new work
+    (charged), one an agent holds ran (placed again, not charged), one that ended or was
+    fenced is done (not placed again); a retry whose previous attempt no agent claimed is
+    new work, any other ran. Not asked: a first attempt written since this instance took
+    the lead (new), and a placement this instance saw end or retried."""
+    led_ms = 1000
+    ledger = _ReadsLedger({"held#0": "held", "ended#0": "ended", "fenced#0": "fenced",
+                           "r-held#0": "held", "r-ended#0": "ended", "r-fenced#0": "fenced",
+                           "since#0": "ended", "seen#0": "untaken", "moved#0": "untaken"})
+    engine, _ = leading_engine(lambda: led_ms, store=ledger)
+    engine._ended["seen#0"] = None  # its final usage was read here
+    engine._moved_on["moved#0"] = None  # retried here, its node lost
+    retry = {"attempt": 1, "requeued": "handback"}
+    await engine.admit([
+        _standard_record(0, "untaken"), _standard_record(1, "held"),
+        _standard_record(2, "ended"), _standard_record(3, "fenced"),
+        _standard_record(4, "r-untaken", **retry), _standard_record(5, "r-held", **retry),
+        _standard_record(6, "r-ended", **retry), _standard_record(7, "r-fenced", **retry),
+        replace(_standard_record(8, "since"), timestamp=led_ms + RE_READ_SKEW_MS + 1),
+        _standard_record(9, "seen"), _standard_record(10, "moved", **retry)])
+    assert ledger.calls == [["untaken#0", "held#0", "ended#0", "fenced#0", "r-untaken#0",
+                             "r-held#0", "r-ended#0", "r-fenced#0"]]
+    assert {p.request.request_id: p.charged for p in engine.queue.in_order()} == {
+        "untaken": True, "held": False, "r-untaken": True, "r-held": False,
+        "r-ended": False, "r-fenced": False, "since": True, "moved": False}
+
+
+async def test_a_placement_seen_ending_as_the_batch_began_stays_ended_at_its_turn() -> None:
+    """The batch's ledger read does not ask about a placement this instance saw end; should
+    it forget that (a bounded memory) before the record's turn, the record is still done,
+    not judged as a first attempt nobody took."""
+    ledger = _ReadsLedger()
+    engine, _ = leading_engine(store=ledger)
+    engine._ended["seen#0"] = None
+    reading = ledger.claim_states
+
+    async def forgetting(placement_ids: list[str]) -> dict[str, str]:
+        del engine._ended["seen#0"]  # forgotten while the batch waits for Redis
+        return await reading(placement_ids)
+    ledger.claim_states = forgetting
+    await engine.admit([_standard_record(0, "asked"), _standard_record(1, "seen")])
+    assert ledger.calls == [["asked#0"]]
+    assert [p.request.request_id for p in engine.queue.in_order()] == ["asked"]
+
+
+async def test_a_batch_the_ledger_cannot_answer_costs_one_failed_read() -> None:
+    """Redis away after a fail-over: each looked-up record waited for its client's
+    time-out in turn, until the lease lapsed. Now the batch's one read fails, and every
+    record is taken as it says: a first attempt as new work, a retry as one."""
+    ledger = _ReadsLedger()
+    ledger.down = True
+    engine, _ = leading_engine(store=ledger)
+    await engine.admit(_backlog(50, 50))
+    assert len(ledger.calls) == 1 and len(ledger.reads) == 100
+    assert {p.request.request_id: p.charged for p in engine.queue.in_order()} == {
+        **{f"retry{i}": False for i in range(50)}, **{f"first{i}": True for i in range(50)}}
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

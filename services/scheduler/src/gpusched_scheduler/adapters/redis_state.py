@@ -261,11 +261,6 @@ class RunningStore:
                 for t, flag, ms in zip(tenants, flags, left_ms, strict=True)
                 if flag is not None and ms != -2}  # -2: expired since the MGET
 
-    async def ever_claimed(self, placement_id: str) -> bool:
-        """Whether an agent claimed the placement (or a scheduler fenced it), within the
-        claims' TTL."""
-        return bool(await self._redis.exists(PLACEMENT_CLAIM_KEY.format(placement_id)))
-
     async def alive(self, node_ids: list[str]) -> list[bool]:
         """For each node, whether its agent said lately (in Redis) that it is alive."""
         async with self._redis.pipeline(transaction=False) as pipe:
