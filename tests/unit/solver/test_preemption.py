@@ -3,7 +3,10 @@ as a brute-force search over every victim subset."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,28 +24,29 @@ from gpusched_scheduler.domain.solver.preemption import reference_plan
 
 from .conftest import batches, clusters
 
-SETTINGS = settings(max_examples=40, deadline=None,
+SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 @SETTINGS
-@given(state=clusters(max_nodes=3), running_req=batches(max_units=8),
-       incoming=batches(max_units=1), costs=st.lists(st.integers(0, 50), min_size=10,
-                                                       max_size=10))
-def test_plan_is_valid_and_cheapest(state, running_req, incoming, costs):
+@given(state=clusters(max_nodes=3), running_req=batches(max_units=10),
+       incoming=batches(max_units=1),
+       costs=st.lists(st.integers(0, 50), min_size=10, max_size=10),
+       tenths=st.booleans(),
+       priorities=st.lists(st.integers(0, 4), min_size=10, max_size=10))
+def test_plan_is_valid_and_cheapest(state, running_req, incoming, costs, tenths, priorities):
+    """Against the brute force: units with GPU memory, models and type limits; victims of
+    lower, equal and higher class; costs in whole GPU-seconds or tenths (sums that floats
+    round differently by order)."""
     placed = solve(state, running_req, "first-fit")
     keep = np.flatnonzero(placed.node >= 0)
-    running = RunningWork(
-        batch=running_req.take(keep),
-        node=placed.node[keep],
-        gpus=placed.gpus[keep],
-        gpu_seconds_lost=np.array(costs[: len(keep)], np.float64),
-    )
+    batch = running_req.take(keep)
+    batch = replace(batch, priority=np.array(priorities[: len(keep)], np.int64))
+    lost = np.array(costs[: len(keep)], np.float64) / (10.0 if tenths else 1.0)
+    running = RunningWork(batch=batch, node=placed.node[keep], gpus=placed.gpus[keep],
+                          gpu_seconds_lost=lost)
     now = placed.state
-    unit = WorkBatch.from_units(
-        num_gpu=incoming.num_gpu, gpu_milli=incoming.gpu_milli, cpu_milli=incoming.cpu_milli,
-        mem_mib=incoming.mem_mib, priority=[3],
-    )
+    unit = replace(incoming, priority=np.array([3], np.int64))
     if solve(now, unit, "first-fit").node[0] >= 0:
         return  # fits without preemption
     plan = plan_preemption(now, running, unit)
@@ -51,14 +55,115 @@ def test_plan_is_valid_and_cheapest(state, running_req, incoming, costs):
     if not plan.feasible:
         assert plan.message
         return
+    assert plan.proven_optimal
     assert plan.gpu_seconds_lost == oracle.gpu_seconds_lost
     assert len(plan.victims) == len(oracle.victims)
+    assert plan.node == oracle.node  # cost, then victims, then the lower node
     victims = np.array(plan.victims, np.int64)
     assert np.all(running.node[victims] == plan.node)
     assert np.all(running.batch.priority[victims] < 3)
     freed = release(now, running.batch.take(victims), running.node[victims],
                     running.gpus[victims])
     assert solve(freed, unit, "first-fit").node[0] == plan.node
+
+
+def _shared_gpu_node(n_gpus: int = 2, mem: int = 16000) -> ClusterState:
+    return ClusterState.from_nodes([
+        NodeSpec("a", 64000, 65536, tuple(GpuSpec("T4", 1000, mem) for _ in range(n_gpus))),
+    ])
+
+
+def test_many_cheap_victims_do_not_hide_one_dearer_victim_that_frees_a_gpu_alone():
+    """20 requests of 50 milli-GPU cost 1 each on GPU 0, one whole-GPU request costs 5 on
+    GPU 1: the greedy plan (cheapest first) stops the 20 (cost 20); the search stops one."""
+    state = _shared_gpu_node()
+    req = WorkBatch.from_units(num_gpu=[1] * 21, gpu_milli=[50] * 20 + [1000],
+                               cpu_milli=[0] * 21, mem_mib=[0] * 21, priority=[0] * 21)
+    placed = solve(state, req, "first-fit")
+    assert placed.placed.all() and set(placed.gpus[:20, 0]) == {0}
+    running = RunningWork(req, placed.node, placed.gpus, np.array([1.0] * 20 + [5.0]))
+    whole = WorkBatch.from_units(num_gpu=[1], gpu_milli=[1000], cpu_milli=[0], mem_mib=[0],
+                                 priority=[1])
+    plan = plan_preemption(placed.state, running, whole)
+    assert plan.victims == (20,) and plan.gpu_seconds_lost == 5.0 and plan.proven_optimal
+
+
+def test_equal_costs_tie_exactly_and_the_fewest_victims_win():
+    """0.1 + 0.2 + 0.7 is 0.9999999999999999 in floats, below 1.0: three victims were
+    stopped where one of the same cost does."""
+    state = _shared_gpu_node()
+    req = WorkBatch.from_units(num_gpu=[1] * 4, gpu_milli=[300, 300, 400, 1000],
+                               cpu_milli=[0] * 4, mem_mib=[0] * 4, priority=[0] * 4)
+    placed = solve(state, req, "first-fit")
+    assert placed.gpus[:3, 0].tolist() == [0, 0, 0] and placed.gpus[3, 0] == 1
+    running = RunningWork(req, placed.node, placed.gpus, np.array([0.1, 0.2, 0.7, 1.0]))
+    whole = WorkBatch.from_units(num_gpu=[1], gpu_milli=[1000], cpu_milli=[0], mem_mib=[0],
+                                 priority=[1])
+    plan = plan_preemption(placed.state, running, whole)
+    assert plan.victims == (3,) and plan.gpu_seconds_lost == 1.0
+
+
+def test_a_gang_that_needs_every_victim_of_many_nodes_is_planned_in_few_steps():
+    """200 nodes of 8 GPUs, two requests holding memory on each GPU, an 8-GPU gang that
+    needs both gone from every GPU of a node: the old exhaustive search looked at 2^16
+    subsets per node (seconds on the scheduler's event loop); the search's bounds cut every
+    branch that leaves a needed victim, so it takes a few steps per node."""
+    nodes = [NodeSpec(f"n{i}", 64000, 65536, tuple(GpuSpec("H100", 1, 2048) for _ in range(8)))
+             for i in range(200)]
+    state = ClusterState.from_nodes(nodes)
+    n_run = 200 * 16
+    req = WorkBatch.from_units(num_gpu=[1] * n_run, gpu_milli=[0] * n_run,
+                               cpu_milli=[0] * n_run, mem_mib=[0] * n_run,
+                               gpu_mem_mib=[1024] * n_run, priority=[0] * n_run)
+    node = np.repeat(np.arange(200), 16)
+    gpus = np.full((n_run, 8), -1, np.int64)
+    gpus[:, 0] = node * 8 + np.tile(np.repeat(np.arange(8), 2), 200)
+    lost = 1.0 + (np.arange(n_run) % 7) / 10
+    busy = replace(state, gpu_mem_free_mib=np.zeros(state.num_gpus, np.int64))
+    gang = WorkBatch.from_units(num_gpu=[8], gpu_milli=[1], cpu_milli=[0], mem_mib=[0],
+                                gpu_mem_mib=[2048], priority=[1])
+    plan = plan_preemption(busy, RunningWork(req, node, gpus, lost), gang)
+    assert plan.feasible and plan.proven_optimal and len(plan.victims) == 16
+    assert plan.steps < 200 * 16 * 4
+
+
+def test_a_search_cut_short_returns_a_valid_plan_no_worse_than_greedy(monkeypatch):
+    """Past its step budget the search stops and says so; its plan stays valid."""
+    from gpusched_scheduler.domain.solver import preemption
+
+    state = _shared_gpu_node()
+    req = WorkBatch.from_units(num_gpu=[1] * 21, gpu_milli=[50] * 20 + [1000],
+                               cpu_milli=[0] * 21, mem_mib=[0] * 21, priority=[0] * 21)
+    placed = solve(state, req, "first-fit")
+    costs = np.array([1.0 + i / 100 for i in range(20)] + [5.0])  # no two alike
+    running = RunningWork(req, placed.node, placed.gpus, costs)
+    whole = WorkBatch.from_units(num_gpu=[1], gpu_milli=[1000], cpu_milli=[0], mem_mib=[0],
+                                 priority=[1])
+    monkeypatch.setattr(preemption, "SEARCH_BUDGET", 3)
+    plan = plan_preemption(placed.state, running, whole)
+    assert plan.feasible and not plan.proven_optimal
+    victims = np.array(plan.victims, np.int64)
+    freed = release(placed.state, req.take(victims), placed.node[victims],
+                    placed.gpus[victims])
+    assert solve(freed, whole, "first-fit").node[0] == 0
+    assert plan.gpu_seconds_lost <= float(costs[:20].sum())  # the greedy plan's
+
+
+@pytest.mark.parametrize("lost, index, says", [
+    ([float("nan")], 0, "row 0 is nan"),
+    ([-1.0], 0, "row 0 is -1.0"),
+    ([1.0], 1, "index 1 is outside"),
+])
+def test_bad_costs_and_indexes_are_refused_with_a_reason(lost, index, says):
+    state = _shared_gpu_node(n_gpus=1)
+    req = WorkBatch.from_units(num_gpu=[1], gpu_milli=[1000], cpu_milli=[0], mem_mib=[0],
+                               priority=[0])
+    placed = solve(state, req, "first-fit")
+    whole = WorkBatch.from_units(num_gpu=[1], gpu_milli=[1000], cpu_milli=[0], mem_mib=[0],
+                                 priority=[1])
+    with pytest.raises(ValueError, match=says):
+        plan_preemption(placed.state, RunningWork(req, placed.node, placed.gpus,
+                                                  np.array(lost)), whole, index)
 
 
 def test_table_cheapest_victims_and_no_plan():

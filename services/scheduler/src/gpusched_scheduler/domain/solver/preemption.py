@@ -1,9 +1,13 @@
 """Preemption planning: the cheapest set of lower-priority victims on one node whose removal
 lets a unit that fits nowhere run (fewest GPU-seconds lost), or a plain "no plan".
 
-Exact subset search per node (up to EXACT_MAX_VICTIMS candidates; greedy beyond, flagged
-``proven_optimal=False``). ``reference_plan`` is the
-brute-force oracle used by the property tests.
+Per node, a depth-first branch and bound over its candidate victims (cheapest first):
+every node first gets a greedy plan (cheapest victims until the unit fits, then those not
+needed dropped); the search then looks for cheaper ones, cutting a branch when even every
+victim still undecided would not make the unit fit, when it cannot beat the best plan so
+far, or when it would take a victim while leaving out one that frees as much on the same
+GPUs for no more cost. Exact unless it runs past SEARCH_BUDGET steps (``proven_optimal``
+says which). ``reference_plan`` is the brute-force oracle used by the property tests.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from .kernels import valid_request
 from .solve import resolve, state_tuple
 from .state import ClusterState, WorkBatch
 
-EXACT_MAX_VICTIMS = 16
-"""Nodes with up to this many lower-priority units are searched exhaustively (2^n subsets);
-beyond it a greedy plan is returned with ``proven_optimal=False``."""
+SEARCH_BUDGET = 200_000
+"""Search steps (subsets looked at) one plan may take; a search cut short returns the best
+plan found so far (never worse than the greedy one every node starts from) with
+``proven_optimal=False``. Keeps one call within tens of milliseconds on the scheduler's
+event loop."""
+MICRO = 1_000_000
+"""Costs are compared in micro GPU-seconds (integers), so sums are exact whatever their order
+and equal costs tie (then the fewest victims win)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +48,9 @@ class RunningWork:
 class PreemptionPlan:
     """``feasible``: a plan exists. Then ``node`` is the node to free, ``victims`` indexes
     rows of the RunningWork, ``gpu_seconds_lost`` their total cost, and
-    ``proven_optimal`` says whether the search finished. Otherwise ``message`` says why."""
+    ``proven_optimal`` says whether the search finished. Otherwise ``message`` says why.
+    ``steps``: the victim subsets the search looked at (at most SEARCH_BUDGET and a greedy
+    plan per node)."""
 
     feasible: bool
     node: int = -1
@@ -47,36 +58,24 @@ class PreemptionPlan:
     gpu_seconds_lost: float = 0.0
     proven_optimal: bool = True
     message: str = ""
+    steps: int = 0
 
 
 @njit(cache=True)
-def _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight,
-                vic, n_vic, take, v_cpu, v_mem, v_gpus, v_milli, v_gmem, gm_buf, gk_buf):
-    """Does the unit fit node ``n`` once victims ``vic[i]`` with ``take[i]`` are removed?"""
-    c = S[0][n]
-    m = S[1][n]
-    lo = S[4][n]
-    hi = S[4][n + 1]
-    for g in range(lo, hi):
-        gm_buf[g - lo] = S[6][g]
-        gk_buf[g - lo] = S[7][g]
-    for i in range(n_vic):
-        if take[i]:
-            v = vic[i]
-            c += v_cpu[v]
-            m += v_mem[v]
-            for j in range(v_gpus.shape[1]):
-                g = v_gpus[v, j]
-                if g >= lo and g < hi:
-                    gm_buf[g - lo] += v_milli[v]
-                    gk_buf[g - lo] += v_gmem[v]
-    if c < cpu or m < mem:
+def _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c, m, gm, gk, add):
+    """Does the unit fit node ``n`` with free CPU ``c``, memory ``m`` and, for its GPUs in
+    order, free share ``gm`` and memory ``gk``, plus row ``add`` of the freed amounts
+    (``add`` = (cpu[R], mem[R], share[R, G], memory[R, G]); the plan's suffix sums)?"""
+    i = add[4][0]
+    if c + add[0][i] < cpu or m + add[1][i] < mem:
         return False
     if k == 0:
         return True
+    lo = S[4][n]
     cnt = 0
-    for g in range(lo, hi):
-        if not S[8][g] or (mask >> S[5][g]) & 1 == 0 or gm_buf[g - lo] < milli:
+    for g in range(lo, S[4][n + 1]):
+        j = g - lo
+        if not S[8][g] or (mask >> S[5][g]) & 1 == 0 or gm[j] + add[2][i, j] < milli:
             continue
         need = gmem
         if model >= 0:
@@ -86,115 +85,225 @@ def _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight,
                     loaded = True
             if not loaded:
                 need += weight
-        if gk_buf[g - lo] >= need:
+        if gk[j] + add[3][i, j] >= need:
             cnt += 1
-    return cnt >= k
+            if cnt >= k:
+                return True
+    return False
+
+
+@njit(cache=True)
+def _better(cost, count, node, best):
+    """(cost, victims, node) below the best plan's (``best`` = [cost, victims, node])."""
+    if cost != best[0]:
+        return cost < best[0]
+    if count != best[1]:
+        return count < best[1]
+    return node < best[2]
+
+
+@njit(cache=True)
+def _take(n, vic, nv, sign, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli, v_gmem, S, i):
+    """Add (``sign`` 1) or take back (-1) victim ``vic[i]``'s resources on node ``n``."""
+    v = vic[i]
+    c_m[0] += sign * v_cpu[v]
+    c_m[1] += sign * v_mem[v]
+    lo = S[4][n]
+    for j in range(v_gpus.shape[1]):
+        g = v_gpus[v, j]
+        if g >= lo and g < S[4][n + 1]:
+            gm[g - lo] += sign * v_milli[v]
+            gk[g - lo] += sign * v_gmem[v]
 
 
 @njit(cache=True)
 def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
                  vic_start, vic_idx, v_cpu, v_mem, v_gpus, v_milli, v_gmem, v_prio, v_cost,
-                 out_take, exact_max):
-    """Best node and victim set: returns (node, cost, n_victims, proven); out_take[v] marks."""
+                 out_take, budget):
+    """Best node and victim set: returns (node, cost, n_victims, proven, steps); out_take[v]
+    marks the victims. ``v_cost`` in micro GPU-seconds."""
     n_nodes = S[0].shape[0]
     max_g = 1
     max_v = 1
     for n in range(n_nodes):
         max_g = max(max_g, S[4][n + 1] - S[4][n])
         max_v = max(max_v, vic_start[n + 1] - vic_start[n])
-    gm_buf = np.empty(max_g, np.int64)
-    gk_buf = np.empty(max_g, np.int64)
+    gm = np.empty(max_g, np.int64)  # the node's free share / memory per GPU, victims taken
+    gk = np.empty(max_g, np.int64)
+    c_m = np.zeros(2, np.int64)  # its free CPU and memory, victims taken
+    # suffix sums: what victims i.. free (row i); row nv is zeros
+    suf = (np.zeros(max_v + 1, np.int64), np.zeros(max_v + 1, np.int64),
+           np.zeros((max_v + 1, max_g), np.int64), np.zeros((max_v + 1, max_g), np.int64),
+           np.zeros(1, np.int64))
     vic = np.empty(max_v, np.int64)
-    take = np.zeros(max_v, np.bool_)
-    best_node = -1
-    best_cost = np.inf
-    best_count = 1 << 30
+    state = np.zeros(max_v, np.int64)  # 0 undecided, 1 taken, 2 left out
+    phase = np.zeros(max_v + 1, np.int64)
+    dominated_by = np.zeros((max_v, max_v), np.bool_)
+    best = np.array([np.iinfo(np.int64).max, 1 << 30, n_nodes], np.int64)
+    steps = 0
     proven = True
-    for n in range(n_nodes):
-        nv = 0
-        for p in range(vic_start[n], vic_start[n + 1]):
-            v = vic_idx[p]
-            if v_prio[v] < prio:
-                vic[nv] = v
-                nv += 1
-        # cheapest first (insertion sort by cost, then index)
-        for a in range(1, nv):
-            x = vic[a]
-            b = a - 1
-            while b >= 0 and (v_cost[vic[b]] > v_cost[x] or
-                              (v_cost[vic[b]] == v_cost[x] and vic[b] > x)):
-                vic[b + 1] = vic[b]
-                b -= 1
-            vic[b + 1] = x
-        for i in range(nv):
-            take[i] = True
-        if not _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight, vic, nv, take,
-                           v_cpu, v_mem, v_gpus, v_milli, v_gmem, gm_buf, gk_buf):
-            continue
-        local_take = np.zeros(nv, np.bool_)
-        node_best = np.inf
-        node_count = 1 << 30
-        if nv <= exact_max:
-            # every subset; cost[mask] = cost[mask without its lowest bit] + that victim's
-            n_masks = 1 << nv
-            mcost = np.zeros(n_masks, np.float64)
-            mcount = np.zeros(n_masks, np.int64)
-            for mask_v in range(n_masks):
-                if mask_v > 0:
-                    low = 0
-                    while (mask_v >> low) & 1 == 0:
-                        low += 1
-                    rest = mask_v & (mask_v - 1)
-                    mcost[mask_v] = mcost[rest] + v_cost[vic[low]]
-                    mcount[mask_v] = mcount[rest] + 1
-                if mcost[mask_v] > node_best or (
-                    mcost[mask_v] == node_best and mcount[mask_v] >= node_count
-                ):
-                    continue
-                for i in range(nv):
-                    take[i] = (mask_v >> i) & 1 == 1
-                if _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight, vic, nv,
-                               take, v_cpu, v_mem, v_gpus, v_milli, v_gmem, gm_buf, gk_buf):
-                    node_best = mcost[mask_v]
-                    node_count = mcount[mask_v]
-                    for i in range(nv):
-                        local_take[i] = take[i]
-        else:
-            # greedy: cheapest first until it fits, then drop the ones not needed
-            proven = False
-            for i in range(nv):
-                take[i] = False
-            for i in range(nv):
-                take[i] = True
-                if _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight, vic, nv,
-                               take, v_cpu, v_mem, v_gpus, v_milli, v_gmem, gm_buf, gk_buf):
-                    break
+    for sweep in range(2):  # 0: a greedy plan on every node; 1: the search
+        for n in range(n_nodes):
+            if sweep == 1 and steps > budget:
+                proven = False
+                break
+            lo = S[4][n]
+            ng = S[4][n + 1] - lo
+            nv = 0
+            for p in range(vic_start[n], vic_start[n + 1]):
+                v = vic_idx[p]
+                if v_prio[v] < prio:
+                    vic[nv] = v
+                    nv += 1
+            # cheapest first (insertion sort by cost, then index)
+            for a in range(1, nv):
+                x = vic[a]
+                b = a - 1
+                while b >= 0 and (v_cost[vic[b]] > v_cost[x] or
+                                  (v_cost[vic[b]] == v_cost[x] and vic[b] > x)):
+                    vic[b + 1] = vic[b]
+                    b -= 1
+                vic[b + 1] = x
+            for j in range(ng):
+                suf[2][nv, j] = 0
+                suf[3][nv, j] = 0
+            suf[0][nv] = 0
+            suf[1][nv] = 0
             for i in range(nv - 1, -1, -1):
-                if take[i]:
-                    take[i] = False
-                    if not _fits_after(S, n, k, milli, gmem, cpu, mem, mask, model, weight,
-                                       vic, nv, take, v_cpu, v_mem, v_gpus, v_milli, v_gmem,
-                                       gm_buf, gk_buf):
-                        take[i] = True
-            node_best = 0.0
-            node_count = 0
+                c_m[0] = suf[0][i + 1]
+                c_m[1] = suf[1][i + 1]
+                for j in range(ng):
+                    gm[j] = suf[2][i + 1, j]
+                    gk[j] = suf[3][i + 1, j]
+                _take(n, vic, nv, 1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli, v_gmem, S, i)
+                suf[0][i] = c_m[0]
+                suf[1][i] = c_m[1]
+                for j in range(ng):
+                    suf[2][i, j] = gm[j]
+                    suf[3][i, j] = gk[j]
+            c_m[0] = S[0][n]
+            c_m[1] = S[1][n]
+            for j in range(ng):
+                gm[j] = S[6][lo + j]
+                gk[j] = S[7][lo + j]
+            suf[4][0] = 0
+            if not _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0], c_m[1],
+                         gm, gk, suf):
+                continue  # not even with every candidate gone
+            suf[4][0] = nv  # from here on: what is taken so far, nothing added
+            if sweep == 0:
+                cost = 0
+                count = 0
+                for i in range(nv):
+                    state[i] = 0
+                for i in range(nv):
+                    if _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0],
+                             c_m[1], gm, gk, suf):
+                        break
+                    _take(n, vic, nv, 1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli, v_gmem,
+                          S, i)
+                    state[i] = 1
+                for i in range(nv - 1, -1, -1):  # drop those not needed, dearest first
+                    if state[i] != 1:
+                        continue
+                    _take(n, vic, nv, -1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli, v_gmem,
+                          S, i)
+                    if _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0],
+                             c_m[1], gm, gk, suf):
+                        state[i] = 0
+                    else:
+                        _take(n, vic, nv, 1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli,
+                              v_gmem, S, i)
+                for i in range(nv):
+                    if state[i] == 1:
+                        cost += v_cost[vic[i]]
+                        count += 1
+                if _better(cost, count, n, best):
+                    best[0] = cost
+                    best[1] = count
+                    best[2] = n
+                    out_take[:] = False
+                    for i in range(nv):
+                        if state[i] == 1:
+                            out_take[vic[i]] = True
+                continue
+            # the search: victim b is dominated by an earlier (cheaper) a on the same GPUs
+            # that frees at least as much of everything; taking b while leaving a out is
+            # never needed (a in b's stead costs no more and frees no less)
+            for b in range(nv):
+                vb = vic[b]
+                for a in range(b):
+                    va = vic[a]
+                    same = v_cpu[va] >= v_cpu[vb] and v_mem[va] >= v_mem[vb] and \
+                        v_milli[va] >= v_milli[vb] and v_gmem[va] >= v_gmem[vb]
+                    for j in range(v_gpus.shape[1]):
+                        if v_gpus[va, j] != v_gpus[vb, j]:
+                            same = False
+                    dominated_by[b, a] = same
             for i in range(nv):
-                local_take[i] = take[i]
-                if take[i]:
-                    node_best += v_cost[vic[i]]
-                    node_count += 1
-        if node_best < best_cost or (node_best == best_cost and node_count < best_count):
-            best_cost = node_best
-            best_count = node_count
-            best_node = n
-            for v in range(out_take.shape[0]):
-                out_take[v] = False
-            for i in range(nv):
-                if local_take[i]:
-                    out_take[vic[i]] = True
-        for i in range(nv):
-            take[i] = False
-    return best_node, best_cost, best_count, proven
+                state[i] = 0
+            cost = 0
+            count = 0
+            i = 0
+            phase[0] = 0
+            while i >= 0:
+                if phase[i] == 0:  # first visit of this branch
+                    steps += 1
+                    up = False
+                    if steps > budget:
+                        proven = False
+                        break
+                    suf[4][0] = nv
+                    if _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0],
+                             c_m[1], gm, gk, suf):
+                        if _better(cost, count, n, best):
+                            best[0] = cost
+                            best[1] = count
+                            best[2] = n
+                            out_take[:] = False
+                            for t in range(nv):
+                                if state[t] == 1:
+                                    out_take[vic[t]] = True
+                        up = True  # more victims only cost more
+                    elif i == nv or not _better(cost, count + 1, n, best):
+                        up = True
+                    else:
+                        suf[4][0] = i
+                        if not _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight,
+                                     c_m[0], c_m[1], gm, gk, suf):
+                            up = True  # not even with every victim still undecided
+                    if up:
+                        i -= 1
+                        continue
+                    phase[i] = 1
+                    allowed = True
+                    for a in range(i):
+                        if dominated_by[i, a] and state[a] == 2:
+                            allowed = False
+                            break
+                    if allowed:
+                        _take(n, vic, nv, 1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli,
+                              v_gmem, S, i)
+                        state[i] = 1
+                        cost += v_cost[vic[i]]
+                        count += 1
+                        i += 1
+                        phase[i] = 0
+                        continue
+                if phase[i] == 1:  # the branch that takes victim i is done: leave it out
+                    if state[i] == 1:
+                        _take(n, vic, nv, -1, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli,
+                              v_gmem, S, i)
+                        cost -= v_cost[vic[i]]
+                        count -= 1
+                    state[i] = 2
+                    phase[i] = 2
+                    i += 1
+                    phase[i] = 0
+                    continue
+                state[i] = 0  # both branches done
+                i -= 1
+    return best[2] if best[2] < n_nodes else -1, best[0], best[1], proven, steps
 
 
 def _prepare(state: ClusterState, running: RunningWork, unit: WorkBatch):
@@ -212,7 +321,16 @@ def plan_preemption(
 ) -> PreemptionPlan:
     """Cheapest victims (strictly lower ``priority`` than row ``index`` of ``unit``) on a
     single node whose removal makes that unit fit; fewest victims breaks cost ties, then the
-    lower node index. Victims' loaded models are assumed to stay loaded."""
+    lower node index. Victims' loaded models are assumed to stay loaded. Costs count to the
+    micro GPU-second. Raises ValueError for a cost that is negative or not a number, or an
+    ``index`` outside ``unit``."""
+    if not 0 <= index < len(unit):
+        raise ValueError(f"index {index} is outside the {len(unit)} unit(s) given")
+    lost = np.asarray(running.gpu_seconds_lost, np.float64)
+    bad = np.flatnonzero(~(lost >= 0) | ~np.isfinite(lost))
+    if len(bad):
+        raise ValueError(f"gpu_seconds_lost must be finite and >= 0; row {int(bad[0])} is "
+                         f"{float(lost[bad[0]])!r}")
     one = unit.take(slice(index, index + 1))
     state, u, rb, vic_idx, vic_start = _prepare(state, running, one)
     take = np.zeros(len(running.node), np.bool_)
@@ -222,22 +340,26 @@ def plan_preemption(
             False, message="the unit's request is invalid (num_gpu 0-8, gpu_milli 1-1000 per "
             "GPU when GPUs are asked for, no negative sizes); fix the request"
         )
-    node, cost, _count, proven = _plan_kernel(
+    node, cost, _count, proven, steps = _plan_kernel(
         state_tuple(state), k, int(u[1][0]), int(u[2][0]), int(u[3][0]), int(u[4][0]),
         int(u[5][0]), int(u[6][0]), int(u[7][0]), int(one.priority[0]),
         vic_start, vic_idx, rb[3], rb[4], np.asarray(running.gpus, np.int64), rb[1], rb[2],
-        running.batch.priority, np.asarray(running.gpu_seconds_lost, np.float64), take,
-        EXACT_MAX_VICTIMS,
+        running.batch.priority, _micro(lost), take, SEARCH_BUDGET,
     )
     if node < 0:
         return PreemptionPlan(
             False,
             message="no single node would fit the unit even after preempting all of its "
-            "lower-priority work; it has to wait for capacity",
+            "lower-priority work; it has to wait for capacity", steps=int(steps),
         )
     return PreemptionPlan(
-        True, int(node), tuple(int(v) for v in np.flatnonzero(take)), float(cost), bool(proven)
+        True, int(node), tuple(int(v) for v in np.flatnonzero(take)), int(cost) / MICRO,
+        bool(proven), steps=int(steps),
     )
+
+
+def _micro(gpu_seconds: np.ndarray) -> np.ndarray:
+    return np.rint(np.asarray(gpu_seconds, np.float64) * MICRO).astype(np.int64)
 
 
 def reference_plan(
@@ -253,6 +375,7 @@ def reference_plan(
     prio = int(one.priority[0])
     if not _valid(unit_d):
         return PreemptionPlan(False, message="invalid request")
+    micro = _micro(running.gpu_seconds_lost).tolist()
     best = None
     for n in range(state.num_nodes):
         vic = [int(v) for v in np.flatnonzero(
@@ -271,11 +394,11 @@ def reference_plan(
                     continue
                 if sum(1 for g in c.gpus[n] if _gpu_fits(c, g, unit_d)) < unit_d["k"]:
                     continue
-                cost = float(sum(running.gpu_seconds_lost[v] for v in subset))
+                cost = int(sum(micro[v] for v in subset))
                 key = (cost, len(subset), n)
                 if best is None or key < best[0]:
                     best = (key, subset)
     if best is None:
         return PreemptionPlan(False, message="no plan")
     (cost, _, n), subset = best
-    return PreemptionPlan(True, n, tuple(sorted(subset)), cost)
+    return PreemptionPlan(True, n, tuple(sorted(subset)), cost / MICRO)
