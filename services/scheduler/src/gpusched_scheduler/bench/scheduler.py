@@ -671,25 +671,37 @@ class Bench:
         lat: list[float] = []
         prefix = f"soak-{time.time_ns()}"
         done = 0.0
+        outstanding: list[str] = []  # sent, not placed yet: counted whenever they are
+
+        def placed_since() -> list[float]:
+            nonlocal outstanding
+            got = [fleet.done.pop(r)[1] for r in outstanding if r in fleet.done]
+            outstanding = [r for r in outstanding if r in fleet.sent_at]  # not answered yet
+            return sorted(got)
+
         while done < seconds:
             chunk = min(10.0, seconds - done)
             ids = await fleet.offer(TARGET_RATE_REQ_S, chunk, topics_classes(),
                                     f"{prefix}-{int(done)}")
+            outstanding += ids
             done += chunk
             await fleet.settle(ids[-50:], 5.0)
-            chunk_lat = sorted(fleet.done.pop(r)[1] for r in ids if r in fleet.done)
+            chunk_lat = placed_since()
             lat += chunk_lat
             series.append(self.rss_mib())
             p99_series.append(round(percentile(chunk_lat, 0.99), 1))
             print(f"  {done:6.0f} s  rss {series[-1]:7.1f} MiB  placed {len(lat)}  "
                   f"p99 {p99_series[-1]:g} ms", flush=True)
+        await fleet.settle(outstanding, 30.0)
+        lat += placed_since()
+        missing = len(outstanding)
         lat.sort()
         fleet.done.clear()
         end = series[-1]
         return {"seconds": seconds, "rate_req_s": TARGET_RATE_REQ_S, "rss_mib_start": start,
                 "rss_mib_end": end, "rss_growth": round(end / start - 1, 4),
                 "rss_mib_series_10s": series, "p99_ms_series_10s": p99_series,
-                "placed": len(lat),
+                "placed": len(lat), "missing": missing,
                 "p50_ms": round(percentile(lat, 0.5), 2),
                 "p99_ms": round(percentile(lat, 0.99), 2)}
 
@@ -1008,7 +1020,7 @@ def report(result: dict) -> None:
     if soak := result.get("soak"):
         print(f"soak {soak['seconds']:g} s at {soak['rate_req_s']}/s: RSS {soak['rss_mib_start']}"
               f" -> {soak['rss_mib_end']} MiB ({soak['rss_growth']:+.1%}, target < +10%), "
-              f"p99 {soak['p99_ms']} ms")
+              f"p99 {soak['p99_ms']} ms, {soak['missing']} never placed")
     if full := result.get("full_fleet"):
         print(f"full fleet: sent {full['sent']:,}, placed {full['placed']:,}, max pending per "
               f"class {full['max_pending_per_class']} (bound {full['bound_per_class']}: "
@@ -1092,6 +1104,7 @@ def main(argv: list[str]) -> int:
         "p99_at_500": at.get("p99_ms") is not None and at["p99_ms"] <= TARGET_P99_MS,
         "sustained_2000": one.get("sustained_offered_req_s", 0) >= TARGET_SUSTAINED_PER_S,
         "rss_growth_under_10pct": None if soak is None else soak["rss_growth"] < TARGET_RSS_GROWTH,
+        "soak_all_placed": None if soak is None else soak["missing"] == 0,
         "pending_bounded": result.get("full_fleet", {}).get("bounded")}
     if soak:
         result["rss_mib_start"], result["rss_mib_end"] = soak["rss_mib_start"], soak["rss_mib_end"]
