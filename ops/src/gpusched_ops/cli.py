@@ -31,7 +31,7 @@ from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, DeadLetter, invalid_fields
 from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_ops.monitoring import operator_manifests, operator_objects
-from gpusched_ops.services import service_specs, urls
+from gpusched_ops.services import SERVICE_START_TIMEOUT_S, service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir, find_repo_root
 
 app = typer.Typer(help="gpusched: share a GPU fleet between inference workloads and tenants.",
@@ -192,7 +192,7 @@ def up(run_dir: RunDir = DEFAULT_RUN_DIR) -> None:
             endpoints = stack.start_infra()
         for spec in service_specs(endpoints):
             with console.status(f"starting {spec.name}"):
-                stack.start_service(spec, timeout_s=300)  # cold solver cache: JIT compile
+                stack.start_service(spec, timeout_s=SERVICE_START_TIMEOUT_S)
     except StackError as exc:
         _fail(str(exc))
     console.print(f"[green]up[/green]: router {urls()['router']}, accounting "

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from gpusched_ops.stack import ServiceSpec, StackEndpoints
 
 AGENT_NODES: tuple[tuple[str, str], ...] = (("node-1", "4xH100-80GB"), ("node-2", "4xA100-40GB"))
+SERVICE_START_TIMEOUT_S = 300.0
+"""How long `gpusched up` waits for each service to answer /healthz: a scheduler whose solver
+cache is cold compiles its kernels first (up to a minute on 2 cores)."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class ServicePorts:
 def service_specs(endpoints: StackEndpoints, ports: ServicePorts = ServicePorts(),
                   extra_env: dict[str, str] | None = None,
                   agents: tuple[tuple[str, str], ...] = AGENT_NODES) -> list[ServiceSpec]:
-    """Specs in start order: accounting and scheduler before the agents and the router."""
+    """Specs in start order: accounting and scheduler before the agents and the router; each
+    starts once the one before it answers (docker-compose.yml's depends_on is this chain)."""
     base = {
         "GPUSCHED_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap,
         "GPUSCHED_REDIS_URL": endpoints.redis_url,

@@ -40,8 +40,10 @@ __all__ = [
     "default_cache_dir",
     "find_repo_root",
     "http_ready",
+    "jaeger_env",
     "kafka_ready",
     "redis_ready",
+    "stop_timeout_s",
 ]
 
 # Start order of the infrastructure; stop order is the reverse.
@@ -68,18 +70,48 @@ KAFKA_JVM_FLAGS: tuple[str, ...] = (
     "-XX:-UsePerfData",
     "-Djava.awt.headless=true",
 )
+KAFKA_BROKER_SETTINGS: dict[str, str] = {
+    "process.roles": "broker,controller",
+    "node.id": "1",
+    "controller.listener.names": "CONTROLLER",
+    "inter.broker.listener.name": "PLAINTEXT",
+    "num.partitions": "3",
+    "num.network.threads": "2",
+    "num.io.threads": "4",
+    "auto.create.topics.enable": "true",
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "10",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "10",
+    "share.coordinator.state.topic.replication.factor": "1",
+    "share.coordinator.state.topic.min.isr": "1",
+    "group.initial.rebalance.delay.ms": "0",
+    "log.segment.bytes": str(64 * 1024 * 1024),
+}
+"""The single-node broker's settings apart from its addresses and log folder (which depend on
+the ports and run_dir); docker-compose.yml sets the same as KAFKA_* variables."""
 REDIS_MAXMEMORY_MIB = 512
+REDIS_MAXMEMORY_POLICY = "noeviction"  # an evicted applied id bills a redelivery twice
+REDIS_PERSISTENCE_ARGS: tuple[str, ...] = (
+    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "")
+"""Every write in the append-only file, synced each second; no RDB snapshots besides."""
 JAEGER_MAX_TRACES = 20_000
 JAEGER_MEMORY_LIMIT_MIB = 384
 
+INFRA_START_TIMEOUT_S = 180.0
+"""How long `start_infra` waits for Kafka, Redis and Jaeger to answer, all together."""
 _STOP_TIMEOUT_S = {"kafka": 45.0, "redis": 15.0, "jaeger": 15.0}
-SERVICE_STOP_TIMEOUT_S = {"agent": 45.0, "router": 30.0}
+SERVICE_STOP_TIMEOUT_S = {"agent": 60.0, "router": 30.0}
 """SIGTERM to SIGKILL when `stop` stops a service, by its name's first part (15 s for the
-rest). An agent drains for its GPUSCHED_DRAIN_TIMEOUT_S (20 s), then hands back what still
-runs: killed at 15 s, its work took the crash-recovery path instead. A router gives the
-requests its clients wait on its GPUSCHED_ROUTER_DRAIN_S (10 s), then answers those
-clients: killed first, they were cut off with no answer. The router's is
-docker-compose.yml's stop_grace_period and the Kubernetes terminationGracePeriodSeconds."""
+rest). An agent drains for its GPUSCHED_DRAIN_TIMEOUT_S (20 s), gives what still runs 10 s
+more to be handed back, then reports its node stopped and flushes its records and spans:
+killed at 15 s, its work took the crash-recovery path instead. A router gives the requests
+its clients wait on its GPUSCHED_ROUTER_DRAIN_S (10 s), then answers those clients: killed
+first, they were cut off with no answer. docker-compose.yml's stop_grace_period is the same
+for every container (`stop_timeout_s`); Kubernetes gives an agent the same 60 s, and a
+router 5 s more (35 s), as it first pauses 5 s (preStop) while its pod leaves the Service's
+endpoints."""
 _POLL_S = 0.25
 _LOG_TAIL_LINES = 40
 # Popen objects are kept for the life of the interpreter: they reap their child when it exits
@@ -143,6 +175,27 @@ class _Launch:
     ports: tuple[int, ...]
     ready: Callable[[], bool]
     cwd: Path | None = None  # None: run_dir
+
+
+def jaeger_env(host: str, ports: StackPorts) -> dict[str, str]:
+    """What ops/stack/jaeger/config.yaml reads from the environment, for a Jaeger listening on
+    `host` ("127.0.0.1" here; "0.0.0.0" in a container) at `ports`."""
+    return {
+        "JAEGER_OTLP_GRPC_ENDPOINT": f"{host}:{ports.jaeger_otlp_grpc}",
+        "JAEGER_OTLP_HTTP_ENDPOINT": f"{host}:{ports.jaeger_otlp_http}",
+        "JAEGER_QUERY_HTTP_ENDPOINT": f"{host}:{ports.jaeger_query}",
+        "JAEGER_MAX_TRACES": str(JAEGER_MAX_TRACES),
+        "JAEGER_MEMORY_LIMIT_MIB": str(JAEGER_MEMORY_LIMIT_MIB),
+        "GOMEMLIMIT": f"{JAEGER_MEMORY_LIMIT_MIB + 64}MiB",
+    }
+
+
+def stop_timeout_s(name: str) -> float:
+    """Seconds from SIGTERM to SIGKILL when the stack stops the process `name` ("kafka",
+    "router", "agent-node-1"): an infrastructure component's own, else its service's."""
+    if name in _STOP_TIMEOUT_S:
+        return _STOP_TIMEOUT_S[name]
+    return SERVICE_STOP_TIMEOUT_S.get(name.split("-")[0], 15.0)
 
 
 def default_cache_dir() -> Path:
@@ -214,7 +267,7 @@ class LocalStack:
             jaeger_query_url=f"http://127.0.0.1:{self.ports.jaeger_query}",
         )
 
-    def start_infra(self, timeout_s: float = 180) -> StackEndpoints:
+    def start_infra(self, timeout_s: float = INFRA_START_TIMEOUT_S) -> StackEndpoints:
         """Start Kafka, Redis and Jaeger (those not already running) and wait until each answers.
 
         Idempotent. Either returns with all three ready, or raises StackError after stopping
@@ -232,7 +285,7 @@ class LocalStack:
                 self._wait_ready(name, launches[name].ready, deadline)
         except BaseException:
             for name in reversed(started):
-                self._terminate(name, _STOP_TIMEOUT_S[name])
+                self._terminate(name, stop_timeout_s(name))
             raise
         self._ports_file().write_text(json.dumps(asdict(self.ports)))
         return self.endpoints()
@@ -249,13 +302,13 @@ class LocalStack:
             self._wait_ready(name, launch.ready, time.monotonic() + timeout_s)
         except BaseException:
             if started:
-                self._terminate(name, _STOP_TIMEOUT_S[name])
+                self._terminate(name, stop_timeout_s(name))
             raise
 
     def stop_component(self, name: str) -> None:
         """Stop one infrastructure component gracefully (SIGTERM, SIGKILL past its timeout)."""
         self._check_infra_name(name)
-        self._terminate(name, _STOP_TIMEOUT_S[name])
+        self._terminate(name, stop_timeout_s(name))
 
     def start_service(self, spec: ServiceSpec, timeout_s: float = 60) -> None:
         """Start a service and wait until its health_url answers 200.
@@ -298,10 +351,8 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop everything in run_dir: services first, then jaeger, redis, kafka. Idempotent."""
-        for name in self._service_names():
-            self._terminate(name, SERVICE_STOP_TIMEOUT_S.get(name.split("-")[0], 15.0))
-        for name in reversed(INFRA_COMPONENTS):
-            self._terminate(name, _STOP_TIMEOUT_S[name])
+        for name in (*self._service_names(), *reversed(INFRA_COMPONENTS)):
+            self._terminate(name, stop_timeout_s(name))
 
     def status(self) -> list[ProcessStatus]:
         """The infrastructure components, then every service with a pid file, in name order."""
@@ -367,29 +418,13 @@ class LocalStack:
         """Single-node KRaft (broker+controller) config; returns its path under run_dir/conf."""
         p = self.ports
         settings = {
-            "process.roles": "broker,controller",
-            "node.id": "1",
+            **KAFKA_BROKER_SETTINGS,
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{p.kafka_controller}",
             "listeners": f"PLAINTEXT://127.0.0.1:{p.kafka},CONTROLLER://127.0.0.1:{p.kafka_controller}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{p.kafka},"
             f"CONTROLLER://127.0.0.1:{p.kafka_controller}",
-            "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(self.data_dir("kafka")),
-            "num.partitions": "3",
-            "num.network.threads": "2",
-            "num.io.threads": "4",
-            "auto.create.topics.enable": "true",
-            "offsets.topic.replication.factor": "1",
-            "offsets.topic.num.partitions": "10",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "transaction.state.log.num.partitions": "10",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
-            "group.initial.rebalance.delay.ms": "0",
-            "log.segment.bytes": str(64 * 1024 * 1024),
         }
         conf = self.run_dir / "conf" / "kafka.properties"
         conf.parent.mkdir(parents=True, exist_ok=True)
@@ -415,9 +450,10 @@ class LocalStack:
         data = self.data_dir("redis")
         data.mkdir(parents=True, exist_ok=True)
         argv = [redis, "--port", str(self.ports.redis), "--bind", "127.0.0.1"]
-        argv += ["--dir", str(data), "--appendonly", "yes", "--appendfsync", "everysec"]
-        argv += ["--save", "", "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
-        argv += ["--maxmemory", f"{REDIS_MAXMEMORY_MIB}mb", "--maxmemory-policy", "noeviction"]
+        argv += ["--dir", str(data), *REDIS_PERSISTENCE_ARGS]
+        argv += ["--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
+        argv += ["--maxmemory", f"{REDIS_MAXMEMORY_MIB}mb",
+                 "--maxmemory-policy", REDIS_MAXMEMORY_POLICY]
         return _Launch(
             argv=argv,
             env=dict(os.environ),
@@ -430,15 +466,7 @@ class LocalStack:
         if not os.access(binary, os.X_OK):
             raise StackError(f"Jaeger is not installed at {binary}: {_INSTALL_HINT}")
         p = self.ports
-        env = {
-            **os.environ,
-            "JAEGER_OTLP_GRPC_ENDPOINT": f"127.0.0.1:{p.jaeger_otlp_grpc}",
-            "JAEGER_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{p.jaeger_otlp_http}",
-            "JAEGER_QUERY_HTTP_ENDPOINT": f"127.0.0.1:{p.jaeger_query}",
-            "JAEGER_MAX_TRACES": str(JAEGER_MAX_TRACES),
-            "JAEGER_MEMORY_LIMIT_MIB": str(JAEGER_MEMORY_LIMIT_MIB),
-            "GOMEMLIMIT": f"{JAEGER_MEMORY_LIMIT_MIB + 64}MiB",
-        }
+        env = {**os.environ, **jaeger_env("127.0.0.1", p)}
         config = find_repo_root() / "ops" / "stack" / "jaeger" / "config.yaml"
         services_url = f"{self.endpoints().jaeger_query_url}/api/services"
         return _Launch(
