@@ -26,7 +26,13 @@ RUN pip install -c constraints.txt \
 
 COPY config ./config
 
-RUN useradd --create-home --uid 10001 gpusched
+# Numba's cache of the scheduler's compiled solver kernels, in a folder its user owns: beside
+# the installed code (root's) it cannot write, and its fallback in the container's home went
+# with the container, so every new one compiled them again (up to a minute on 2 cores).
+# docker-compose.yml keeps this folder on a volume, which takes the folder's owner.
+ENV NUMBA_CACHE_DIR=/var/cache/gpusched/numba
+RUN useradd --create-home --uid 10001 gpusched \
+    && install -d -o gpusched -g gpusched "$NUMBA_CACHE_DIR"
 USER gpusched
 
 EXPOSE 8080 8081 8082 8090 8091
