@@ -155,6 +155,27 @@ EIGHT_B = CATALOG.get("llama-3.1-8b")
 SEVENTY_B = CATALOG.get("llama-3.1-70b")
 
 
+def test_a_gang_in_the_cycle_leaves_a_request_where_its_model_is_loaded() -> None:
+    """The solver holds the last node a workload's largest gang fits for it. Live requests
+    share GPUs by memory (1 milli-GPU of share), so the gang still fits beside a request:
+    the idle node with the 8B loaded stays the 8B's. Held as a node whose GPUs were all
+    free, it sent the 8B to the busy node, which loaded its 16 GB of weights again."""
+    busy = node("a", [60000, 80000])
+    busy = busy.model_copy(update={"gpus": (
+        busy.gpus[0].model_copy(update={"running_requests": 1}), *busy.gpus[1:])})
+    free = 81559 - EIGHT_B.weight_memory_mib
+    view = ClusterView()
+    view.apply_node_state(busy, 0, NODE_TIMEOUT_MS)
+    view.apply_node_state(node("b", [free, free], models=(EIGHT_B.name,),
+                               idle=(EIGHT_B.name,)), 0, NODE_TIMEOUT_MS)
+    cycle = plan(view, [req("8b", "interactive", model=EIGHT_B.name),
+                        req("tp2", "batch", num_gpus=2)])
+    placed = {p.item.request.request_id: p for p in cycle.placed}
+    assert placed["8b"].node_id == "b"
+    assert placed["8b"].memory_mib_per_gpu == placed["8b"].kv_cache_mib  # weights loaded
+    assert placed["tp2"].node_id == "a"
+
+
 def test_work_that_fits_only_without_idle_models_is_placed_and_they_are_unloaded() -> None:
     """An idle 8B on each GPU leaves 66 GB free, less than a 70B gang needs on each of two
     H100s. Before, the 70B waited for memory no agent ever freed (idle models stay loaded),

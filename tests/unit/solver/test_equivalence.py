@@ -121,17 +121,22 @@ def gang_clusters(draw, max_nodes: int = 4) -> ClusterState:
     return ClusterState.from_nodes(nodes, model_slots=3)
 
 
-@SETTINGS
-@given(state=gang_clusters(), batch=batches(max_units=10), gang=st.integers(2, 3),
+@settings(SETTINGS, max_examples=150)
+@given(state=gang_clusters(), batch=batches(max_units=10), gang=st.integers(2, 5),
+       gang_milli=st.sampled_from([1000, 1000, 500, 250]),
+       gang_types=st.sampled_from([None, ["A"], ["B"]]),
        seed=st.integers(0, 2**16), scanned=st.booleans())
-def test_held_node_matches_reference(state, batch, gang, seed, scanned):
-    """The held node, through the cached trees and the plain scan: units in random order,
-    repeated, with a gang of ``gang`` whole GPUs in the workload's shapes."""
+def test_held_node_matches_reference(state, batch, gang, gang_milli, gang_types, seed,
+                                     scanned):
+    """The held node, through the cached trees and a one-slot cache: units in random order,
+    repeated, with a gang of ``gang`` GPUs (whole or shared, typed or not; 5 fits no node)
+    in the workload's shapes."""
     from gpusched_scheduler.domain.solver import solve as solve_mod
 
     sample = WorkBatch.from_units(num_gpu=[*batch.num_gpu, gang],
-                                  gpu_milli=[*batch.gpu_milli, 1000],
-                                  cpu_milli=[*batch.cpu_milli, 1], mem_mib=[*batch.mem_mib, 0])
+                                  gpu_milli=[*batch.gpu_milli, gang_milli],
+                                  cpu_milli=[*batch.cpu_milli, 1], mem_mib=[*batch.mem_mib, 0],
+                                  allowed_gpu_types=[None] * len(batch) + [gang_types])
     shapes = ShapeDistribution.from_batch(sample, coverage=1.0)
     rng = np.random.default_rng(seed)
     units = batch.take(rng.integers(len(batch), size=3 * len(batch)))

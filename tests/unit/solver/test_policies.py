@@ -199,6 +199,30 @@ def test_gpusched_holds_the_last_wholly_free_node_for_the_largest_gang():
     assert solve(roomy, share, "gpusched", shapes=shapes).node.tolist() == [1]
 
 
+def _gang_workload(gang_milli: int = 1000, gang_types=None) -> ShapeDistribution:
+    return ShapeDistribution.from_batch(WorkBatch.from_units(
+        num_gpu=[1, 1, 2], gpu_milli=[300, 1000, gang_milli], cpu_milli=[1000] * 3,
+        mem_mib=[0] * 3, allowed_gpu_types=[None, None, gang_types]), coverage=1.0)
+
+
+def test_gpusched_holds_a_node_only_where_the_unit_would_leave_the_gang_no_room():
+    """The node is held for the gang as it asks (share, memory, type, CPU): a gang of
+    shares that still fits beside the unit holds nothing (the live scheduler's requests
+    share GPUs by memory: an idle node with their model loaded stays theirs), nor does a
+    gang whose GPU type the node lacks."""
+    share = one(gpu_milli=300, cpu=1000, mem=0)
+    # node-0 has no room for two GPUs of 300 or of 1000; node-1 for both
+    state = cluster((2000, [1000, 200]), (None, [1000, 1000]))
+    assert solve(state, share, "gpusched", shapes=_gang_workload()).node.tolist() == [0]
+    assert solve(state, share, "gpusched",
+                 shapes=_gang_workload(gang_milli=300)).node.tolist() == [1]
+    # the gang runs on A100s only: this T4 node is not held for it (as without a gang)
+    state = cluster((2000, [1000, 700]), (None, [1000, 1000]))
+    assert solve(state, share, "gpusched", shapes=_gang_workload()).node.tolist() == [0]
+    assert solve(state, share, "gpusched",
+                 shapes=_gang_workload(gang_types=["A100"])).node.tolist() == [1]
+
+
 def test_gpusched_online_places_the_late_gang_of_the_small_optimality_instance():
     """``rand-12u-4x4-s0`` (bench: distance to optimal) ends with a 4-GPU gang; before the
     held node its CPU-heavy sharing units had broken all four nodes by then."""
@@ -206,6 +230,12 @@ def test_gpusched_online_places_the_late_gang_of_the_small_optimality_instance()
 
     inst = random_instance(0, n_units=12, n_nodes=4, gpus_per_node=4)
     res = solve(inst.state(), inst.batch, "gpusched")
+    assert res.placed.all()
+    # a gang shape larger than any node (8 GPUs) is not held for: the 4-GPU one still is
+    b = inst.batch
+    sample = WorkBatch.from_units(num_gpu=[*b.num_gpu, 8], gpu_milli=[*b.gpu_milli, 1000],
+                                  cpu_milli=[*b.cpu_milli, 8], mem_mib=[*b.mem_mib, 0])
+    res = solve(inst.state(), b, "gpusched", shapes=ShapeDistribution.from_batch(sample))
     assert res.placed.all()
 
 

@@ -719,48 +719,81 @@ def score_all(policy, S, u, U, W, C, params, sc, group, group_score, group_epoch
 
 
 HELD_NODES = 1
-"""gpusched holds back the last node(s) wholly free for the workload's largest gang: a
-unit that is not such a gang goes there only when no other node fits it."""
+"""gpusched holds back the last node(s) where the workload's largest gang still fits: a unit
+that is not such a gang goes there only when no other node fits it, unless the gang still
+fits there beside it."""
 
 
 @njit(cache=True)
-def held_gang(policy, W):
-    """GPUs of the largest gang among the workload's shapes when gpusched holds nodes for
-    it (see ``HELD_NODES``), else 0."""
-    gang = 0
-    if policy == GPUSCHED:
-        for s in range(W[2].shape[0]):
-            gang = max(gang, W[2][s])
-    return gang if gang >= 2 else 0
-
-
-@njit(cache=True)
-def node_free_for(S, n, gang):
-    """Node ``n`` has at least ``gang`` healthy GPUs and all of them wholly free."""
-    c = 0
+def shape_fits(S, n, W, s, u, U, sel, k):
+    """Does one unit of shape ``s`` fit node ``n`` (CPU, memory, and GPUs of its type with
+    its share and GPU memory free), were unit ``u`` placed on GPUs ``sel[:k]`` of it first
+    (``k`` = -1: nothing placed first)?"""
+    cpu = S[0][n]
+    mem = S[1][n]
+    if k >= 0:
+        cpu -= U[3][u]
+        mem -= U[4][u]
+    if cpu < W[0][s] or mem < W[1][s]:
+        return False
+    fit = 0
     for g in range(S[4][n], S[4][n + 1]):
-        if S[8][g]:
-            if S[6][g] < 1000:
-                return False
-            c += 1
-    return c >= gang
+        if not S[8][g] or (W[5][s] >> S[5][g]) & 1 == 0:
+            continue
+        a = S[6][g]
+        b = S[7][g]
+        for j in range(k):
+            if sel[j] == g:
+                a -= U[1][u]
+                b -= U[2][u]
+                if U[6][u] >= 0 and not model_loaded(S[9], g, U[6][u]):
+                    b -= U[7][u]
+        if a >= W[3][s] and b >= W[4][s]:
+            fit += 1
+    return fit >= W[2][s]
 
 
 @njit(cache=True)
-def past_held_tree(S, best, gang, sc, tr, size, held, held_score):
-    """The lowest (score, index) node of tournament tree ``tr`` that is not wholly free for
-    ``gang``, or ``best`` when none fits: takes the free nodes out of the tree one by one
-    (at most ``HELD_NODES`` of them exist when this is asked), then puts them back."""
+def held_shape(policy, S, W, U, sel):
+    """gpusched's gang shape to hold a node for (see ``HELD_NODES``): the workload's gang
+    shape (two GPUs or more) with the most GPUs that fits some node now, the most frequent
+    of those (then the first); -1 when there is none. Returns (shape, nodes it fits)."""
+    best = -1
+    best_fit = 0
+    if policy != GPUSCHED:
+        return best, best_fit
+    for s in range(W[2].shape[0]):
+        if W[2][s] < 2:
+            continue
+        if best >= 0 and (W[2][s] < W[2][best] or
+                          (W[2][s] == W[2][best] and W[6][s] <= W[6][best])):
+            continue
+        fit = 0
+        for n in range(S[0].shape[0]):
+            if shape_fits(S, n, W, s, 0, U, sel, -1):
+                fit += 1
+        if fit > 0:
+            best = s
+            best_fit = fit
+    return best, best_fit
+
+
+@njit(cache=True)
+def past_held_tree(S, W, U, hs, best, sc, tr, size, held, held_score, sel):
+    """The lowest (score, index) node of tournament tree ``tr`` where shape ``hs`` does not
+    fit, or ``best`` when there is none: takes the nodes it fits out of the tree one by
+    one (at most ``HELD_NODES`` of them exist when this is asked), then puts them back."""
     nh = 0
     alt = best
-    while alt >= 0 and sc[alt] < INF and nh < HELD_NODES and node_free_for(S, alt, gang):
+    while (alt >= 0 and sc[alt] < INF and nh < HELD_NODES
+           and shape_fits(S, alt, W, hs, 0, U, sel, -1)):
         held[nh] = alt
         held_score[nh] = sc[alt]
         nh += 1
         sc[alt] = INF
         tree_update(tr, sc, alt, size)
         alt = tr[1]
-    if alt >= 0 and sc[alt] < INF and not node_free_for(S, alt, gang):
+    if alt >= 0 and sc[alt] < INF and not shape_fits(S, alt, W, hs, 0, U, sel, -1):
         best = alt
     for i in range(nh):
         sc[held[i]] = held_score[i]
@@ -769,12 +802,12 @@ def past_held_tree(S, best, gang, sc, tr, size, held, held_score):
 
 
 @njit(cache=True)
-def past_held_scan(S, best, gang, scan):
+def past_held_scan(S, W, U, hs, best, scan, sel):
     """``past_held_tree`` over a plain array of node scores."""
     alt_score = INF
     alt = best
     for n in range(scan.shape[0]):
-        if scan[n] < alt_score and not node_free_for(S, n, gang):
+        if scan[n] < alt_score and not shape_fits(S, n, W, hs, 0, U, sel, -1):
             alt_score = scan[n]
             alt = n
     return alt
@@ -824,12 +857,7 @@ def solve_kernel(
     pscore = np.empty(n_nodes, np.float64)
     pgpu = np.empty(n_nodes, np.int64)
     scan = np.empty(n_nodes, np.float64)
-    gang = held_gang(policy, W)
-    n_free = 0  # nodes wholly free for the held gang (0 when none is held)
-    if gang > 0:
-        for n in range(n_nodes):
-            if node_free_for(S, n, gang):
-                n_free += 1
+    hs, n_fit = held_shape(policy, S, W, U, sel)  # the gang shape held for, the nodes it fits
     held = np.empty(HELD_NODES, np.int64)
     held_score = np.empty(HELD_NODES, np.float64)
     for idx in range(len(order)):
@@ -886,28 +914,33 @@ def solve_kernel(
                     if scan[n] < best_score:
                         best_score = scan[n]
                         best = n
-        if (best >= 0 and gang > 0 and k < gang and n_free <= HELD_NODES
-                and node_free_for(S, best, gang)):
-            if slot >= 0:
-                best = past_held_tree(S, best, gang, scores[slot], trees[slot], size, held,
-                                      held_score)
-            else:
-                best = past_held_scan(S, best, gang, scan)
         if best < 0:
             out_node[u] = -1
             out_reason[u] = diagnose(S, u, U)
             continue
-        was_free = gang > 0 and node_free_for(S, best, gang)
         stats[2] += 1
-        if fast:
-            pend[0] = best
-            single_gpu_scores(policy, S, u, U, W, C, params, pend, 1, pscore, pgpu, cand)
-            best_sel[0] = pgpu[0]
-        else:
-            eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
+        for attempt in range(2):
+            if fast:
+                pend[0] = best
+                single_gpu_scores(policy, S, u, U, W, C, params, pend, 1, pscore, pgpu, cand)
+                best_sel[0] = pgpu[0]
+            else:
+                eval_node(policy, S, best, u, U, W, best_sel, cand, keys, C, params)
+            if (attempt > 0 or hs < 0 or k >= W[2][hs] or n_fit > HELD_NODES
+                    or not shape_fits(S, best, W, hs, 0, U, sel, -1)
+                    or shape_fits(S, best, W, hs, u, U, best_sel, k)):
+                break
+            # it would take the last node the gang fits: the best other node, if any fits
+            alt = past_held_tree(S, W, U, hs, best, scores[slot], trees[slot], size, held,
+                                 held_score, sel) if slot >= 0 else \
+                past_held_scan(S, W, U, hs, best, scan, sel)
+            if alt == best:
+                break
+            best = alt
+        held_before = hs >= 0 and shape_fits(S, best, W, hs, 0, U, sel, -1)
         apply_unit(S, best, u, U, best_sel)
-        if was_free and not node_free_for(S, best, gang):
-            n_free -= 1
+        if held_before and not shape_fits(S, best, W, hs, 0, U, sel, -1):
+            n_fit -= 1
         C[0][best] = np.nan
         if groups_built:
             group[best] = -1  # no longer equal to its old group

@@ -209,10 +209,41 @@ def _place(c: _Cluster, n: int, unit: dict, sel: list[int]) -> None:
         c.gmem[g] -= need
 
 
-def _free_for(c: _Cluster, n: int, gang: int) -> bool:
-    """At least ``gang`` healthy GPUs on node ``n``, all wholly free (kernels.node_free_for)."""
-    healthy = [g for g in c.gpus[n] if c.healthy[g]]
-    return len(healthy) >= gang and all(c.gmilli[g] >= 1000 for g in healthy)
+def _shape_fits(c: _Cluster, n: int, shape: dict, unit: dict | None = None,
+                sel: list[int] = ()) -> bool:
+    """One unit of ``shape`` fits node ``n``, were ``unit`` placed on GPUs ``sel`` of it
+    first (kernels.shape_fits)."""
+    cpu, mem = c.cpu[n], c.mem[n]
+    if unit is not None:
+        cpu -= unit["cpu"]
+        mem -= unit["mem"]
+    if cpu < shape["cpu"] or mem < shape["mem"]:
+        return False
+    fit = 0
+    for g in c.gpus[n]:
+        if not c.healthy[g] or not (shape["mask"] >> c.gtype[g]) & 1:
+            continue
+        free, gmem = c.gmilli[g], c.gmem[g]
+        if unit is not None and g in sel:
+            free -= unit["milli"]
+            gmem -= unit["gmem"] + (0 if unit["model"] < 0 or c.loaded(g, unit["model"])
+                                    else unit["weight"])
+        fit += free >= shape["milli"] and gmem >= shape["gmem"]
+    return fit >= shape["k"]
+
+
+def _held_shape(policy: int, c: _Cluster, shapes: list[dict]) -> tuple[dict | None, int]:
+    """The gang shape gpusched holds a node for and the nodes it fits (kernels.held_shape)."""
+    best, best_fit = None, 0
+    if policy != K.GPUSCHED:
+        return best, best_fit
+    for s in shapes:
+        if s["k"] < 2 or best is not None and (s["k"], s["count"]) <= (best["k"], best["count"]):
+            continue
+        fit = sum(1 for n in range(len(c.cpu)) if _shape_fits(c, n, s))
+        if fit:
+            best, best_fit = s, fit
+    return best, best_fit
 
 
 def _lowest(scored: list, nodes) -> int:
@@ -291,11 +322,7 @@ def reference_solve(
     out_gpus = np.full((n_units, MAX_GANG_GPUS), -1, np.int64)
     out_reason = np.zeros(n_units, np.int64)
     order = unit_order(batch, pol, lookahead)
-    gang = 0
-    if pol.kernel_id == K.GPUSCHED:
-        gang = max((s["k"] for s in shape_rows), default=0)
-    gang = gang if gang >= 2 else 0
-    n_free = sum(1 for n in range(len(c.cpu)) if gang and _free_for(c, n, gang))
+    held, n_fit = _held_shape(pol.kernel_id, c, shape_rows)
     for u in order.tolist()[: limit if limit is not None else n_units]:
         unit = dict(k=cols[0][u], milli=cols[1][u], gmem=cols[2][u], cpu=cols[3][u],
                     mem=cols[4][u], mask=cols[5][u], model=cols[6][u], weight=cols[7][u])
@@ -305,18 +332,20 @@ def reference_solve(
         scored = [score_node(pol.kernel_id, c, n, unit, shape_rows, params, prices)
                   for n in range(len(c.cpu))]
         best = _lowest(scored, range(len(c.cpu)))
-        if (best >= 0 and gang and unit["k"] < gang and n_free <= K.HELD_NODES
-                and _free_for(c, best, gang)):
-            alt = _lowest(scored, [n for n in range(len(c.cpu)) if not _free_for(c, n, gang)])
-            best = alt if alt >= 0 else best
         if best < 0:
             out_reason[u] = _diagnose(c, unit)
             continue
         best_sel = scored[best][1]
-        was_free = gang and _free_for(c, best, gang)
+        if (held is not None and unit["k"] < held["k"] and n_fit <= K.HELD_NODES
+                and _shape_fits(c, best, held) and not _shape_fits(c, best, held, unit, best_sel)):
+            # it would take the last node the gang fits: the best other node, if any fits
+            alt = _lowest(scored, [n for n in range(len(c.cpu)) if not _shape_fits(c, n, held)])
+            if alt >= 0:
+                best, best_sel = alt, scored[alt][1]
+        fitted = held is not None and _shape_fits(c, best, held)
         _place(c, best, unit, best_sel)
-        if was_free and not _free_for(c, best, gang):
-            n_free -= 1
+        if fitted and not _shape_fits(c, best, held):
+            n_fit -= 1
         out_node[u] = best
         out_gpus[u, : len(best_sel)] = best_sel
     after = work.copy()
