@@ -85,19 +85,22 @@ class NoBudgetSpent:
         return None
 
 
-def answering(monkeypatch, outcome: Callable[[InferenceRequest], Rejection | RequestResult],
-              trace_sample_ratio: float = 1.0) -> tuple[FastAPI, list[InferenceRequest]]:
-    """A router whose requests Kafka takes in and that end in `outcome(request)`; and the
-    list of the requests it publishes."""
+def answering(monkeypatch,
+              outcome: Callable[[InferenceRequest], Rejection | RequestResult | None],
+              trace_sample_ratio: float = 1.0, **settings: object
+              ) -> tuple[FastAPI, list[InferenceRequest]]:
+    """A router whose requests Kafka takes in and that end in `outcome(request)` (None:
+    they never end); and the list of the requests it publishes."""
     monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
     app = create_app(RouterSettings(telemetry=TelemetrySettings(
-        otlp_endpoint="", trace_sample_ratio=trace_sample_ratio)))
+        otlp_endpoint="", trace_sample_ratio=trace_sample_ratio), **settings))
     published: list[InferenceRequest] = []
 
     async def publish(message: bytes, topic: str, **options: object) -> None:
         request = InferenceRequest.model_validate_json(message)
         published.append(request)
-        app.state.hub.dispatch([SimpleNamespace(value=outcome(request).to_bytes())])
+        if (event := outcome(request)) is not None:
+            app.state.hub.dispatch([SimpleNamespace(value=event.to_bytes())])
 
     monkeypatch.setattr(app.state.broker, "publish", publish)
     return app, published
@@ -623,7 +626,7 @@ async def test_a_stream_that_fails_ends_with_an_error_event_not_a_finish_reason(
     queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
     queue.put_nowait(failure)
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert json.loads(payloads[0])["choices"][0]["text"] == " partial"
     error = json.loads(payloads[1])["error"]
@@ -664,7 +667,7 @@ async def test_a_stream_that_starts_over_ends_with_an_error_and_cancels_it() -> 
         queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=text, token_count=1))
     cancelled = []
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None,
                                     cancelled.append)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert [json.loads(p)["choices"][0]["text"] for p in payloads[:2]] == [" The", " cat"]
@@ -689,7 +692,7 @@ async def test_a_result_whose_text_is_not_what_was_streamed_ends_with_an_error(
     queue.put_nowait(_result("completed", "stop").model_copy(update={"text": text}))
     cancelled: list = []
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None,
                                     cancelled.append)]
     payloads = [e.decode().removeprefix("data: ").strip() for e in events]
     assert "started over" in json.loads(payloads[-2])["error"]["message"]
@@ -708,7 +711,7 @@ async def test_a_chunk_that_comes_late_is_streamed_and_the_stream_goes_on() -> N
     queue.put_nowait(_result("completed", "length").model_copy(
         update={"text": " w0 w1 w2 w3"}))
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None)]
     texts = [json.loads(e.decode().removeprefix("data: "))["choices"][0]["text"]
              for e in events[:-1]]
     assert texts == [" w0", " w1", " w2", " w3", ""]
@@ -727,7 +730,7 @@ async def test_a_chunk_sent_twice_is_streamed_once_not_taken_for_a_start_over(se
     queue.put_nowait(_result("completed", "stop").model_copy(update={"text": " w0 w1"}))
     cancelled: list = []
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None,
                                     cancelled.append)]
     payloads = [json.loads(p) for p in (e.decode().removeprefix("data: ").strip()
                                         for e in events) if p != "[DONE]"]
@@ -744,7 +747,7 @@ async def test_a_stream_past_its_deadline_tells_the_client_to_poll_and_cancels_n
     queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" a", token_count=1))
     cancelled: list = []
     deadline_s = asyncio.get_running_loop().time() + 0.2
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None,
                                     cancelled.append)]
     assert b"GET /v1/requests/" in events[-2] and events[-1] == b"data: [DONE]\n\n"
     assert cancelled == []
@@ -764,7 +767,7 @@ async def test_a_client_slow_to_read_at_the_deadline_still_gets_its_whole_stream
     cancelled: list = []
     deadline_s = asyncio.get_running_loop().time() + 0.1
     events = []
-    async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None,
+    async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None,
                         cancelled.append):
         events.append(e)
         if len(events) == 1:
@@ -782,7 +785,7 @@ async def test_with_include_usage_every_chunk_but_the_last_says_usage_null() -> 
     queue.put_nowait(TokenChunk(request_id="req-1", seq=0, text=" partial", token_count=1))
     queue.put_nowait(_result("completed", "length"))
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None)]
     payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
     assert [p["usage"] for p in payloads[:-1]] == [None, None]
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 1
@@ -801,7 +804,7 @@ async def test_a_stream_missing_a_chunk_still_gives_the_whole_text_once(chunks) 
         queue.put_nowait(TokenChunk(request_id="req-1", seq=seq, text=text, token_count=1))
     queue.put_nowait(_result("completed", "length").model_copy(update={"text": " The cat sat"}))
     deadline_s = asyncio.get_running_loop().time() + 5
-    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda: None)]
+    events = [e async for e in _sse(parsed, "completions", queue, deadline_s, lambda _: None)]
     choices = [json.loads(e.decode().removeprefix("data: "))["choices"][0]
                for e in events[:-1]]
     assert "".join(c["text"] for c in choices) == " The cat sat"
@@ -850,7 +853,7 @@ async def test_a_stored_reply_streams_whole_to_a_retry_that_asks_for_a_stream() 
     result = _result("completed", "length").model_copy(update={"text": " The cat sat"})
     deadline_s = asyncio.get_running_loop().time() + 5
     events = [e async for e in _sse(parsed, "chat/completions", asyncio.Queue(), deadline_s,
-                                    lambda: None, None, result)]
+                                    lambda _: None, None, result)]
     payloads = [json.loads(e.decode().removeprefix("data: ")) for e in events[:-1]]
     deltas = [p["choices"][0]["delta"] for p in payloads[:-1]]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": " The cat sat"}, {}]
@@ -1013,7 +1016,7 @@ async def test_reply_ids_are_prefixed_as_openai_prefixes_them() -> None:
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(_result("completed", "stop"))
         deadline_s = asyncio.get_running_loop().time() + 5
-        events = [e async for e in _sse(parsed, kind, queue, deadline_s, lambda: None)]
+        events = [e async for e in _sse(parsed, kind, queue, deadline_s, lambda _: None)]
         assert json.loads(events[0].decode().removeprefix("data: "))["id"] == f"{prefix}req-1"
 
 
@@ -1161,3 +1164,146 @@ async def test_a_stopped_router_answers_every_client_it_still_waits_on(monkeypat
     assert published["streamed"].request_id in error["message"]
     assert events[2:] == ["data: [DONE]"]
     assert cancels == []
+
+
+async def served(app: FastAPI, name: str) -> dict[tuple[str, str], float]:
+    """The router's counter `name` as /metrics serves it: (priority_class, outcome) ->
+    count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        text = (await client.get("/metrics")).text
+    return {(s.labels["priority_class"], s.labels["outcome"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name}
+
+
+@pytest.mark.parametrize("outcome,status,answered", [
+    (lambda r: _result("completed", "length", r.request_id), 200, "completed"),
+    (lambda r: Rejection(request_id=r.request_id, status_code=429, reason="over quota"), 429,
+     "over_quota"),
+    (lambda r: Rejection(request_id=r.request_id, status_code=422, reason="fits no node"), 422,
+     "unschedulable"),
+    (lambda r: Rejection(request_id=r.request_id, status_code=503, reason="waited too long",
+                         code="queue_time_exceeded"), 503, "queue_time_exceeded"),
+    (lambda r: Rejection(request_id=r.request_id, status_code=404, reason="no such model"),
+     404, "rejected"),
+    (lambda r: _result("failed", "executor error: boom", r.request_id), 502, "failed"),
+    (lambda r: engine_refused(r.request_id), 400, "engine_refused"),
+    (lambda r: _result("cancelled", "cancelled: by its client", r.request_id), 409,
+     "cancelled"),
+    (lambda r: None, 504, "timed_out"),
+], ids=["completed", "429", "422", "expired", "404", "502", "engine-4xx", "409", "504"])
+async def test_how_each_request_taken_in_ended_is_counted(monkeypatch, outcome, status: int,
+                                                          answered: str) -> None:
+    """The router counted a request at its door only (`accepted`): a request taken in that
+    then failed on its node (502), or that the router stopped waiting for (504), was
+    counted nowhere, and no alert could see requests taken in and never answered. Each
+    answer to a request taken in is counted now, by class and how it ended; every series
+    is served from the start, at 0, so a first failure is an increase()."""
+    app, published = answering(monkeypatch, outcome, request_timeout_s=0.2)
+    before = await served(app, "gpusched_router_answers_total")
+    assert len(before) == 3 * 12 and not any(before.values())
+    reply = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert reply.status_code == status
+    after = await served(app, "gpusched_router_answers_total")
+    [request] = published
+    assert {key: n for key, n in after.items() if n} == {(request.priority_class, answered): 1}
+    assert {key: n for key, n in (await served(app, "gpusched_router_requests_total")).items()
+            if n} == {(request.priority_class, "accepted"): 1}
+
+
+def _chunk(seq: int, text: str) -> TokenChunk:
+    return TokenChunk(request_id="req-1", seq=seq, text=text, token_count=1)
+
+
+@pytest.mark.parametrize("events,answered", [
+    ([_chunk(0, " partial"), _result("completed", "length")], "completed"),
+    ([_chunk(0, " partial"), _result("failed", "executor error: boom")], "failed"),
+    ([_chunk(0, " partial"), _result("cancelled", "cancelled: by its client")], "cancelled"),
+    ([_chunk(0, " a"), _chunk(0, " b")], "started_over"),
+    ([_chunk(0, " other"), _result("completed", "length")], "started_over"),
+    ([_chunk(0, " partial"), _shutting_down("req-1")], "router_stopped"),
+    ([_chunk(0, " partial")], "timed_out"),
+], ids=["completed", "failed", "cancelled", "started-over", "other-text", "router-stopped",
+        "timed-out"])
+async def test_a_stream_says_how_it_ended_once(events: list, answered: str) -> None:
+    """A streamed request's end comes after its 200: the stream tells the router how."""
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    for event in events:
+        queue.put_nowait(event)
+    ended: list[str] = []
+    deadline_s = asyncio.get_running_loop().time() + 0.2
+    [e async for e in _sse(parsed, "completions", queue, deadline_s, ended.append)]
+    assert ended == [answered]
+
+
+async def test_a_stream_its_client_leaves_is_counted_as_client_gone() -> None:
+    parsed = completion({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True})
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait(_chunk(0, " partial"))
+    ended: list[str] = []
+    stream = _sse(parsed, "completions", queue, asyncio.get_running_loop().time() + 5,
+                  ended.append, lambda why: None)
+    await anext(stream)
+    await stream.aclose()  # the client hung up
+    assert ended == ["client_gone"]
+
+
+async def test_a_replays_503_for_a_request_never_taken_in_is_counted_as_a_503(
+        monkeypatch) -> None:
+    """A retry with an Idempotency-Key whose first use was refused before it ran (or that
+    Kafka did not take when the retry sent it) is answered 503, as a request Kafka did not
+    take is: it was counted as `replayed` only, so the server-errors alert, which reads the
+    router's 503s, did not see a Kafka outage that only retries met."""
+    from gpusched_router.adapters.idempotency import IdempotencyKeys
+
+    body = {"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}
+    app, published = answering(monkeypatch, lambda request: None)
+
+    async def claimed(self, tenant: str, key: str, use: FirstUse) -> FirstUse:
+        return FirstUse("req-first", request_digest("/v1/completions", body), 1000)
+
+    async def no_holder(self, tenant: str, key: str) -> None:
+        return None  # the first use's router freed the key: it was refused
+
+    async def no_status(request_id: str) -> None:
+        return None
+
+    monkeypatch.setattr(IdempotencyKeys, "claim", claimed)
+    monkeypatch.setattr(IdempotencyKeys, "holder", no_holder)
+    monkeypatch.setattr(app.state.hub, "status", no_status)
+    reply = await post(app, "/v1/completions", json.dumps(body), **{"idempotency-key": "k-1"})
+    assert reply.status_code == 503 and "was refused before it ran" in reply.text
+    assert published == []
+    at_door = {key: n for key, n in (await served(app, "gpusched_router_requests_total")
+                                     ).items() if n}
+    assert at_door == {(completion(body).request.priority_class, "http_503"): 1}
+    assert not any((await served(app, "gpusched_router_answers_total")).values())
+
+
+async def test_a_replay_of_a_stored_outcome_is_counted_replayed_and_answered(
+        monkeypatch) -> None:
+    from gpusched_router.adapters.idempotency import IdempotencyKeys
+
+    body = {"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}
+    app, published = answering(monkeypatch, lambda request: None)
+
+    async def claimed(self, tenant: str, key: str, use: FirstUse) -> FirstUse:
+        return FirstUse("req-first", request_digest("/v1/completions", body), 1000)
+
+    async def ended(request_id: str) -> dict:
+        return {"status": "failed", "tenant": "acme", "result": json.loads(
+            _result("failed", "executor error: boom", request_id).to_bytes())}
+
+    monkeypatch.setattr(IdempotencyKeys, "claim", claimed)
+    monkeypatch.setattr(app.state.hub, "status", ended)
+    reply = await post(app, "/v1/completions", json.dumps(body), **{"idempotency-key": "k-1"})
+    assert reply.status_code == 502 and published == []
+    counted = [{key: n for key, n in (await served(app, name)).items() if n}
+               for name in ("gpusched_router_requests_total", "gpusched_router_answers_total")]
+    cls = completion(body).request.priority_class
+    assert counted == [{(cls, "replayed"): 1}, {(cls, "failed"): 1}]

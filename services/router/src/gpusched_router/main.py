@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import (
+    PRIORITY_CLASSES,
     RESULT_EVENT,
     Cancel,
     InferenceRequest,
@@ -94,6 +95,17 @@ NOT_TAKING = "router_not_taking_requests"
 """A stopping router's 503 for a request it did not send (its body came after the drain):
 nothing runs, send it again."""
 WaitOutcome = Callable[[float, asyncio.Future[None]], Awaitable[Waited | None]]
+Answered = Literal["completed", "over_quota", "unschedulable", "queue_time_exceeded",
+                   "rejected", "engine_refused", "failed", "started_over", "cancelled",
+                   "timed_out", "router_stopped", "client_gone"]
+"""How a request taken in ended for the client waiting on it (the `outcome` of
+gpusched_router_answers_total): its result (200); the scheduler's refusal, over_quota (429:
+a quota, tokens per minute, a spent budget), unschedulable (422: fits no node),
+queue_time_exceeded (503) or rejected (its other 4xx); its engine's 4xx (engine_refused);
+failed on its node (502), or started_over there (502: a stream its node was lost under);
+cancelled (409); the router's own end of the wait, timed_out (504) or router_stopped (503:
+the request goes on); client_gone (499: the client left first)."""
+ANSWERED: tuple[Answered, ...] = get_args(Answered)
 log = logging.getLogger(__name__)
 
 
@@ -107,8 +119,21 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     redis = make_redis(settings.redis)
     hub = ResultsHub(redis, settings.status_ttl_s)
     idempotency = IdempotencyKeys(redis, settings.status_ttl_s)
-    accepted = Counter("gpusched_router_requests_total", "Requests by outcome.",
+    accepted = Counter("gpusched_router_requests_total",
+                       "Requests at the door: accepted (Kafka took it in), replayed (a retry "
+                       "with an Idempotency-Key, answered with its first use's outcome) or "
+                       "http_<status> (refused before it was taken in).",
                        ["priority_class", "outcome"], registry=registry)
+    answers = Counter("gpusched_router_answers_total",
+                      "How each request taken in (accepted or replayed) ended for its client: "
+                      "completed, over_quota (429), unschedulable (422), queue_time_exceeded "
+                      "(503), rejected (the scheduler's other 4xx), engine_refused (the "
+                      "engine's 4xx), failed (502), started_over (502), cancelled (409), "
+                      "timed_out (504), router_stopped (503), client_gone (499).",
+                      ["priority_class", "outcome"], registry=registry)
+    for priority_class in PRIORITY_CLASSES:  # at 0: a first 504 is an increase() to alert on
+        for answered in ANSWERED:
+            answers.labels(priority_class, answered)
     latency = Histogram("gpusched_router_request_seconds", "Accept to terminal result.",
                         ["priority_class"], registry=registry,  # up to the request time-out:
                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
@@ -355,6 +380,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             "request_id": request_id,
             "created_at_ms": int(status.get("created_at_ms", parsed.request.created_at_ms))})
         trace_id = status.get("trace_id") or ""  # the first use's, or this retry's own
+        refused: ApiError | None = None
+        """This retry's 503 where its request was not taken in (its first use refused,
+        Kafka away, this router stopping): counted at the door as the other such 503s, for
+        the server-errors alert, not as replayed."""
 
         async def taken_in() -> ApiError | None:
             """With no status stored yet: None while the first use may still be on its way
@@ -387,7 +416,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                           ) -> Waited | None:
             # Its outcome may have passed this router before the queue opened, and be
             # stored a moment later: read the status again every STATUS_POLL_S.
-            nonlocal trace_id
+            nonlocal trace_id, refused
             loop = asyncio.get_running_loop()
             stored = status
             while "result" not in stored:
@@ -409,25 +438,35 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 return event
             return RESULT_EVENT.validate_python(stored["result"])
 
-        accepted.labels(original.priority_class, "replayed").inc()
-        return await answer(request, replace(parsed, request=original), kind, queue,
-                            lambda: trace_id, abandoned=None, wait=outcome)
+        reply = await answer(request, replace(parsed, request=original), kind, queue,
+                             lambda: trace_id, abandoned=None, wait=outcome,
+                             was_taken_in=lambda: refused is None)
+        accepted.labels(original.priority_class, "replayed" if refused is None
+                        else f"http_{refused.status_code}").inc()
+        return reply
 
     async def answer(request: Request, parsed: ParsedRequest, kind: str,
                      queue: asyncio.Queue[Waited], trace_id: Callable[[], str],
                      abandoned: Callable[..., None] | None,
-                     wait: WaitOutcome | None = None) -> Response:
+                     wait: WaitOutcome | None = None,
+                     was_taken_in: Callable[[], bool] = lambda: True) -> Response:
         """The reply to a request taken in: wait for its first event (`wait(deadline_s,
         gone)` instead, where given), then answer with it or stream from it. `abandoned()`
         runs when the client leaves before the end; `trace_id()` is read once the wait is
-        over (a retry may have sent the request itself meanwhile)."""
+        over (a retry may have sent the request itself meanwhile), and `was_taken_in()`:
+        False where `wait` answered that the request was not taken in (a replay's 503,
+        which its caller counts at the door), no answer to count."""
         req = parsed.request
         started_s = time.monotonic()
         deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
 
-        def observe() -> None:
+        def observe(outcome: Answered | None) -> None:
+            """The wait is over: count how it ended (None: nothing to count here, a
+            replay's 503 counted at the door or a fault the 500 handler counts)."""
             hub.close(req.request_id, queue)
-            latency.labels(req.priority_class).observe(time.monotonic() - started_s)
+            if outcome is not None:
+                latency.labels(req.priority_class).observe(time.monotonic() - started_s)
+                answers.labels(req.priority_class, outcome).inc()
 
         # Wait for the first event before answering, streamed or not: a rejection (429 over
         # quota, 422 fits nowhere) or a failure is then an HTTP status the client acts on.
@@ -440,19 +479,19 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         except TimeoutError:
             first = _timed_out(req.request_id)
         except BaseException:
-            observe()
+            observe(None)
             raise
         finally:
             gone.cancel()
         headers = {"x-request-id": req.request_id, "x-trace-id": trace_id()}
         if first is None:
-            observe()
+            observe("client_gone")
             if abandoned is not None:
                 abandoned()
             return Response(status_code=499)  # nobody reads it
         failed = _error_of(first)
         if failed is not None:
-            observe()
+            observe(_answered(first) if was_taken_in() else None)
             if isinstance(first, Rejection) and (wait_s := _retry_after_s(first)) is not None:
                 headers["retry-after"] = str(wait_s)  # the openai SDK waits it
             elif isinstance(first, ApiError) and first.status_code == 503:
@@ -465,7 +504,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return StreamingResponse(
                 _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
                 media_type="text/event-stream", headers=headers)
-        observe()
+        observe("completed")
         return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
     @app.post("/v1/completions")
@@ -627,6 +666,26 @@ def _error_of(event: Waited) -> ApiError | None:
     return None
 
 
+def _answered(event: Waited | None) -> Answered:
+    """How a request ended for its client (`Answered`), by the terminal event it was
+    answered with, the router's own answer among them (504 its wait ran out, 503 it
+    stopped); None: the client left first."""
+    if event is None:
+        return "client_gone"
+    if isinstance(event, ApiError):
+        return "timed_out" if event.status_code == 504 else "router_stopped"
+    if isinstance(event, Rejection):
+        if event.code == "queue_time_exceeded":
+            return "queue_time_exceeded"
+        return "over_quota" if event.status_code == 429 else \
+            "unschedulable" if event.status_code == 422 else "rejected"
+    if isinstance(event, RequestResult) and event.status == "failed":
+        return "failed" if event.engine_status_code is None else "engine_refused"
+    if isinstance(event, RequestResult) and event.status == "cancelled":
+        return "cancelled"
+    return "completed"
+
+
 def _failure(result: RequestResult) -> ApiError | None:
     if result.status == "failed":
         message = (f"request {result.request_id} failed on node {result.node_id}: "
@@ -669,14 +728,15 @@ def _full_response(parsed: ParsedRequest, kind: str, result: RequestResult) -> d
 
 
 async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
-               deadline_s: float, done: Any, abandoned: Any = None,
+               deadline_s: float, done: Callable[[Answered], None], abandoned: Any = None,
                first: TokenChunk | RequestResult | None = None) -> AsyncIterator[bytes]:
     """OpenAI's streaming format: one `data:` event per token chunk, then `[DONE]`. `first`
     is the request's first event if the caller took it already; `deadline_s` (event loop
     time) ends the wait with a 504 error event, as the router's stop does with its 503
-    (`ResultsHub.stop`). `abandoned()` runs when the client leaves before the request's
-    terminal event."""
+    (`ResultsHub.stop`). `done(outcome)` runs as the stream ends, with how it ended;
+    `abandoned()` when the client leaves before the request's terminal event."""
     ended = False
+    outcome: Answered = "client_gone"
     req = parsed.request
     base = {"id": _reply_id(kind, req.request_id), "created": req.created_at_ms // 1000,
             "model": req.model}
@@ -721,9 +781,10 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
                 if seen[ev.seq] == ev.text:
                     continue  # a copy: an agent sends a record again when Kafka's answer was lost
                 # Started over: its node was lost mid-run, and what was streamed is not
-                # what the new attempt generates (a preempted one goes on instead).
+                # what the new attempt generates (a preempted one goes on instead). Not
+                # ended: the new attempt is cancelled.
+                started_over, outcome = True, "started_over"
                 yield _data(_started_over(req.request_id).body())
-                started_over = True  # not ended: the new attempt is cancelled
                 break
             if isinstance(ev, TokenChunk):
                 # Chunks are sent without waiting for Kafka's answer (the request's end
@@ -736,6 +797,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
                     next_stream += 1
                 continue
             ended = True  # the terminal event
+            outcome = _answered(ev)
             err = _error_of(ev)
             if err is not None:
                 yield _data(err.body())
@@ -744,6 +806,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
             if not ev.text.startswith(sent):
                 # a start-over whose chunks Kafka dropped, or that began with the same first
                 # chunk: what was streamed is not this text
+                outcome = "started_over"
                 yield _data(_started_over(req.request_id).body())
                 break
             if len(ev.text) > len(sent):
@@ -754,11 +817,11 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
             break
         yield b"data: [DONE]\n\n"
     except TimeoutError:  # the request runs on: its client is told to poll for it
-        ended = True
+        ended, outcome = True, "timed_out"
         yield _data(_timed_out(req.request_id).body())
         yield b"data: [DONE]\n\n"
     finally:
-        done()
+        done(outcome)
         if not ended and abandoned is not None:
             abandoned("its stream started over: the client was told to send it again"
                       if started_over else "client disconnected")
