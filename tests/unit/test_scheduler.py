@@ -2303,7 +2303,8 @@ async def test_work_of_a_lost_node_is_fenced_and_retried_taken_or_not() -> None:
 
 async def test_work_of_a_lost_node_on_its_last_attempt_ends_failed() -> None:
     """At attempt 100 the retry was published as attempt 101, which no consumer reads: the
-    request was dead-lettered and never answered."""
+    request was dead-lettered and never answered. It ends failed, and is counted so (it
+    was counted nowhere: not retried, its lost node raised no alert)."""
     one = OnOneNode(EngineConfig(cycle_window_ms=0, node_timeout_ms=10_000))
     last = req("last").model_copy(update={"attempt": 100, "requeued": "node_lost"})
     one.engine.queue.push(Pending(last, {}, 0))
@@ -2315,6 +2316,11 @@ async def test_work_of_a_lost_node_on_its_last_attempt_ends_failed() -> None:
     assert (result.request_id, result.status) == ("last", "failed")
     assert "on attempt 100, the last a request may have" in result.finish_reason
     assert one.fences.removed == ["last#100"]
+    assert one.retried() == {"node_lost": 0, "untaken": 0, "takeover": 0}
+    assert {why: one.registry.get_sample_value("gpusched_scheduler_attempts_exhausted_total",
+                                               {"why": why})
+            for why in ("node_lost", "untaken", "takeover")} == {
+        "node_lost": 1, "untaken": 0, "takeover": 0}
 
 
 async def test_what_is_sent_for_work_of_a_lost_node_goes_on_in_its_requests_trace() -> None:
@@ -3211,6 +3217,27 @@ async def test_the_cycle_loop_stops_when_cancelled_as_it_is_woken() -> None:
     async with asyncio.timeout(3):
         await asyncio.gather(loop, return_exceptions=True)
     assert loop.cancelled()
+
+
+async def test_every_failed_cycle_is_counted() -> None:
+    """A cycle that raised was logged and tried again, and counted nowhere: a leader whose
+    every cycle failed placed nothing, and no alert could tell."""
+    registry = CollectorRegistry()
+    engine, _ = leading_engine(registry=registry)
+
+    async def broken() -> int:
+        raise RuntimeError("a bug")
+
+    engine.cycle = broken  # type: ignore[method-assign]
+    loop = asyncio.create_task(engine.run())
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if registry.get_sample_value("gpusched_scheduler_cycle_failures_total") >= 2:
+            break
+    engine.stop()
+    async with asyncio.timeout(3):
+        await loop
+    assert registry.get_sample_value("gpusched_scheduler_cycle_failures_total") >= 2
 
 
 def test_quota_book_forgets_admissions_older_than_a_minute() -> None:
@@ -5684,6 +5711,42 @@ async def test_a_leader_whose_consumers_failed_to_start_tries_again_at_the_next_
             if "ok" in starts:
                 break
     assert starts[0] == "failed" and "ok" in starts  # the next renewal led again
+
+
+async def test_a_leader_whose_request_consumer_fails_steps_down_and_reads_again(
+        monkeypatch) -> None:
+    """A fetch that raised ended its consumer's task unseen: the instance led on, renewing
+    its lease (no standby took over), and read no more requests of that class. Now the
+    failure is logged, the instance steps down, and the next renewal leads again with new
+    consumers."""
+    from aiokafka.errors import KafkaError
+
+    starts: list[str] = []
+    fetches = 0
+
+    class Consumer(_IdleConsumer):  # the interactive consumer's first fetch fails
+        def __init__(self, topic: str, *args, **kwargs) -> None:
+            self.topic = topic
+
+        async def start(self) -> None:
+            starts.append(self.topic)
+
+        async def getmany(self, **kwargs) -> dict:
+            nonlocal fetches
+            if self.topic == topics.REQUESTS["interactive"].name:
+                fetches += 1
+                if fetches == 1:
+                    raise KafkaError("fetch failed")
+            return await super().getmany(**kwargs)
+
+    app = _app_without_kafka(monkeypatch, Consumer)
+    async with app.router.lifespan_context(app):
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+            if fetches >= 2 and app.state.engine.epoch is not None:
+                break
+        assert fetches >= 2 and app.state.engine.epoch == 7  # it reads on, leading again
+    assert starts.count(topics.REQUESTS["interactive"].name) == 2  # a new consumer
 
 
 async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_lease_go(

@@ -126,10 +126,11 @@ RETRY_WHY: dict[RetryWhy, str] = {
     "untaken": "never took its placement",
     "takeover": "had a placement fenced by the previous leader",
 }
-"""Why placed work is retried (the `why` label of gpusched_scheduler_retries_total: only
-node_lost means a node stopped reporting), and what the log and a last attempt's finish
-reason say of its node. takeover: fenced by a leader that did not get to retry it, for
-either of the other reasons."""
+"""Why placed work is retried (the `why` label of gpusched_scheduler_retries_total, and of
+gpusched_scheduler_attempts_exhausted_total for work on its last attempt: only node_lost
+means a node stopped reporting), and what the log and a last attempt's finish reason say
+of its node. takeover: fenced by a leader that did not get to retry it, for either of the
+other reasons."""
 
 
 Standing = Literal["new", "ran", "done"]
@@ -872,6 +873,7 @@ class SchedulingEngine:
                 await self.cycle()
                 await self._maybe_signal_scaling()
             except Exception:  # a fault in one cycle must not stop scheduling
+                self._metrics.cycle_failures.inc()  # GpuschedSchedulingCyclesFail reads it
                 log.exception("scheduling cycle failed; retrying")
                 await asyncio.sleep(0.5)
                 self._wake.set()
@@ -1919,7 +1921,7 @@ class SchedulingEngine:
         """Placements that will not run: each request goes back to its class as the next
         attempt (requeued='node_lost', served first), counted as retried for `why`. One on
         the last attempt a request may have ends failed instead (an attempt after it is no
-        request anyone reads)."""
+        request anyone reads), counted as its attempts exhausted for `why`."""
         what = RETRY_WHY[why]
         now_s = self._clock() / 1000
         for r in gone:
@@ -1932,6 +1934,7 @@ class SchedulingEngine:
             if request.attempt >= LAST_ATTEMPT:
                 log.warning("node %s %s: %s ends failed on its last attempt", r.node_id, what,
                             request.request_id)
+                self._metrics.attempts_exhausted.labels(why).inc()
                 waited_ms = max(0, self._clock() - request.created_at_ms)
                 self._retries.append((r.placement_id, Outgoing(RequestResult(
                     request_id=request.request_id, tenant=request.tenant, model=request.model,
@@ -2149,8 +2152,17 @@ class _Metrics:
                                "Placements retried: their node was lost (node_lost), a live "
                                "node never took them (untaken), or the previous leader "
                                "fenced them (takeover).", ["why"], registry=registry)
+        self.attempts_exhausted = Counter(
+            "gpusched_scheduler_attempts_exhausted_total", "Requests ended failed, not "
+            "retried: the placement of their last attempt would not run, for the retries' "
+            "whys.", ["why"], registry=registry)
         for why in RETRY_WHY:
             self.retried.labels(why)
+            self.attempts_exhausted.labels(why)
+        self.cycle_failures = Counter("gpusched_scheduler_cycle_failures_total",
+                                      "Scheduling cycles that raised (each is tried again "
+                                      "0.5 s later); the scheduler's log says why.",
+                                      registry=registry)
         self.gpus_wanted = Gauge("gpusched_scheduler_gpus_wanted",
                                  "GPUs wanted per model to meet the latency targets.",
                                  ["model"], registry=registry)

@@ -66,8 +66,18 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                               decisions.send, clock, provider.get_tracer(SERVICE), config, store,
                               registry)
     handlers.register_cluster(broker, engine)
+    stepping_down: set[asyncio.Task[None]] = set()
+
+    def consumer_stopped(priority_class: str) -> None:
+        """A request consumer stopped on an error: this instance steps down, as when its
+        consumers fail to start, and the next renewal of the lease it still holds leads
+        again with new consumers. Leading on, it read no more of that class."""
+        task = asyncio.create_task(follow(None), name="step-down")
+        stepping_down.add(task)
+        task.add_done_callback(stepping_down.discard)
+
     requests = RequestConsumer(settings.kafka.bootstrap, f"gpusched-{SERVICE}-requests",
-                               settings.fetch_max_records, engine.admit)
+                               settings.fetch_max_records, engine.admit, consumer_stopped)
     leader = Gauge("gpusched_scheduler_leader", "1 while this instance leads.",
                    registry=registry)
     started = stopping = False
