@@ -20,8 +20,9 @@ GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
 
 
 def rules() -> list[dict]:
-    [group] = yaml.safe_load(RULES.read_text())["groups"]
-    return group["rules"]
+    """Every rule of every group."""
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+            for rule in group["rules"]]
 
 
 def dashboard_queries() -> list[str]:

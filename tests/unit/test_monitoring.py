@@ -7,6 +7,7 @@ tests/integration/test_metrics.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -82,13 +83,22 @@ def test_promtool_accepts_every_dashboard_query(promtool: str, tmp_path: Path) -
 
 
 def _served_series() -> set[tuple[str, frozenset]]:
-    """(sample name, labels) of every gpusched series the services serve at start, their
-    apps built in-process (Redis and Kafka unreachable: nothing is started); two agents, as
-    only one fronting an engine counts its refusals."""
+    """(sample name, labels) of every gpusched series the services serve at start."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, frozenset(sample.labels.items())) for text in _served_metrics()
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith("gpusched_")}
+
+
+@functools.cache
+def _served_metrics() -> tuple[str, ...]:
+    """What each service serves on /metrics at start, their apps built in-process (Redis
+    and Kafka unreachable: nothing is started); two agents, as only one fronting an engine
+    counts its refusals."""
     import asyncio
 
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     from gpusched_accounting.main import create_app as accounting
     from gpusched_accounting.settings import AccountingSettings
@@ -109,19 +119,31 @@ def _served_series() -> set[tuple[str, frozenset]]:
             agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="e",
                                 executor="openai", openai_base_url="http://127.0.0.1:1"))]
 
-    async def scrape() -> set[tuple[str, frozenset]]:
-        series = set()
+    async def scrape() -> tuple[str, ...]:
+        texts = []
         for app in apps:
             transport = httpx.ASGITransport(app)
             async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
-                text = (await http.get("/metrics")).text
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name.startswith("gpusched_"):
-                        series.add((sample.name, frozenset(sample.labels.items())))
-        return series
+                texts.append((await http.get("/metrics")).text)
+        return tuple(texts)
 
     return asyncio.run(scrape())
+
+
+def test_every_metric_the_rules_and_the_dashboard_read_is_served() -> None:
+    """A metric a rule or a panel names that no service serves reads nothing: its alert
+    never fires, its panel stays empty. tests/integration/test_metrics.py checks this against
+    the running stack; here the services' apps are built in-process, so the unit tests see a
+    new alert or panel that reads a metric under the wrong name too."""
+    import re
+
+    served = {name for text in _served_metrics()
+              for name in re.findall(r"^# HELP (\S+)", text, re.MULTILINE)}
+    read = {name for expr in [rule["expr"] for rule in rules()] + dashboard_queries()
+            for name in re.findall(r"\bgpusched_\w+", expr)}
+    missing = {name for name in read
+               if name not in served and re.sub(r"_(bucket|count|sum)$", "", name) not in served}
+    assert not missing
 
 
 def test_every_series_an_alert_waits_to_rise_is_served_at_zero_from_the_start() -> None:
