@@ -234,11 +234,13 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
                 vb = vic[b]
                 for a in range(b):
                     va = vic[a]
-                    same = v_cpu[va] >= v_cpu[vb] and v_mem[va] >= v_mem[vb] and \
-                        v_milli[va] >= v_milli[vb] and v_gmem[va] >= v_gmem[vb]
-                    for j in range(v_gpus.shape[1]):
-                        if v_gpus[va, j] != v_gpus[vb, j]:
-                            same = False
+                    same = (v_gpus[va, 0] == v_gpus[vb, 0] and v_gmem[va] >= v_gmem[vb]
+                            and v_milli[va] >= v_milli[vb] and v_cpu[va] >= v_cpu[vb]
+                            and v_mem[va] >= v_mem[vb])
+                    j = 1
+                    while same and j < v_gpus.shape[1]:
+                        same = v_gpus[va, j] == v_gpus[vb, j]
+                        j += 1
                     dominated_by[b, a] = same
             for i in range(nv):
                 state[i] = 0
