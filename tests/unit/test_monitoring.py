@@ -82,21 +82,13 @@ def test_promtool_accepts_every_dashboard_query(promtool: str, tmp_path: Path) -
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _served_series() -> set[tuple[str, frozenset]]:
-    """(sample name, labels) of every gpusched series the services serve at start."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(sample.name, frozenset(sample.labels.items())) for text in _served_metrics()
-            for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name.startswith("gpusched_")}
-
-
 @functools.cache
-def _served_metrics() -> tuple[str, ...]:
-    """What each service serves on /metrics at start, their apps built in-process (Redis
-    and Kafka unreachable: nothing is started); two agents, as only one fronting an engine
-    counts its refusals."""
+def _served_metrics() -> dict[str, str]:
+    """What /metrics of each service serves at start, by service (an agent by executor; the
+    torch one where PyTorch is installed), their apps built in-process (Redis and Kafka
+    unreachable: nothing is started)."""
     import asyncio
+    import importlib.util
 
     import httpx
 
@@ -112,20 +104,24 @@ def _served_metrics() -> tuple[str, ...]:
 
     common = {"telemetry": TelemetrySettings(otlp_endpoint=""),
               "redis": RedisSettings(url="redis://127.0.0.1:1/0")}
-    apps = [router(RouterSettings(**common)), scheduler(SchedulerSettings(**common)),
-            accounting(AccountingSettings(**common)),
-            agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="n")),
-            # an engine's agent: it alone serves the engine refusal counts
-            agent(AgentSettings(**common, simulate="1xH100-80GB", node_id="e",
-                                executor="openai", openai_base_url="http://127.0.0.1:1"))]
+    node = {**common, "simulate": "1xH100-80GB"}
+    apps = {"router": router(RouterSettings(**common)),
+            "scheduler": scheduler(SchedulerSettings(**common)),
+            "accounting": accounting(AccountingSettings(**common)),
+            "agent simulated": agent(AgentSettings(**node, node_id="n")),
+            "agent openai": agent(AgentSettings(**node, node_id="e", executor="openai",
+                                                openai_base_url="http://127.0.0.1:1"))}
+    if importlib.util.find_spec("torch") is not None:
+        apps["agent torch"] = agent(AgentSettings(**node, node_id="t", executor="torch",
+                                                  torch_device="cpu"))
 
-    async def scrape() -> tuple[str, ...]:
-        texts = []
-        for app in apps:
+    async def scrape() -> dict[str, str]:
+        texts = {}
+        for name, app in apps.items():
             transport = httpx.ASGITransport(app)
             async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
-                texts.append((await http.get("/metrics")).text)
-        return tuple(texts)
+                texts[name] = (await http.get("/metrics")).text
+        return texts
 
     return asyncio.run(scrape())
 
@@ -137,13 +133,44 @@ def test_every_metric_the_rules_and_the_dashboard_read_is_served() -> None:
     new alert or panel that reads a metric under the wrong name too."""
     import re
 
-    served = {name for text in _served_metrics()
+    served = {name for text in _served_metrics().values()
               for name in re.findall(r"^# HELP (\S+)", text, re.MULTILINE)}
     read = {name for expr in [rule["expr"] for rule in rules()] + dashboard_queries()
             for name in re.findall(r"\bgpusched_\w+", expr)}
     missing = {name for name in read
                if name not in served and re.sub(r"_(bucket|count|sum)$", "", name) not in served}
     assert not missing
+
+
+def _served_series(text: str) -> set[tuple[str, frozenset]]:
+    """(sample name, labels) of every gpusched series `text` serves."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, frozenset(sample.labels.items()))
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith("gpusched_")}
+
+
+def test_every_agent_serves_the_refusals_its_executor_can_make_at_zero_from_the_start(
+        ) -> None:
+    """Only an openai agent served its refusal counts before a first refusal, though the
+    torch executor refuses requests beyond its model's positions too (a 400): a torch node's
+    first refusal was a series first seen at 1, no increase() to alert on."""
+    refusing = {"agent simulated": (), "agent openai": ("400", "413", "422"),
+                "agent torch": ("400",)}
+    served = _served_metrics()
+    if "agent torch" not in served:
+        pytest.skip("the torch extra: pip install 'gpusched-agent[torch]'")
+    for agent, text in served.items():
+        if agent not in refusing:
+            continue
+        series = [dict(labels) | {"name": name} for name, labels in _served_series(text)]
+        models = {s["model"] for s in series if s["name"] == "gpusched_agent_load_failures_total"}
+        refusals = {(s["model"], s["status"]) for s in series
+                    if s["name"] == "gpusched_agent_engine_refusals_total"}
+        assert models, agent
+        assert refusals == {(model, status) for model in models
+                            for status in refusing[agent]}, agent
 
 
 def test_every_series_an_alert_waits_to_rise_is_served_at_zero_from_the_start() -> None:
@@ -154,7 +181,7 @@ def test_every_series_an_alert_waits_to_rise_is_served_at_zero_from_the_start() 
     matches, is served from the start."""
     import re
 
-    served = _served_series()
+    served = set().union(*map(_served_series, _served_metrics().values()))
     for rule in rules():
         # the series counted with increase(): one rise, a first event, is what they await
         for name, selector in re.findall(r"increase\((gpusched_[a-z_]+)(\{[^}]*\})?\[",

@@ -147,12 +147,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
                                     inventory.cuda_version)
     catalog = load_models(settings.config_dir)
     served = settings.served_models(catalog)
-    refused_statuses: frozenset[int] = frozenset()
-    if settings.executor == "openai":  # the one executor whose engine refuses requests
-        from gpusched_agent.adapters.openai_executor import REFUSED as refused_statuses
     for model_name in served or catalog.names:  # at 0, for the alerts' increase()
         load_failures.labels(model_name)
-        for status in sorted(refused_statuses):
+        for status in sorted(executor.refuses):  # every status its executor refuses with
             refusals.labels(model_name, str(status))
     runtime = AgentRuntime(
         settings.node_id, node, catalog, executor, publish,

@@ -56,6 +56,10 @@ class Executor(Protocol):
     name: str
     time_scale: float
     """Wall seconds per model second: GPU-seconds are billed as measured / time_scale."""
+    refuses: frozenset[int]
+    """The statuses of the `ExecutorRefused` it may raise: the agent serves each model's
+    refusal count of each at 0 from its start, so that a first refusal is a rise to alert
+    on (none for an executor that never refuses)."""
 
     async def load(self, model: ModelSpec, gpu_index: int) -> None:
         """Make `model` ready on the device (idempotent)."""

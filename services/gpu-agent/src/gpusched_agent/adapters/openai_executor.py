@@ -96,6 +96,7 @@ MAX_EVENT_CHARS = 1_000_000
 class OpenAIExecutor:
     name = "openai"
     time_scale = 1.0
+    refuses = REFUSED
 
     def __init__(self, base_url: str, model_override: str | None = None,
                  api_key: str | None = None, timeout_s: float = 600.0,

@@ -22,6 +22,7 @@ class SimulatedExecutor:
     plus the KV cache of every request running on that GPU, and yields a token for each."""
 
     name = "simulated"
+    refuses: frozenset[int] = frozenset()
 
     def __init__(self, time_scale: float, seed: int,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:

@@ -64,6 +64,8 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 class TorchExecutor:
     name = "torch"
     time_scale = 1.0
+    refuses = frozenset({400})
+    """A request beyond the model's positions (`generate`)."""
 
     def __init__(self, device: str = "auto", seed: int = 0, config: TinyConfig = TinyConfig(),
                  threads: int = 0, temperature: float = 1.0) -> None:
