@@ -151,6 +151,27 @@ def _served_series(text: str) -> set[tuple[str, frozenset]]:
             if sample.name.startswith("gpusched_")}
 
 
+def test_every_metric_the_rules_and_the_dashboard_read_is_declared() -> None:
+    """A name misspelt in a rule reads nothing and never fires. Every gpusched metric is
+    declared (its HELP served) as its service starts, labelled series or not; the running
+    stack's check is tests/integration/test_metrics.py."""
+    import re
+
+    texts = _served_metrics()
+    declared = {name for text in texts.values()
+                for name in re.findall(r"^# HELP (gpusched_\w+)", text, re.MULTILINE)}
+    queries = [rule["expr"] for rule in rules()] + dashboard_queries()
+    read = {name for expr in queries for name in re.findall(r"\bgpusched_\w+", expr)}
+    assert {name for name in read if name not in declared
+            and re.sub(r"_(bucket|count|sum)$", "", name) not in declared} == set()
+    # the lag is every service's name: each service a query reads it of measures its own
+    lagging = {service for expr in queries for service in re.findall(
+        r'gpusched_consumer_lag_records\{service="([\w-]+)"', expr)}
+    assert lagging == {"scheduler", "accounting"}
+    for service in lagging:
+        assert "# HELP gpusched_consumer_lag_records " in texts[service], service
+
+
 def test_every_agent_serves_the_refusals_its_executor_can_make_at_zero_from_the_start(
         ) -> None:
     """Only an openai agent served its refusal counts before a first refusal, though the

@@ -30,6 +30,7 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.contracts import USAGE, BudgetExhausted, Message, invalid_fields
 from gpusched_common.kafka_records import WallClockMs, dead_letter
 from gpusched_common.telemetry import context_from, in_trace, record_carrier
@@ -98,10 +99,11 @@ async def recheck_budgets(store: UsageStore, table: BudgetTable, now_ms: int,
 
 def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets: BudgetTable,
              clock: WallClockMs, consumer_group: str, max_records: int, chunk_records: int,
-             tracer: trace.Tracer, registry: CollectorRegistry | None = None
-             ) -> Callable[[], Awaitable[None]]:
-    """Subscribe the usage consumer; returns `recheck_budgets` bound to this service, to run
-    once the broker has started (`recheck_forever`)."""
+             tracer: trace.Tracer, registry: CollectorRegistry | None = None,
+             lag: ConsumerLag | None = None) -> Callable[[], Awaitable[None]]:
+    """Subscribe the usage consumer (its lag measured in `lag`: usage not billed yet);
+    returns `recheck_budgets` bound to this service, to run once the broker has started
+    (`recheck_forever`)."""
     checking_budgets = asyncio.Lock()
     """One budget check at a time in this instance: the consumer's and the recheck's, run
     together, both found a new flag and published its event twice."""
@@ -180,10 +182,14 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
     # is applied in Redis (one atomic script each) before the handler returns and the batch's
     # offsets commit; on error the batch is redelivered and the already-applied event ids
     # change nothing. While Redis applies one chunk, the next one is parsed here.
-    @broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
-                       auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
-                       max_records=max_records, batch_timeout_ms=20,
-                       max_partition_fetch_bytes=_PARTITION_FETCH_BYTES, **RAW_BATCH)
+    usage = broker.subscriber(topics.USAGE.name, batch=True, group_id=consumer_group,
+                              auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
+                              max_records=max_records, batch_timeout_ms=20,
+                              max_partition_fetch_bytes=_PARTITION_FETCH_BYTES, **RAW_BATCH)
+    if lag is not None:
+        lag.watch(consumer_group, lambda: usage.consumer)
+
+    @usage
     async def on_usage(msg: KafkaMessage) -> None:
         now_ms = clock()
         records = msg.raw_message

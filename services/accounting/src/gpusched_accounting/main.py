@@ -17,6 +17,7 @@ from gpusched_accounting.handlers import SERVICE
 from gpusched_accounting.settings import AccountingSettings
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_tenants
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis, warn_unless_durable
 from gpusched_common.tasks import cancelled
@@ -34,23 +35,26 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     redis = make_redis(settings.redis)
     store = UsageStore(redis, settings.dedup_ttl_s, Retention(
         settings.minute_retention_s, settings.hour_retention_s, settings.day_retention_s))
+    lag = ConsumerLag(SERVICE, registry)
     recheck_budgets = handlers.register(
         broker, store, prices, budgets, clock, settings.consumer_group,
         settings.fetch_max_records, settings.apply_chunk_records, provider.get_tracer(SERVICE),
-        registry)
-    rechecking: list[asyncio.Task[None]] = []
+        registry, lag)
+    background: list[asyncio.Task[None]] = []
+    """The budget recheck and the consumer's lag measure."""
 
-    async def start_rechecking() -> None:
-        rechecking.append(asyncio.create_task(handlers.recheck_forever(
+    async def start_background() -> None:
+        background.append(asyncio.create_task(handlers.recheck_forever(
             recheck_budgets, settings.budget_recheck_s), name="budget-recheck"))
+        background.append(asyncio.create_task(lag.run(), name="consumer-lag"))
 
-    async def stop_rechecking() -> None:
-        await cancelled(*rechecking)
+    async def stop_background() -> None:
+        await cancelled(*background)
 
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [stop_rechecking, redis.aclose],
+                                      [stop_background, redis.aclose],
                                       starting=[lambda: warn_unless_durable(redis),
-                                                start_rechecking])
+                                                start_background])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.tasks import cancelled
@@ -76,8 +77,9 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         stepping_down.add(task)
         task.add_done_callback(stepping_down.discard)
 
+    lag = ConsumerLag(SERVICE, registry)
     requests = RequestConsumer(settings.kafka.bootstrap, f"gpusched-{SERVICE}-requests",
-                               settings.fetch_max_records, engine.admit, consumer_stopped)
+                               settings.fetch_max_records, engine.admit, consumer_stopped, lag)
     leader = Gauge("gpusched_scheduler_leader", "1 while this instance leads.",
                    registry=registry)
     started = stopping = False
@@ -149,6 +151,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
         await broker.start()
         tasks = [asyncio.create_task(engine.run(), name="scheduling-cycle"),
                  asyncio.create_task(keep_lease(), name="leader-lease")]
+        measuring = asyncio.create_task(lag.run(), name="consumer-lag")
         started = True
         try:
             yield
@@ -161,7 +164,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             # leader placed its request again, maybe elsewhere
             engine.stop()
             await asyncio.wait([cycling], timeout=settings.settle_on_shutdown_s)
-            await cancelled(cycling, leasing)
+            await cancelled(cycling, leasing, measuring)
             async with transitions:
                 led = engine.epoch is not None
                 await _step_down()  # also stops consumers that a cut-short transition started

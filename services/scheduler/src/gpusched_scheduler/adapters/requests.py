@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 
 from gpusched_common import topics
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.tasks import cancelled
 from gpusched_scheduler.adapters.offsets import Commit
 
@@ -34,32 +35,38 @@ class RequestConsumer:
     that class beyond aiokafka's one prefetched response per partition (backpressure).
     Offsets are committed by whoever `admit` hands `Commit` to, never here; a batch whose
     admission failed is read again (the consumer seeks back to it). A consumer that fails
-    itself (its fetch or seek raised) stops reading, and `stopped` is told its class."""
+    itself (its fetch or seek raised) stops reading, and `stopped` is told its class. Each
+    class's consumer is measured in `lag` while it runs: the requests waiting in Kafka,
+    unread, beyond what the class holds in memory."""
 
     def __init__(self, bootstrap: str, client_id: str, max_records: int, admit: Admit,
-                 stopped: Stopped) -> None:
+                 stopped: Stopped, lag: ConsumerLag) -> None:
         self._options = {"bootstrap_servers": bootstrap, "client_id": client_id,
                          "enable_auto_commit": False, "auto_offset_reset": "earliest",
                          "max_poll_interval_ms": 3_600_000}
         self._max_records = max_records
         self._admit = admit
         self._stopped = stopped
+        self._lag = lag
         self._consumers: list[AIOKafkaConsumer] = []
         self._loops: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Join every class's group; returns once each consumer is connected."""
         for cls, spec in topics.REQUESTS.items():
-            consumer = AIOKafkaConsumer(spec.name, group_id=CONSUMER_GROUP.format(cls),
-                                        **self._options)
+            group = CONSUMER_GROUP.format(cls)
+            consumer = AIOKafkaConsumer(spec.name, group_id=group, **self._options)
             self._consumers.append(consumer)  # before starting: stop() closes it either way
             await consumer.start()
+            self._lag.watch(group, lambda consumer=consumer: consumer)
             self._loops.append(asyncio.create_task(self._consume(cls, consumer),
                                                    name=f"requests-{cls}"))
 
     async def stop(self) -> None:
         """Leave the groups without committing anything more (the next leader reads on from
         the last commit)."""
+        for cls in topics.REQUESTS:
+            self._lag.forget(CONSUMER_GROUP.format(cls))  # a standby serves no lag
         await cancelled(*self._loops)
         for consumer in self._consumers:
             await consumer.stop()
