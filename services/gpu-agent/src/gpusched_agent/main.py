@@ -163,8 +163,9 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     commands = Counter("gpusched_agent_commands_total", "Placement, preempt and cancel "
                        "commands by outcome (stale = rejected, from a deposed scheduler).",
                        ["command", "outcome"], registry=registry)
-    for command, outcome in (("unknown", "invalid"), ("placement", "reused")):
-        commands.labels(command, outcome)  # at 0, for the dead-letter alert's increase()
+    for command, outcome in (("unknown", "invalid"), ("placement", "reused"),
+                             ("placement", "stale"), ("preempt", "stale")):
+        commands.labels(command, outcome)  # at 0, for the dead-letter alerts' increase()
     placements = handlers.register(broker, runtime, commands)
     Gauge("gpusched_agent_requests_in_flight", "Placements running.", registry=registry
           ).set_function(lambda: runtime.in_flight)
