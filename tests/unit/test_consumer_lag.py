@@ -128,6 +128,29 @@ async def test_a_measure_that_fails_or_hangs_keeps_the_last_and_the_others_are_m
     assert served(registry)[("svc", "stalled", topics.USAGE.name)] == 200
 
 
+async def test_a_group_that_cannot_be_measured_for_a_while_serves_no_series(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept for good, the last measure of a consumer cut off from its partitions after it
+    had caught up said 0 behind while it read nothing, and the billing alert, reading lag
+    against what accounting applies (0/0), never fired. After STALE_AFTER_FAILURES failed
+    measures in a row it serves nothing, which an alert on the series' absence sees; a
+    measure that works serves it again."""
+    registry = CollectorRegistry()
+    lag = ConsumerLag("svc", registry)
+    cut_off = usage_consumer(100, 100)
+    lag.watch("usage", lambda: cut_off)
+    await lag.measure()
+    cut_off.fails = True
+    for _ in range(consumer_lag.STALE_AFTER_FAILURES - 1):
+        await lag.measure()
+        assert served(registry) == {("svc", "usage", topics.USAGE.name): 0}
+    await lag.measure()
+    assert served(registry) == {}
+    cut_off.fails = False
+    await lag.measure()
+    assert served(registry) == {("svc", "usage", topics.USAGE.name): 0}
+
+
 async def test_a_group_forgotten_while_measured_is_not_served_again() -> None:
     """The scheduler steps down (its consumers stop) while a measure waits on Kafka."""
     registry = CollectorRegistry()

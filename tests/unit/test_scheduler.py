@@ -5749,6 +5749,53 @@ async def test_a_leader_whose_request_consumer_fails_steps_down_and_reads_again(
     assert starts.count(topics.REQUESTS["interactive"].name) == 2  # a new consumer
 
 
+async def test_a_request_consumer_failing_while_the_leader_stops_leaves_it_to_stop(
+        monkeypatch) -> None:
+    """A consumer that failed while the stopping leader's last cycles settled made it step
+    down there: the renewals of the lease it still held then led again, starting consumers
+    while it stopped, or, none coming, nothing released the lease and a standby waited out
+    its time-to-live. Now it stays the leader until the shutdown steps down and lets the
+    lease go."""
+    from gpusched_scheduler.engine import SchedulingEngine
+
+    shutting = asyncio.Event()
+    starts: list[str] = []
+    released: list[int] = []
+
+    async def settles(self) -> None:  # the cycles sent take a while to be answered
+        await shutting.wait()
+        await asyncio.sleep(0.8)
+
+    async def holds_the_lease(self) -> int:
+        return 7
+
+    async def release(self) -> None:
+        released.append(7)
+
+    class Consumer(_IdleConsumer):  # the interactive one fails once the leader stops
+        def __init__(self, topic: str, *args, **kwargs) -> None:
+            self.topic = topic
+
+        async def start(self) -> None:
+            starts.append(self.topic)
+
+        async def getmany(self, **kwargs) -> dict:
+            if shutting.is_set() and self.topic == topics.REQUESTS["interactive"].name:
+                raise KafkaConnectionError("fetch failed")
+            return await super().getmany(**kwargs)
+
+    monkeypatch.setattr(SchedulingEngine, "run", settles)
+    monkeypatch.setattr(SchedulingEngine, "stop", lambda self: shutting.set())
+    app = _app_without_kafka(monkeypatch, Consumer)
+    monkeypatch.setattr(LeaderLease, "renew", holds_the_lease)
+    monkeypatch.setattr(LeaderLease, "release", release)
+    async with app.router.lifespan_context(app):
+        await asyncio.sleep(0.5)
+        led_with = len(starts)
+    assert led_with == len(topics.REQUESTS) and len(starts) == led_with  # none started since
+    assert released == [7]
+
+
 async def test_a_leader_shutting_down_saves_what_kafka_takes_before_it_lets_the_lease_go(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader stopped (a rolling update) while Kafka had not yet answered its last cycle,

@@ -16,8 +16,13 @@ LAG_EVERY_S = 15.0
 """How often each consumer's lag is measured: one offsets request to its partitions' leaders
 per consumer and measure, however many records flow."""
 MEASURE_TIMEOUT_S = 10.0
-"""Longest one consumer's measure may take (Kafka away, a rebalance under way); its last
-measure then stays."""
+"""Longest one consumer's measure may take (Kafka away, its partitions' leader unreachable);
+the measure then fails."""
+STALE_AFTER_FAILURES = 4
+"""Measures in a row that may fail (a minute at LAG_EVERY_S) before a group's series are
+taken away: its last values stay until then. Kept for good, a consumer cut off from its
+partitions after it had caught up served 0 behind while it read nothing, and an alert on
+the lag could not see it; taken away, an alert on the series' absence does."""
 
 ConsumerOf = Callable[[], AIOKafkaConsumer | None]
 """The consumer of a group as it is now: None while it does not run (not started yet, or
@@ -48,7 +53,8 @@ class ConsumerLag:
     consumer (their `instance` label tells them apart), so the sum over instances is the
     group's. A consumer that does not run (not started, stopped, a standby scheduler's)
     serves no series; nor does a group `forget` was called for. One whose measure fails or
-    takes longer than MEASURE_TIMEOUT_S keeps its last values until a measure works.
+    takes longer than MEASURE_TIMEOUT_S keeps its last values for STALE_AFTER_FAILURES
+    measures, then serves no series until a measure works.
     Measured by `run`, not per record: the hot paths pay nothing for it."""
 
     def __init__(self, service: str, registry: CollectorRegistry | None) -> None:
@@ -61,8 +67,9 @@ class ConsumerLag:
         self._watched: dict[str, ConsumerOf] = {}
         self._served: dict[str, set[str]] = {}
         """The topics each group serves a series of."""
-        self._failing: set[str] = set()
-        """Groups whose last measure failed (logged once, until one works)."""
+        self._failing: dict[str, int] = {}
+        """Groups whose last measures failed: how many in a row (logged once, until one
+        works)."""
 
     def watch(self, group: str, consumer: ConsumerOf) -> None:
         """Measure the consumer of `group` from the next measure on (replacing the one
@@ -73,7 +80,7 @@ class ConsumerLag:
         """Stop measuring `group` and take its series away now (a scheduler stepping down
         must not leave its last lag beside the next leader's)."""
         self._watched.pop(group, None)
-        self._failing.discard(group)
+        self._failing.pop(group, None)
         self._serve(group, {})
 
     async def measure(self) -> None:
@@ -87,15 +94,19 @@ class ConsumerLag:
                 async with asyncio.timeout(MEASURE_TIMEOUT_S):
                     lag = await lag_by_topic(consumer)
             except Exception:  # Kafka away or a rebalance: the next measure tries again
-                if group not in self._failing:
-                    self._failing.add(group)
+                failures = self._failing.get(group, 0) + 1
+                self._failing[group] = failures
+                if failures == 1:
                     log.warning("measuring the lag of consumer group %s failed; its last "
-                                "measure stays until one works", group, exc_info=True)
+                                "measure stays for %d measures", group, STALE_AFTER_FAILURES,
+                                exc_info=True)
+                if failures >= STALE_AFTER_FAILURES and self._watched.get(group) is consumer_of:
+                    self._serve(group, {})  # unknown now: no series, rather than a stale one
                 continue
             if self._watched.get(group) is not consumer_of:
                 continue  # forgotten (or replaced) while it was measured
             if group in self._failing:
-                self._failing.discard(group)
+                del self._failing[group]
                 log.info("measuring the lag of consumer group %s works again", group)
             self._serve(group, lag)
 

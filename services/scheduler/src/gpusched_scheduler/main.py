@@ -72,7 +72,11 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
     def consumer_stopped(priority_class: str) -> None:
         """A request consumer stopped on an error: this instance steps down, as when its
         consumers fail to start, and the next renewal of the lease it still holds leads
-        again with new consumers. Leading on, it read no more of that class."""
+        again with new consumers. Leading on, it read no more of that class. Shutting down,
+        it stays the leader until the lifespan steps down and releases the lease (stepped
+        down here, the renewals led again while it stopped, or nothing released the lease)."""
+        if stopping:
+            return
         task = asyncio.create_task(follow(None), name="step-down")
         stepping_down.add(task)
         task.add_done_callback(stepping_down.discard)
@@ -127,7 +131,9 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
                 except Exception:  # Redis unreachable: a leader cannot prove it still leads
                     log.exception("leader lease check failed")
                     epoch = None
-                if epoch != engine.epoch and (pending is None or pending.done()):
+                if stopping and epoch is not None and engine.epoch is None:
+                    pass  # stepped down while stopping (a consumer failed): never lead again
+                elif epoch != engine.epoch and (pending is None or pending.done()):
                     pending = asyncio.create_task(follow(epoch), name="leadership")
                 await asyncio.sleep(period_s)
         finally:  # shutting down: no transition may start consumers after this
