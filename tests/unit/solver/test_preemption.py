@@ -149,9 +149,47 @@ def test_a_search_cut_short_returns_a_valid_plan_no_worse_than_greedy(monkeypatc
     assert plan.gpu_seconds_lost <= float(costs[:20].sum())  # the greedy plan's
 
 
+def _hard_and_easy_nodes(hard_first: bool):
+    """Node "hard": one GPU, 40 small requests whose costs follow their memory (the
+    dominance rule prunes nothing); node "easy": twenty requests of cost 1.0 on GPU 0 and
+    one of 1.01 holding GPU 1. A request needing 1,000 MiB: easy's greedy plan stops the
+    twenty (20.0), hard's about 10, the optimum is easy's one request (1.01)."""
+    rng = np.random.default_rng(0)
+    names = ["hard", "easy"] if hard_first else ["easy", "hard"]
+    state = ClusterState.from_nodes([
+        NodeSpec(name, 10**6, 10**6, tuple(GpuSpec("T", 1000, 0)
+                                           for _ in range(1 if name == "hard" else 2)))
+        for name in names])
+    hard, easy = names.index("hard"), names.index("easy")
+    h0, e0 = int(state.node_gpu_start[hard]), int(state.node_gpu_start[easy])
+    mem_hard = rng.integers(20, 40, 40)
+    rows = [h0] * 40 + [e0] * 20 + [e0 + 1]
+    gpus = np.full((len(rows), 8), -1, np.int64)
+    gpus[:, 0] = rows
+    cost = [*(mem_hard * 0.01 + np.arange(40) * 1e-5).round(6), *[1.0] * 20, 1.01]
+    n = len(rows)
+    running = RunningWork(
+        WorkBatch.from_units([1] * n, [1] * n, [0] * n, [0] * n,
+                             gpu_mem_mib=[*mem_hard, *[50] * 20, 1000], priority=[0] * n),
+        np.array([hard] * 40 + [easy] * 21), gpus, np.array(cost))
+    unit = WorkBatch.from_units([1], [1], [0], [0], gpu_mem_mib=[1000], priority=[1])
+    return state, running, unit, easy
+
+
+@pytest.mark.parametrize("hard_first", [False, True])
+def test_one_hard_node_does_not_spend_the_search_budget_of_the_others(hard_first):
+    """The step budget was shared in node order: with the hard node first it spent all of
+    it, and the easy node kept its greedy plan (about 10x the optimum, depending on nothing
+    but the node order). Each node now gets a fair share of the steps left."""
+    state, running, unit, easy = _hard_and_easy_nodes(hard_first)
+    plan = plan_preemption(state, running, unit)
+    assert plan.node == easy and plan.victims == (60,) and plan.gpu_seconds_lost == 1.01
+
+
 @pytest.mark.parametrize("lost, index, says", [
     ([float("nan")], 0, "row 0 is nan"),
     ([-1.0], 0, "row 0 is -1.0"),
+    ([1e13], 0, "row 0 is 10000000000000.0"),  # overflowed to a negative cost
     ([1.0], 1, "index 1 is outside"),
 ])
 def test_bad_costs_and_indexes_are_refused_with_a_reason(lost, index, says):

@@ -7,7 +7,8 @@ needed dropped); the search then looks for cheaper ones, cutting a branch when e
 victim still undecided would not make the unit fit, when it cannot beat the best plan so
 far, or when it would take a victim while leaving out one that frees as much on the same
 GPUs for no more cost. Exact unless it runs past SEARCH_BUDGET steps (``proven_optimal``
-says which). ``reference_plan`` is the brute-force oracle used by the property tests.
+says which); nodes are searched cheapest greedy plan first, each with a fair share of the
+steps left. ``reference_plan`` is the brute-force oracle used by the property tests.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ SEARCH_BUDGET = 200_000
 plan found so far (never worse than the greedy one every node starts from) with
 ``proven_optimal=False``. Keeps one call within tens of milliseconds on the scheduler's
 event loop."""
+MAX_COST_GPU_S = 1e8
+"""Largest cost of one victim (about 3 GPU-years): in micro GPU-seconds the sum of 90,000
+of them still fits an int64."""
 MICRO = 1_000_000
 """Costs are compared in micro GPU-seconds (integers), so sums are exact whatever their order
 and equal costs tie (then the fewest victims win)."""
@@ -49,8 +53,8 @@ class PreemptionPlan:
     """``feasible``: a plan exists. Then ``node`` is the node to free, ``victims`` indexes
     rows of the RunningWork, ``gpu_seconds_lost`` their total cost, and
     ``proven_optimal`` says whether the search finished. Otherwise ``message`` says why.
-    ``steps``: the victim subsets the search looked at (at most SEARCH_BUDGET and a greedy
-    plan per node)."""
+    ``steps``: the victim subsets the search looked at after the greedy plans (at most
+    SEARCH_BUDGET)."""
 
     feasible: bool
     node: int = -1
@@ -142,11 +146,30 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
     best = np.array([np.iinfo(np.int64).max, 1 << 30, n_nodes], np.int64)
     steps = 0
     proven = True
+    none = np.iinfo(np.int64).max
+    greedy_cost = np.full(n_nodes, none, np.int64)  # each node's greedy plan (none: no fit)
+    greedy_count = np.zeros(n_nodes, np.int64)
+    order = np.arange(n_nodes)
     for sweep in range(2):  # 0: a greedy plan on every node; 1: the search
-        for n in range(n_nodes):
-            if sweep == 1 and steps > budget:
-                proven = False
-                break
+        left = 0  # nodes still to search
+        if sweep == 1:
+            # cheapest greedy plan first, and each node a fair share of the steps left: one
+            # hard node must not spend the budget of all the others
+            order = order[np.argsort(greedy_count[order], kind="mergesort")]
+            order = order[np.argsort(greedy_cost[order], kind="mergesort")]
+            for n in range(n_nodes):
+                left += greedy_cost[n] != none
+        node_limit = budget
+        for idx in range(n_nodes):
+            n = order[idx]
+            if sweep == 1:
+                if greedy_cost[n] == none:
+                    continue  # the unit fits there with no victim set at all
+                if steps >= budget:
+                    proven = False
+                    break
+                node_limit = steps + max(1, (budget - steps) // left)
+                left -= 1
             lo = S[4][n]
             ng = S[4][n + 1] - lo
             nv = 0
@@ -218,6 +241,8 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
                     if state[i] == 1:
                         cost += v_cost[vic[i]]
                         count += 1
+                greedy_cost[n] = cost
+                greedy_count[n] = count
                 if _better(cost, count, n, best):
                     best[0] = cost
                     best[1] = count
@@ -250,11 +275,11 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
             phase[0] = 0
             while i >= 0:
                 if phase[i] == 0:  # first visit of this branch
-                    steps += 1
-                    up = False
-                    if steps > budget:
+                    if steps >= node_limit:
                         proven = False
                         break
+                    steps += 1
+                    up = False
                     suf[4][0] = nv
                     if _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0],
                              c_m[1], gm, gk, suf):
@@ -324,15 +349,15 @@ def plan_preemption(
     """Cheapest victims (strictly lower ``priority`` than row ``index`` of ``unit``) on a
     single node whose removal makes that unit fit; fewest victims breaks cost ties, then the
     lower node index. Victims' loaded models are assumed to stay loaded. Costs count to the
-    micro GPU-second. Raises ValueError for a cost that is negative or not a number, or an
-    ``index`` outside ``unit``."""
+    micro GPU-second. Raises ValueError for a cost that is not a number or outside 0 to
+    MAX_COST_GPU_S, or an ``index`` outside ``unit``."""
     if not 0 <= index < len(unit):
         raise ValueError(f"index {index} is outside the {len(unit)} unit(s) given")
     lost = np.asarray(running.gpu_seconds_lost, np.float64)
-    bad = np.flatnonzero(~(lost >= 0) | ~np.isfinite(lost))
+    bad = np.flatnonzero(~((lost >= 0) & (lost <= MAX_COST_GPU_S)))
     if len(bad):
-        raise ValueError(f"gpu_seconds_lost must be finite and >= 0; row {int(bad[0])} is "
-                         f"{float(lost[bad[0]])!r}")
+        raise ValueError(f"gpu_seconds_lost must be 0 to {MAX_COST_GPU_S:g}; row "
+                         f"{int(bad[0])} is {float(lost[bad[0]])!r}")
     one = unit.take(slice(index, index + 1))
     state, u, rb, vic_idx, vic_start = _prepare(state, running, one)
     take = np.zeros(len(running.node), np.bool_)
