@@ -107,6 +107,20 @@ def _better(cost, count, node, best):
 
 
 @njit(cache=True)
+def _keep_if_better(cost, count, n, best, vic, nv, state, out_take):
+    """Make the victims taken on node ``n`` (``state`` 1) the best plan if they beat it."""
+    if not _better(cost, count, n, best):
+        return
+    best[0] = cost
+    best[1] = count
+    best[2] = n
+    out_take[:] = False
+    for i in range(nv):
+        if state[i] == 1:
+            out_take[vic[i]] = True
+
+
+@njit(cache=True)
 def _take(n, vic, nv, sign, c_m, gm, gk, v_cpu, v_mem, v_gpus, v_milli, v_gmem, S, i):
     """Add (``sign`` 1) or take back (-1) victim ``vic[i]``'s resources on node ``n``."""
     v = vic[i]
@@ -243,14 +257,7 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
                         count += 1
                 greedy_cost[n] = cost
                 greedy_count[n] = count
-                if _better(cost, count, n, best):
-                    best[0] = cost
-                    best[1] = count
-                    best[2] = n
-                    out_take[:] = False
-                    for i in range(nv):
-                        if state[i] == 1:
-                            out_take[vic[i]] = True
+                _keep_if_better(cost, count, n, best, vic, nv, state, out_take)
                 continue
             # the search: victim b is dominated by an earlier (cheaper) a on the same GPUs
             # that frees at least as much of everything; taking b while leaving a out is
@@ -283,14 +290,7 @@ def _plan_kernel(S, k, milli, gmem, cpu, mem, mask, model, weight, prio,
                     suf[4][0] = nv
                     if _fits(S, n, k, milli, gmem, cpu, mem, mask, model, weight, c_m[0],
                              c_m[1], gm, gk, suf):
-                        if _better(cost, count, n, best):
-                            best[0] = cost
-                            best[1] = count
-                            best[2] = n
-                            out_take[:] = False
-                            for t in range(nv):
-                                if state[t] == 1:
-                                    out_take[vic[t]] = True
+                        _keep_if_better(cost, count, n, best, vic, nv, state, out_take)
                         up = True  # more victims only cost more
                     elif i == nv or not _better(cost, count + 1, n, best):
                         up = True
