@@ -446,9 +446,10 @@ def test_fair_share_interleaves_tenants_by_weighted_consumption(
     assert [p.request.request_id for p in chunk.items] == ["l0", "l1", "l2", "h0", "h1", "h2"]
 
 
-def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
+def _interactive_behind_two_batch_victims():
+    """A cycle's decisions for an interactive request on a node full with two batch
+    requests, placed at 0 and 9 s, at 10 s."""
     view = ClusterView()
-    full = SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(8100)
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"v{i}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
@@ -456,11 +457,28 @@ def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
                                 estimate_gpu_s=1.0, placed_at_ms=at,
                                 request=req(f"b{i}", "batch", max_tokens=8000))
                for i, at in enumerate((0, 9_000))]
-    decisions = plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
-                     running=victims, may_preempt={"i": 1})
+    return plan(view, [req("i", "interactive", max_tokens=100)], now=10_000,
+                running=victims, may_preempt={"i": 1})
+
+
+def test_interactive_work_preempts_the_cheapest_batch_victim() -> None:
+    full = SMALL.weight_memory_mib + 2 * SMALL.kv_cache_mib(8100)
+    decisions = _interactive_behind_two_batch_victims()
     assert full > 0 and not decisions.placed
     [pre] = decisions.preemptions
     assert [v.placement_id for v in pre.victims] == ["v1"]  # the one that lost the least
+
+
+@pytest.mark.parametrize("budget", [200_000, 0])
+def test_a_preemption_plan_says_whether_its_search_finished(monkeypatch, budget) -> None:
+    """The solver's search for the cheapest victims stops at its step budget with the best
+    plan found so far; the plan carries that (gpusched_scheduler_preemption_plans_total
+    counts the ones cut short), which nothing read before."""
+    from gpusched_scheduler.domain.solver import preemption
+
+    monkeypatch.setattr(preemption, "SEARCH_BUDGET", budget)
+    [pre] = _interactive_behind_two_batch_victims().preemptions
+    assert pre.proven_optimal == (budget > 0)
 
 
 @pytest.mark.parametrize("preemptor,tenant,victim_class", [

@@ -990,6 +990,8 @@ class SchedulingEngine:
                 reject.item.trace_carrier)))
         for pre in decisions.preemptions:
             assert pre.room is not None  # plan_cycle gives every plan its room
+            self._metrics.preemption_plans.labels(
+                "exact" if pre.proven_optimal else "cut_short").inc()
             self._preempting[pre.item.request.request_id] = (
                 now + cfg.preemption_timeout_ms, pre.room)
             for victim in pre.victims:
@@ -2142,6 +2144,13 @@ class _Metrics:
                                         "Solver time of one cycle.", registry=registry)
         self.preemptions = Counter("gpusched_scheduler_preemptions_total",
                                    "Running placements preempted.", registry=registry)
+        self.preemption_plans = Counter(
+            "gpusched_scheduler_preemption_plans_total", "Preemption plans sent, by how the "
+            "solver's search for the cheapest victims ended: exact, or cut_short at its step "
+            "budget (the cheapest plan it found, maybe not the cheapest there is).",
+            ["search"], registry=registry)
+        for search in ("exact", "cut_short"):
+            self.preemption_plans.labels(search)
         self.rejected = Counter("gpusched_scheduler_rejections_total",
                                 "Requests refused; invalid: every record dead-lettered "
                                 "(requests, node states).", ["reason"], registry=registry)

@@ -294,6 +294,9 @@ class Preemption:
     """(GPU index, weights, MiB) on its node that the plan counts on unloading: every user
     of those weights there is a victim, so they go idle once the victims stop, and the
     agent unloads idle models to admit the request (as for `Snapshot.evictable`)."""
+    proven_optimal: bool = True
+    """False where the solver's search ran out of steps (`SEARCH_BUDGET`): the cheapest
+    plan it found, maybe not the cheapest there is."""
 
 
 @dataclass(frozen=True)
@@ -963,14 +966,19 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
                 plan = _fewest_stopped(state, snap, catalog, unit, plan, alone, now_ms)
     if plan is None:
         return None
-    node, chosen, lost = plan
+    node, chosen, lost, proven = plan
     return Preemption(item, state.node_ids[node], tuple(m for v in chosen for m in v.members),
-                      lost, unloads=tuple(v.unload for v in chosen if v.unload is not None))
+                      lost, unloads=tuple(v.unload for v in chosen if v.unload is not None),
+                      proven_optimal=proven)
+
+
+Plan = tuple[int, list[_Victim], float, bool]
+"""A preemption plan as `_cheapest` finds it: node row, victims, GPU-seconds lost, and
+whether the solver's search finished."""
 
 
 def _fewest_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalog,
-                   unit: WorkBatch, plan: tuple[int, list[_Victim], float],
-                   alone: list[_Victim], now_ms: int) -> tuple[int, list[_Victim], float]:
+                   unit: WorkBatch, plan: Plan, alone: list[_Victim], now_ms: int) -> Plan:
     """`plan` with each group it chose planned again as its members alone: where the
     group's GPU needs only some of their KV caches (another GPU of the plan needed an
     unload), those stop and the model stays. Before, every user of it there stopped."""
@@ -984,11 +992,10 @@ def _fewest_stopped(state: ClusterState, snap: Snapshot, catalog: ModelCatalog,
 
 
 def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: WorkBatch,
-              candidates: list[_Victim], now_ms: int
-              ) -> tuple[int, list[_Victim], float] | None:
+              candidates: list[_Victim], now_ms: int) -> Plan | None:
     """The solver's plan among `candidates` for `unit`: (node row, victims, GPU-seconds
-    lost), or None when there is none or the unit fits already (held behind work that
-    waits for room)."""
+    lost, whether its search finished), or None when there is none or the unit fits
+    already (held behind work that waits for room)."""
     gpus = np.full((len(candidates), 8), -1, np.int64)
     for i, v in enumerate(candidates):
         r = v.members[0]
@@ -1011,7 +1018,7 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
     if not plan.feasible or not len(plan.victims):
         return None
     return plan.node, [candidates[v] for v in plan.victims], float(
-        lost[list(plan.victims)].sum())
+        lost[list(plan.victims)].sum()), plan.proven_optimal
 
 
 def _weights_at(r: RunningPlacement) -> WeightsAt | None:
