@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _pytest.reports import TestReport
 from stack_helpers import INFRA_PORTS, SERVICE_TEST_ENV, TEST_SERVICE_PORTS
 
 from gpusched_ops.services import service_specs
@@ -69,6 +70,40 @@ def _interrupt_on_termination() -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, interrupt)
+
+
+LOG_TAIL_LINES = 40
+"""Lines of each process log a failed stack test shows."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A stack test that fails shows the end of every process log written while it ran (a
+    section of its report, printed with the failure): the run's folder is gone by the time
+    anyone reads a CI log, and a time-out alone says nothing of why."""
+    outcome = yield
+    report: TestReport = outcome.get_result()
+    running = getattr(item, "funcargs", {}).get("stack")
+    if report.failed and report.when == "call" and isinstance(running, RunningStack):
+        for name, tail in log_tails(running.processes.log_dir, since=call.start):
+            report.sections.append((f"log of {name} (last {LOG_TAIL_LINES} lines)", tail))
+
+
+def log_tails(log_dir: Path, since: float) -> list[tuple[str, str]]:
+    """The last LOG_TAIL_LINES lines of each log in `log_dir` written to at or after `since`
+    (a time.time()), by name."""
+    tails = []
+    for path in sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []:
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            with path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        tails.append((path.stem, "\n".join(lines[-LOG_TAIL_LINES:])))
+    return tails
 
 
 @pytest.fixture(scope="session")
