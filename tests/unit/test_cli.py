@@ -924,3 +924,44 @@ def test_the_stack_knows_its_processes_after_the_wall_clock_steps(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_down_stops_the_services_last_started_first(tmp_path: Path) -> None:
+    """`up` starts accounting, the scheduler, the agents, then the router; `down` stopped
+    them by name, accounting first, while the agents still sent it the usage of the work
+    they stopped."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from gpusched_ops.stack import LocalStack
+
+    order = tmp_path / "stopped"
+    on_term = ("import signal, sys, time\n"
+               "def stop(*_):\n"
+               f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, stop)\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(60)\n")
+    local = LocalStack(tmp_path)
+    procs = []
+    try:
+        for name in ("accounting", "scheduler", "agent-b", "agent-a", "router"):
+            proc = subprocess.Popen([sys.executable, "-c", on_term, name],
+                                    stdout=subprocess.PIPE, start_new_session=True)
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+            procs.append(proc)
+            (tmp_path / "pids").mkdir(exist_ok=True)
+            created = psutil.Process(proc.pid).create_time()
+            (tmp_path / "pids" / f"{name}.pid").write_text(
+                f"{proc.pid}\n{created!r}\n{created - psutil.boot_time()!r}\n")
+            time.sleep(0.02)  # distinct start stamps
+        local.stop()
+        assert order.read_text().split() == [
+            "router", "agent-a", "agent-b", "scheduler", "accounting"]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -350,8 +350,10 @@ class LocalStack:
         self._terminate(name, 0.0)
 
     def stop(self) -> None:
-        """Stop everything in run_dir: services first, then jaeger, redis, kafka. Idempotent."""
-        for name in (*self._service_names(), *reversed(INFRA_COMPONENTS)):
+        """Stop everything in run_dir: the services, the last started first (as `up` starts
+        them: the router, the agents, the scheduler, then accounting, which bills the work
+        stopped before it), then jaeger, redis, kafka. Idempotent."""
+        for name in (*self._services_last_started_first(), *reversed(INFRA_COMPONENTS)):
             self._terminate(name, stop_timeout_s(name))
 
     def status(self) -> list[ProcessStatus]:
@@ -568,6 +570,17 @@ class LocalStack:
         pids = self.run_dir / "pids"
         names = sorted(path.stem for path in pids.glob("*.pid")) if pids.is_dir() else []
         return [name for name in names if name not in INFRA_COMPONENTS]
+
+    def _services_last_started_first(self) -> list[str]:
+        """The services with a pid file, by start, the latest first (a pid file is written
+        once, when its process starts). In name order, `down` stopped accounting before the
+        agents and the router it bills."""
+        def started(name: str) -> float:
+            try:
+                return self._pid_file(name).stat().st_mtime
+            except FileNotFoundError:
+                return 0.0
+        return sorted(self._service_names(), key=started, reverse=True)
 
     def _pid_file(self, name: str) -> Path:
         return self.run_dir / "pids" / f"{name}.pid"
