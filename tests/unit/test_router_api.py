@@ -1307,3 +1307,22 @@ async def test_a_replay_of_a_stored_outcome_is_counted_replayed_and_answered(
                for name in ("gpusched_router_requests_total", "gpusched_router_answers_total")]
     cls = completion(body).request.priority_class
     assert counted == [{(cls, "replayed"): 1}, {(cls, "failed"): 1}]
+
+
+async def test_only_requests_at_the_door_are_counted_there() -> None:
+    """Status reads, cancels and model lookups counted their 401s, 404s and Redis-away 503s
+    as requests at the door, so clients polling expired ids (or any read in a Redis outage)
+    moved the server-errors alert's ratio though no completion was refused."""
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                    redis=RedisSettings(url="redis://127.0.0.1:1/0")))
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+    key = {"authorization": "Bearer sk-acme-demo"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        answers = [(await client.get("/v1/models/nope")).status_code,
+                   (await client.get("/v1/requests/abc")).status_code,
+                   (await client.get("/v1/requests/abc", headers=key)).status_code,
+                   (await client.post("/v1/requests/abc/cancel", headers=key)).status_code]
+        assert answers == [404, 401, 503, 503]
+        assert await served(app, "gpusched_router_requests_total") == {}
+        await client.post("/v1/completions", headers=key, json={"model": "nope"})
+    assert await served(app, "gpusched_router_requests_total") == {("unknown", "http_400"): 1}

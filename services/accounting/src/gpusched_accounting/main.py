@@ -59,7 +59,7 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")
     add_ops_routes(app, registry, ready)
-    unavailable_without_redis(app, lambda reason: {"detail": reason})
+    unavailable_without_redis(app, lambda request, reason: {"detail": reason})
     app.include_router(build_router(store, tenants, clock))
     app.state.store = store
     return app

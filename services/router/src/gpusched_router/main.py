@@ -76,6 +76,10 @@ from gpusched_router.settings import RouterSettings
 SERVICE = "router"
 STATUS_GROUP = "gpusched-router-status"
 SEEN_GROUP = "gpusched-router-requests"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+DOOR_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+"""Where requests come in: gpusched_router_requests_total counts the answers given there."""
 STATUS_POLL_S = 0.5
 """How often a retry with a used Idempotency-Key re-reads its first use's status."""
 CONTEXT_EXCEEDED = re.compile(
@@ -184,8 +188,9 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
     on_stop(app, drain)
 
-    def redis_away(reason: str) -> dict[str, Any]:
-        accepted.labels("unknown", "http_503").inc()  # as every 5xx answered: alerts read it
+    def redis_away(request: Request, reason: str) -> dict[str, Any]:
+        if request.url.path in DOOR_PATHS:  # as every 5xx at the door: alerts read it
+            accepted.labels("unknown", "http_503").inc()
         return ApiError(503, reason).body()
 
     unavailable_without_redis(app, redis_away)
@@ -199,13 +204,20 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error(ApiError(500, f"internal error ({type(exc).__name__}); the router's log "
-                              "has the details"))
+        failed = ApiError(500, f"internal error ({type(exc).__name__}); the router's log has "
+                          "the details")
+        return refused(failed) if request.url.path in DOOR_PATHS else error(failed)
 
-    def error(err: ApiError, priority_class: str = "unknown",
-              headers: dict[str, str] | None = None) -> JSONResponse:
-        accepted.labels(priority_class, f"http_{err.status_code}").inc()
+    def error(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+
+    def refused(err: ApiError, priority_class: str = "unknown",
+                headers: dict[str, str] | None = None) -> JSONResponse:
+        """The answer to a request at the door that is not taken in, counted by its status
+        (a status read, a cancel or a model lookup is no request at the door: their 404s
+        and 503s counted there inflated the server-errors alert's ratio)."""
+        accepted.labels(priority_class, f"http_{err.status_code}").inc()
+        return error(err, headers)
 
     async def authenticate(request: Request) -> Any:
         header = request.headers.get("authorization", "")
@@ -266,25 +278,25 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def handle(request: Request, parse: Any, kind: str) -> Response:
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
-            return error(tenant)
+            return refused(tenant)
         body = await read_json(request)
         if isinstance(body, ApiError):
-            return error(body)
+            return refused(body)
         request_id = f"req-{uuid.uuid4().hex}"
         parsed = parse(body, tenant, request.headers, catalog, request_id, clock())
         if isinstance(parsed, ApiError):
-            return error(parsed)
+            return refused(parsed)
         req = parsed.request
         key = request.headers.get(IDEMPOTENCY_HEADER)
         use: FirstUse | None = None
         if key is not None:
             if (bad := check_key(key)) is not None:
-                return error(bad, req.priority_class)
+                return refused(bad, req.priority_class)
             use = FirstUse(request_id, request_digest(request.url.path, body), clock())
             holder = await idempotency.claim(tenant.name, key, use)
             if holder is not None:
                 if holder.digest != use.digest:
-                    return error(reused(key), req.priority_class)
+                    return refused(reused(key), req.priority_class)
                 stored = (await hub.status(holder.request_id) or {}).get("result")
                 if stored is None or not passes_later(stored) or \
                         not await idempotency.take_over(tenant.name, key, holder, use):
@@ -311,10 +323,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             headers = {"x-should-retry": "false"}
             if left_ms > 0:
                 headers["retry-after"] = str(-(-left_ms // 1000))
-            return error(_budget_error(spent), req.priority_class, headers)
+            return refused(_budget_error(spent), req.priority_class, headers)
         if hub.stopped:  # its body came in after the drain: it would run, its client told 503
             await free_key()
-            return error(_not_sent(), req.priority_class, retry_shortly())
+            return refused(_not_sent(), req.priority_class, retry_shortly())
         queue = hub.open(request_id)
         try:
             trace_id = await take_in(req, kind)
@@ -325,7 +337,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             hub.close(request_id, queue)
             send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
             await free_key()
-            return error(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
+            return refused(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                        "it is cancelled, send it again"), req.priority_class,
                          retry_shortly())
         except Exception:
@@ -507,11 +519,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         observe("completed")
         return JSONResponse(_full_response(parsed, kind, first), headers=headers)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
         return await handle(request, parse_completion, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
         return await handle(request, parse_chat, "chat/completions")
 
