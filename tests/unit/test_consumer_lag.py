@@ -1,25 +1,40 @@
 """The consumer lag gauge (gpusched_common.consumer_lag) and the consumers that serve it:
-accounting's usage consumer (usage not billed yet) and the scheduler leader's request
-consumers (requests unread beyond those it holds). Kafka's answers come from a stand-in
-consumer with aiokafka's calls."""
+accounting's usage consumer (usage not billed yet), the scheduler leader's request
+consumers (requests unread beyond those it holds), each agent's placements consumer
+(commands not acted on) and the router's status groups (outcomes and requests not stored
+yet). Kafka's answers come from a stand-in consumer with aiokafka's calls."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import httpx
 import pytest
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import TopicPartition
+from fastapi import FastAPI
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpusched_accounting import handlers as accounting_handlers
 from gpusched_accounting.domain import budgets
 from gpusched_accounting.domain.usage import load_prices
-from gpusched_common import consumer_lag, topics
+from gpusched_agent import handlers as agent_handlers
+from gpusched_agent import main as agent_main
+from gpusched_agent.settings import AgentSettings
+from gpusched_common import consumer_lag, topics, web
 from gpusched_common.broker import make_broker
 from gpusched_common.consumer_lag import ConsumerLag
-from gpusched_common.settings import REPO_CONFIG_DIR, KafkaSettings
+from gpusched_common.settings import (
+    REPO_CONFIG_DIR,
+    KafkaSettings,
+    RedisSettings,
+    TelemetrySettings,
+)
+from gpusched_router import main as router_main
+from gpusched_router.settings import RouterSettings
 from gpusched_scheduler.adapters import requests as request_adapter
 from gpusched_scheduler.adapters.requests import RequestConsumer
 
@@ -230,3 +245,122 @@ async def test_the_scheduler_serves_its_request_lag_while_it_leads_and_none_once
     assert served(registry) == {}
     await lag.measure()
     assert served(registry) == {}
+
+
+async def test_an_agents_placements_consumer_is_measured_while_it_runs() -> None:
+    """Placements waiting unread on an agent are work not started (and preempts, work not
+    stopped): an agent stuck on its commands while its node kept reporting showed nothing,
+    and each placement sent to it waited out the scheduler's untaken time-out."""
+    registry = CollectorRegistry()
+    lag = ConsumerLag("gpu-agent", registry)
+    broker = make_broker(KafkaSettings(), "gpu-agent", None, None)
+    commands = Counter("commands", "", ["command", "outcome"], registry=CollectorRegistry())
+    placements = agent_handlers.register(broker, SimpleNamespace(node_id="node-1"),  # type: ignore[arg-type]
+                                         commands, lag)
+    await lag.measure()
+    assert served(registry) == {}  # not started
+    placements.consumer = placement_consumer("node-1", 5, 8)
+    await lag.measure()
+    assert served(registry) == {("gpu-agent", "gpusched-agent-node-1", topics.PLACEMENTS.name): 3}
+    placements.consumer = None  # stopped
+    await lag.measure()
+    assert served(registry) == {}
+
+
+class PlacementConsumer(Consumer):
+    """An agent's placements consumer: its node's partition, a position committed there
+    already (its first run is over)."""
+
+    async def committed(self, tp: TopicPartition) -> int:
+        return self.positions[tp]
+
+
+def placement_consumer(node_id: str, position: int, end: int) -> PlacementConsumer:
+    tp = TopicPartition(topics.PLACEMENTS.name,
+                        topics.partition_for_key(node_id, topics.PLACEMENTS.partitions))
+    return PlacementConsumer({tp: position}, {tp: end})
+
+
+async def nothing(*args: object, **kwargs: object) -> None:
+    return None
+
+
+async def lag_served(app: FastAPI) -> dict[tuple[str, str, str], float]:
+    """(service, group, topic) -> records, of every lag series `app`'s /metrics serves."""
+    transport = httpx.ASGITransport(app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        text = (await http.get("/metrics")).text
+    return {(s.labels["service"], s.labels["group"], s.labels["topic"]): s.value
+            for family in text_string_to_metric_families(text) if family.name == LAG
+            for s in family.samples}
+
+
+async def lag_served_once_measured(app: FastAPI) -> dict[tuple[str, str, str], float]:
+    """What `lag_served` says once a first measure has served a series (or after 2 s)."""
+    for _ in range(200):
+        if lag := await lag_served(app):
+            return lag
+        await asyncio.sleep(0.01)
+    return {}
+
+
+def lag_measures() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == "consumer-lag"]
+
+
+async def test_the_agent_measures_its_placements_lag_while_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measure starts with the agent's lifespan and ends with it. Kafka, Redis and the
+    runtime's reporting are stubbed out; the placements consumer is a stand-in."""
+    registered = []
+    register = agent_handlers.register
+
+    def registering(broker, *args):  # noqa: ANN001, ANN202
+        registered.append((broker, placements := register(broker, *args)))
+        return placements
+
+    monkeypatch.setattr(agent_handlers, "register", registering)
+    monkeypatch.setattr(topics, "ensure_topics", nothing)
+    app = agent_main.create_app(AgentSettings(
+        telemetry=TelemetrySettings(otlp_endpoint=""), simulate="1xH100-80GB", node_id="n",
+        redis=RedisSettings(url="redis://127.0.0.1:1/0")))
+    [(broker, placements)] = registered
+    monkeypatch.setattr(broker, "start", nothing)
+    monkeypatch.setattr(broker, "stop", nothing)
+    monkeypatch.setattr(app.state.runtime, "recover", nothing)
+    monkeypatch.setattr(app.state.runtime, "start_reporting", lambda: None)
+    monkeypatch.setattr(app.state.runtime, "drain", nothing)
+    placements.consumer = placement_consumer("n", 40, 42)
+    assert await lag_served(app) == {}
+    async with app.router.lifespan_context(app):
+        assert await lag_served_once_measured(app) == {
+            ("gpu-agent", "gpusched-agent-n", topics.PLACEMENTS.name): 2}
+    assert lag_measures() == []
+
+
+async def test_the_router_measures_its_status_groups_while_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outcomes the routers have not stored (GET and Idempotency-Key retries see them late)
+    and requests produced straight to Kafka not known yet: each group per topic, measured
+    from the router's start to its stop. Kafka is stubbed out; the consumers are
+    stand-ins."""
+    monkeypatch.setattr(web, "ensure_topics", nothing)
+    app = router_main.create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                                redis=RedisSettings(url="redis://127.0.0.1:1/0")))
+    broker = app.state.broker
+    monkeypatch.setattr(broker, "start", nothing)
+    monkeypatch.setattr(broker, "stop", nothing)
+    groups = {s.group_id: s for s in broker.subscribers}
+    results = TopicPartition(topics.RESULTS.name, 0)
+    groups[router_main.STATUS_GROUP].consumer = Consumer({results: 7}, {results: 10})
+    requests = {TopicPartition(spec.name, 0): RequestTopicConsumer.BEHIND[spec.name]
+                for spec in topics.REQUESTS.values()}
+    groups[router_main.SEEN_GROUP].consumer = Consumer(
+        dict.fromkeys(requests, 0), requests)
+    assert await lag_served(app) == {}
+    async with app.router.lifespan_context(app):
+        assert await lag_served_once_measured(app) == {
+            ("router", router_main.STATUS_GROUP, topics.RESULTS.name): 3,
+            **{("router", router_main.SEEN_GROUP, tp.topic): behind
+               for tp, behind in requests.items()}}
+    assert lag_measures() == []

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from gpusched_agent.runtime import AgentRuntime, Reused, Stale
 from gpusched_common import topics
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND, invalid_fields
 from gpusched_common.kafka_records import dead_letter
 
@@ -22,10 +23,12 @@ log = logging.getLogger(__name__)
 SERVICE = "gpu-agent"
 
 
-def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
-             ) -> LogicSubscriber:
-    """`commands` counts commands by type and outcome (started, stale, invalid, ...). Returns
-    the placements subscriber, for `hold_command_position` once the broker runs."""
+def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter,
+             lag: ConsumerLag | None = None) -> LogicSubscriber:
+    """`commands` counts commands by type and outcome (started, stale, invalid, ...); the
+    placements consumer is measured in `lag` (commands waiting unread: work not started, and
+    work not stopped). Returns the placements subscriber, for `hold_command_position` once
+    the broker runs."""
     # Placements are keyed by node id: this agent reads only the partition its id hashes
     # to, committing offsets in its own group so a restart resumes where it stopped.
     partition = topics.partition_for_key(runtime.node_id, topics.PLACEMENTS.partitions)
@@ -40,10 +43,12 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter
         return await runtime.first_to_report(f"{record.topic}:{record.partition}:"
                                              f"{record.offset}")
 
+    group = f"gpusched-agent-{runtime.node_id}"
     placements = broker.subscriber(
         partitions=[TopicPartition(topics.PLACEMENTS.name, partition)],
-        group_id=f"gpusched-agent-{runtime.node_id}", auto_offset_reset="latest",
-        ack_policy=AckPolicy.NACK_ON_ERROR)
+        group_id=group, auto_offset_reset="latest", ack_policy=AckPolicy.NACK_ON_ERROR)
+    if lag is not None:
+        lag.watch(group, lambda: placements.consumer)
 
     @placements
     async def on_placement(msg: KafkaMessage) -> None:

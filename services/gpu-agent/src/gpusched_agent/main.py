@@ -25,10 +25,12 @@ from gpusched_agent.settings import AgentSettings
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.contracts import Message
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.recent import Recent
 from gpusched_common.redis_client import make_redis
+from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import make_tracer_provider
 from gpusched_common.web import add_ops_routes, get_and_head
 
@@ -166,7 +168,8 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     for command, outcome in (("unknown", "invalid"), ("placement", "reused"),
                              ("placement", "stale"), ("preempt", "stale")):
         commands.labels(command, outcome)  # at 0, for the dead-letter alerts' increase()
-    placements = handlers.register(broker, runtime, commands)
+    lag = ConsumerLag(SERVICE, registry)
+    placements = handlers.register(broker, runtime, commands, lag)
     Gauge("gpusched_agent_requests_in_flight", "Placements running.", registry=registry
           ).set_function(lambda: runtime.in_flight)
     started = False
@@ -180,12 +183,14 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
         await handlers.hold_command_position(placements)  # before the node is first seen
         await runtime.recover()
         runtime.start_reporting()
+        measuring = asyncio.create_task(lag.run(), name="consumer-lag")
         started = True
         try:
             yield
         finally:
             started = False
             await runtime.drain(timeout_s=settings.drain_timeout_s)  # ends the reporting
+            await cancelled(measuring)  # after the drain, which still reads commands
             await broker.stop()
             await executor.close()
             await redis.aclose()

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
 from gpusched_common.catalog import load_models, load_tenants
+from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.contracts import (
     PRIORITY_CLASSES,
     RESULT_EVENT,
@@ -44,6 +45,7 @@ from gpusched_common.redis_keys import (
     CANCELLED_TTL_S,
     budget_reason,
 )
+from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import make_tracer_provider, request_attributes, trace_id_hex
 from gpusched_common.web import (
     RETRY_SHORTLY_S,
@@ -153,25 +155,45 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
     # ...and the routers share, as one consumer group, storing each request's outcome:
     # offsets commit once it is in Redis, so an outcome that comes while every router is
-    # down, or while Redis is, is stored once one is back.
-    @broker.subscriber(topics.RESULTS.name, batch=True, group_id=STATUS_GROUP,
-                       auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR,
-                       batch_timeout_ms=50, max_records=2000, **RAW_BATCH)
+    # down, or while Redis is, is stored once one is back. Its lag is outcomes not stored
+    # yet: GET /v1/requests and Idempotency-Key retries see them late.
+    finished = broker.subscriber(topics.RESULTS.name, batch=True, group_id=STATUS_GROUP,
+                                 auto_offset_reset="earliest",
+                                 ack_policy=AckPolicy.NACK_ON_ERROR, batch_timeout_ms=50,
+                                 max_records=2000, **RAW_BATCH)
+    lag = ConsumerLag(SERVICE, registry)
+    lag.watch(STATUS_GROUP, lambda: finished.consumer)
+
+    @finished
     async def on_finished(msg: KafkaMessage) -> None:
         await hub.store_finished(msg.raw_message)
 
     # ...and, as another group, a queued status for each request read on the request
     # topics that has none: those produced straight to Kafka are then known to GET and
-    # cancel while they wait or run, not only once they have ended.
-    @broker.subscriber(*(spec.name for spec in topics.REQUESTS.values()), batch=True,
-                       group_id=SEEN_GROUP, auto_offset_reset="earliest",
-                       ack_policy=AckPolicy.NACK_ON_ERROR, batch_timeout_ms=50,
-                       max_records=2000, **RAW_BATCH)
+    # cancel while they wait or run, not only once they have ended. Its lag is such
+    # requests not known yet.
+    seen = broker.subscriber(*(spec.name for spec in topics.REQUESTS.values()), batch=True,
+                             group_id=SEEN_GROUP, auto_offset_reset="earliest",
+                             ack_policy=AckPolicy.NACK_ON_ERROR, batch_timeout_ms=50,
+                             max_records=2000, **RAW_BATCH)
+    lag.watch(SEEN_GROUP, lambda: seen.consumer)
+
+    @seen
     async def on_requests(msg: KafkaMessage) -> None:
         await hub.store_seen(msg.raw_message, clock())
 
+    measuring: list[asyncio.Task[None]] = []
+    """The consumers' lag measure."""
+
+    async def start_measuring() -> None:
+        measuring.append(asyncio.create_task(lag.run(), name="consumer-lag"))
+
+    async def stop_measuring() -> None:
+        await cancelled(*measuring)
+
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [redis.aclose])
+                                      [stop_measuring, redis.aclose],
+                                      starting=[start_measuring])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
 
