@@ -151,9 +151,11 @@ def test_every_metric_the_rules_and_the_dashboard_read_is_declared() -> None:
     # the lag is every service's name: each service a query reads it of measures its own
     lagging = {service for expr in queries for service in re.findall(
         r'gpusched_consumer_lag_records\{service="([\w-]+)"', expr)}
-    assert lagging == {"scheduler", "accounting"}
+    assert lagging == {"scheduler", "accounting", "gpu-agent", "router"}
+    agents = [name for name in texts if name.startswith("agent ")]
     for service in lagging:
-        assert "# HELP gpusched_consumer_lag_records " in texts[service], service
+        for app in agents if service == "gpu-agent" else [service]:
+            assert "# HELP gpusched_consumer_lag_records " in texts[app], app
 
 
 def test_every_agent_serves_the_refusals_its_executor_can_make_at_zero_from_the_start(
