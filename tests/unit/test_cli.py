@@ -19,7 +19,7 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gpusched_common.contracts import DeadLetter
+from gpusched_common.contracts import MAX_QUEUE_LIST, DeadLetter
 from gpusched_ops.cli import (
     app,
     console,
@@ -168,6 +168,15 @@ def test_reconcile_without_kafka_says_so_and_exits_2() -> None:
     assert result.exit_code == 2, result.output  # 1 means "totals differ"
     assert "Kafka not reachable at 127.0.0.1:1; is the stack up?" in result.output
 
+
+
+def test_queue_limit_past_what_the_scheduler_lists_is_a_usage_error() -> None:
+    """--limit 20000 passed the parser, then failed on the scheduler's validation with exit 1
+    (no usage hint), against the README's exit 2 for a value the parser cannot take."""
+    result = CliRunner().invoke(app, ["queue", "--limit", str(MAX_QUEUE_LIST + 1),
+                                      "--scheduler-url", "http://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "--limit" in result.output
 
 
 def test_queue_table_shows_each_waiting_request_in_line() -> None:

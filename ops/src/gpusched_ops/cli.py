@@ -28,7 +28,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from gpusched_common import topics
-from gpusched_common.contracts import DEAD_LETTER, DeadLetter, invalid_fields
+from gpusched_common.contracts import DEAD_LETTER, MAX_QUEUE_LIST, DeadLetter, invalid_fields
 from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_ops.monitoring import operator_manifests, operator_objects
 from gpusched_ops.services import SERVICE_START_TIMEOUT_S, service_specs, urls
@@ -278,7 +278,8 @@ def _by_class(pending: dict) -> str:
 
 
 @app.command()
-def queue(limit: int = typer.Option(50, min=1, help="How many of the first in line to show."),
+def queue(limit: int = typer.Option(50, min=1, max=MAX_QUEUE_LIST,
+                                    help="How many of the first in line to show."),
           as_json: JsonOut = False,
           scheduler_url: str = _service_url("scheduler"),
           ) -> None:

@@ -102,6 +102,9 @@ the scheduler wraps it in a placement, and a preempted one goes back with the to
 MAX_QUEUE_MS = 7 * 24 * 3600 * 1000
 """Longest queue time limit a request or a class may set: a week."""
 
+MAX_QUEUE_LIST = 10_000
+"""Most of the line the scheduler's GET /v1/queue lists at once (`limit`)."""
+
 MAX_USAGE_TOKENS = 10**9
 """Most tokens of each kind one usage record bills (see `UsageRecord`); a request's
 `prompt_tokens` override stays within it, or its agent could not bill the request."""

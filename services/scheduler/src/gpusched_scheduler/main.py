@@ -20,6 +20,7 @@ from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.consumer_lag import ConsumerLag
+from gpusched_common.contracts import MAX_QUEUE_LIST
 from gpusched_common.kafka_records import WallClockMs, wall_clock_ms
 from gpusched_common.redis_client import make_redis
 from gpusched_common.tasks import cancelled
@@ -212,7 +213,7 @@ def create_app(settings: SchedulerSettings, clock: WallClockMs = wall_clock_ms) 
             for r in engine.running.values()]}
 
     @get_and_head(app, "/v1/queue")
-    async def queue(limit: int = Query(100, ge=1, le=10_000)) -> dict:
+    async def queue(limit: int = Query(100, ge=1, le=MAX_QUEUE_LIST)) -> dict:
         """Work waiting for a GPU (leader's view), in the order the next cycle considers it:
         requests whose preemption is under way, aged work, then interactive, standard,
         batch, tenants by fair share inside each."""
