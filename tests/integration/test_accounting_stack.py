@@ -44,9 +44,10 @@ FIRST_PORT = 28150 + int(os.environ.get("GPUSCHED_TEST_PORT_OFFSET", "0"))
 MODELS = ("qwen2.5-1.5b", "llama-3.1-8b")
 
 
-def make_usage(tenants: list[str], requests_each: int, seed: int = 1) -> list[UsageRecord]:
+def make_usage(tenants: list[str], requests_each: int, seed: int = 1,
+               spread_ms: int = 240_000) -> list[UsageRecord]:
     """Each request: two partial records (deltas) then a final one, some preempted and run
-    again (a second placement), spread over the last few minutes."""
+    again (a second placement), ending over the last `spread_ms` (a few minutes)."""
     rnd = random.Random(seed)
     now = int(time.time() * 1000)
     out = []
@@ -56,7 +57,7 @@ def make_usage(tenants: list[str], requests_each: int, seed: int = 1) -> list[Us
             attempts = 2 if i % 7 == 0 else 1
             for attempt in range(attempts):
                 pid = f"{rid}#{attempt}"
-                ended = now - rnd.randrange(0, 240_000)
+                ended = now - rnd.randrange(0, spread_ms)
                 common = dict(request_id=rid, placement_id=pid, tenant=tenant,
                               model=MODELS[i % 2], priority_class="batch",
                               node_id=f"node-{i % 3}", gpu_type="H100-80GB",
@@ -71,6 +72,14 @@ def make_usage(tenants: list[str], requests_each: int, seed: int = 1) -> list[Us
                     1, 500), completion_tokens=rnd.randrange(0, 50), gpu_seconds=0.25,
                     final=True, ended_at_ms=ended, **common))
     return out
+
+
+async def past_midnight(records_within_s: float, judged_within_s: float) -> None:
+    """Wait, if need be, until records ending in the last `records_within_s` and judged
+    within `judged_within_s` from now all fall in one UTC day."""
+    into_day_s = time.time() % 86_400
+    if into_day_s < records_within_s or into_day_s > 86_400 - judged_within_s:
+        await asyncio.sleep((records_within_s - into_day_s) % 86_400 + 1)
 
 
 def expected(records: list[UsageRecord], prices: PriceTable = PRICES) -> dict[str, Totals]:
@@ -423,7 +432,11 @@ async def test_spent_budget_flags_the_tenant_publishes_an_event_and_router_answe
     group, port = f"test-budget-{uuid.uuid4().hex[:6]}", FIRST_PORT + 5
     spec = instance(stack, "acct-budget", port, group, db=4, config_dir=tmp_path)
     redis = Redis.from_url(spec.env["GPUSCHED_REDIS_URL"])
-    await produce(stack, make_usage([tenant], 3))  # well over 100 tokens
+    # A day budget counts the records of the UTC day it is judged in: records made just
+    # after midnight ending before it, or judged after it, spend nothing (a run at 00:00
+    # waited 30 s for a flag never set)
+    await past_midnight(records_within_s=30, judged_within_s=60)
+    await produce(stack, make_usage([tenant], 3, spread_ms=20_000))  # well over 100 tokens
     try:
         stack.processes.start_service(spec)
 
