@@ -4,6 +4,9 @@ broker."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
@@ -11,7 +14,7 @@ from faststream.kafka import KafkaMessage, TestKafkaBroker
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gpusched_common.broker import RAW_BATCH, make_broker
+from gpusched_common.broker import CONSUMER_LOG, RAW_BATCH, OncePerInterval, make_broker
 from gpusched_common.settings import KafkaSettings
 
 TOPIC = "gpusched.test"
@@ -118,3 +121,51 @@ async def test_a_batch_makes_no_span_in_its_first_records_trace(
         await alone.consume(record(4, [traceparent(4)]))
     traced = {s.context.trace_id for s in span_exporter.get_finished_spans()}
     assert not traced & {1, 2, 3} and 4 in traced
+
+
+async def test_a_handler_that_raises_is_logged_once_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The broker was made without a logger: FastStream then said nothing of a handler that
+    raised (its records read again, NACK_ON_ERROR), so a usage consumer failing on every
+    batch left accounting's log silent. Now it is an ERROR with the traceback, the same one
+    repeated at most once per REPEAT_EVERY_S, and no line per record handled."""
+    broker = make_broker(KafkaSettings(), "test", None, None)
+
+    @broker.subscriber(TOPIC, group_id="g", ack_policy=AckPolicy.NACK_ON_ERROR)
+    async def handle(msg: KafkaMessage) -> None:
+        if msg.raw_message.value == b"bad":
+            raise RuntimeError("Redis away")
+
+    caplog.set_level(logging.INFO)
+    broker._setup_logger()  # noqa: SLF001 - what the broker logs through once it starts
+    logs_through = broker.config.logger.logger
+    async with TestKafkaBroker(broker) as test_broker:
+        broker.config.logger.logger = logs_through  # the test broker puts a mock there
+        await test_broker.publish(b"good", TOPIC)
+        for _ in range(3):
+            with contextlib.suppress(RuntimeError):
+                await test_broker.publish(b"bad", TOPIC)
+    said = [r for r in caplog.records if r.name == CONSUMER_LOG]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.ERROR, f"RuntimeError: Redis away (topic {TOPIC}, group g)")]
+    assert said[0].exc_info is not None
+
+
+def test_a_repeated_message_passes_once_per_interval_with_how_many_were_dropped() -> None:
+    now = [0.0]
+    thin = OncePerInterval(30.0, clock=lambda: now[0])
+
+    def passes(text: str, level: int = logging.ERROR) -> str | None:
+        record = logging.LogRecord("x", level, __file__, 1, text, (), None)
+        return record.getMessage() if thin.filter(record) else None
+
+    assert passes("Kafka error occurred") == "Kafka error occurred"
+    now[0] = 10.0
+    assert passes("Kafka error occurred") is None
+    assert passes("Kafka error occurred", logging.WARNING) == "Kafka error occurred"
+    assert passes("another") == "another"
+    now[0] = 31.0
+    assert passes("Kafka error occurred") == ("Kafka error occurred (1 more like it in the "
+                                              "last 31 s)")
+    now[0] = 62.0
+    assert passes("Kafka error occurred") == "Kafka error occurred"

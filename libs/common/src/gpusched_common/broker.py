@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -29,6 +31,57 @@ log = logging.getLogger(__name__)
 RETIRE_TIMEOUT_S = 5.0
 """How long a replaced producer may take to deliver what it still holds for the partitions
 that work, before it is closed anyway."""
+
+CONSUMER_LOG = "gpusched.consumers"
+"""The logger FastStream tells through that a handler raised (its records are read again)
+or that a fetch failed: at ERROR, each message once per REPEAT_EVERY_S. Its line per record
+handled ("Received", "Processed") is at DEBUG. Given no logger, it said none of it, and a
+handler failing on every record (Redis away, a bug) left the service's log silent."""
+REPEAT_EVERY_S = 30.0
+"""How often the same consumer error is logged again while it goes on (a record read again
+after a failure fails again at once, many times a second)."""
+
+
+class OncePerInterval(logging.Filter):
+    """Passes a message the first time, then once per `every_s` while it repeats, saying how
+    many like it were dropped meanwhile. Messages are told apart by level and text; a
+    warning or error FastStream gives a record's context names its topic and group."""
+
+    MAX_KEPT = 1000
+    """Distinct messages remembered; past it, all are forgotten (each is logged again)."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._clock = clock
+        self._last: dict[tuple[int, str], tuple[float, int]] = {}
+        """(level, text) -> (when it was last passed, how many dropped since)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.levelno, record.getMessage())
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._every_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        if len(self._last) >= self.MAX_KEPT:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        said = key[1]
+        if (topic := getattr(record, "topic", None)) and record.levelno >= logging.WARNING:
+            said += f" (topic {topic}, group {getattr(record, 'group_id', None) or '-'})"
+        if last is not None and last[1]:
+            said += f" ({last[1]} more like it in the last {now - last[0]:.0f} s)"
+        record.msg, record.args = said, ()
+        return True
+
+
+def consumer_logger() -> logging.Logger:
+    """The CONSUMER_LOG logger, its repeats thinned by one OncePerInterval filter."""
+    logger = logging.getLogger(CONSUMER_LOG)
+    if not any(isinstance(f, OncePerInterval) for f in logger.filters):
+        logger.addFilter(OncePerInterval(REPEAT_EVERY_S))
+    return logger
 
 
 class Broker(KafkaBroker):
@@ -131,7 +184,8 @@ def make_broker(
         apply_types=False,
         parser=readable_parser,
         decoder=_the_message,
-        logger=None,
+        logger=consumer_logger(),
+        log_level=logging.DEBUG,
         **kwargs,
     )
 
