@@ -71,21 +71,36 @@ async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
 
 async def read_topic(bootstrap: str, topic: str, match: Callable[[bytes | None, bytes], bool],
                      timeout_s: float = 20) -> list[tuple[bytes | None, bytes]]:
-    """Every record of `topic` (from the beginning) for which match(key, value) holds, read
-    until at least one matches or timeout_s passes."""
+    """Every record of `topic` (from the beginning) for which match(key, value) holds: read
+    until one matches, then on to the end every partition had then (so a copy already
+    written is seen: an empty fetch was taken for the end, and "exactly one" passed with a
+    partition unread); with none matching, until timeout_s passes. Fails if by then it has
+    not read what the topic held when called (a check that none matches passed unread)."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
                                 auto_offset_reset="earliest")
     await consumer.start()
     found: list[tuple[bytes | None, bytes]] = []
     try:
+        assigned = sorted(consumer.assignment())
+        assert assigned, f"{topic}: no partition assigned to the reader"
+        ends = await consumer.end_offsets(assigned)
+        matched_at_ends = False
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             batch = await consumer.getmany(timeout_ms=200)
             for records in batch.values():
                 found += [(r.key, r.value) for r in records if match(r.key, r.value)]
-            if found and not batch:
-                break
-        return found
+            if found and not matched_at_ends:
+                ends = await consumer.end_offsets(sorted(consumer.assignment()))
+                matched_at_ends = True
+            read = all(position >= ends[tp]
+                       for tp, position in [(tp, await consumer.position(tp)) for tp in ends])
+            if found and read:
+                return found
+            if time.monotonic() >= deadline:
+                if not found and not read:
+                    raise AssertionError(f"{topic} was not read to its end in {timeout_s} s")
+                return found
     finally:
         await consumer.stop()
 
