@@ -1,7 +1,7 @@
 """Test harness: one session-scoped running stack for integration tests.
 
-Kafka, Redis and Jaeger come from testcontainers where a Docker engine answers, else from
-the same local process stack as `gpusched up` (on test ports); the gpusched services then
+Kafka, Redis and Jaeger come from the same local process stack as `gpusched up` (on test
+ports), or from testcontainers with GPUSCHED_TEST_CONTAINERS=1; the gpusched services then
 run as local processes against either. Unit tests never touch it.
 """
 
@@ -29,10 +29,13 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 class RunningStack:
     endpoints: StackEndpoints
     processes: LocalStack
-    """Starts, stops and kills service processes (and, without Docker, infra) for fault tests."""
+    """Starts, stops and kills service processes (and, on the process stack, infra) for fault
+    tests: see `local_infra`."""
     router_url: str
     scheduler_url: str
     accounting_url: str
+    infra_in_containers: bool
+    """Kafka, Redis and Jaeger run in containers: `processes` cannot stop or start them."""
 
 
 def _stop_earlier_session(run_dir: Path) -> None:
@@ -119,7 +122,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
             processes.start_service(spec, timeout_s=300)
         p = TEST_SERVICE_PORTS
         yield RunningStack(endpoints, processes, f"http://127.0.0.1:{p.router}",
-                           f"http://127.0.0.1:{p.scheduler}", f"http://127.0.0.1:{p.accounting}")
+                           f"http://127.0.0.1:{p.scheduler}", f"http://127.0.0.1:{p.accounting}",
+                           infra_in_containers=local is None)
     finally:
         processes.stop()
         stop_infra()

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from gpusched_ops.services import ServicePorts
@@ -38,6 +39,14 @@ SERVICE_TEST_ENV = {
     "GPUSCHED_BUDGET_RECHECK_S": "86400",
 }
 
+
+
+def needs_local_infra(stack) -> None:  # noqa: ANN001 - conftest's RunningStack
+    """Skip the calling test where Kafka, Redis and Jaeger run in containers: it stops,
+    restarts or pauses one of them, which only the process stack can."""
+    if stack.infra_in_containers:
+        pytest.skip("stops, restarts or pauses Kafka or Redis, which only the process stack "
+                    "can (GPUSCHED_TEST_CONTAINERS is set)")
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], timeout_s: float = 20,

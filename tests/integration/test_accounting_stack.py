@@ -22,7 +22,7 @@ import yaml
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio import Redis
-from stack_helpers import ADMIN, end_offsets, eventually, read_topic
+from stack_helpers import ADMIN, end_offsets, eventually, needs_local_infra, read_topic
 
 from gpusched_accounting.domain.usage import (
     PriceTable,
@@ -363,6 +363,7 @@ async def test_a_record_from_an_agent_clock_ahead_keeps_its_id_as_long_as_it_is_
 
 
 async def test_killed_instance_and_redis_restart_leave_totals_exact(stack) -> None:
+    needs_local_infra(stack)
     tenants = tenants_named("crash", 6)
     records = make_usage(tenants, 120, seed=2)
     want = public(expected(records))

@@ -22,6 +22,7 @@ from stack_helpers import (
     TEST_SERVICE_PORTS,
     end_offsets,
     eventually,
+    needs_local_infra,
     read_topic,
 )
 from typer.testing import CliRunner
@@ -262,6 +263,7 @@ async def test_a_keys_retry_runs_the_request_its_first_use_never_got_into_kafka(
     before Kafka takes it in, leaving the key claimed for a request that never ran (its
     retries waited on it and got 504s, for a day). Once all is back, each key's retry runs
     its request once, billed once: the third under its first use's id."""
+    needs_local_infra(stack)
     [spec] = [s for s in service_specs(stack.endpoints, TEST_SERVICE_PORTS, SERVICE_TEST_ENV)
               if s.name == "router"]
     refused, stranded = uuid.uuid4().hex, uuid.uuid4().hex
@@ -466,6 +468,7 @@ async def test_valid_json_with_bad_fields_is_dead_lettered_with_the_field(stack)
 
 async def test_without_redis_router_and_accounting_answer_503_with_the_reason(stack) -> None:
     """Then, with Redis back, the next request completes: nothing stays broken."""
+    needs_local_infra(stack)
     stack.processes.stop_component("redis")
     try:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -487,6 +490,7 @@ async def test_a_stalled_redis_gets_a_503_after_one_time_out_not_a_hang(stack) -
     """Redis paused (SIGSTOP: it keeps its socket but answers nothing, as when it swaps or
     the network partitions): the router answers 503 once one command timed out (5 s).
     Before, each command was tried six times, and the client waited 32 s for the 503."""
+    needs_local_infra(stack)
     [redis] = [p for p in stack.processes.status() if p.name == "redis"]
     os.kill(redis.pid, signal.SIGSTOP)
     try:
@@ -505,6 +509,7 @@ async def test_requests_sent_while_redis_is_away_complete_once_it_is_back(stack)
     """Kafka takes requests while Redis is down: the scheduler may place them and then lose
     its lease (it lives in Redis) before it saved them. Once Redis is back each completes,
     once."""
+    needs_local_infra(stack)
     ids = [f"redis-gap-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
     stack.processes.stop_component("redis")
     try:
@@ -527,6 +532,7 @@ async def test_without_kafka_the_router_answers_503_and_the_stack_recovers(stack
     Kafka comes back: new requests complete (every service reconnects by itself), and the
     503'd one never runs, even where the producer delivers it late (its cancel goes first),
     so a client that sends it again is not served twice."""
+    needs_local_infra(stack)
     headers = {"Authorization": "Bearer sk-acme-demo"}
     stack.processes.stop_component("kafka")
     try:
@@ -570,6 +576,7 @@ async def test_work_running_through_a_kafka_outage_runs_once(stack, outage_s: in
     50 s outlasts aiokafka's 40 s request time-out: a batch it dropped can leave a producer
     that Kafka refuses as out of order, which every service now replaces (before, the agent
     that met it published nothing more until restarted and its requests never ended)."""
+    needs_local_infra(stack)
     headers = {"Authorization": "Bearer sk-acme-demo"}
     async with httpx.AsyncClient(base_url=stack.router_url, timeout=180) as http:
         calls = [asyncio.create_task(http.post(

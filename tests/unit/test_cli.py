@@ -974,3 +974,29 @@ def test_down_stops_the_services_last_started_first(tmp_path: Path) -> None:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_test_stack_runs_as_processes_unless_containers_are_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers were chosen whenever a Docker engine answered, and there the tests that
+    stop or pause Kafka or Redis stopped nothing and started a second Redis and Kafka on
+    the default ports: `make test` failed on every machine with Docker."""
+    from gpusched_ops import testing
+    from gpusched_ops.stack import StackError
+
+    class ProcessStack(Exception):
+        pass
+
+    def install(self: object) -> None:
+        raise ProcessStack
+
+    monkeypatch.setattr(testing, "docker_available", lambda: True)
+    monkeypatch.setattr(testing, "_start_containers", lambda: pytest.fail("containers"))
+    monkeypatch.setattr(testing.LocalStack, "install", install)
+    monkeypatch.delenv(testing.CONTAINERS_ENV, raising=False)
+    with pytest.raises(ProcessStack):
+        testing.start_test_stack(tmp_path)
+    monkeypatch.setenv(testing.CONTAINERS_ENV, "1")
+    monkeypatch.setattr(testing, "docker_available", lambda: False)
+    with pytest.raises(StackError, match="no Docker engine answers"):
+        testing.start_test_stack(tmp_path)

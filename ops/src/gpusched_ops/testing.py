@@ -1,9 +1,11 @@
-"""Test-stack fixture backend: Kafka, Redis and Jaeger from Docker containers when an engine
-answers, else as local processes (LocalStack on TEST_PORTS, clear of a running dev stack).
+"""Test-stack fixture backend: Kafka, Redis and Jaeger as local processes (LocalStack on
+TEST_PORTS, clear of a running dev stack), the stack `make test` installs and CI runs; or,
+asked for with GPUSCHED_TEST_CONTAINERS=1, from Docker containers (testcontainers).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -25,10 +27,17 @@ __all__ = [
     "JAEGER_IMAGE",
     "REDIS_IMAGE",
     "TEST_PORTS",
+    "CONTAINERS_ENV",
     "docker_available",
     "start_redis",
     "start_test_stack",
 ]
+
+CONTAINERS_ENV = "GPUSCHED_TEST_CONTAINERS"
+"""Set to 1, the test stack's Kafka, Redis and Jaeger run in Docker containers. The tests
+that stop, restart or pause Kafka or Redis then skip: only the process stack does that.
+Chosen whenever an engine answered, those tests failed on every machine with Docker (they
+stopped nothing and started a second Redis and Kafka on the default ports)."""
 
 # Ports of the process-backed test stack: none of them is a default of `gpusched up`.
 TEST_PORTS = StackPorts(
@@ -67,10 +76,13 @@ def start_test_stack(
 
     `ports` applies to the process stack only (containers get free host ports).
     Returns (endpoints, stop, stack): `stop` tears everything down and is idempotent; `stack`
-    is the LocalStack (for starting services and fault injection) or None with containers.
-    Nothing is left running when this raises.
+    is the LocalStack (for starting services and fault injection) or None with containers
+    (CONTAINERS_ENV). Nothing is left running when this raises.
     """
-    if docker_available():
+    if os.environ.get(CONTAINERS_ENV, "") not in ("", "0"):
+        if not docker_available():
+            raise StackError(f"{CONTAINERS_ENV} asks for containers, but no Docker engine "
+                             "answers; unset it to run the stack as local processes")
         endpoints, stop = _start_containers()
         return endpoints, stop, None
     stack = LocalStack(run_dir, ports)
