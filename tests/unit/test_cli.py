@@ -935,13 +935,13 @@ def test_the_stack_knows_its_processes_after_the_wall_clock_steps(
         proc.wait()
 
 
-def test_down_stops_the_services_last_started_first(tmp_path: Path) -> None:
+def test_down_stops_the_services_in_the_reverse_of_ups_start_order(tmp_path: Path) -> None:
     """`up` starts accounting, the scheduler, the agents, then the router; `down` stopped
     them by name, accounting first, while the agents still sent it the usage of the work
-    they stopped."""
+    they stopped. However they were (re)started, and a service of no such role (a test's
+    extra instance) first."""
     import subprocess
     import sys
-    import time
 
     import psutil
 
@@ -957,7 +957,7 @@ def test_down_stops_the_services_last_started_first(tmp_path: Path) -> None:
     local = LocalStack(tmp_path)
     procs = []
     try:
-        for name in ("accounting", "scheduler", "agent-b", "agent-a", "router"):
+        for name in ("router", "accounting", "agent-b", "acct-extra", "scheduler", "agent-a"):
             proc = subprocess.Popen([sys.executable, "-c", on_term, name],
                                     stdout=subprocess.PIPE, start_new_session=True)
             assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
@@ -966,10 +966,9 @@ def test_down_stops_the_services_last_started_first(tmp_path: Path) -> None:
             created = psutil.Process(proc.pid).create_time()
             (tmp_path / "pids" / f"{name}.pid").write_text(
                 f"{proc.pid}\n{created!r}\n{created - psutil.boot_time()!r}\n")
-            time.sleep(0.02)  # distinct start stamps
         local.stop()
         assert order.read_text().split() == [
-            "router", "agent-a", "agent-b", "scheduler", "accounting"]
+            "acct-extra", "router", "agent-a", "agent-b", "scheduler", "accounting"]
     finally:
         for proc in procs:
             proc.kill()
@@ -1000,3 +999,13 @@ def test_the_test_stack_runs_as_processes_unless_containers_are_asked_for(
     monkeypatch.setattr(testing, "docker_available", lambda: False)
     with pytest.raises(StackError, match="no Docker engine answers"):
         testing.start_test_stack(tmp_path)
+
+
+def test_the_stop_order_is_the_reverse_of_the_start_order() -> None:
+    from gpusched_ops.services import service_specs
+    from gpusched_ops.stack import StackEndpoints, _stop_rank
+
+    started = [spec.name for spec in service_specs(StackEndpoints(
+        "127.0.0.1:1", "redis://127.0.0.1:1/0", "http://127.0.0.1:1", "http://127.0.0.1:2"))]
+    ranks = [_stop_rank(name)[0] for name in reversed(started)]
+    assert 0 not in ranks and ranks == sorted(ranks)

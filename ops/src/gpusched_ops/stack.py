@@ -234,6 +234,21 @@ def kafka_version(repo_root: Path) -> str:
     return found.group(1).strip()
 
 
+STOP_ORDER = ("router", "agent-", "scheduler", "accounting")
+"""The services `gpusched up` starts (gpusched_ops.services), by name or name prefix, in the
+order `stop` stops them: the reverse of their start order. In name order, `down` stopped
+accounting before the agents and the router it bills."""
+
+
+def _stop_rank(name: str) -> tuple[int, str]:
+    """Where `name` stops: any service not in STOP_ORDER first (a test's extra instance),
+    then STOP_ORDER's."""
+    for rank, known in enumerate(STOP_ORDER, 1):
+        if name == known or (known.endswith("-") and name.startswith(known)):
+            return rank, name
+    return 0, name
+
+
 class LocalStack:
     """The stack's processes under run_dir: pids/<name>.pid, logs/<name>.log, data/<name>/.
 
@@ -350,10 +365,10 @@ class LocalStack:
         self._terminate(name, 0.0)
 
     def stop(self) -> None:
-        """Stop everything in run_dir: the services, the last started first (as `up` starts
-        them: the router, the agents, the scheduler, then accounting, which bills the work
-        stopped before it), then jaeger, redis, kafka. Idempotent."""
-        for name in (*self._services_last_started_first(), *reversed(INFRA_COMPONENTS)):
+        """Stop everything in run_dir: the services in the reverse of `up`'s start order
+        (others first, then the router, the agents, the scheduler, and accounting, which
+        bills the work stopped before it), then jaeger, redis, kafka. Idempotent."""
+        for name in (*sorted(self._service_names(), key=_stop_rank), *reversed(INFRA_COMPONENTS)):
             self._terminate(name, stop_timeout_s(name))
 
     def status(self) -> list[ProcessStatus]:
@@ -570,17 +585,6 @@ class LocalStack:
         pids = self.run_dir / "pids"
         names = sorted(path.stem for path in pids.glob("*.pid")) if pids.is_dir() else []
         return [name for name in names if name not in INFRA_COMPONENTS]
-
-    def _services_last_started_first(self) -> list[str]:
-        """The services with a pid file, by start, the latest first (a pid file is written
-        once, when its process starts). In name order, `down` stopped accounting before the
-        agents and the router it bills."""
-        def started(name: str) -> float:
-            try:
-                return self._pid_file(name).stat().st_mtime
-            except FileNotFoundError:
-                return 0.0
-        return sorted(self._service_names(), key=started, reverse=True)
 
     def _pid_file(self, name: str) -> Path:
         return self.run_dir / "pids" / f"{name}.pid"
