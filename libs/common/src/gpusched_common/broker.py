@@ -34,18 +34,20 @@ that work, before it is closed anyway."""
 
 CONSUMER_LOG = "gpusched.consumers"
 """The logger FastStream tells through that a handler raised (its records are read again)
-or that a fetch failed: at ERROR, each message once per REPEAT_EVERY_S. Its line per record
-handled ("Received", "Processed") is at DEBUG. Given no logger, it said none of it, and a
-handler failing on every record (Redis away, a bug) left the service's log silent."""
+or that a fetch failed, at ERROR; each message once per REPEAT_EVERY_S while it repeats.
+Its INFO and DEBUG lines (a line per record handled, each rebalance, each consume task's
+end) are not logged. Given no logger, it said nothing at all, and a handler failing on
+every record (Redis away, a bug) left the service's log silent."""
 REPEAT_EVERY_S = 30.0
 """How often the same consumer error is logged again while it goes on (a record read again
 after a failure fails again at once, many times a second)."""
 
 
 class OncePerInterval(logging.Filter):
-    """Passes a message the first time, then once per `every_s` while it repeats, saying how
-    many like it were dropped meanwhile. Messages are told apart by level and text; a
-    warning or error FastStream gives a record's context names its topic and group."""
+    """Passes a warning or error the first time, then once per `every_s` while it repeats,
+    saying how many like it were dropped meanwhile; passes lower levels as they are. A
+    message FastStream gives a record's context for (a handler's failure) names its topic
+    and group, and is told apart from others by them, its level and its text."""
 
     MAX_KEPT = 1000
     """Distinct messages remembered; past it, all are forgotten (each is logged again)."""
@@ -58,7 +60,15 @@ class OncePerInterval(logging.Filter):
         """(level, text) -> (when it was last passed, how many dropped since)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.levelno, record.getMessage())
+        if record.levelno < logging.WARNING:
+            return True
+        try:
+            said = record.getMessage()
+        except Exception:  # noqa: BLE001 - the handler's formatting reports it, as without us
+            return True
+        if topic := getattr(record, "topic", None):
+            said += f" (topic {topic}, group {getattr(record, 'group_id', None) or '-'})"
+        key = (record.levelno, said)
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last[0] < self._every_s:
@@ -67,9 +77,6 @@ class OncePerInterval(logging.Filter):
         if len(self._last) >= self.MAX_KEPT:
             self._last.clear()
         self._last[key] = (now, 0)
-        said = key[1]
-        if (topic := getattr(record, "topic", None)) and record.levelno >= logging.WARNING:
-            said += f" (topic {topic}, group {getattr(record, 'group_id', None) or '-'})"
         if last is not None and last[1]:
             said += f" ({last[1]} more like it in the last {now - last[0]:.0f} s)"
         record.msg, record.args = said, ()
@@ -77,8 +84,9 @@ class OncePerInterval(logging.Filter):
 
 
 def consumer_logger() -> logging.Logger:
-    """The CONSUMER_LOG logger, its repeats thinned by one OncePerInterval filter."""
+    """The CONSUMER_LOG logger: warnings and errors, repeats thinned by OncePerInterval."""
     logger = logging.getLogger(CONSUMER_LOG)
+    logger.setLevel(logging.WARNING)
     if not any(isinstance(f, OncePerInterval) for f in logger.filters):
         logger.addFilter(OncePerInterval(REPEAT_EVERY_S))
     return logger
