@@ -114,3 +114,42 @@ def test_a_wrong_setting_stops_a_service_with_one_line_naming_it(monkeypatch) ->
     assert stopped.value.code == ("router: a GPUSCHED_* setting in the environment is "
                                   "invalid: http_port: Input should be a valid integer, "
                                   "unable to parse string as an integer")
+
+
+async def test_a_consumer_service_stops_what_reads_its_consumers_before_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lag measure was stopped with Redis, after the broker: a measure under way as the
+    consumers stopped met a closing client and logged a traceback at every shutdown."""
+    from gpusched_common import web
+    from gpusched_common.settings import KafkaSettings
+
+    said: list[str] = []
+
+    async def no_topics(*args: object, **kwargs: object) -> None:
+        return None
+
+    class Broker:
+        async def start(self) -> None:
+            said.append("broker started")
+
+        async def stop(self) -> None:
+            said.append("broker stopped")
+
+    class Provider:
+        def shutdown(self) -> None:
+            said.append("spans flushed")
+
+    def hook(what: str):  # noqa: ANN202
+        async def run() -> None:
+            said.append(what)
+        return run
+
+    monkeypatch.setattr(web, "ensure_topics", no_topics)
+    lifespan, ready = web.broker_lifespan(KafkaSettings(), Broker(), Provider(),
+                                          [hook("redis closed")], starting=[hook("measuring")],
+                                          stopping=[hook("measure stopped")])
+    async with lifespan(FastAPI()):
+        assert ready()
+    assert not ready()
+    assert said == ["broker started", "measuring", "measure stopped", "broker stopped",
+                    "redis closed", "spans flushed"]

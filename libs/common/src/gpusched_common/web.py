@@ -150,10 +150,12 @@ def broker_lifespan(
     kafka: KafkaSettings, broker: Any, provider: Any,
     closing: Sequence[Callable[[], Awaitable[Any]]],
     starting: Sequence[Callable[[], Awaitable[Any]]] = (),
+    stopping: Sequence[Callable[[], Awaitable[Any]]] = (),
 ) -> tuple[Callable[[FastAPI], Any], Callable[[], bool]]:
     """The lifespan of a service that only consumes and serves HTTP: create the topics,
-    start the broker, run `starting`, and on shutdown stop the broker, then run `closing`
-    (Redis, executors, ...) and flush spans. Returns (lifespan, ready) where ready() is True
+    start the broker, run `starting`, and on shutdown run `stopping` (what reads the
+    consumers: stopped before they are), stop the broker, then run `closing` (Redis,
+    executors, ...) and flush spans. Returns (lifespan, ready) where ready() is True
     between the two."""
     state = {"ready": False}
 
@@ -168,6 +170,8 @@ def broker_lifespan(
             yield
         finally:
             state["ready"] = False
+            for stop in stopping:
+                await stop()
             await broker.stop()
             for close in closing:
                 await close()

@@ -51,10 +51,10 @@ def create_app(settings: AccountingSettings, clock: WallClockMs = wall_clock_ms)
     async def stop_background() -> None:
         await cancelled(*background)
 
-    lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [stop_background, redis.aclose],
+    lifespan, ready = broker_lifespan(settings.kafka, broker, provider, [redis.aclose],
                                       starting=[lambda: warn_unless_durable(redis),
-                                                start_background])
+                                                start_background],
+                                      stopping=[stop_background])
     app = FastAPI(title="gpusched accounting", version="0.2.0", lifespan=lifespan,
                   description="Usage totals per tenant, model, node, GPU type and priority "
                   "class in minute, hour and day buckets; cost; per-request usage; CSV.")

@@ -191,9 +191,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def stop_measuring() -> None:
         await cancelled(*measuring)
 
-    lifespan, ready = broker_lifespan(settings.kafka, broker, provider,
-                                      [stop_measuring, redis.aclose],
-                                      starting=[start_measuring])
+    lifespan, ready = broker_lifespan(settings.kafka, broker, provider, [redis.aclose],
+                                      starting=[start_measuring], stopping=[stop_measuring])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
     add_ops_routes(app, registry, ready)
 
@@ -235,9 +234,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
     def refused(err: ApiError, priority_class: str = "unknown",
                 headers: dict[str, str] | None = None) -> JSONResponse:
-        """The answer to a request at the door that is not taken in, counted by its status
-        (a status read, a cancel or a model lookup is no request at the door: their 404s
-        and 503s counted there inflated the server-errors alert's ratio)."""
+        """An error answered at the door, counted by its status: a request refused before it
+        was taken in, or a 500 (which may come after it was). A status read, a cancel or a
+        model lookup is no request at the door: their 404s and 503s counted there inflated
+        the server-errors alert's ratio."""
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
         return error(err, headers)
 
