@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 CONTAINERS_ENV = "GPUSCHED_TEST_CONTAINERS"
-"""Set to 1, the test stack's Kafka, Redis and Jaeger run in Docker containers. The tests
-that stop, restart or pause Kafka or Redis then skip: only the process stack does that.
+"""Set to 1 (or true, yes), the test stack's Kafka, Redis and Jaeger run in Docker
+containers. The tests that stop, restart or pause Kafka or Redis then skip: only the
+process stack does that.
 Chosen whenever an engine answered, those tests failed on every machine with Docker (they
 stopped nothing and started a second Redis and Kafka on the default ports)."""
 
@@ -79,7 +80,7 @@ def start_test_stack(
     is the LocalStack (for starting services and fault injection) or None with containers
     (CONTAINERS_ENV). Nothing is left running when this raises.
     """
-    if os.environ.get(CONTAINERS_ENV, "") not in ("", "0"):
+    if os.environ.get(CONTAINERS_ENV, "").lower() in ("1", "true", "yes"):
         if not docker_available():
             raise StackError(f"{CONTAINERS_ENV} asks for containers, but no Docker engine "
                              "answers; unset it to run the stack as local processes")
