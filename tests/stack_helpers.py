@@ -78,38 +78,43 @@ async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     return consumer.partitions_for_topic(topic) or set()
 
 
+READ_CAP_S = 60.0
+"""Longest `read_topic` takes to read what a topic held, however short its wait for more."""
+
+
 async def read_topic(bootstrap: str, topic: str, match: Callable[[bytes | None, bytes], bool],
                      timeout_s: float = 20) -> list[tuple[bytes | None, bytes]]:
-    """Every record of `topic` (from the beginning) for which match(key, value) holds: read
-    until one matches, then on to the end every partition had then (so a copy already
-    written is seen: an empty fetch was taken for the end, and "exactly one" passed with a
-    partition unread); with none matching, until timeout_s passes. Fails if by then it has
-    not read what the topic held when called (a check that none matches passed unread)."""
+    """Every record of `topic` (from the beginning) for which match(key, value) holds. Reads
+    all the topic held when called and, with none matching, waits up to timeout_s for one;
+    once one matches, reads on to the end each partition had then (so a copy already
+    written is seen). An empty fetch was taken for the end: "exactly one" could pass with a
+    partition unread, and "none" with the topic unread. Fails past timeout_s or READ_CAP_S,
+    whichever is longer, with what the topic held not read."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
                                 auto_offset_reset="earliest")
-    await consumer.start()
     found: list[tuple[bytes | None, bytes]] = []
     try:
-        assigned = sorted(consumer.assignment())
-        assert assigned, f"{topic}: no partition assigned to the reader"
-        ends = await consumer.end_offsets(assigned)
-        matched_at_ends = False
-        deadline = time.monotonic() + timeout_s
-        while True:
-            batch = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                found += [(r.key, r.value) for r in records if match(r.key, r.value)]
-            if found and not matched_at_ends:
-                ends = await consumer.end_offsets(sorted(consumer.assignment()))
-                matched_at_ends = True
-            read = all(position >= ends[tp]
-                       for tp, position in [(tp, await consumer.position(tp)) for tp in ends])
-            if found and read:
-                return found
-            if time.monotonic() >= deadline:
-                if not found and not read:
-                    raise AssertionError(f"{topic} was not read to its end in {timeout_s} s")
-                return found
+        async with asyncio.timeout(max(timeout_s, READ_CAP_S)):
+            await consumer.start()
+            assigned = sorted(consumer.assignment())
+            assert assigned, f"{topic}: no partition assigned to the reader"
+            ends = await consumer.end_offsets(assigned)
+            matched_at_ends = False
+            deadline = time.monotonic() + timeout_s
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    found += [(r.key, r.value) for r in records if match(r.key, r.value)]
+                if found and not matched_at_ends:
+                    ends = await consumer.end_offsets(assigned)
+                    matched_at_ends = True
+                positions = [(tp, await consumer.position(tp)) for tp in assigned]
+                if all(position >= ends[tp] for tp, position in positions) and (
+                        found or time.monotonic() >= deadline):
+                    return found
+    except TimeoutError:
+        raise AssertionError(f"{topic} was not read to its end in "
+                             f"{max(timeout_s, READ_CAP_S):g} s") from None
     finally:
         await consumer.stop()
 
