@@ -539,6 +539,39 @@ def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() ->
                                       "modalities": ["text"]}), ApiError)
 
 
+def test_ignored_openai_fields_are_still_checked_and_web_search_is_refused_even_empty(
+        ) -> None:
+    """A user probe: "presence_penalty": "x" and "user": 5 passed (OpenAI answers 400), and
+    web_search_options {} (which turns OpenAI's search on) ran unsearched."""
+    def chat(**extra: object) -> object:
+        return parse_chat({"model": "qwen2.5-1.5b", "messages": [
+            {"role": "user", "content": "hi"}], **extra}, ACME, {}, CATALOG, "r", 1)
+
+    for extra, param in [({"presence_penalty": "x"}, "presence_penalty"),
+                         ({"frequency_penalty": 2.5}, "frequency_penalty"),
+                         ({"user": 5}, "user"), ({"store": "yes"}, "store"),
+                         ({"metadata": {"k": 1}}, "metadata"),
+                         ({"web_search_options": {}}, "web_search_options")]:
+        refused = chat(**extra)
+        assert isinstance(refused, ApiError) and refused.status_code == 400, extra
+        assert refused.param is not None and refused.param.startswith(param), refused
+    assert not isinstance(chat(presence_penalty=-2, frequency_penalty=1.5, user="u-1",
+                               store=False, metadata={"k": "v"}, service_tier="auto",
+                               web_search_options=None), ApiError)
+
+
+async def test_two_idempotency_keys_are_a_400(router_app) -> None:
+    """The first of two keys named the request, silently."""
+    transport = httpx.ASGITransport(router_app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        reply = await client.post("/v1/completions", content=json.dumps(
+            {"model": "qwen2.5-1.5b", "prompt": "hi"}), headers=[
+            ("authorization", "Bearer sk-acme-demo"), ("content-type", "application/json"),
+            ("idempotency-key", "a"), ("idempotency-key", "b")])
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"] == "Idempotency-Key was sent 2 times; send it once"
+
+
 def _result(status: str, finish_reason: str, request_id: str = "req-1",
             **fields: object) -> RequestResult:
     return RequestResult(request_id=request_id, tenant="acme", model="qwen2.5-1.5b",

@@ -309,10 +309,11 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(parsed, ApiError):
             return refused(parsed)
         req = parsed.request
-        key = request.headers.get(IDEMPOTENCY_HEADER)
+        keys = request.headers.getlist(IDEMPOTENCY_HEADER)
+        key = keys[0] if keys else None
         use: FirstUse | None = None
         if key is not None:
-            if (bad := check_key(key)) is not None:
+            if (bad := check_key(key, len(keys))) is not None:
                 return refused(bad, req.priority_class)
             use = FirstUse(request_id, request_digest(request.url.path, body), clock())
             holder = await idempotency.claim(tenant.name, key, use)

@@ -49,8 +49,12 @@ def passes_later(outcome: dict[str, Any]) -> bool:
         outcome.get("status_code") == 429 or outcome.get("code") == "queue_time_exceeded")
 
 
-def check_key(key: str) -> ApiError | None:
-    """A 400 for a key that is empty, too long or not printable ASCII; None when it is fine."""
+def check_key(key: str, sent: int = 1) -> ApiError | None:
+    """A 400 for a key that is empty, too long or not printable ASCII, or sent in `sent` > 1
+    headers (which one would name the request is a guess); None when it is fine."""
+    if sent > 1:
+        return ApiError(400, f"Idempotency-Key was sent {sent} times; send it once",
+                        param="Idempotency-Key")
     if not 1 <= len(key) <= MAX_KEY_CHARS or not all(" " <= c <= "~" for c in key):
         return ApiError(400, f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII "
                         "characters (a UUID will do)", param="Idempotency-Key")

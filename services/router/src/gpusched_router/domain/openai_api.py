@@ -77,14 +77,19 @@ NOT_SUPPORTED: dict[str, str] = {
     "functions": "gpusched does not call functions",
     "logit_bias": "gpusched does not bias token probabilities",
     "audio": "gpusched replies in text only",
+    "web_search_options": "gpusched does not search the web",
 }
 """OpenAI fields whose request, ignored, would change what the reply means: when set to
 anything but off (null, false, 0, empty) they are refused with the reason."""
 
+ON_WHEN_GIVEN = frozenset({"web_search_options"})
+"""Of NOT_SUPPORTED, those an empty value still turns on (OpenAI searches the web with
+`web_search_options: {}`): refused unless null."""
+
 
 def _not_supported(body: dict[str, Any]) -> ApiError | None:
     for name, reason in NOT_SUPPORTED.items():
-        if body.get(name):
+        if body.get(name) or (name in ON_WHEN_GIVEN and body.get(name) is not None):
             return ApiError(400, f"{name}: {reason}; leave it out", param=name)
     if "prompt" in body and body.get("logprobs") is not None and body["logprobs"] is not False:
         # the legacy API's logprobs is a count: 0 still asks for the chosen tokens' own
@@ -115,9 +120,14 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+"""A presence or frequency penalty, in OpenAI's range."""
+
+
 class _Body(BaseModel):
-    # Other OpenAI fields (user, presence_penalty, ...) are accepted and ignored. Strict, as
-    # OpenAI's own schema: "3" or true is no max_tokens (lax pydantic read them as 3 and 1).
+    # Strict, as OpenAI's own schema: "3" or true is no max_tokens (lax pydantic read them as
+    # 3 and 1). The fields from `user` on are accepted and ignored, but checked as OpenAI
+    # checks them ("x" for a penalty passed); any other field is ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
@@ -131,6 +141,12 @@ class _Body(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stop: StopStrings | None = None
+    user: str | None = Field(default=None, max_length=512)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class CompletionBody(_Body):
