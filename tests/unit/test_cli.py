@@ -117,7 +117,8 @@ def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_s
         printed: str) -> None:
     """A key or priority a header cannot carry (a key copied with its line end), a URL that
     is none, a Kafka address without a port: each was a traceback of dozens of lines, or
-    a wrong cause ('is the stack up?', 'not an event stream')."""
+    a wrong cause ('is the stack up?', 'not an event stream'). Exit 2, as the parser's own
+    refusals: 1 said the command was tried and failed."""
     def nothing_sent(*args: object, **kwargs: object) -> httpx.Response:
         raise AssertionError("sent")
     monkeypatch.setattr(httpx, "get", nothing_sent)
@@ -125,7 +126,7 @@ def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_s
 
     result = CliRunner().invoke(app, args, env=env)
 
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert [printed in line for line in result.stderr.splitlines()] == [True], result.stderr
     assert result.stdout == ""
 
@@ -284,13 +285,13 @@ def test_cancel_asks_the_router_and_prints_its_answer(
                       {"Authorization": "Bearer sk-globex-demo"})]
 
 
-@pytest.mark.parametrize("request_id,asked_path,printed", [
-    ("", None, "a request id is needed"),
-    ("a/b?c", "/v1/requests/a%2Fb%3Fc/cancel", "is unknown"),
+@pytest.mark.parametrize("request_id,asked_path,code,printed", [
+    ("", None, 2, "a request id is needed"),
+    ("a/b?c", "/v1/requests/a%2Fb%3Fc/cancel", 1, "is unknown"),
 ])
 def test_cancel_of_an_empty_or_odd_id_says_what_is_wrong(
         monkeypatch: pytest.MonkeyPatch, request_id: str, asked_path: str | None,
-        printed: str) -> None:
+        code: int, printed: str) -> None:
     """Before, '' asked for /v1/requests//cancel and printed the router's bare '404: Not
     Found', and an id with '/' or '?' asked for another path."""
     asked: list[str] = []
@@ -302,7 +303,7 @@ def test_cancel_of_an_empty_or_odd_id_says_what_is_wrong(
 
     result = CliRunner().invoke(app, ["cancel", request_id])
 
-    assert result.exit_code == 1 and printed in result.output
+    assert result.exit_code == code and printed in result.output
     assert asked == ([asked_path] if asked_path else [])
 
 

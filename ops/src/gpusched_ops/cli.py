@@ -64,9 +64,16 @@ def _row(table: Table, *cells: str) -> None:
     table.add_row(*(Text(cell) for cell in cells))
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, exit_code: int = 1) -> NoReturn:
     errors.print(f"[red]error:[/red] {escape(message)}")
-    raise typer.Exit(1)
+    raise typer.Exit(exit_code)
+
+
+def _refuse(message: str) -> NoReturn:
+    """Refuse a value given on the command line (or in an environment variable) before
+    anything is sent: one line, exit 2, as the parser's own refusals (`--limit 0`) exit;
+    1 is left to a command that could not be done (a service down, or refusing)."""
+    _fail(message, 2)
 
 
 @contextlib.contextmanager
@@ -120,8 +127,8 @@ def _quiet_libraries() -> None:
 
 
 # Options are checked before a command runs, so a value that cannot be used is a one-line
-# error naming it: it failed later, as a traceback or as a wrong cause ("is the stack up?",
-# "not an event stream").
+# error naming it, with exit 2 (`_refuse`): it failed later, as a traceback or as a wrong
+# cause ("is the stack up?", "not an event stream").
 
 def _given_as(ctx: typer.Context, param: typer.CallbackParam) -> str:
     """What the user gave a value as: its option, or the environment variable it came from
@@ -139,7 +146,7 @@ def _header_value(ctx: typer.Context, param: typer.CallbackParam, value: str | N
     if value is None or (value.isascii() and value.isprintable() and value == value.strip()):
         return value
     bad = next((c for c in value if not (c.isascii() and c.isprintable())), None)
-    _fail(f"{_given_as(ctx, param)} cannot be sent in an HTTP header: it holds "
+    _refuse(f"{_given_as(ctx, param)} cannot be sent in an HTTP header: it holds "
           + (f"{bad!r} (only printable ASCII can be)" if bad else "spaces around it"))
 
 
@@ -157,7 +164,7 @@ def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str
     except httpx.InvalidURL as exc:
         why = str(exc)
     if why is not None:
-        _fail(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
+        _refuse(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
               f"({why})")
     return value.rstrip("/")
 
@@ -166,7 +173,7 @@ def _bootstrap(ctx: typer.Context, param: typer.CallbackParam, value: str) -> st
     try:
         collect_hosts(value, randomize=False)  # as the consumer will read it
     except ValueError:
-        _fail(f"{_given_as(ctx, param)} takes host:port[,host:port], not {value!r}")
+        _refuse(f"{_given_as(ctx, param)} takes host:port[,host:port], not {value!r}")
     return value
 
 
@@ -328,11 +335,11 @@ def monitoring_manifests(
     PrometheusRule and the Grafana dashboard's ConfigMap, made from ops/prometheus and
     ops/grafana."""
     if bad := [entry for entry in label if "=" not in entry]:
-        _fail(f"--label takes KEY=VALUE, not {bad[0]!r}")
+        _refuse(f"--label takes KEY=VALUE, not {bad[0]!r}")
     labels = dict(entry.split("=", 1) for entry in label)
     for key, value in labels.items():
         if (why := label_problem(key, value)) is not None:
-            _fail(f"--label {key}={value}: {why}, as Kubernetes takes labels")
+            _refuse(f"--label {key}={value}: {why}, as Kubernetes takes labels")
     try:
         root = find_repo_root()
     except StackError as exc:
@@ -504,7 +511,7 @@ def cancel(
     """Cancel one of your requests that has not ended: a waiting one ends unplaced and
     unbilled, a running one stops, billed for what it produced."""
     if not request_id.strip():
-        _fail("a request id is needed: its x-request-id, or the one a 504 or `gpusched "
+        _refuse("a request id is needed: its x-request-id, or the one a 504 or `gpusched "
               "queue` names")
     _ask("router", router_url, f"/v1/requests/{_path_segment(request_id)}/cancel",
          post=True, expect=202, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
