@@ -30,6 +30,7 @@ from rich.text import Text
 from gpusched_common import topics
 from gpusched_common.contracts import DEAD_LETTER, MAX_QUEUE_LIST, DeadLetter, invalid_fields
 from gpusched_common.kafka_records import dead_letter, retained
+from gpusched_common.settings import server_root
 from gpusched_ops.monitoring import operator_manifests, operator_objects
 from gpusched_ops.services import SERVICE_START_TIMEOUT_S, service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir, find_repo_root
@@ -151,10 +152,12 @@ def _header_value(ctx: typer.Context, param: typer.CallbackParam, value: str | N
 
 
 def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
-    """A service's URL, which the commands append their paths to (/v1/...): without its
-    trailing slash (`http://host:8080/` asked for //v1/..., a bare 404), and with no query
-    or fragment, which would end up before the path. A path before /v1 (a proxy's prefix)
-    is kept, by `_ask` and the openai SDK alike."""
+    """A service's URL, which the commands append their paths to (/v1/...): its root
+    (`server_root`), without a trailing slash (`http://host:8080/` asked for //v1/..., a
+    bare 404) or a trailing /v1, as OpenAI clients write a base URL (it asked for
+    /v1/v1/..., a bare 404 too), and with no query or fragment, which would end up before
+    the path. A path before /v1 (a proxy's prefix) is kept, by `_ask` and the openai SDK
+    alike."""
     try:
         url = httpx.URL(value)
         why = None if url.scheme in ("http", "https") and url.host else \
@@ -166,7 +169,7 @@ def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str
     if why is not None:
         _refuse(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
               f"({why})")
-    return value.rstrip("/")
+    return server_root(value)
 
 
 def _bootstrap(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:

@@ -6,11 +6,20 @@ Each service composes these into its own settings object, validated once at star
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[4] / "config"
+
+
+def server_root(url: str) -> str:
+    """The root of an OpenAI-shaped HTTP server (an inference server, a gpusched service),
+    to which its users append /v1/...: `url` without trailing slashes and one trailing /v1,
+    as OpenAI clients write a base URL. A path before it (a proxy's prefix) is kept."""
+    parts = urlsplit(url)
+    return parts._replace(path=parts.path.rstrip("/").removesuffix("/v1").rstrip("/")).geturl()
 
 
 class KafkaSettings(BaseSettings):

@@ -2,12 +2,11 @@
 
 import socket
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from gpusched_common.catalog import ModelCatalog
-from gpusched_common.settings import ServiceSettings
+from gpusched_common.settings import ServiceSettings, server_root
 
 
 class AgentSettings(ServiceSettings):
@@ -83,11 +82,7 @@ class AgentSettings(ServiceSettings):
         """The server's root, without a trailing /v1 (as OpenAI clients and vLLM's docs
         write it): the executor asks for /v1/..., and .../v1/v1/models was a 404 that kept
         the node down for good."""
-        if url is None:
-            return None
-        parts = urlsplit(url)
-        return parts._replace(path=parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
-                              ).geturl()
+        return None if url is None else server_root(url)
 
     @model_validator(mode="after")
     def _executor_needs(self) -> "AgentSettings":
