@@ -285,26 +285,42 @@ def test_cancel_asks_the_router_and_prints_its_answer(
                       {"Authorization": "Bearer sk-globex-demo"})]
 
 
-@pytest.mark.parametrize("request_id,asked_path,code,printed", [
-    ("", None, 2, "a request id is needed"),
-    ("a/b?c", "/v1/requests/a%2Fb%3Fc/cancel", 1, "is unknown"),
+@pytest.mark.parametrize("request_id,printed", [
+    ("", "'' is no request id (String should have at least 1 character): give its "
+     "x-request-id, or the id a 504 or `gpusched queue` names"),
+    ("a/b", "'a/b' is no request id (String should match pattern '^[A-Za-z0-9._:@-]+$')"),
+    ("a/b?c", "(String should match pattern '^[A-Za-z0-9._:@-]+$')"),
+    (" ", "(String should match pattern '^[A-Za-z0-9._:@-]+$')"),
+    ("x" * 129, "(String should have at most 128 characters)"),
 ])
-def test_cancel_of_an_empty_or_odd_id_says_what_is_wrong(
-        monkeypatch: pytest.MonkeyPatch, request_id: str, asked_path: str | None,
-        code: int, printed: str) -> None:
-    """Before, '' asked for /v1/requests//cancel and printed the router's bare '404: Not
-    Found', and an id with '/' or '?' asked for another path."""
+def test_cancel_of_an_id_no_request_can_have_is_refused_naming_what_ids_are(
+        monkeypatch: pytest.MonkeyPatch, request_id: str, printed: str) -> None:
+    """An id the contracts cannot hold ('a/b', a space, 129 characters) was asked of the
+    router, which answered a bare '404: Not Found' (an empty one said an id was needed):
+    refused before anything is sent, naming the characters ids are made of."""
+    def nothing_sent(*args: object, **kwargs: object) -> httpx.Response:
+        raise AssertionError("sent")
+    monkeypatch.setattr(httpx, "post", nothing_sent)
+
+    result = CliRunner().invoke(app, ["cancel", request_id])
+
+    assert result.exit_code == 2, result.output
+    assert [printed in line for line in result.stderr.splitlines()] == [True], result.stderr
+
+
+def test_cancel_sends_an_id_of_every_character_ids_may_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
 
     def post(url: str, **kwargs: object) -> httpx.Response:
         asked.append(url.removeprefix("http://127.0.0.1:8080"))
-        return httpx.Response(404, json={"error": {"message": "request is unknown"}})
+        return httpx.Response(202, json={"status": "cancelling"})
     monkeypatch.setattr(httpx, "post", post)
 
-    result = CliRunner().invoke(app, ["cancel", request_id])
+    result = CliRunner().invoke(app, ["cancel", "Aa0._:@-"])
 
-    assert result.exit_code == code and printed in result.output
-    assert asked == ([asked_path] if asked_path else [])
+    assert result.exit_code == 0, result.output
+    assert asked == ["/v1/requests/Aa0._%3A%40-/cancel"]
 
 
 @pytest.mark.parametrize("request_id", [".", ".."])

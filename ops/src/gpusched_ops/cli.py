@@ -28,7 +28,13 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from gpusched_common import topics
-from gpusched_common.contracts import DEAD_LETTER, MAX_QUEUE_LIST, DeadLetter, invalid_fields
+from gpusched_common.contracts import (
+    DEAD_LETTER,
+    MAX_QUEUE_LIST,
+    REQUEST_ID,
+    DeadLetter,
+    invalid_fields,
+)
 from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_common.settings import server_root
 from gpusched_ops.monitoring import operator_manifests, operator_objects
@@ -504,18 +510,26 @@ def _path_segment(text: str) -> str:
     return segment.replace(".", "%2E") if segment in (".", "..") else segment
 
 
+def _request_id(value: str) -> str:
+    """A request id the contracts can hold (`RequestId`): one no request can have ('', 'a/b',
+    ' ') was asked of the router, which answered a bare 404."""
+    try:
+        return REQUEST_ID.validate_python(value)
+    except ValidationError as exc:
+        _refuse(f"{value!r} is no request id ({exc.errors()[0]['msg']}): give its "
+                "x-request-id, or the id a 504 or `gpusched queue` names")
+
+
 @app.command()
 def cancel(
-    request_id: str = typer.Argument(..., help="The request's id: its x-request-id, or the "
-                                     "one a 504 or `gpusched queue` names."),
+    request_id: str = typer.Argument(..., callback=_request_id, help="The request's id: its "
+                                     "x-request-id, or the one a 504 or `gpusched queue` "
+                                     "names."),
     api_key: ApiKey = "sk-acme-demo",
     router_url: str = _service_url("router"),
 ) -> None:
     """Cancel one of your requests that has not ended: a waiting one ends unplaced and
     unbilled, a running one stops, billed for what it produced."""
-    if not request_id.strip():
-        _refuse("a request id is needed: its x-request-id, or the one a 504 or `gpusched "
-              "queue` names")
     _ask("router", router_url, f"/v1/requests/{_path_segment(request_id)}/cancel",
          post=True, expect=202, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
     console.print(Text(f"cancelling {request_id}: it ends 'cancelled' (GET "

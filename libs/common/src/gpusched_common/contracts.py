@@ -595,6 +595,8 @@ NODE_STATE = TypeAdapter(NodeState)
 PLACEMENT = TypeAdapter(Placement)
 USAGE = TypeAdapter(UsageRecord)
 DEAD_LETTER = TypeAdapter(DeadLetter)
+REQUEST_ID = TypeAdapter(RequestId)
+"""A request id read from outside a record (a command line): the ids the contracts hold."""
 
 DEAD_LETTER_PAYLOAD_CHARS = 65_536
 DEAD_LETTER_KEY_CHARS = 1_024
