@@ -25,6 +25,7 @@ from gpusched_ops.cli import (
     console,
     dead_letter_table,
     label_problem,
+    namespace_problem,
     queue_table,
     usage_table,
 )
@@ -111,6 +112,11 @@ def test_a_command_without_kafka_says_so_on_one_line(command: str, code: int) ->
     (["monitoring-manifests", "--label", "Example.com/team=x"], {},
      "the key's prefix 'Example.com' is not a DNS subdomain"),
     (["monitoring-manifests", "--label", "team=a b"], {}, "the value 'a b' is not at most 63"),
+    (["monitoring-manifests", "--namespace", "Bad_NS"], {},
+     "error: --namespace 'Bad_NS': it is not 1 to 63 lowercase letters, digits and '-', a "
+     "letter or digit at each end (an RFC 1123 DNS label), as Kubernetes names namespaces"),
+    (["monitoring-manifests", "--dashboard-namespace", "grafana.monitoring"], {},
+     "error: --dashboard-namespace 'grafana.monitoring': it is not 1 to 63 lowercase"),
 ])
 def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_sent(
         monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str],
@@ -401,6 +407,26 @@ def test_usage_of_an_empty_tenant_asks_for_it_not_for_every_tenant(
 def test_labels_follow_kubernetes_rules(key: str, value: str, refused: bool) -> None:
     """Labels Kubernetes refuses made manifests that `kubectl apply` refused whole."""
     assert (label_problem(key, value) is not None) == refused
+
+
+@pytest.mark.parametrize("name,refused", [
+    ("gpusched", False),
+    ("kube-prometheus-stack", False),
+    ("0", False),
+    ("a" * 63, False),
+    ("a" * 64, True),
+    ("", True),
+    ("Bad_NS", True),
+    ("Monitoring", True),
+    ("grafana.monitoring", True),
+    ("-x", True),
+    ("x-", True),
+    ("x\n", True),
+])
+def test_namespaces_follow_kubernetes_rules(name: str, refused: bool) -> None:
+    """A namespace is an RFC 1123 DNS label: `--namespace Bad_NS` printed manifests, with
+    exit 0, that `kubectl apply` refused whole."""
+    assert (namespace_problem(name) is not None) == refused
 
 
 def test_nodes_marks_the_models_a_gpu_keeps_loaded_but_idle(

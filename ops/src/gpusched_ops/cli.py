@@ -332,35 +332,28 @@ def queue_table(data: dict) -> Table:
     return table
 
 
-@app.command("monitoring-manifests")
-def monitoring_manifests(
-    namespace: str = typer.Option("gpusched", help="Where the services run."),
-    label: list[str] = typer.Option([], help="KEY=VALUE on every object, such as "
-                                    "release=kube-prometheus-stack (repeatable)."),
-    dashboard_namespace: str | None = typer.Option(
-        None, help="Where Grafana's sidecar looks for dashboards (default: --namespace)."),
-) -> None:
-    """Print, for `kubectl apply -f -`, the Prometheus Operator's PodMonitor and
-    PrometheusRule and the Grafana dashboard's ConfigMap, made from ops/prometheus and
-    ops/grafana."""
-    if bad := [entry for entry in label if "=" not in entry]:
-        _refuse(f"--label takes KEY=VALUE, not {bad[0]!r}")
-    labels = dict(entry.split("=", 1) for entry in label)
-    for key, value in labels.items():
-        if (why := label_problem(key, value)) is not None:
-            _refuse(f"--label {key}={value}: {why}, as Kubernetes takes labels")
-    try:
-        root = find_repo_root()
-    except StackError as exc:
-        _fail(str(exc))
-    print(operator_manifests(operator_objects(root, namespace, labels, dashboard_namespace)),
-          end="")
-
-
 _LABEL_TEXT = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 """A label's value, or its key's name: letters, digits, '-', '_', '.', a letter or digit at
 each end (the empty text too)."""
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+"""An RFC 1123 DNS label, as Kubernetes names a namespace (at most 63 characters)."""
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL.pattern}(\.{_DNS_LABEL.pattern})*")
+
+
+def namespace_problem(name: str) -> str | None:
+    """Why Kubernetes refuses the namespace `name`, or None. `kubectl apply` refused the
+    manifests made for such a namespace, every one of them."""
+    if len(name) <= 63 and _DNS_LABEL.fullmatch(name):
+        return None
+    return ("it is not 1 to 63 lowercase letters, digits and '-', a letter or digit at each "
+            "end (an RFC 1123 DNS label)")
+
+
+def _namespace(ctx: typer.Context, param: typer.CallbackParam, value: str | None
+               ) -> str | None:
+    if value is not None and (why := namespace_problem(value)) is not None:
+        _refuse(f"{_given_as(ctx, param)} {value!r}: {why}, as Kubernetes names namespaces")
+    return value
 
 
 def label_problem(key: str, value: str) -> str | None:
@@ -378,6 +371,33 @@ def label_problem(key: str, value: str) -> str | None:
         return (f"the value {value!r} is not at most 63 letters, digits, '-', '_' and '.', "
                 "a letter or digit at each end")
     return None
+
+
+@app.command("monitoring-manifests")
+def monitoring_manifests(
+    namespace: str = typer.Option("gpusched", callback=_namespace,
+                                  help="Where the services run."),
+    label: list[str] = typer.Option([], help="KEY=VALUE on every object, such as "
+                                    "release=kube-prometheus-stack (repeatable)."),
+    dashboard_namespace: str | None = typer.Option(
+        None, callback=_namespace,
+        help="Where Grafana's sidecar looks for dashboards (default: --namespace)."),
+) -> None:
+    """Print, for `kubectl apply -f -`, the Prometheus Operator's PodMonitor and
+    PrometheusRule and the Grafana dashboard's ConfigMap, made from ops/prometheus and
+    ops/grafana."""
+    if bad := [entry for entry in label if "=" not in entry]:
+        _refuse(f"--label takes KEY=VALUE, not {bad[0]!r}")
+    labels = dict(entry.split("=", 1) for entry in label)
+    for key, value in labels.items():
+        if (why := label_problem(key, value)) is not None:
+            _refuse(f"--label {key}={value}: {why}, as Kubernetes takes labels")
+    try:
+        root = find_repo_root()
+    except StackError as exc:
+        _fail(str(exc))
+    print(operator_manifests(operator_objects(root, namespace, labels, dashboard_namespace)),
+          end="")
 
 
 @app.command("dead-letters")
