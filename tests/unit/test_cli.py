@@ -117,6 +117,13 @@ def test_a_command_without_kafka_says_so_on_one_line(command: str, code: int) ->
      "letter or digit at each end (an RFC 1123 DNS label), as Kubernetes names namespaces"),
     (["monitoring-manifests", "--dashboard-namespace", "grafana.monitoring"], {},
      "error: --dashboard-namespace 'grafana.monitoring': it is not 1 to 63 lowercase"),
+    (["monitoring-manifests", "--label", "team=a", "--label", "team=b"], {},
+     "error: --label team is given twice (team=a, team=b): an object has one value per key"),
+    (["monitoring-manifests", "--label", "app.kubernetes.io/part-of=other"], {},
+     "error: --label app.kubernetes.io/part-of=other: the manifests set "
+     "app.kubernetes.io/part-of=gpusched themselves; give another key"),
+    (["monitoring-manifests", "--label", "grafana_dashboard=0"], {},
+     "the manifests set grafana_dashboard=1 themselves"),
 ])
 def test_an_option_that_cannot_be_used_is_named_on_one_line_before_anything_is_sent(
         monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str],

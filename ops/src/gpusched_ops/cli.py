@@ -37,7 +37,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.kafka_records import dead_letter, retained
 from gpusched_common.settings import server_root
-from gpusched_ops.monitoring import operator_manifests, operator_objects
+from gpusched_ops.monitoring import OWN_LABELS, operator_manifests, operator_objects
 from gpusched_ops.services import SERVICE_START_TIMEOUT_S, service_specs, urls
 from gpusched_ops.stack import LocalStack, StackError, default_cache_dir, find_repo_root
 
@@ -388,10 +388,18 @@ def monitoring_manifests(
     ops/grafana."""
     if bad := [entry for entry in label if "=" not in entry]:
         _refuse(f"--label takes KEY=VALUE, not {bad[0]!r}")
-    labels = dict(entry.split("=", 1) for entry in label)
-    for key, value in labels.items():
+    labels: dict[str, str] = {}
+    for entry in label:
+        key, value = entry.split("=", 1)
         if (why := label_problem(key, value)) is not None:
-            _refuse(f"--label {key}={value}: {why}, as Kubernetes takes labels")
+            _refuse(f"--label {entry}: {why}, as Kubernetes takes labels")
+        if key in labels:  # the last one was kept, silently
+            _refuse(f"--label {key} is given twice ({key}={labels[key]}, {entry}): an "
+                    "object has one value per key")
+        if key in OWN_LABELS:  # it replaced theirs, or theirs replaced it, silently
+            _refuse(f"--label {entry}: the manifests set {key}={OWN_LABELS[key]} "
+                    "themselves; give another key")
+        labels[key] = value
     try:
         root = find_repo_root()
     except StackError as exc:

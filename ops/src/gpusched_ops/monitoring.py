@@ -14,8 +14,14 @@ import yaml
 
 SERVICES = ("router", "scheduler", "accounting", "gpu-agent")
 """The `app.kubernetes.io/name` of the pods that serve /metrics on their port `http`."""
+PART_OF_LABEL = {"app.kubernetes.io/part-of": "gpusched"}
+"""The label of every gpusched pod, which the PodMonitor selects them by; every object here
+carries it too."""
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}
 """The label Grafana's sidecar (kube-prometheus-stack's default) loads dashboards by."""
+OWN_LABELS = {**PART_OF_LABEL, **DASHBOARD_LABEL}
+"""The labels these objects set themselves: a label of the caller's under one of these keys
+would replace one (or be replaced), so it is not taken."""
 
 
 def rules_file(repo_root: Path) -> Path:
@@ -32,12 +38,12 @@ def operator_objects(repo_root: Path, namespace: str = "gpusched",
     """The PodMonitor and PrometheusRule in `namespace`, and the dashboard's ConfigMap in
     `dashboard_namespace` (default: the same), each with `labels` too (a Prometheus that
     selects its monitors and rules by label, such as kube-prometheus-stack's
-    `release: <name>`, needs them)."""
+    `release: <name>`, needs them), none of them under a key of OWN_LABELS."""
 
     def metadata(name: str, extra: dict[str, str] | None = None,
                  where: str | None = None) -> dict[str, Any]:
         return {"name": name, "namespace": where or namespace, "labels": {
-            "app.kubernetes.io/part-of": "gpusched", **(labels or {}), **(extra or {})}}
+            **PART_OF_LABEL, **(labels or {}), **(extra or {})}}
 
     rules = yaml.safe_load(rules_file(repo_root).read_text())
     dashboard = dashboard_file(repo_root).read_text()
@@ -46,7 +52,7 @@ def operator_objects(repo_root: Path, namespace: str = "gpusched",
         {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
          "metadata": metadata("gpusched"),
          "spec": {"selector": {
-             "matchLabels": {"app.kubernetes.io/part-of": "gpusched"},
+             "matchLabels": dict(PART_OF_LABEL),
              "matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In",
                                    "values": list(SERVICES)}]},
              "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]}},
