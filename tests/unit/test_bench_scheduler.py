@@ -1,11 +1,16 @@
 """The scheduler benchmark's pure helpers: what it produces parses as the contracts say,
-and "sustained" means what its report claims."""
+and "sustained" means what its report claims; its options are checked before anything
+starts."""
 
+import argparse
 import asyncio
 import json
 import math
 
+import pytest
+
 from gpusched_common.contracts import NODE_STATE, REQUEST, USAGE
+from gpusched_scheduler.bench import scheduler as bench_scheduler
 from gpusched_scheduler.bench.scheduler import (
     LIVE_CYCLE_PER_CLASS,
     Step,
@@ -77,3 +82,74 @@ def test_the_engine_alone_places_every_request_of_each_round_at_a_live_cycles_si
     result = asyncio.run(engine_only(4, 8, LIVE_CYCLE_PER_CLASS, rounds=3))
     assert result["placements"] == 3 * 3 * LIVE_CYCLE_PER_CLASS  # rounds x classes x per class
     assert result["us_per_placement"] > 0
+
+
+class _Started(Exception):
+    """Bench was made: the arguments passed their checks."""
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
+    """Bench (Kafka, Redis, the schedulers) replaced by one that records its arguments and
+    stops the run there."""
+    made: list[argparse.Namespace] = []
+
+    def bench(args: argparse.Namespace) -> None:
+        made.append(args)
+        raise _Started
+    monkeypatch.setattr(bench_scheduler, "Bench", bench)
+    return made
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--soak", "-5"], "argument --soak: '-5': Input should be greater than or equal to 0"),
+    (["--soak", "nan"], "argument --soak: 'nan': Input should be a finite number"),
+    (["--soak", "inf"], "argument --soak: 'inf': Input should be a finite number"),
+    (["--step-s", "0"], "argument --step-s: '0': Input should be greater than 0"),
+    (["--warmup-s", "-1"], "argument --warmup-s: '-1'"),
+    (["--warm-broker-s", "NaN"], "argument --warm-broker-s: 'NaN': Input should be a finite"),
+    (["--hold-ms=-inf"], "argument --hold-ms: '-inf': Input should be a finite number"),
+    (["--full-s", "-20"], "argument --full-s: '-20'"),
+    (["--nodes", "0"], "argument --nodes: '0': Input should be greater than or equal to 1"),
+    (["--gpus", "-8"], "argument --gpus: '-8'"),
+    (["--full-rate", "0"], "argument --full-rate: '0'"),
+    (["--rates", "250,-500"], "argument --rates: '-500': Input should be greater than or "
+     "equal to 1"),
+    (["--rates", "250,,500"], "argument --rates: '': Input should be a valid integer"),
+    (["--instances", "1,3"], "argument --instances: '3': Input should be less than or equal "
+     "to 2"),
+    (["--fetch-max-records", "0"], "argument --fetch-max-records: '0'"),
+    (["--fetch-max-records", "20000"], "Input should be less than or equal to 10000"),
+    (["--window-ms", "nan"], "argument --window-ms: 'nan': Input should be a finite number"),
+    (["--window-ms", "-1"], "argument --window-ms: '-1'"),
+    (["--port-base", "0"], "argument --port-base: '0'"),
+])
+def test_a_number_the_bench_cannot_use_is_refused_before_anything_starts(
+        nothing_starts: list[argparse.Namespace], capsys: pytest.CaptureFixture[str],
+        argv: list[str], says: str) -> None:
+    """`--soak -5` (or nan, inf) ran the whole benchmark, minutes of it, with no soak: a
+    number was read with float() or int() and never checked. Each option now refuses what
+    it cannot use, on one line naming it, with exit 2, as the solver bench does."""
+    with pytest.raises(SystemExit) as exit_:
+        bench_scheduler.main(argv)
+
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpusched bench scheduler: error: ") and says in err[-1], err
+    assert nothing_starts == []
+
+
+def test_the_bench_reads_its_numbers_and_lists_as_given(
+        nothing_starts: list[argparse.Namespace]) -> None:
+    with pytest.raises(_Started):
+        bench_scheduler.main(["--soak", "0", "--rates", "100,200", "--instances", "2",
+                              "--window-ms", "0.5", "--hold-ms", "0"])
+    with pytest.raises(_Started):
+        bench_scheduler.main(["--quick", "--soak", "1.5"])
+
+    given, quick = nothing_starts
+    assert (given.soak, given.rates, given.instances, given.window_ms, given.hold_ms,
+            given.fetch_max_records) == (0.0, [100, 200], [2], 0.5, 0.0, 256)
+    assert (given.step_s, given.warmup_s, given.full_s) == (8.0, 2.0, 20.0)
+    assert (quick.soak, quick.rates, quick.instances, quick.step_s) == (1.5, [500, 1000], [1],
+                                                                         3.0)

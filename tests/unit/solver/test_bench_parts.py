@@ -191,8 +191,10 @@ def test_optimum_target_names_each_mode_and_misses_when_units_are_left_unplaced(
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--seeds", "0"], "--seeds 0"),
-    (["--lookahead-seeds", "-1"], "--lookahead-seeds -1"),
+    (["--seeds", "0"], "argument --seeds: '0': Input should be greater than or equal to 1"),
+    (["--seeds", "nan"], "argument --seeds: 'nan': Input should be a valid integer"),
+    (["--lookahead-seeds", "-1"], "argument --lookahead-seeds: '-1': Input should be greater "
+     "than or equal to 0"),
     (["--skip", "throughputs"], "unknown part(s) throughputs"),
     (["--policies", "fgd,gpushed"], "unknown policy gpushed"),
     (["--pod-lists", "default,defualt"], "for defualt; the pod lists there are default"),

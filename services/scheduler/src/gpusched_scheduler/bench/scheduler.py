@@ -26,18 +26,28 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import ConsumerRecord
+from pydantic import Field
 
 from gpusched_common import topics
 from gpusched_common.catalog import GPU_TYPES, ModelSpec, load_models
 from gpusched_common.contracts import GpuState, NodeState, count_prompt_tokens
 from gpusched_common.settings import REPO_CONFIG_DIR
 from gpusched_scheduler.adapters.requests import CONSUMER_GROUP
+from gpusched_scheduler.bench.options import (
+    Count,
+    Duration,
+    PositiveDuration,
+    comma_list,
+    option,
+)
+from gpusched_scheduler.settings import SchedulerSettings
 
 KUBE_SCHEDULER_PODS_PER_S = 700
 """Published reference: the kube-scheduler's CI performance floor (scheduler_perf), pods/s."""
@@ -1028,37 +1038,47 @@ def report(result: dict) -> None:
               f"{full['rss_mib_start']} -> {full['rss_mib_end']} MiB")
 
 
+# the schedulers' settings the bench passes on, read with the service's own bounds (NaN
+# named as such, not as a number above the window's bound)
+FETCH_MAX_RECORDS = Annotated[int, SchedulerSettings.model_fields["fetch_max_records"]]
+CYCLE_WINDOW_MS = Annotated[float, SchedulerSettings.model_fields["cycle_window_ms"],
+                            Field(allow_inf_nan=False)]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched bench scheduler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
     parser.add_argument("--quick", action="store_true",
                         help="Under a minute: 500 and 1000/s, one instance, short full phase.")
-    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--soak", type=option(Duration), default=0.0, metavar="SECONDS",
                         help="Also run 500 requests/s this long on a fresh leader and report "
                         "its RSS at start and end (600 for the 10-minute target).")
-    parser.add_argument("--rates", default="250,500,1000,1500,2000,2500,3000,4000,5000",
+    parser.add_argument("--rates", type=option(comma_list(Count)),
+                        default="250,500,1000,1500,2000,2500,3000,4000,5000",
                         help="Offered requests/s of the ramp; it stops after the first rate "
                         "above 500/s that is not sustained.")
-    parser.add_argument("--step-s", type=float, default=8.0, help="Measured seconds per rate.")
-    parser.add_argument("--warmup-s", type=float, default=2.0,
+    parser.add_argument("--step-s", type=option(PositiveDuration), default=8.0,
+                        help="Measured seconds per rate.")
+    parser.add_argument("--warmup-s", type=option(Duration), default=2.0,
                         help="Unmeasured seconds at each rate before measuring.")
-    parser.add_argument("--instances", default="1,2", help="Runs with 1 and/or 2 schedulers.")
-    parser.add_argument("--warm-broker-s", type=float, default=60.0,
+    parser.add_argument("--instances", type=option(comma_list(Annotated[int, Field(ge=1, le=2)])),
+                        default="1,2", help="Runs with 1 and/or 2 schedulers.")
+    parser.add_argument("--warm-broker-s", type=option(Duration), default=60.0,
                         help="Unmeasured seconds of Kafka traffic (the echo baseline's clients "
                         f"at {BROKER_WARM_RATE:,}/s) before anything is measured, so that the "
                         "broker's JIT compiler has compiled its hot code, as in a broker that "
                         "has been running a while.")
-    parser.add_argument("--nodes", type=int, default=64)
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (H100-80GB).")
-    parser.add_argument("--hold-ms", type=float, default=200.0,
+    parser.add_argument("--nodes", type=option(Count), default=64)
+    parser.add_argument("--gpus", type=option(Count), default=8, help="GPUs per node (H100-80GB).")
+    parser.add_argument("--hold-ms", type=option(Duration), default=200.0,
                         help="How long a placement runs before its final usage is published.")
-    parser.add_argument("--full-s", type=float, default=20.0,
+    parser.add_argument("--full-s", type=option(Duration), default=20.0,
                         help="Seconds of the full-fleet phase (0 skips it).")
-    parser.add_argument("--full-rate", type=int, default=TARGET_RATE_REQ_S)
-    parser.add_argument("--fetch-max-records", type=int, default=256,
+    parser.add_argument("--full-rate", type=option(Count), default=TARGET_RATE_REQ_S)
+    parser.add_argument("--fetch-max-records", type=option(FETCH_MAX_RECORDS), default=256,
                         help="GPUSCHED_FETCH_MAX_RECORDS of the schedulers (the pending bound).")
-    parser.add_argument("--window-ms", type=float, default=None,
+    parser.add_argument("--window-ms", type=option(CYCLE_WINDOW_MS), default=None,
                         help="GPUSCHED_CYCLE_WINDOW_MS of the schedulers (service default 2).")
     parser.add_argument("--tracing", action="store_true", help="Start Jaeger and export the "
                         "schedulers' spans to it (default: spans are made, not exported).")
@@ -1067,17 +1087,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kafka", default=None, help="Use this running Kafka (and --redis); "
                         "the stack must run no scheduler of its own.")
     parser.add_argument("--redis", default=None, help="Redis URL of that running stack.")
-    parser.add_argument("--port-base", type=int, default=31192, help="Kafka of the bench's own "
+    parser.add_argument("--port-base", type=option(Annotated[int, Field(ge=1, le=65535 - 12)]),
+                        default=31192, help="Kafka of the bench's own "
                         "stack listens here; the controller, Redis, Jaeger and the schedulers "
                         "use the next 12 ports (all below Linux's ephemeral range, 32768 up, "
                         "which client sockets draw from).")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rates, args.step_s, args.warmup_s, args.instances = "500,1000", 3.0, 1.0, "1"
+        args.rates, args.step_s, args.warmup_s, args.instances = [500, 1000], 3.0, 1.0, [1]
         args.warm_broker_s = 0.0
         args.full_s = min(args.full_s, 5.0)
-    args.rates = [int(r) for r in args.rates.split(",")]
-    args.instances = [int(i) for i in args.instances.split(",")]
     if args.profile:
         args.profile = args.profile.resolve()
         args.profile.unlink(missing_ok=True)

@@ -16,12 +16,15 @@ import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from gpusched_scheduler.domain.solver import POLICIES
 
 from . import openb, optimal, throughput
+from .options import Count, option
 
 
 def _default_traces() -> Path:
@@ -60,9 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write one CSV of placements per (policy, pod list, seed)")
     p.add_argument("--traces", type=Path, default=DEFAULT_TRACES, metavar="DIR",
                    help=f"folder with the openb node list and pod lists (default {DEFAULT_TRACES})")
-    p.add_argument("--seeds", type=int, default=None,
+    p.add_argument("--seeds", type=option(Count), default=None,
                    help="seeds per pod list (default 10, quick 2)")
-    p.add_argument("--lookahead-seeds", type=int, default=None,
+    p.add_argument("--lookahead-seeds", type=option(Annotated[int, Field(ge=0)]), default=None,
                    help="seeds for the look-ahead (batch16/batch64) rows (default: as many "
                    "as --seeds, so they compare with the online rows); only pod lists with "
                    "published numbers")
@@ -83,17 +86,14 @@ def _parser() -> argparse.ArgumentParser:
 def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace
              ) -> tuple[set[str], list[str], int]:
     """The parts to skip, the pod lists to replay and the seeds per pod list, every name
-    and count checked before any work: a typo once ran silently (``--seeds 0`` as 10
-    seeds, an unknown ``--skip`` part ignored) or ended in a traceback after the valid
-    policies had run. Exits 2 with a one-line message (``parser.error``)."""
+    checked before any work (the counts are checked by their types, as they are read): a
+    typo once ran silently (``--seeds 0`` as 10 seeds, an unknown ``--skip`` part ignored)
+    or ended in a traceback after the valid policies had run. Exits 2 with a one-line
+    message (``parser.error``)."""
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(PARTS):
         parser.error(f"--skip: unknown part(s) {','.join(sorted(skip - set(PARTS)))}; "
                      f"the parts are {','.join(PARTS)}")
-    if args.seeds is not None and args.seeds < 1:
-        parser.error(f"--seeds {args.seeds}: each pod list needs at least 1 seed")
-    if args.lookahead_seeds is not None and args.lookahead_seeds < 0:
-        parser.error(f"--lookahead-seeds {args.lookahead_seeds}: give 0 or more")
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     if unknown:
         parser.error(f"--policies: unknown policy {','.join(unknown)}; the policies are "
