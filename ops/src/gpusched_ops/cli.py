@@ -154,7 +154,7 @@ def _header_value(ctx: typer.Context, param: typer.CallbackParam, value: str | N
         return value
     bad = next((c for c in value if not (c.isascii() and c.isprintable())), None)
     _refuse(f"{_given_as(ctx, param)} cannot be sent in an HTTP header: it holds "
-          + (f"{bad!r} (only printable ASCII can be)" if bad else "spaces around it"))
+            + (f"{bad!r} (only printable ASCII can be)" if bad else "spaces around it"))
 
 
 def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
@@ -174,7 +174,7 @@ def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str
         why = str(exc)
     if why is not None:
         _refuse(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
-              f"({why})")
+                f"({why})")
     return server_root(value)
 
 

@@ -25,7 +25,7 @@ def _commas(text: Any) -> Any:
 
 def comma_list(item: Any) -> Any:
     """A comma-separated list of `item`s, such as '250,500,1000'."""
-    return Annotated[list[item], BeforeValidator(_commas)]  # type: ignore[valid-type]
+    return Annotated[list[item], BeforeValidator(_commas)]
 
 
 def option(annotation: Any) -> Callable[[str], Any]:
