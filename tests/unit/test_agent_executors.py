@@ -747,6 +747,9 @@ def test_executor_settings_are_validated_at_start_up() -> None:
     ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
     ("https://gateway/vllm/v1", "https://gateway/vllm"),
     ("http://v1:8000", "http://v1:8000"),  # a host named v1 stays
+    ("http://h/v1beta", "http://h/v1beta"),  # as do paths that only begin with v1
+    ("http://h/v10/", "http://h/v10"),
+    ("http://u:p@[::1]:8000/v1", "http://u:p@[::1]:8000"),
 ])
 def test_the_inference_servers_url_may_end_in_v1_as_openai_clients_write_it(
         written: str, root: str) -> None:

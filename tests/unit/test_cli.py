@@ -1093,3 +1093,10 @@ def test_the_stop_order_is_the_reverse_of_the_start_order() -> None:
         "127.0.0.1:1", "redis://127.0.0.1:1/0", "http://127.0.0.1:1", "http://127.0.0.1:2"))]
     ranks = [_stop_rank(name)[0] for name in reversed(started)]
     assert 0 not in ranks and ranks == sorted(ranks)
+
+
+def test_a_url_python_cannot_split_is_refused_in_one_line() -> None:
+    """httpx took 'http://a[' and urllib then raised in server_root: a traceback, exit 1."""
+    result = CliRunner().invoke(app, ["nodes", "--scheduler-url", "http://a["])
+    assert result.exit_code == 2, result.output
+    assert "is not a URL such as" in result.output and "Traceback" not in result.output

@@ -170,12 +170,13 @@ def _base_url(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str
             "it needs http:// or https:// and a host"
         if why is None and ("?" in value or "#" in value):  # empty ones too
             why = "it can have no query (?) or fragment (#)"
-    except httpx.InvalidURL as exc:
+        root = server_root(value)
+    except (httpx.InvalidURL, ValueError) as exc:  # urllib's own reading is stricter
         why = str(exc)
     if why is not None:
         _refuse(f"{_given_as(ctx, param)} {value!r} is not a URL such as {param.default} "
                 f"({why})")
-    return server_root(value)
+    return root
 
 
 def _bootstrap(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:

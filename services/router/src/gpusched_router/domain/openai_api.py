@@ -126,8 +126,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 class _Body(BaseModel):
     # Strict, as OpenAI's own schema: "3" or true is no max_tokens (lax pydantic read them as
-    # 3 and 1). The fields from `user` on are accepted and ignored, but checked as OpenAI
-    # checks them ("x" for a penalty passed); any other field is ignored.
+    # 3 and 1). The fields from `user` on are accepted and ignored, but of the type OpenAI's
+    # schema gives them ("x" for a penalty passed); any other field is ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
@@ -141,7 +141,7 @@ class _Body(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stop: StopStrings | None = None
-    user: str | None = Field(default=None, max_length=512)
+    user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     store: bool | None = None
