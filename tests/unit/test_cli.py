@@ -541,42 +541,18 @@ def test_submit_of_a_whole_reply_exits_0() -> None:
     assert result.stdout == " whole\n"
 
 
-def test_a_service_url_with_a_trailing_slash_or_a_path_asks_for_the_apis_paths(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--router-url http://host:8080/` asked for //v1/completions: every command failed with a
-    bare '404: Not Found'. A path before /v1 (a proxy's prefix) is kept."""
+@pytest.mark.parametrize("ending", ["/", "/v1", "/v1/"])
+def test_a_service_url_with_a_trailing_slash_a_v1_or_a_path_asks_for_the_apis_paths(
+        monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    """`--router-url http://host:8080/` asked for //v1/completions, and `.../v1`, as OpenAI
+    clients write a base URL, for /v1/v1/completions: every command failed with a bare
+    '404: Not Found'. The slash and the /v1 are dropped, as the agent drops them from
+    GPUSCHED_OPENAI_BASE_URL; a path before them (a proxy's prefix) is kept."""
     heard: list[str] = []
     server = _router([_chunk(" whole", "stop"), b"data: [DONE]\n\n"], heard)
     try:
-        for url in (f"http://127.0.0.1:{server.server_port}/",
-                    f"http://127.0.0.1:{server.server_port}/gpusched//"):
-            result = CliRunner().invoke(app, ["submit", "hi", "--router-url", url])
-            assert result.exit_code == 0, result.output
-    finally:
-        server.shutdown()
-    assert heard == ["/v1/completions", "/gpusched/v1/completions"]
-
-    asked: list[str] = []
-
-    def get(url: str, **kwargs: object) -> httpx.Response:
-        asked.append(url)
-        return httpx.Response(200, json={"nodes": [], "pending": {}, "reservations": 0})
-    monkeypatch.setattr(httpx, "get", get)
-    for url in ("http://127.0.0.1:8081/", "http://proxy/gpusched/"):
-        assert CliRunner().invoke(app, ["nodes", "--scheduler-url", url]).exit_code == 0
-    assert asked == ["http://127.0.0.1:8081/v1/cluster", "http://proxy/gpusched/v1/cluster"]
-
-
-def test_a_service_url_ending_in_v1_as_openai_clients_write_it_asks_for_the_apis_paths(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--router-url http://host:8080/v1`, as OpenAI clients write a base URL, asked for
-    /v1/v1/completions: a bare '404: Not Found'. Its /v1 is dropped, as the agent drops it
-    from GPUSCHED_OPENAI_BASE_URL; a proxy's prefix before it stays."""
-    heard: list[str] = []
-    server = _router([_chunk(" whole", "stop"), b"data: [DONE]\n\n"], heard)
-    try:
-        for url in (f"http://127.0.0.1:{server.server_port}/v1",
-                    f"http://127.0.0.1:{server.server_port}/gpusched/v1/"):
+        for url in (f"http://127.0.0.1:{server.server_port}{ending}",
+                    f"http://127.0.0.1:{server.server_port}/gpusched{ending}/"):
             result = CliRunner().invoke(app, ["submit", "hi", "--router-url", url])
             assert result.exit_code == 0, result.output
     finally:
@@ -591,11 +567,11 @@ def test_a_service_url_ending_in_v1_as_openai_clients_write_it_asks_for_the_apis
                                          "group_by": "model", "start_ms": 0, "end_ms": 0,
                                          "tenants": []})
     monkeypatch.setattr(httpx, "get", get)
-    for args in (["nodes", "--scheduler-url", "http://127.0.0.1:8081/v1"],
-                 ["usage", "--accounting-url", "http://proxy/accounting/v1/"]):
+    for args in (["nodes", "--scheduler-url", f"http://127.0.0.1:8081{ending}"],
+                 ["usage", "--accounting-url", f"http://proxy/accounting{ending}"]):
         assert CliRunner().invoke(app, args).exit_code == 0
     assert CliRunner().invoke(app, ["nodes"], env={
-        "GPUSCHED_SCHEDULER_URL": "http://127.0.0.1:8081/v1"}).exit_code == 0
+        "GPUSCHED_SCHEDULER_URL": f"http://127.0.0.1:8081{ending}"}).exit_code == 0
     assert asked == ["http://127.0.0.1:8081/v1/cluster",
                      "http://proxy/accounting/v1/usage",
                      "http://127.0.0.1:8081/v1/cluster"]
