@@ -19,7 +19,13 @@ from _pytest.reports import TestReport
 from stack_helpers import INFRA_PORTS, SERVICE_TEST_ENV, TEST_SERVICE_PORTS
 
 from gpusched_ops.services import service_specs
-from gpusched_ops.stack import LocalStack, StackEndpoints, default_cache_dir
+from gpusched_ops.stack import (
+    LOG_TAIL_LINES,
+    LocalStack,
+    StackEndpoints,
+    default_cache_dir,
+    log_tail,
+)
 from gpusched_ops.testing import start_test_stack
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -75,10 +81,6 @@ def _interrupt_on_termination() -> None:
             signal.signal(signum, interrupt)
 
 
-LOG_TAIL_LINES = 40
-"""Lines of each process log a failed stack test shows."""
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     """A stack test that fails shows the end of every process log written while it ran (a
@@ -98,14 +100,10 @@ def log_tails(log_dir: Path, since: float) -> list[tuple[str, str]]:
     tails = []
     for path in sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []:
         try:
-            if path.stat().st_mtime < since:
-                continue
-            with path.open("rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
-                lines = log.read().decode(errors="replace").splitlines()
+            if path.stat().st_mtime >= since:
+                tails.append((path.stem, "\n".join(log_tail(path))))
         except OSError:
             continue
-        tails.append((path.stem, "\n".join(lines[-LOG_TAIL_LINES:])))
     return tails
 
 

@@ -113,7 +113,8 @@ for every container (`stop_timeout_s`); Kubernetes gives an agent the same 60 s,
 router 5 s more (35 s), as it first pauses 5 s (preStop) while its pod leaves the Service's
 endpoints."""
 _POLL_S = 0.25
-_LOG_TAIL_LINES = 40
+LOG_TAIL_LINES = 40
+"""Lines of a process's log shown where it failed (its start, a stack test)."""
 # Popen objects are kept for the life of the interpreter: they reap their child when it exits
 # and are never garbage-collected while it runs (which would warn about a running subprocess).
 _SPAWNED: list[subprocess.Popen[bytes]] = []
@@ -232,6 +233,14 @@ def kafka_version(repo_root: Path) -> str:
     if found is None:
         raise StackError("ops/stack/kafka/pom.xml has no <kafka.version> property")
     return found.group(1).strip()
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last `lines` lines of the log at `path`, read from its last 64 KiB (a log grows
+    through a whole session)."""
+    with path.open("rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
+        return log.read().decode(errors="replace").splitlines()[-lines:]
 
 
 STOP_ORDER = ("router", "agent-", "scheduler", "accounting")
@@ -595,7 +604,7 @@ class LocalStack:
     def _log_tail(self, name: str) -> str:
         path = self.log_path(name)
         try:
-            lines = path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            lines = log_tail(path)
         except FileNotFoundError:
             return f"no log at {path}"
         return f"last lines of {path}:\n" + "\n".join(lines)
