@@ -560,16 +560,24 @@ def test_ignored_openai_fields_are_still_checked_and_web_search_is_refused_even_
                                web_search_options=None), ApiError)
 
 
-async def test_two_idempotency_keys_are_a_400(router_app) -> None:
-    """The first of two keys named the request, silently."""
+@pytest.mark.parametrize("header, written, values", [
+    ("idempotency-key", "Idempotency-Key", ["a", "b"]),
+    ("x-priority-class", "X-Priority-Class", ["interactive", "batch"]),
+    ("x-max-queue-ms", "X-Max-Queue-Ms", ["100", "100", "900"]),
+])
+async def test_a_one_value_header_sent_twice_is_a_400(router_app, header, written,
+                                                      values) -> None:
+    """The first of two values was used, silently: which one the client meant is a guess."""
     transport = httpx.ASGITransport(router_app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         reply = await client.post("/v1/completions", content=json.dumps(
             {"model": "qwen2.5-1.5b", "prompt": "hi"}), headers=[
             ("authorization", "Bearer sk-acme-demo"), ("content-type", "application/json"),
-            ("idempotency-key", "a"), ("idempotency-key", "b")])
+            *[(header, value) for value in values]])
     assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["message"] == "Idempotency-Key was sent 2 times; send it once"
+    error = reply.json()["error"]
+    assert error["message"] == f"{written} was sent {len(values)} times; send it once"
+    assert error["param"] == written
 
 
 def _result(status: str, finish_reason: str, request_id: str = "req-1",

@@ -59,7 +59,6 @@ from gpusched_common.web import (
 from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub, Waited
 from gpusched_router.domain.idempotency import (
-    IDEMPOTENCY_HEADER,
     FirstUse,
     check_key,
     passes_later,
@@ -67,11 +66,13 @@ from gpusched_router.domain.idempotency import (
     reused,
 )
 from gpusched_router.domain.openai_api import (
+    IDEMPOTENCY_HEADER,
     ApiError,
     ParsedRequest,
     decode_body,
     parse_chat,
     parse_completion,
+    repeated_header,
 )
 from gpusched_router.settings import RouterSettings
 
@@ -301,6 +302,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
             return refused(tenant)
+        if (twice := repeated_header(request.headers.getlist)) is not None:
+            return refused(twice)
         body = await read_json(request)
         if isinstance(body, ApiError):
             return refused(body)
@@ -309,11 +312,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(parsed, ApiError):
             return refused(parsed)
         req = parsed.request
-        keys = request.headers.getlist(IDEMPOTENCY_HEADER)
-        key = keys[0] if keys else None
+        key = request.headers.get(IDEMPOTENCY_HEADER)
         use: FirstUse | None = None
         if key is not None:
-            if (bad := check_key(key, len(keys))) is not None:
+            if (bad := check_key(key)) is not None:
                 return refused(bad, req.priority_class)
             use = FirstUse(request_id, request_digest(request.url.path, body), clock())
             holder = await idempotency.claim(tenant.name, key, use)

@@ -11,7 +11,6 @@ from typing import Any
 
 from gpusched_router.domain.openai_api import ApiError
 
-IDEMPOTENCY_HEADER = "idempotency-key"
 MAX_KEY_CHARS = 255
 TAKE_OVER_GRACE_S = 10.0
 """Beyond the publish time-out: a first use still running answers (its request taken in, or
@@ -49,12 +48,9 @@ def passes_later(outcome: dict[str, Any]) -> bool:
         outcome.get("status_code") == 429 or outcome.get("code") == "queue_time_exceeded")
 
 
-def check_key(key: str, sent: int = 1) -> ApiError | None:
-    """A 400 for a key that is empty, too long or not printable ASCII, or sent in `sent` > 1
-    headers (which one would name the request is a guess); None when it is fine."""
-    if sent > 1:
-        return ApiError(400, f"Idempotency-Key was sent {sent} times; send it once",
-                        param="Idempotency-Key")
+def check_key(key: str) -> ApiError | None:
+    """A 400 for a key that is empty, too long or not printable ASCII; None when it is
+    fine."""
     if not 1 <= len(key) <= MAX_KEY_CHARS or not all(" " <= c <= "~" for c in key):
         return ApiError(400, f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII "
                         "characters (a UUID will do)", param="Idempotency-Key")

@@ -8,7 +8,7 @@ a user can act on).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -42,6 +42,11 @@ Idempotency-Key's digest)."""
 PRIORITY_HEADER = "x-priority-class"
 MAX_QUEUE_HEADER = "x-max-queue-ms"
 """The longest the request may wait for a GPU, in milliseconds (its `max_queue_ms`)."""
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+ONE_VALUE_HEADERS = {PRIORITY_HEADER: "X-Priority-Class", MAX_QUEUE_HEADER: "X-Max-Queue-Ms",
+                     IDEMPOTENCY_HEADER: "Idempotency-Key"}
+"""Headers that take one value, by the name they are written with."""
 
 
 _CODE_OF_STATUS = {401: "invalid_api_key", 404: "not_found", 409: "conflict",
@@ -388,6 +393,15 @@ def _finish(
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     return ParsedRequest(request=request, stream=bool(parsed.stream),
                          include_usage=include_usage)
+
+
+def repeated_header(values_of: Callable[[str], list[str]]) -> ApiError | None:
+    """A 400 for a header of ONE_VALUE_HEADERS sent more than once (which value was meant
+    is a guess); None when each came at most once. `values_of` gives a header's values."""
+    for name, written in ONE_VALUE_HEADERS.items():
+        if (sent := len(values_of(name))) > 1:
+            return ApiError(400, f"{written} was sent {sent} times; send it once", param=written)
+    return None
 
 
 def _max_queue_ms(header: str | None) -> int | None | ApiError:
