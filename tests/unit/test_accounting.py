@@ -1486,3 +1486,28 @@ def test_the_bench_uses_its_own_database_of_any_redis_url(url: str, expected: st
     from gpusched_accounting.bench import in_database
 
     assert in_database(url, 14) == expected
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--events", "0"], "argument --events: '0': Input should be greater than or equal to 1"),
+    (["--tenants", "-3"], "argument --tenants: '-3'"),
+    (["--batch", "1.5"], "argument --batch: '1.5': Input should be a valid integer"),
+    (["--baseline-events", "0"], "argument --baseline-events: '0'"),
+    (["--queries", "x"], "argument --queries: 'x'"),
+    (["--port-base", "80"], "argument --port-base: '80': Input should be greater than or "
+     "equal to 1024"),
+    (["--port-base", "65530"], "argument --port-base: '65530': Input should be less than or "
+     "equal to 65525"),
+])
+def test_a_number_the_accounting_bench_cannot_use_is_refused_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    """The bench read its numbers with int() and never checked them: `--queries 0` failed
+    with an IndexError after the whole run. They are refused as the other benches refuse."""
+    from gpusched_accounting.bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpusched bench accounting: error: ") and says in err[-1], err

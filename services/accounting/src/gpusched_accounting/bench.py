@@ -33,6 +33,7 @@ from gpusched_accounting.domain.usage import (
 )
 from gpusched_accounting.settings import DEDUP_TTL_S
 from gpusched_common import topics
+from gpusched_common.bench_options import Count, option, port_base
 from gpusched_common.contracts import UsageRecord
 from gpusched_common.settings import REPO_CONFIG_DIR
 
@@ -41,6 +42,10 @@ RETENTION = Retention(2 * 86_400, 35 * 86_400, 400 * 86_400)
 GPU_TYPES = ("H100-80GB", "A100-40GB")
 CLASSES = ("interactive", "standard", "batch")
 MODELS = ("llama-3.1-8b", "qwen2.5-1.5b", "mistral-7b", "llama-3.1-70b", "model-e")
+
+
+PORTS_FROM_BASE = 10
+"""The bench's own Kafka, Redis and Jaeger take --port-base to +5, its instance +10."""
 
 
 SPREAD_MS = 120_000
@@ -231,17 +236,18 @@ async def day_of_buckets(redis_url: str, prices: PriceTable, tenants: int, queri
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpusched bench accounting", description=__doc__)
-    parser.add_argument("--events", type=int, default=200_000, help="Events through Kafka.")
-    parser.add_argument("--tenants", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=5000,
+    parser.add_argument("--events", type=option(Count), default=200_000,
+                        help="Events through Kafka.")
+    parser.add_argument("--tenants", type=option(Count), default=100)
+    parser.add_argument("--batch", type=option(Count), default=5000,
                         help="Records per Lua call (the service's default chunk).")
-    parser.add_argument("--baseline-events", type=int, default=5000)
-    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--baseline-events", type=option(Count), default=5000)
+    parser.add_argument("--queries", type=option(Count), default=1000)
     parser.add_argument("--quick", action="store_true", help="20k events, 10 tenants.")
     parser.add_argument("--kafka", default=None, help="Use this running Kafka (and --redis).")
     parser.add_argument("--redis", default=None, help="Redis URL of a running stack; the "
                         "bench uses its databases 14 and 15 and flushes them.")
-    parser.add_argument("--port-base", type=int, default=31000,
+    parser.add_argument("--port-base", type=option(port_base(PORTS_FROM_BASE)), default=31000,
                         help="Ports of the bench's own Kafka/Redis/instance start here (below "
                         "Linux's ephemeral range, which client sockets draw from).")
     parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
@@ -251,7 +257,7 @@ def main(argv: list[str]) -> int:
     from gpusched_ops.stack import LocalStack, StackPorts, default_cache_dir
 
     b = args.port_base
-    args.http_port = b + 10
+    args.http_port = b + PORTS_FROM_BASE
     run_dir = default_cache_dir() / "bench-accounting"
     own = args.kafka is None
     if own:

@@ -36,17 +36,18 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import Field
 
 from gpusched_common import topics
-from gpusched_common.catalog import GPU_TYPES, ModelSpec, load_models
-from gpusched_common.contracts import GpuState, NodeState, count_prompt_tokens
-from gpusched_common.settings import REPO_CONFIG_DIR
-from gpusched_scheduler.adapters.requests import CONSUMER_GROUP
-from gpusched_scheduler.bench.options import (
+from gpusched_common.bench_options import (
     Count,
     Duration,
     PositiveDuration,
     comma_list,
     option,
+    port_base,
 )
+from gpusched_common.catalog import GPU_TYPES, ModelSpec, load_models
+from gpusched_common.contracts import GpuState, NodeState, count_prompt_tokens
+from gpusched_common.settings import REPO_CONFIG_DIR
+from gpusched_scheduler.adapters.requests import CONSUMER_GROUP
 from gpusched_scheduler.settings import SchedulerSettings
 
 KUBE_SCHEDULER_PODS_PER_S = 700
@@ -1087,7 +1088,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kafka", default=None, help="Use this running Kafka (and --redis); "
                         "the stack must run no scheduler of its own.")
     parser.add_argument("--redis", default=None, help="Redis URL of that running stack.")
-    parser.add_argument("--port-base", type=option(Annotated[int, Field(ge=1, le=65535 - 12)]),
+    parser.add_argument("--port-base", type=option(port_base(12)),
                         default=31192, help="Kafka of the bench's own "
                         "stack listens here; the controller, Redis, Jaeger and the schedulers "
                         "use the next 12 ports (all below Linux's ephemeral range, 32768 up, "

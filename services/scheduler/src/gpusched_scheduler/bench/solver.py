@@ -21,10 +21,10 @@ from typing import Annotated
 import numpy as np
 from pydantic import Field
 
+from gpusched_common.bench_options import Count, option
 from gpusched_scheduler.domain.solver import POLICIES
 
 from . import openb, optimal, throughput
-from .options import Count, option
 
 
 def _default_traces() -> Path:

@@ -28,6 +28,12 @@ def comma_list(item: Any) -> Any:
     return Annotated[list[item], BeforeValidator(_commas)]
 
 
+def port_base(above: int) -> Any:
+    """The first of the ports a bench's own stack listens on, the last `above` ports further
+    up: none of them privileged (below 1024) or past 65535."""
+    return Annotated[int, Field(ge=1024, le=65_535 - above)]
+
+
 def option(annotation: Any) -> Callable[[str], Any]:
     """An argparse `type=` that reads the option's text as `annotation`; what it refuses is
     argparse's error, such as `argument --soak: '-5': Input should be greater than or equal
