@@ -242,6 +242,29 @@ async def test_torch_executor_generates_real_tokens_on_cpu(torch_executor) -> No
     assert memory["weights"] > 0
 
 
+async def test_torch_executor_says_where_each_gpus_copy_of_a_model_is(torch_executor) -> None:
+    """ops/gpu-check compares it with NVML's GPU the work was placed on."""
+    import torch
+
+    await torch_executor.load(SMALL, 0)
+    assert torch_executor.loaded_device(SMALL.name, 0) == torch.device("cpu")
+    assert torch_executor.loaded_device(SMALL.name, 5) is None
+
+
+def test_torch_executor_memory_counts_every_cuda_device(monkeypatch) -> None:
+    """GPU i's work runs on cuda:i: the current device's allocator alone showed GPU 0's."""
+    import torch
+
+    from gpusched_agent.adapters.torch_executor import TorchExecutor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: {0: 10, 1: 32}[d])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: {0: 20, 1: 64}[d])
+    memory = TorchExecutor("cuda").memory_bytes()
+    assert (memory["cuda_allocated"], memory["cuda_peak_allocated"]) == (42, 84)
+
+
 async def test_torch_batched_decoding_matches_decoding_alone(torch_executor) -> None:
     """Continuous batching must not change what a sequence generates: a request decoded in a
     batch with others of different lengths yields the same tokens as alone."""

@@ -135,10 +135,17 @@ class TorchExecutor:
         kv = sum(s.state.cache.numel() * s.state.cache.element_size()
                  for b in self._batches.values() for s in b.active if s.state.cache is not None)
         out = {"weights": weights, "kv_cache": kv}
-        if self.device_kind.startswith("cuda"):
-            out["cuda_allocated"] = int(torch.cuda.memory_allocated())
-            out["cuda_peak_allocated"] = int(torch.cuda.max_memory_allocated())
+        if self.device_kind.startswith("cuda"):  # every device's: GPU i's work is on cuda:i
+            devices = range(torch.cuda.device_count())
+            out["cuda_allocated"] = sum(int(torch.cuda.memory_allocated(d)) for d in devices)
+            out["cuda_peak_allocated"] = sum(int(torch.cuda.max_memory_allocated(d))
+                                             for d in devices)
         return out
+
+    def loaded_device(self, model_name: str, gpu_index: int) -> torch.device | None:
+        """Where GPU `gpu_index`'s copy of the model is, or None when it is not loaded."""
+        lm = self._models.get((gpu_index, model_name))
+        return None if lm is None else lm.device
 
     @staticmethod
     def _sample(logits: torch.Tensor, st: _SeqState) -> int:
