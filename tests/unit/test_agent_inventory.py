@@ -115,6 +115,29 @@ def test_nvml_discovery_reads_every_field_and_versions() -> None:
     assert reported.memory_total_mib == 81559 - 500
 
 
+@pytest.mark.parametrize("executor,admits", [("openai", True), ("torch", False),
+                                              ("simulated", False)])
+def test_memory_an_openai_nodes_own_engine_holds_is_offered(executor, admits) -> None:
+    """vLLM pre-allocates 90% of each GPU (gpu_memory_utilization) and NVML reads it as used:
+    taken as another process's, an H100 under the openai executor offered ~8 GB and refused
+    llama-3.1-8b, or not, by whether vLLM or the agent started first. That engine is the
+    one the agent drives; the other executors run in the agent, and memory in use at start
+    stays someone else's."""
+    from gpusched_agent.main import discover_inventory
+    from gpusched_agent.settings import AgentSettings
+
+    settings = AgentSettings(executor=executor, openai_base_url="http://127.0.0.1:8000",
+                             node_id="n")
+    inventory, _ = discover_inventory(settings, FakeNvml([h100(0, used=81559 * 9 // 10)]))
+    node = NodeModel.from_inventory(inventory.gpus)
+    llama = CATALOG.get("llama-3.1-8b")
+    request = placement("p", 0).request.model_copy(update={"model": llama.name})
+    admitted = node.admit(placement("p", 0).model_copy(update={"request": request}), llama)
+    assert isinstance(admitted, Refused) is not admits, admitted
+    [reported] = node.state("n", 1, 0, 0).gpus
+    assert reported.memory_total_mib == (81559 if admits else 81559 - 81559 * 9 // 10)
+
+
 def test_nvml_not_available_gives_none() -> None:
     assert nvml.discover(FakeNvml([], init_error=True)) is None
     assert nvml.discover(FakeNvml([])) is None

@@ -41,7 +41,11 @@ SERVICE = "gpu-agent"
 def discover_inventory(settings: AgentSettings, nvml_module: Any = None
                        ) -> tuple[Inventory, ReadInventory]:
     """The inventory (simulated when configured, else NVML's GPUs) and how to re-read it for
-    heartbeats; a clear error when neither gives any GPU."""
+    heartbeats; a clear error when neither gives any GPU. With the openai executor, memory
+    in use on NVML's GPUs at start is its inference server's (vLLM pre-allocates
+    `gpu_memory_utilization` of each GPU), the memory gpusched schedules, so none is held
+    back as another process's; the other executors run in the agent, and memory in use
+    when it starts is someone else's."""
     if settings.simulate:
         spec, node_id = settings.simulate, settings.node_id
         inventory = build_inventory(simulated_reading(spec, node_id))
@@ -50,6 +54,7 @@ def discover_inventory(settings: AgentSettings, nvml_module: Any = None
             return inventory.gpus
 
         return inventory, read_simulated
+    reserve = settings.executor != "openai"
     module = nvml_module if nvml_module is not None else nvml.load_pynvml()
     reading = nvml.discover(module) if module is not None else None
     if reading is None:
@@ -58,9 +63,9 @@ def discover_inventory(settings: AgentSettings, nvml_module: Any = None
 
     async def read_nvml() -> Sequence[GpuInfo]:
         again = await asyncio.to_thread(nvml.discover, module)
-        return build_inventory(again).gpus if again is not None else ()
+        return build_inventory(again, reserve).gpus if again is not None else ()
 
-    return build_inventory(reading), read_nvml
+    return build_inventory(reading, reserve), read_nvml
 
 
 def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -> Executor:

@@ -67,7 +67,8 @@ class GpuInfo:
     healthy: bool = True
     name: str = ""
     memory_reserved_mib: int = 0
-    """Used by something else when the agent started (other processes); never ours to give."""
+    """Used by something else when the agent started (other processes); never ours to give.
+    0 where the agent's own engine holds that memory (`build_inventory`)."""
     utilization_pct: float | None = None
     temperature_c: float | None = None
     power_w: float | None = None
@@ -104,9 +105,12 @@ def health(reading: DeviceReading) -> str | None:
     return None
 
 
-def build_inventory(node: NodeReading) -> Inventory:
+def build_inventory(node: NodeReading, reserve_memory_in_use: bool = True) -> Inventory:
     """Schedulable devices, numbered 0..n-1 in discovery order; a GPU in MIG mode contributes
-    one device per MIG instance (sharing the parent's health)."""
+    one device per MIG instance (sharing the parent's health). With `reserve_memory_in_use`
+    the memory NVML reads as used is another process's (`memory_reserved_mib`), never given
+    out; without it, it is the agent's own engine's (an inference server that pre-allocates
+    its share of each GPU at start, as vLLM does), all of it gpusched's to schedule."""
     gpus: list[GpuInfo] = []
     for dev in node.devices:
         reason = health(dev)
@@ -117,18 +121,21 @@ def build_inventory(node: NodeReading) -> Inventory:
                       unhealthy_reason=reason)
         if dev.mig_enabled and dev.mig_instances:
             for mig in dev.mig_instances:
-                gpus.append(_mig(len(gpus), dev, mig, common))
+                gpus.append(_mig(len(gpus), dev, mig, common, reserve_memory_in_use))
         else:
             gpus.append(GpuInfo(index=len(gpus), uuid=dev.uuid,
                                 memory_total_mib=dev.memory_total_mib,
-                                memory_reserved_mib=dev.memory_used_mib,
+                                memory_reserved_mib=dev.memory_used_mib
+                                if reserve_memory_in_use else 0,
                                 **common))  # type: ignore[arg-type]
     return Inventory(tuple(gpus), node.driver_version, node.cuda_version, len(node.devices))
 
 
-def _mig(index: int, dev: DeviceReading, mig: MigReading, common: dict) -> GpuInfo:
+def _mig(index: int, dev: DeviceReading, mig: MigReading, common: dict,
+         reserve_memory_in_use: bool) -> GpuInfo:
     return GpuInfo(index=index, uuid=mig.uuid, memory_total_mib=mig.memory_total_mib,
-                   memory_reserved_mib=mig.memory_used_mib, mig_parent_uuid=dev.uuid,
+                   memory_reserved_mib=mig.memory_used_mib if reserve_memory_in_use else 0,
+                   mig_parent_uuid=dev.uuid,
                    **{**common, "name": f"{dev.name} MIG {mig.profile}"})
 
 
