@@ -64,6 +64,8 @@ class FakeNvml:
         return h["name"]
 
     def nvmlDeviceGetMemoryInfo(self, h: dict) -> SimpleNamespace:  # noqa: N802
+        if "memory_error" in h:  # NVML_ERROR_GPU_IS_LOST; NO_PERMISSION on a MIG parent
+            raise self.NVMLError(h["memory_error"])
         return SimpleNamespace(total=h["mib"] * MIB, used=h.get("used", 0) * MIB)
 
     def nvmlDeviceGetUtilizationRates(self, h: dict) -> SimpleNamespace:  # noqa: N802
@@ -206,6 +208,41 @@ def test_refresh_takes_new_health_and_reports_the_change() -> None:
     assert node.refresh(again) is True
     assert not node.gpus[0].info.healthy and node.gpus[0].info.temperature_c == 88
     assert node.refresh(again) is False
+
+
+def test_a_gpu_nvml_stops_reading_after_start_is_unhealthy_until_read_again() -> None:
+    """A GPU fallen off the bus after start stayed healthy and kept getting work: NVML's
+    GPU_IS_LOST on its memory read turned it into a 'GPU-unreadable-i' that matched no
+    device, and NVML unable to start any more (a reading of no GPU) changed nothing."""
+    def read(*gpus: dict) -> tuple:
+        return build_inventory(nvml.discover(FakeNvml(list(gpus)))).gpus
+
+    node = NodeModel.from_inventory(read(h100(0, used=500), h100(1), h100(2)))
+    assert node.refresh(read(h100(0, memory_error="GPU is lost"), h100(1, broken=True),
+                             h100(2))) is True
+    assert [g.info.healthy for g in node.gpus] == [False, False, True]
+    assert node.gpus[0].info.unhealthy_reason == "NVML cannot read it: GPU is lost"
+    assert "NVML no longer reads it" in node.gpus[1].info.unhealthy_reason
+    refused = node.admit(placement("p", 1), SMALL)
+    assert isinstance(refused, Refused) and "no longer reads" in refused.reason
+    [lost, gone, well] = node.state("n", 1, 0, 0).gpus  # what it was at start, unhealthy
+    assert (lost.uuid, lost.memory_total_mib, lost.gpu_type) == ("GPU-0", 81559 - 500,
+                                                                 "H100-80GB")
+    assert not lost.healthy and not gone.healthy and well.healthy
+    assert node.refresh(read(h100(0), h100(1), h100(2))) is True  # back: healthy again
+    assert all(g.info.healthy for g in node.gpus) and node.gpus[0].free_mib() == 81559 - 500
+    assert node.refresh(()) is True  # NVML cannot start any more: no GPU read
+    assert {g.info.unhealthy_reason for g in node.gpus} == {node.gpus[0].info.unhealthy_reason}
+    assert "NVML no longer reads it" in node.gpus[0].info.unhealthy_reason
+    assert node.refresh(()) is False
+
+
+def test_a_gpu_unreadable_at_start_that_reads_again_asks_for_a_restart() -> None:
+    node = NodeModel.from_inventory(build_inventory(nvml.discover(
+        FakeNvml([h100(0, broken=True)]))).gpus)
+    assert node.gpus[0].info.uuid == "GPU-unreadable-0"
+    assert node.refresh(build_inventory(nvml.discover(FakeNvml([h100(0)]))).gpus) is False
+    assert "restart the agent" in node.gpus[0].info.unhealthy_reason
 
 
 def placement(pid: str, gpu: int) -> Placement:

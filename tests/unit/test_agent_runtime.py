@@ -1422,6 +1422,29 @@ async def test_a_gpu_read_that_never_answers_marks_the_gpus_unhealthy_not_the_he
         await runtime._reread_inventory()  # it answers at last: healthy again
     assert all(g.info.healthy for g in runtime.node.gpus)
 
+
+async def test_a_gpu_read_that_fails_marks_the_gpus_unhealthy_until_one_succeeds() -> None:
+    """An NVML error out of the re-read was only logged: every GPU stayed healthy and kept
+    getting work, with nothing read about any of them."""
+    inventory, failing = parse_simulated("2xH100-80GB", "n1"), [True]
+
+    async def read() -> list:
+        if failing[0]:
+            raise RuntimeError("NVML: Unknown Error")
+        return inventory
+
+    runtime = AgentRuntime("n1", NodeModel.from_inventory(inventory), CATALOG,
+                           SimulatedExecutor(0.01, seed=7), Sink(), MemoryLedger(), lambda: 0,
+                           chunk_tokens=4, heartbeat_s=1.0, read_inventory=read)
+    async with asyncio.timeout(5):
+        await runtime._reread_inventory()
+        assert [g.info.unhealthy_reason for g in runtime.node.gpus] == [
+            "reading the GPUs (NVML) failed: RuntimeError('NVML: Unknown Error')"] * 2
+        assert not any(g.healthy for g in runtime.node.state("n1", 1, 0, 0).gpus)
+        failing[0] = False
+        await runtime._reread_inventory()
+    assert all(g.info.healthy for g in runtime.node.gpus)
+
 # --- 1. fencing: a leader elected after Redis lost its data ----------------------------------
 async def test_a_leader_elected_after_redis_lost_its_data_is_not_fenced_off_for_good() -> None:
     """Redis held epoch 7 and the agent took its commands (highest_epoch 7). Redis restarts

@@ -320,7 +320,8 @@ class AgentRuntime:
         """Take fresh GPU readings (health, telemetry) into the node model. A read that has
         not answered for INVENTORY_STUCK_S (NVML on a GPU fallen off the bus) is not
         waited for: the heartbeat goes on, the GPUs are reported unhealthy with the reason,
-        and the next read is asked for once that one answers."""
+        and the next read is asked for once that one answers. A read that fails reports
+        every GPU unhealthy with its error, until one succeeds."""
         assert self._read_inventory is not None
         if self._reading is None:
             self._reading, self._reading_since = (asyncio.create_task(self._read_inventory()),
@@ -338,11 +339,14 @@ class AgentRuntime:
         if reading.cancelled():
             return
         try:
-            if self.node.refresh(reading.result()):
-                log.warning("GPU health changed: %s", [
-                    (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
-        except Exception:  # a failed read must not stop the heartbeat
+            gpus = reading.result()
+        except Exception as exc:  # a failed read must not stop the heartbeat
             log.exception("re-reading the GPU inventory failed")
+            gpus = [replace(g.info, healthy=False, unhealthy_reason=(
+                f"reading the GPUs (NVML) failed: {exc!r}"[:500])) for g in self.node.gpus]
+        if self.node.refresh(gpus):
+            log.warning("GPU health changed: %s", [
+                (g.info.index, g.info.unhealthy_reason) for g in self.node.gpus])
 
     async def _check_engine(self) -> None:
         """Ask the executor whether its engine can run work; while it cannot, the node

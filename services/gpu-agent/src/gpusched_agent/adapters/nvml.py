@@ -11,7 +11,12 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from gpusched_agent.domain.inventory import DeviceReading, MigReading, NodeReading
+from gpusched_agent.domain.inventory import (
+    UNREADABLE_UUID_PREFIX,
+    DeviceReading,
+    MigReading,
+    NodeReading,
+)
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024
@@ -47,14 +52,23 @@ def discover(nvml: Any) -> NodeReading | None:
 
 
 def read_device(nvml: Any, index: int) -> DeviceReading:
+    """GPU `index` as NVML reads it; never raises NVMLError. One NVML cannot read has `error`
+    set, and keeps its UUID when NVML still gives that (NVML_ERROR_GPU_IS_LOST comes from
+    the memory read of a GPU fallen off the bus), so the agent knows which GPU went; one it
+    cannot even name gets `UNREADABLE_UUID_PREFIX` and its index."""
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+    except nvml.NVMLError as exc:
+        return DeviceReading(index=index, uuid=f"{UNREADABLE_UUID_PREFIX}{index}",
+                             name="unreadable", memory_total_mib=0, error=_why(exc))
+    name = "unreadable"
+    try:
         name = _text(nvml.nvmlDeviceGetName(handle))
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     except nvml.NVMLError as exc:
-        return DeviceReading(index=index, uuid=f"GPU-unreadable-{index}", name="unreadable",
-                             memory_total_mib=0, error=str(exc) or type(exc).__name__)
+        return DeviceReading(index=index, uuid=uuid, name=name, memory_total_mib=0,
+                             error=_why(exc))
     util = _try(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
     temperature = _try(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
     power_mw = _try(nvml, nvml.nvmlDeviceGetPowerUsage, handle)
@@ -105,6 +119,10 @@ def _try(nvml: Any, func: Any, *args: Any) -> Any:
         return func(*args)
     except nvml.NVMLError:
         return None
+
+
+def _why(exc: Exception) -> str:
+    return str(exc) or type(exc).__name__
 
 
 def _text(value: Any) -> str | None:

@@ -15,6 +15,10 @@ import yaml
 
 from gpusched_common.catalog import GPU_TYPES
 
+UNREADABLE_UUID_PREFIX = "GPU-unreadable-"
+"""The UUID of a GPU NVML cannot even name is this and its NVML index: it matches no
+CUDA device and no later reading of the GPU once readable again."""
+
 
 @dataclass(frozen=True)
 class MigReading:

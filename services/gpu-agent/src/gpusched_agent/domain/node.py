@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from gpusched_agent.domain.gpu_share import ShareMeter
-from gpusched_agent.domain.inventory import GpuInfo
+from gpusched_agent.domain.inventory import UNREADABLE_UUID_PREFIX, GpuInfo
 from gpusched_common.catalog import SHARD_MARK, ModelSpec, weights_name
 from gpusched_common.contracts import GpuState, LoadFailure, NodeState, Placement
 
@@ -41,6 +41,14 @@ def _reported(held: Sequence[str]) -> tuple[str, ...]:
     """`weights_name`s of held weights, each once."""
     return tuple(dict.fromkeys(
         h.rpartition(GANG_MARK)[0] if SHARD_MARK in h else h for h in held))
+
+
+def _unread_reason(uuid: str) -> str:
+    """Why a device that no reading has any more is unhealthy."""
+    if uuid.startswith(UNREADABLE_UUID_PREFIX):  # readable again, under its real UUID
+        return ("NVML could not read it when the agent started; restart the agent to use it")
+    return ("NVML no longer reads it (fallen off the bus, or NVML cannot start); see "
+            "nvidia-smi and the kernel log (Xid errors)")
 
 
 @dataclass
@@ -97,16 +105,22 @@ class NodeModel:
 
     def refresh(self, inventory: Sequence[GpuInfo]) -> bool:
         """Take new readings (health, telemetry) of the same devices; True when health
-        changed. Devices are matched by UUID; unknown ones are ignored."""
+        changed. Devices are matched by UUID; unknown ones are ignored. A device keeps what
+        it was at start (index, type, name, memory), as a reading of a GPU NVML cannot read
+        has none of it. One missing from the readings (NVML lists it no more, or cannot
+        start: `()`) is unhealthy until a reading has it again."""
         by_uuid = {g.uuid: g for g in inventory}
         changed = False
         for slot in self.gpus:
-            new = by_uuid.get(slot.info.uuid)
+            old = slot.info
+            new = by_uuid.get(old.uuid)
             if new is None:
-                continue
-            changed |= new.healthy != slot.info.healthy
-            slot.info = replace(new, index=slot.info.index,
-                                memory_reserved_mib=slot.info.memory_reserved_mib)
+                new = replace(old, healthy=False, unhealthy_reason=_unread_reason(old.uuid))
+            changed |= new.healthy != old.healthy
+            slot.info = replace(new, index=old.index, gpu_type=old.gpu_type, name=old.name,
+                                memory_total_mib=old.memory_total_mib,
+                                memory_reserved_mib=old.memory_reserved_mib,
+                                mig_parent_uuid=old.mig_parent_uuid)
         return changed
 
     def admit(self, placement: Placement, model: ModelSpec) -> Admitted | Refused:
