@@ -58,6 +58,8 @@ class FakeNvml:
         return self.gpus[i]
 
     def nvmlDeviceGetUUID(self, h: dict) -> str:  # noqa: N802
+        if "uuid_error" in h:
+            raise self.NVMLError(h["uuid_error"])
         return h["uuid"]
 
     def nvmlDeviceGetName(self, h: dict) -> str:  # noqa: N802
@@ -171,6 +173,23 @@ def test_mig_instances_are_devices_of_their_own() -> None:
     assert inventory.gpus[0].mig_parent_uuid == "GPU-0" and "3g.40gb" in inventory.gpus[0].name
     state = NodeModel.from_inventory(inventory.gpus).state("n", 1, 0, 0)
     assert state.gpus[1].mig_parent_uuid == "GPU-0" and state.gpus[2].mig_parent_uuid is None
+
+
+@pytest.mark.parametrize("fault", ["memory_error", "uuid_error"])
+def test_a_mig_instance_nvml_cannot_read_makes_its_gpu_unhealthy_not_the_node(fault) -> None:
+    """One MIG instance NVML could not read raised out of discovery: the agent did not start
+    (a raw traceback), and once started every heartbeat's read failed, for all its GPUs."""
+    migs = [{"uuid": f"MIG-{j}", "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "mib": 40192}
+            for j in range(2)]
+    node = NodeModel.from_inventory(build_inventory(nvml.discover(
+        FakeNvml([h100(0, mig=migs), h100(1)]))).gpus)
+    migs[1][fault] = "Insufficient Permissions"
+    inventory = build_inventory(nvml.discover(FakeNvml([h100(0, mig=migs), h100(1)])))
+    assert [(g.uuid, g.healthy) for g in inventory.gpus] == [("MIG-0", False), ("GPU-1", True)]
+    assert inventory.gpus[0].unhealthy_reason == (
+        "NVML cannot read it: MIG instance 1 unreadable: Insufficient Permissions")
+    assert node.refresh(inventory.gpus) is True
+    assert [g.info.healthy for g in node.gpus] == [False, False, True]
 
 
 @pytest.mark.parametrize("spec,types,memory", [

@@ -73,7 +73,7 @@ def read_device(nvml: Any, index: int) -> DeviceReading:
     temperature = _try(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
     power_mw = _try(nvml, nvml.nvmlDeviceGetPowerUsage, handle)
     ecc, ecc_error = _ecc(nvml, handle)
-    mig_enabled, migs = _mig(nvml, handle)
+    mig_enabled, migs, mig_error = _mig(nvml, handle)
     return DeviceReading(
         index=index, uuid=uuid, name=name, memory_total_mib=int(memory.total // MIB),
         memory_used_mib=int(memory.used // MIB),
@@ -81,7 +81,7 @@ def read_device(nvml: Any, index: int) -> DeviceReading:
         temperature_c=float(temperature) if temperature is not None else None,
         power_w=power_mw / 1000.0 if power_mw is not None else None,
         ecc_uncorrected_errors=ecc, mig_enabled=mig_enabled, mig_instances=migs,
-        error=ecc_error)
+        error="; ".join(e for e in (ecc_error, mig_error) if e) or None)
 
 
 def _ecc(nvml: Any, handle: Any) -> tuple[int | None, str | None]:
@@ -95,22 +95,28 @@ def _ecc(nvml: Any, handle: Any) -> tuple[int | None, str | None]:
         return None, f"ECC counters unreadable: {exc}"
 
 
-def _mig(nvml: Any, handle: Any) -> tuple[bool, tuple[MigReading, ...]]:
+def _mig(nvml: Any, handle: Any) -> tuple[bool, tuple[MigReading, ...], str | None]:
+    """(MIG mode on, the instances NVML could read, why some could not: their GPU is then
+    unhealthy, instances and all); never raises NVMLError."""
     mode = _try(nvml, nvml.nvmlDeviceGetMigMode, handle)
     if mode is None or mode[0] != nvml.NVML_DEVICE_MIG_ENABLE:
-        return False, ()
-    instances = []
+        return False, (), None
+    instances, errors = [], []
     for slot in range(_try(nvml, nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
         mig = _try(nvml, nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
         if mig is None:
             continue  # an empty slot
-        memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+        try:
+            memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+            uuid = _text(nvml.nvmlDeviceGetUUID(mig))
+        except nvml.NVMLError as exc:
+            errors.append(f"MIG instance {slot} unreadable: {_why(exc)}")
+            continue
         name = _text(_try(nvml, nvml.nvmlDeviceGetName, mig) or "MIG")
-        instances.append(MigReading(uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
-                                    profile=name.rsplit(" ", 1)[-1],
+        instances.append(MigReading(uuid=uuid, profile=name.rsplit(" ", 1)[-1],
                                     memory_total_mib=int(memory.total // MIB),
                                     memory_used_mib=int(memory.used // MIB)))
-    return True, tuple(instances)
+    return True, tuple(instances), "; ".join(errors) or None
 
 
 def _try(nvml: Any, func: Any, *args: Any) -> Any:
