@@ -118,6 +118,7 @@ def test_performance_model_orders_gpus_and_models_sensibly() -> None:
 @pytest.mark.parametrize("name,mib,expected", [
     ("NVIDIA H200", 143771, "H200-141GB"), ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
     ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"), ("NVIDIA L4", 23034, "L4-24GB"),
+    ("NVIDIA A100 80GB PCIe", 40192, "A100-80GB"),  # MIG: one instance's memory, not root
 ])
 def test_nvml_names_map_to_catalog_types(name: str, mib: int, expected: str) -> None:
     assert catalog_type(name, mib) == expected

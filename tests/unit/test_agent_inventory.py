@@ -175,6 +175,29 @@ def test_mig_instances_are_devices_of_their_own() -> None:
     assert state.gpus[1].mig_parent_uuid == "GPU-0" and state.gpus[2].mig_parent_uuid is None
 
 
+def test_a_mig_gpu_whose_own_memory_nvml_keeps_from_the_agent_is_still_used() -> None:
+    """NVML gives a GPU's memory in MIG mode to a privileged process only: an agent without
+    root lost the whole GPU ('NVML cannot read it', none of its instances listed)."""
+    migs = [{"uuid": f"MIG-{j}", "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb", "mib": 40192,
+             "used": 100 * j} for j in range(2)]
+    reading = nvml.discover(FakeNvml([h100(0, mig=migs, memory_error="Insufficient "
+                                                                     "Permissions")]))
+    [gpu] = reading.devices
+    assert (gpu.uuid, gpu.error, gpu.memory_total_mib, gpu.memory_used_mib) == (
+        "GPU-0", None, 2 * 40192, 100)
+    inventory = build_inventory(reading)
+    assert [(g.uuid, g.healthy, g.gpu_type) for g in inventory.gpus] == [
+        ("MIG-0", True, "H100-80GB"), ("MIG-1", True, "H100-80GB")]
+    assert [g.memory_reserved_mib for g in inventory.gpus] == [0, 100]
+    # one 40 GB instance of an 80 GB A100: the name says which A100 it is (its price)
+    a100 = {"uuid": "GPU-a", "name": "NVIDIA A100-SXM4-80GB", "mib": 81920,
+            "memory_error": "Insufficient Permissions",
+            "mig": [{"uuid": "MIG-a", "name": "NVIDIA A100-SXM4-80GB MIG 3g.40gb", "mib": 40192}]}
+    [instance] = build_inventory(nvml.discover(FakeNvml([a100]))).gpus
+    assert (instance.uuid, instance.gpu_type, instance.memory_total_mib) == (
+        "MIG-a", "A100-80GB", 40192)
+
+
 @pytest.mark.parametrize("fault", ["memory_error", "uuid_error"])
 def test_a_mig_instance_nvml_cannot_read_makes_its_gpu_unhealthy_not_the_node(fault) -> None:
     """One MIG instance NVML could not read raised out of discovery: the agent did not start

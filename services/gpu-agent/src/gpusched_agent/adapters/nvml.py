@@ -62,21 +62,28 @@ def read_device(nvml: Any, index: int) -> DeviceReading:
     except nvml.NVMLError as exc:
         return DeviceReading(index=index, uuid=f"{UNREADABLE_UUID_PREFIX}{index}",
                              name="unreadable", memory_total_mib=0, error=_why(exc))
+    mig_enabled, migs, mig_error = _mig(nvml, handle)
     name = "unreadable"
     try:
         name = _text(nvml.nvmlDeviceGetName(handle))
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        # in MIG mode NVML gives the parent's memory to a privileged process only; the
+        # agent schedules its instances' memory, not the parent's
+        memory = (_try(nvml, nvml.nvmlDeviceGetMemoryInfo, handle) if mig_enabled
+                  else nvml.nvmlDeviceGetMemoryInfo(handle))
     except nvml.NVMLError as exc:
         return DeviceReading(index=index, uuid=uuid, name=name, memory_total_mib=0,
                              error=_why(exc))
+    total_mib, used_mib = ((int(memory.total // MIB), int(memory.used // MIB))
+                           if memory is not None else
+                           (sum(m.memory_total_mib for m in migs),
+                            sum(m.memory_used_mib for m in migs)))
     util = _try(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
     temperature = _try(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
     power_mw = _try(nvml, nvml.nvmlDeviceGetPowerUsage, handle)
     ecc, ecc_error = _ecc(nvml, handle)
-    mig_enabled, migs, mig_error = _mig(nvml, handle)
     return DeviceReading(
-        index=index, uuid=uuid, name=name, memory_total_mib=int(memory.total // MIB),
-        memory_used_mib=int(memory.used // MIB),
+        index=index, uuid=uuid, name=name, memory_total_mib=total_mib,
+        memory_used_mib=used_mib,
         utilization_pct=float(util.gpu) if util is not None else None,
         temperature_c=float(temperature) if temperature is not None else None,
         power_w=power_mw / 1000.0 if power_mw is not None else None,

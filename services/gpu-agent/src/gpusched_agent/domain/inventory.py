@@ -90,12 +90,15 @@ class Inventory:
 
 
 def catalog_type(nvml_name: str, memory_mib: int) -> str:
-    """Map an NVML name ('NVIDIA H200') to the catalog type with the closest memory size."""
+    """Map an NVML name ('NVIDIA H200') to the catalog type of the size the name gives
+    ('NVIDIA A100-SXM4-80GB'), else with the closest memory size (a MIG GPU whose own
+    memory NVML does not give has its instances' sum, less than the whole)."""
     family = next((f for f in ("H200", "H100", "A100", "L4") if f in nvml_name), None)
     candidates = [t for t in GPU_TYPES.values() if family and t.name.startswith(family + "-")]
     if not candidates:
         candidates = list(GPU_TYPES.values())
-    return min(candidates, key=lambda t: abs(t.memory_mib - memory_mib)).name
+    named = [t for t in candidates if t.name.rsplit("-", 1)[-1] in nvml_name]  # '80GB'
+    return min(named or candidates, key=lambda t: abs(t.memory_mib - memory_mib)).name
 
 
 def health(reading: DeviceReading) -> str | None:
