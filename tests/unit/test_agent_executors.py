@@ -818,6 +818,42 @@ def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(monkeypat
     assert make_executor(simulated, inventory).name == "torch"  # one GPU stands in for many
 
 
+def test_the_agent_starts_beside_a_gpu_nvml_cannot_read(monkeypatch) -> None:
+    """A GPU NVML cannot read is listed as 'GPU-unreadable-<i>', which no CUDA UUID equals:
+    the torch executor refused to start, blaming CUDA_VISIBLE_DEVICES, where that GPU
+    should only be unhealthy. It is still counted, and the others still compared."""
+    from types import SimpleNamespace
+
+    from gpusched_agent.domain.inventory import (
+        UNREADABLE_UUID_PREFIX,
+        DeviceReading,
+        NodeReading,
+        build_inventory,
+    )
+    from gpusched_agent.main import make_executor
+    from gpusched_agent.settings import AgentSettings
+
+    inventory = build_inventory(NodeReading((
+        DeviceReading(0, "GPU-a", "NVIDIA H100 80GB HBM3", 81559),
+        DeviceReading(1, f"{UNREADABLE_UUID_PREFIX}1", "unreadable", 0, error="GPU is lost"),
+        DeviceReading(2, "GPU-c", "NVIDIA H100 80GB HBM3", 81559))))
+    assert [g.healthy for g in inventory.gpus] == [True, False, True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    settings = AgentSettings(executor="torch", torch_device="cuda")
+
+    def cuda_sees(order: list[str]) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i: SimpleNamespace(uuid=order[i]))
+
+    cuda_sees(["a", "b", "c"])
+    assert make_executor(settings, inventory).name == "torch"
+    for seen in (["a", "c"], ["c", "b", "a"], ["a", "b", "c", "d"]):
+        cuda_sees(seen)
+        with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+            make_executor(settings, inventory)
+
+
 def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     import subprocess
     import sys

@@ -20,7 +20,7 @@ import torch
 from gpusched_agent.adapters.batching import ContinuousBatcher, Sequence
 from gpusched_agent.adapters.executor import ExecutorError, ExecutorRefused, Job
 from gpusched_agent.adapters.torch_model import VOCAB, TinyConfig, TinyLM, parameter_bytes, tokenize
-from gpusched_agent.domain.inventory import GpuInfo
+from gpusched_agent.domain.inventory import UNREADABLE_UUID_PREFIX, GpuInfo
 from gpusched_common.catalog import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class TorchExecutor:
     def devices_problem(self, gpus: tuple[GpuInfo, ...]) -> str | None:
         """Why this executor's `cuda:i` is not NVML's GPU i of `gpus` (the inventory), or
         None when they match or it does not run on CUDA. With MIG on there is nothing to
-        compare (CUDA shows a process one MIG instance at most): None, with a warning."""
+        compare (CUDA shows a process one MIG instance at most): None, with a warning. A
+        GPU NVML could not name (`UNREADABLE_UUID_PREFIX`) is not compared, only counted:
+        it is unhealthy and gets no work."""
         if not self.device_kind.startswith("cuda") or ":" in self.device_kind:
             return None
         if any(g.mig_parent_uuid for g in gpus):
@@ -96,7 +98,12 @@ class TorchExecutor:
         cuda = [_bare(torch.cuda.get_device_properties(i).uuid)
                 for i in range(torch.cuda.device_count())]
         nvml = [_bare(g.uuid) for g in gpus]
-        if cuda == nvml:
+        unread = [g.uuid.startswith(UNREADABLE_UUID_PREFIX) for g in gpus]
+        if len(cuda) == len(nvml) and all(
+                c == n or skip for c, n, skip in zip(cuda, nvml, unread, strict=True)):
+            if any(unread):
+                log.warning("GPUs %s: NVML cannot read them, so they are not compared with "
+                            "CUDA's", [g.index for g, skip in zip(gpus, unread) if skip])
             return None
         return (f"CUDA's devices {cuda} are not NVML's GPUs {nvml} in order: the torch "
                 "executor runs GPU i's work on cuda:i. Leave CUDA_VISIBLE_DEVICES unset (the "
