@@ -854,6 +854,23 @@ def test_the_agent_starts_beside_a_gpu_nvml_cannot_read(monkeypatch) -> None:
             make_executor(settings, inventory)
 
 
+def test_torch_on_auto_beside_nvml_gpus_does_not_fall_back_to_the_cpu(monkeypatch) -> None:
+    """With a CPU-only torch on a node whose GPUs NVML reads, GPUSCHED_TORCH_DEVICE=auto
+    ran every request on the CPU while the node reported H100s and billed GPU-seconds."""
+    from gpusched_agent.domain.inventory import build_inventory, simulated_reading
+    from gpusched_agent.main import make_executor
+    from gpusched_agent.settings import AgentSettings
+
+    inventory = build_inventory(simulated_reading("2xH100-80GB", "n"))  # as if from NVML
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="NVML found 2 GPU.*GPUSCHED_TORCH_DEVICE=cpu"):
+        make_executor(AgentSettings(executor="torch", torch_device="auto"), inventory)
+    on_purpose = make_executor(AgentSettings(executor="torch", torch_device="cpu"), inventory)
+    simulated = make_executor(AgentSettings(executor="torch", simulate="2xH100-80GB"),
+                              inventory)
+    assert on_purpose.device_kind == simulated.device_kind == "cpu"
+
+
 def test_the_agent_does_not_import_torch_unless_it_is_selected() -> None:
     import subprocess
     import sys

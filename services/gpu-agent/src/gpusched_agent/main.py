@@ -71,7 +71,8 @@ def discover_inventory(settings: AgentSettings, nvml_module: Any = None
 def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -> Executor:
     """The executor the settings select; torch is imported only when it is selected. On
     NVML's `inventory` (not a simulated one), torch on CUDA must see the same GPUs in the
-    same order, or the agent does not start."""
+    same order, and GPUSCHED_TORCH_DEVICE=auto must find CUDA, or the agent does not
+    start."""
     if settings.executor == "torch":
         try:
             from gpusched_agent.adapters.torch_executor import TorchExecutor
@@ -82,8 +83,14 @@ def make_executor(settings: AgentSettings, inventory: Inventory | None = None) -
         executor = TorchExecutor(settings.torch_device, settings.seed,
                                  TinyConfig(dim=settings.torch_dim, layers=settings.torch_layers),
                                  threads=settings.torch_threads)
-        problem = (executor.devices_problem(inventory.gpus)
-                   if inventory is not None and not settings.simulate else None)
+        nvml_gpus = inventory.gpus if inventory is not None and not settings.simulate else None
+        if nvml_gpus and executor.device_kind == "cpu" and settings.torch_device == "auto":
+            raise ValueError(
+                f"NVML found {len(nvml_gpus)} GPU(s) but this torch sees no CUDA device (a "
+                "CPU-only build?): the work would run on the CPU and be billed as GPU time. "
+                "Install a CUDA build of torch, or set GPUSCHED_TORCH_DEVICE=cpu to run on "
+                "the CPU on purpose")
+        problem = executor.devices_problem(nvml_gpus) if nvml_gpus is not None else None
         if problem is not None:
             raise ValueError(problem)
         return executor
