@@ -950,12 +950,20 @@ def test_merge_keys_still_load_and_a_budget_written_twice_stops_the_start(tmp_pa
     (lambda ms: ms[0].update(weight_memory_mib=16000.5), "models.0.weight_memory_mib: "
      "Input should be a valid integer, got a number with a fractional part"),
     (lambda ms: ms[0].update(num_gpu=2), "models.0.num_gpu: Extra inputs are not permitted"),
-], ids=["model-twice", "bool-gpus", "text-memory", "fractional-memory", "misspelt-key"])
+    (lambda ms: ms[0].update(weight_memory_mib=10**19), "models.0.weight_memory_mib: Input "
+     "should be less than or equal to 4294967296"),
+    (lambda ms: ms[0].update(context_limit_tokens=2**63 - 1), "models.0.context_limit_tokens: "
+     "Input should be less than or equal to 134217728"),
+    (lambda ms: ms[0].update(kv_cache_bytes_per_token=2**40), "models.0."
+     "kv_cache_bytes_per_token: Input should be less than or equal to 1073741824"),
+], ids=["model-twice", "bool-gpus", "text-memory", "fractional-memory", "misspelt-key",
+        "memory-past-64-bits", "context-past-64-bits", "kv-past-64-bits"])
 def test_a_model_written_so_it_is_read_otherwise_stops_the_start_in_one_line(
         tmp_path, change, needle) -> None:
     """A model listed twice was served by its last entry while /v1/models listed both;
     `true` read as 1 (GPU, or MiB of weights); and every error came as pydantic's text over
-    many lines, without the file's name."""
+    many lines, without the file's name. Sizes past what the solver's 64-bit arrays hold
+    loaded, and stopped every scheduling cycle (1e19 MiB) or placed the model (2**63 - 1)."""
     models = yaml.safe_load((CONFIG / "models.yaml").read_text())
     change(models["models"])
     (tmp_path / "models.yaml").write_text(yaml.safe_dump(models))
@@ -1022,6 +1030,17 @@ def test_a_tenant_written_so_it_is_read_otherwise_stops_the_start(tmp_path, quot
         f"tenants:\n  - name: hooli\n    api_keys: [sk-h]\n    {quota}\n")
     with pytest.raises(ValueError, match=re.escape(needle)):
         load_tenants(tmp_path)
+
+
+def test_a_template_placeholder_left_in_a_config_file_is_an_error_naming_it(tmp_path) -> None:
+    """`api_keys: [{{ .Values.acmeKey }}]` (a Helm value not filled in) is a mapping used as
+    a key: every service stopped at start with a TypeError traceback naming no file."""
+    (tmp_path / "tenants.yaml").write_text(
+        "tenants:\n  - name: hooli\n    api_keys: [{{ .Values.acmeKey }}]\n")
+    with pytest.raises(ValueError) as refused:
+        load_tenants(tmp_path)
+    assert str(refused.value).startswith(f"{tmp_path / 'tenants.yaml'} is not valid YAML")
+    assert "template placeholder" in str(refused.value) and "line 3" in str(refused.value)
 
 
 NOW = 1_764_504_000_000  # 2025-11-30T12:00:00Z, the query API's clock below

@@ -49,6 +49,15 @@ def test_request_rejects_what_it_does_not_know(change: dict) -> None:
         REQUEST.validate_python(base | change)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_sampling_value_that_is_no_number_is_refused_as_such(field: str) -> None:
+    """`"temperature": NaN` (json.loads takes it) was refused as 'less than or equal to 2'."""
+    raw = json.dumps({"request_id": "r-1", "tenant": "acme", "model": "m", "prompt": "p",
+                      "created_at_ms": 1, field: float("nan")})
+    with pytest.raises(ValidationError, match="finite number"):
+        REQUEST.validate_json(raw)
+
+
 def test_result_events_dispatch_on_type_tag() -> None:
     chunk = TokenChunk(request_id="r", seq=0, text=" a", token_count=1)
     rejection = Rejection(request_id="r", status_code=404, reason="no such model")

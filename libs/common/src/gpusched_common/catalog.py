@@ -47,9 +47,13 @@ class ModelSpec(BaseModel):
     name: Name
     parameters_b: ConfigFloat = Field(gt=0, allow_inf_nan=False,
                                       description="Parameters, in billions.")
-    weight_memory_mib: ConfigInt = Field(gt=0)
-    kv_cache_bytes_per_token: ConfigInt = Field(gt=0)
-    context_limit_tokens: ConfigInt = Field(gt=0)
+    # bounded far above any model, below what sums of them in the solver's 64-bit arrays
+    # overflow (1e19 MiB stopped every scheduling cycle)
+    weight_memory_mib: ConfigInt = Field(gt=0, le=2**32, description="4 PiB at most.")
+    kv_cache_bytes_per_token: ConfigInt = Field(gt=0, le=2**30,
+                                                description="1 GiB per token at most.")
+    context_limit_tokens: ConfigInt = Field(gt=0, le=2**27,
+                                            description="134,217,728 tokens at most.")
     num_gpus: ConfigInt = Field(default=1, ge=1, le=8,
                                 description="GPUs of one node a request of it runs on unless "
                                 "the request says (tensor parallel, as vLLM's "
@@ -242,6 +246,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: what it brings
                 continue  # in may be overridden here, as YAML means it
             key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            try:
+                hash(key)
+            except TypeError:  # `{{ .Values.key }}` left by a template: a mapping as a key
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    "found a key that is a list or mapping (a template placeholder such as "
+                    "{{ ... }} not filled in?)", key_node.start_mark) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,

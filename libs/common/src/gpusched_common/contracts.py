@@ -57,11 +57,13 @@ sent again forever, after a restart too (its final records are filed), and the p
 never ended."""
 
 
-Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature as in "
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False,
+                                     description="Sampling temperature as in "
                                      "OpenAI's API (0: always the likeliest token).")]
 Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="Sampling seed: a 64-bit "
                            "integer, as engines (PyTorch, vLLM) take it.")]
-TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: draw from the likeliest "
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False,
+                              description="Nucleus sampling: draw from the likeliest "
                               "tokens that together hold this much probability.")]
 
 
