@@ -30,12 +30,13 @@ from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gpusched_accounting import handlers
-from gpusched_accounting.adapters.store import APPLIED, Retention, UsageStore
+from gpusched_accounting.adapters.store import APPLIED, REQUEST_KEY, Retention, UsageStore
 from gpusched_accounting.domain import budgets as b
 from gpusched_accounting.domain.usage import (
     CONFLICT,
     COUNTED,
     COUNTERS_SIZE,
+    DEDUP_MARGIN_S,
     DUPLICATE,
     GRANULARITY_S,
     NEW,
@@ -352,28 +353,30 @@ def test_a_request_id_used_again_after_the_dedup_window_is_a_new_request() -> No
                 for i, n in enumerate(("1", "final"))]
 
     first, again, other = run("acme", D), run("acme", 9 * D), run("globex", 9 * D)
+    KEPT_MS = (WEEK_S + DEDUP_MARGIN_S) * 1000  # noqa: N806
     one = recompute(first, dedup_ttl_s=WEEK_S)[("acme", 1 * 86_400)]
     assert one.requests == 1 and one.completion_tokens == 10
     assert recompute(first + again, dedup_ttl_s=WEEK_S)[("acme", 9 * 86_400)] == one
     assert recompute(other + first, dedup_ttl_s=WEEK_S)[("globex", 9 * 86_400)] == one
-    # within the window it is the first request's still: not billed, its day compared at 0
-    soon = recompute(first + run("globex", D + WEEK_S * 1000 - 2), dedup_ttl_s=WEEK_S)
-    assert soon[("globex", 7 * 86_400)] == Totals()
+    # within the window (and DEDUP_MARGIN_S) it is the first request's still: not billed, its day compared at 0
+    soon = recompute(first + run("globex", D + KEPT_MS - 2), dedup_ttl_s=WEEK_S)
+    assert soon[("globex", 8 * 86_400)] == Totals()
     # ids are kept the window after the request's last record (a run after preemption),
     # not its first
-    later = recompute(first + run("globex", D + WEEK_S * 1000 + 1), dedup_ttl_s=WEEK_S)
+    later = recompute(first + run("globex", D + KEPT_MS + 1), dedup_ttl_s=WEEK_S)
     assert later[("globex", 8 * 86_400)] == one
     rerun = run("acme", 2 * D, placement="r#1")
-    kept = recompute(first + rerun + run("globex", D + WEEK_S * 1000 + 1), dedup_ttl_s=WEEK_S)
+    kept = recompute(first + rerun + run("globex", D + KEPT_MS + 1), dedup_ttl_s=WEEK_S)
     assert kept[("globex", 8 * 86_400)] == Totals()
 
 
 def test_the_ids_of_a_record_ending_ahead_are_kept_from_its_end() -> None:
     """As the apply sets a request record's TTL: the window after the apply, or after the
     record's end if later, never shortened by a later record."""
-    assert dedup_expires_at_ms(0, 1000, 500, 60) == 61_000
-    assert dedup_expires_at_ms(0, 1000, 5000, 60) == 65_000
-    assert dedup_expires_at_ms(90_000, 1000, 500, 60) == 90_000
+    margin_ms = DEDUP_MARGIN_S * 1000
+    assert dedup_expires_at_ms(0, 1000, 500, 60) == 61_000 + margin_ms
+    assert dedup_expires_at_ms(0, 1000, 5000, 60) == 65_000 + margin_ms
+    assert dedup_expires_at_ms(900_000, 1000, 500, 60) == 900_000
 
 
 class LiveDays:
@@ -1321,6 +1324,23 @@ async def test_a_record_delivered_again_while_its_id_is_kept_is_a_silent_duplica
                                                                       "stale")}
     assert counted == {"applied": 1, "duplicate": 1, "stale": 0}
     assert (await redis_store.request_usage("r"))["prompt_tokens"] == 10
+
+
+async def test_a_record_delivered_again_as_its_window_closes_is_not_billed_twice(
+        redis_store: UsageStore) -> None:
+    """Staleness was judged on accounting's clock as the batch began, the ids' expiry on
+    Redis's as the script ran: redelivered after its ids expired but before it was stale by
+    the batch's clock (the batch's earlier chunks took that long, or the clocks are apart),
+    a record was applied again. Its ids are kept DEDUP_MARGIN_S past the window."""
+    store = UsageStore(redis_store.redis, 1, redis_store.retention)  # a 1 s window
+    now_ms = int(time.time() * 1000)
+    row = row_for(usage(started_at_ms=now_ms - 1000, ended_at_ms=now_ms - 20), PRICES)
+    assert await store.apply([row], now_ms) == [APPLIED]
+    assert await store.redis.ttl(REQUEST_KEY.format("r")) > DEDUP_MARGIN_S
+    await asyncio.sleep(1.1)  # a window later on Redis's clock
+    batch_began_ms = int(time.time() * 1000) - 300  # its earlier chunks took 300 ms
+    assert await store.apply([row], batch_began_ms) == [DUPLICATE]
+    assert (await store.request_usage("r"))["prompt_tokens"] == 10
 
 
 async def test_the_guessed_outcomes_are_the_apply_scripts_over_an_empty_redis(

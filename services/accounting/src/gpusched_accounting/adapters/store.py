@@ -13,15 +13,16 @@ requests, gpu_us, cost_nusd; `domain.usage.unpack` reads them):
                                        then its content digest as a line of its own: byte
                                        0xFF, 16 hex digits, a newline (absent for ids applied
                                        before digests were kept); TTL dedup_ttl_s
+                                       + DEDUP_MARGIN_S
   gpusched:usage:t:<tenant>:<g>:<s>    hash per tenant and bucket (g = m|h|d, s = start, epoch
                                        seconds): t, m:<model>, n:<node>, g:<gpu>, c:<class>
   gpusched:usage:all:<g>:<s>           the same over all tenants, plus u:<tenant>
   gpusched:usage:tenants               set of tenants ever billed
-Buckets expire `retention` after their end; request records `dedup_ttl_s` after their last
-record. Rows older than the dedup window whose event id is no longer kept are refused (-1):
-they could be duplicates that can no longer be recognised (one still kept is a duplicate, as
-any). A row whose event id was applied with another content digest is refused too (-2, a
-conflict): it is another record under a reused id, not a redelivery.
+Buckets expire `retention` after their end; request records `dedup_ttl_s` + DEDUP_MARGIN_S
+after their last record. Rows older than the dedup window whose event id is no longer kept
+are refused (-1): they could be duplicates that can no longer be recognised (one still kept
+is a duplicate, as any). A row whose event id was applied with another content digest is
+refused too (-2, a conflict): it is another record under a reused id, not a redelivery.
 A digest line starts with a byte UTF-8 never holds, so no id ever matches it, and a
 release that keeps no digests still finds every id (a rolling upgrade); so does the
 positions line, which a release that keeps no positions leaves as it is.
@@ -55,6 +56,7 @@ from redis.exceptions import NoScriptError
 from gpusched_accounting.domain.usage import (
     COUNTED,
     COUNTERS_SIZE,
+    DEDUP_MARGIN_S,
     GRANULARITY_CODE,
     NEW,
     TOTAL_FIELD,
@@ -90,6 +92,7 @@ do
   for j = 1, #g, 4 do guessed[g[j]] = {g[j + 1], g[j + 2], g[j + 3]} end
 end
 local oldest_ms = now_ms - dedup_ttl * 1000
+local keep_ids_s = dedup_ttl + tonumber(ARGV[8])  -- the window and DEDUP_MARGIN_S
 local HEAD = '<lllllBBH'
 
 -- the twin of domain/usage.py:take: adds positions [start, start + n) to spans (sorted
@@ -208,7 +211,7 @@ for rkey, q in pairs(req) do
   if q[10] then
     -- never shorter than it is: an earlier record ending ahead may need its id kept longer
     -- (domain/usage.py:dedup_expires_at_ms states this rule, which recompute follows)
-    local ttl = math.max(dedup_ttl + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
+    local ttl = math.max(keep_ids_s + math.ceil(((q[11] or now_ms) - now_ms) / 1000),
                          redis.call('TTL', rkey))
     local pos = ''
     if q[12] and (#q[12] > 0 or #q[13] > 0) then
@@ -256,8 +259,8 @@ return {1, outcome}
 """ARGV: rows as JSON (`_lua_row`), the guessed outcome of each row (JSON), now_ms,
 dedup_ttl_s, the bucket deltas of that guess as JSON ([key, expire_at_s, field, prompt,
 completion, requests, gpu_us, cost_nusd, field, ...], ...), the tenants with a new row
-(JSON) and what the new rows that do not bill all they carry bill in that guess (JSON,
-[row (1-based), prompt, completion, cost_nusd, row, ...]).
+(JSON), what the new rows that do not bill all they carry bill in that guess (JSON,
+[row (1-based), prompt, completion, cost_nusd, row, ...]) and DEDUP_MARGIN_S.
 Returns {1, outcomes} when the guess was right and applied, else {0, true outcomes, true
 prompt tokens billed, true completion tokens billed} and nothing changed. Keys are built by
 the caller, so this needs one Redis (or a cluster slot per batch), not Redis Cluster across
@@ -440,7 +443,8 @@ class PendingApply:
             "EVALSHA", await self._store.apply_sha(), 0, self._payload,
             pydantic_core.to_json(self._outcomes), self._now_ms, self._store.dedup_ttl_s,
             pydantic_core.to_json(deltas), pydantic_core.to_json(tenants),
-            pydantic_core.to_json(_partly(self._rows, self._outcomes, self._bills)))
+            pydantic_core.to_json(_partly(self._rows, self._outcomes, self._bills)),
+            DEDUP_MARGIN_S)
 
     async def result(self) -> list[int]:
         """Statuses per row (APPLIED, DUPLICATE, STALE, CONFLICT), once the rows are

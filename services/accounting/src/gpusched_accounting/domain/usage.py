@@ -489,15 +489,25 @@ def finest_kept(start_ms: int, now_ms: int, retention_s: dict[Granularity, int]
 
 # ---- recomputation ------------------------------------------------------------------------
 
+DEDUP_MARGIN_S = 300
+"""How much longer than the dedup window a request's event ids are kept. A record is stale
+(refused) when it ended a window before accounting's clock as its batch began; its ids
+expire a window after the apply on Redis's clock, which runs later by the time the batch's
+earlier chunks took, or ahead by a skew between the two hosts. Without the margin a record
+delivered again in that gap was neither stale nor known, and billed twice."""
+
+
 def dedup_expires_at_ms(expires_at_ms: int, applied_at_ms: int, ended_at_ms: int,
                         dedup_ttl_s: int) -> int:
     """When the live apply forgets a request's event ids (its request record expires) once it
     applies one more of its records at `applied_at_ms`, having kept them until
-    `expires_at_ms` (0: none kept): `dedup_ttl_s` after the apply, or after the record's end
-    if later (a record ending ahead of accounting's clock stays redeliverable until its end +
-    the window), never earlier than before. The apply script (adapters/store.py) sets the
-    record's TTL by this rule; a request id used again after it counts as a new request."""
-    return max(expires_at_ms, max(applied_at_ms, ended_at_ms) + dedup_ttl_s * 1000)
+    `expires_at_ms` (0: none kept): `dedup_ttl_s` + DEDUP_MARGIN_S after the apply, or after
+    the record's end if later (a record ending ahead of accounting's clock stays
+    redeliverable until its end + the window), never earlier than before. The apply script
+    (adapters/store.py) sets the record's TTL by this rule; a request id used again after it
+    counts as a new request."""
+    return max(expires_at_ms,
+               max(applied_at_ms, ended_at_ms) + (dedup_ttl_s + DEDUP_MARGIN_S) * 1000)
 
 
 def recompute(rows: Iterable[UsageRow], granularity: Granularity = "day", *,
