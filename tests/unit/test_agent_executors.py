@@ -788,25 +788,32 @@ def test_the_inference_servers_url_may_end_in_v1_as_openai_clients_write_it(
     assert str(executor._client.base_url).rstrip("/") == root
 
 
-def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(monkeypatch) -> None:
+@pytest.fixture
+def cuda_sees(monkeypatch):  # noqa: ANN201
+    """Makes torch see CUDA devices with these UUIDs, in this order."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def sees(order: list[str]) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i: SimpleNamespace(uuid=order[i]))
+
+    return sees
+
+
+def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(cuda_sees) -> None:
     """GPU i of NVML's inventory runs on cuda:i. CUDA_VISIBLE_DEVICES (NVML ignores it) or
     CUDA's fastest-first order would run work on another GPU than the one the scheduler
     placed it on, and on memory the agent never accounted for: refuse to start instead."""
-    from types import SimpleNamespace
-
     from gpusched_agent.domain.inventory import build_inventory, simulated_reading
     from gpusched_agent.main import make_executor
     from gpusched_agent.settings import AgentSettings
 
     inventory = build_inventory(simulated_reading("2xH100-80GB", "n"))  # as if from NVML
     uuids = [g.uuid.removeprefix("GPU-") for g in inventory.gpus]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     settings = AgentSettings(executor="torch", torch_device="cuda")
-
-    def cuda_sees(order: list[str]) -> None:
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda i: SimpleNamespace(uuid=order[i]))
 
     cuda_sees(uuids)
     assert make_executor(settings, inventory).name == "torch"
@@ -818,12 +825,10 @@ def test_the_agent_does_not_start_when_cuda_numbers_its_gpus_otherwise(monkeypat
     assert make_executor(simulated, inventory).name == "torch"  # one GPU stands in for many
 
 
-def test_the_agent_starts_beside_a_gpu_nvml_cannot_read(monkeypatch) -> None:
+def test_the_agent_starts_beside_a_gpu_nvml_cannot_read(cuda_sees) -> None:
     """A GPU NVML cannot read is listed as 'GPU-unreadable-<i>', which no CUDA UUID equals:
     the torch executor refused to start, blaming CUDA_VISIBLE_DEVICES, where that GPU
     should only be unhealthy. It is still counted, and the others still compared."""
-    from types import SimpleNamespace
-
     from gpusched_agent.domain.inventory import (
         UNREADABLE_UUID_PREFIX,
         DeviceReading,
@@ -838,13 +843,7 @@ def test_the_agent_starts_beside_a_gpu_nvml_cannot_read(monkeypatch) -> None:
         DeviceReading(1, f"{UNREADABLE_UUID_PREFIX}1", "unreadable", 0, error="GPU is lost"),
         DeviceReading(2, "GPU-c", "NVIDIA H100 80GB HBM3", 81559))))
     assert [g.healthy for g in inventory.gpus] == [True, False, True]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     settings = AgentSettings(executor="torch", torch_device="cuda")
-
-    def cuda_sees(order: list[str]) -> None:
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda i: SimpleNamespace(uuid=order[i]))
 
     cuda_sees(["a", "b", "c"])
     assert make_executor(settings, inventory).name == "torch"
