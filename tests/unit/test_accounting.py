@@ -358,7 +358,8 @@ def test_a_request_id_used_again_after_the_dedup_window_is_a_new_request() -> No
     assert one.requests == 1 and one.completion_tokens == 10
     assert recompute(first + again, dedup_ttl_s=WEEK_S)[("acme", 9 * 86_400)] == one
     assert recompute(other + first, dedup_ttl_s=WEEK_S)[("globex", 9 * 86_400)] == one
-    # within the window (and DEDUP_MARGIN_S) it is the first request's still: not billed, its day compared at 0
+    # within the window and its margin it is the first request's still: not billed, its
+    # day compared at 0
     soon = recompute(first + run("globex", D + KEPT_MS - 2), dedup_ttl_s=WEEK_S)
     assert soon[("globex", 8 * 86_400)] == Totals()
     # ids are kept the window after the request's last record (a run after preemption),
