@@ -3959,7 +3959,8 @@ async def test_admission_waiting_for_room_sees_the_queue_a_hand_back_reordered()
     assert not third.done()
     engine.queue.push(Pending(InferenceRequest(
         request_id="h", tenant="acme", model=SMALL.name, prompt="x", max_tokens=3,
-        priority_class="batch", attempt=1, requeued="preempted", created_at_ms=1000), {}, 1000))
+        priority_class="batch", attempt=1, requeued="preempted", created_at_ms=1000), {}, 1000,
+        retry=True))
     engine.view.apply_node_state(node("a", [80000]), 1000, NODE_TIMEOUT_MS)
     assert await engine.cycle() == 3
     await asyncio.wait_for(third, 1)
@@ -4732,6 +4733,109 @@ async def test_a_batch_the_ledger_cannot_answer_costs_one_failed_read() -> None:
     assert len(ledger.calls) == 1 and len(ledger.reads) == 100
     assert {p.request.request_id: p.charged for p in engine.queue.in_order()} == {
         **{f"retry{i}": False for i in range(50)}, **{f"first{i}": True for i in range(50)}}
+
+
+class _SavesLedger(_ReadsLedger):
+    """`_ReadsLedger` whose running hash takes every save a cycle makes."""
+
+    async def save(self, placements, epoch: int) -> bool:  # noqa: ANN001
+        return True
+
+    async def remove(self, placement_ids: list[str]) -> None:
+        pass
+
+
+_NOW_MS = 100_000_000
+_POSING = {"attempt": 1, "created_at_ms": 1}
+"""A later attempt whose record says its request was created in 1970."""
+
+
+def _retry_record(offset: int, request_id: str, tenant: str, cls: str, **extra
+                  ) -> ConsumerRecord:
+    """A request record of class `cls` of `tenant`, written at `_NOW_MS`."""
+    return replace(request_record(topics.REQUESTS[cls].name, offset, json.dumps({
+        "request_id": request_id, "tenant": tenant, "model": SMALL.name, "prompt": "x",
+        "max_tokens": 4, "priority_class": cls, **extra}).encode()), timestamp=_NOW_MS)
+
+
+@pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "judged-new"])
+async def test_a_record_posing_as_a_preempted_retry_waits_in_line_as_a_first_attempt(
+        confirmed: bool) -> None:
+    """A record produced straight to Kafka that says it is a preempted retry, with a
+    `created_at_ms` of 1, was judged new work (no agent took its previous attempt) but
+    queued by its own fields: aged at once, ahead of another tenant's interactive request,
+    and at the front of its class. Only a retry the agents' ledger confirms waits from its
+    request's creation and goes first in its class; the other waits from now, at the back."""
+    ledger = _ReadsLedger({"retry#0": "held"} if confirmed else {})
+    engine, _ = leading_engine(lambda: _NOW_MS, store=ledger)
+    await engine.admit([_retry_record(0, "honest", "acme", "interactive")])
+    await engine.admit([_retry_record(0, "early", "globex", "batch"),
+                        _retry_record(1, "retry", "initech", "batch", requeued="preempted",
+                                      **_POSING)])
+    assert ledger.reads[-1] == "retry#0"
+    retry = engine.queue.get(("retry", 1))
+    line = [(chunk, p.request.request_id) for chunk, p in engine.in_line(_NOW_MS)]
+    queued = [p.request.request_id for p in engine.queue.in_order()]
+    if confirmed:
+        assert line == [("aged", "retry"), ("interactive", "honest"), ("batch", "early")]
+        assert queued == ["honest", "retry", "early"]
+        assert retry.aging_from_ms == 1
+    else:
+        assert line == [("interactive", "honest"), ("batch", "early"), ("batch", "retry")]
+        assert queued == ["honest", "early", "retry"]
+        assert retry.aging_from_ms == _NOW_MS
+    assert (retry.retry, retry.charged) == (confirmed, not confirmed)
+
+
+@pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "judged-new"])
+async def test_a_record_posing_as_a_retry_is_placed_as_a_first_attempt_and_may_be_preempted(
+        confirmed: bool) -> None:
+    """Judged new work, a record that says it is a hand-back created in 1970 was placed as
+    aged work, which no class priority takes back: an interactive request of another tenant
+    that fit nowhere else waited behind it. Placed as a first attempt now, it is preempted
+    for that request; a confirmed retry, placed as aged, keeps its place."""
+    ledger = _SavesLedger({"b#0": "held"} if confirmed else {})
+    now = [_NOW_MS]
+    engine, _ = leading_engine(lambda: now[0], store=ledger)
+    await engine.admit([_retry_record(0, "b", "initech", "batch", prompt_tokens=20000,
+                                      requeued="handback", **_POSING)])
+    engine.view.apply_node_state(node("n1", [3800]), now[0], NODE_TIMEOUT_MS)
+    await engine.cycle()
+    [placed] = engine.running.values()
+    assert (placed.placement_id, placed.aged) == ("b#1", True if confirmed else None)
+    now[0] += 1000
+    engine.view.apply_node_state(node("n1", [3800 - placed.memory_mib_per_gpu],
+                                      models=(SMALL.name,), active=("b#1",), seq=2),
+                                 now[0], NODE_TIMEOUT_MS)
+    await engine.admit([_retry_record(0, "i", "acme", "interactive", prompt_tokens=20000)])
+    await engine.cycle()
+    assert ("b#1" in engine._victims) == (not confirmed)
+
+
+@pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "judged-new"])
+async def test_a_record_posing_as_a_retry_expires_under_its_queue_time_limit(
+        confirmed: bool) -> None:
+    """Retries of placed work never expire, and a record that only said it was one never
+    did either: judged new work, it now ends with a 503 past its class's queue time limit,
+    as a first attempt does, and gives its tokens-per-minute charge back."""
+    ledger = _ReadsLedger({"r#0": "held"} if confirmed else {})
+    now = [_NOW_MS]
+    engine, sent = leading_engine(lambda: now[0], store=ledger,
+                                  class_max_queue_ms=(("standard", 5000.0),))
+    await engine.admit([_retry_record(0, "r", "hooli", "standard", attempt=1,
+                                      requeued="handback", created_at_ms=_NOW_MS)])
+    assert (engine.quotas.tokens_last_minute("hooli", now[0]) > 0) == (not confirmed)
+    now[0] += 5000  # at its limit, not past it
+    assert await engine.cycle() == 0
+    now[0] += 1
+    assert await engine.cycle() == (0 if confirmed else 1)
+    if confirmed:
+        assert engine.queue.get(("r", 1)) is not None
+        return
+    [expired] = [RESULT_EVENT.validate_json(v) for v in sent[topics.RESULTS.name]]
+    assert (expired.request_id, expired.status_code, expired.code) == (
+        "r", 503, "queue_time_exceeded")
+    assert not len(engine.queue) and engine.quotas.tokens_last_minute("hooli", now[0]) == 0
 
 
 async def test_a_placement_sent_again_after_kafka_refused_its_cycle_is_charged_once() -> None:

@@ -135,10 +135,11 @@ other reasons."""
 
 Standing = Literal["new", "ran", "done"]
 """How a request that does not wait here is taken in, by what is known of its placements
-(`_standing`): `new` work is judged by its tenant's budget and quotas, and charged; work
-that `ran` (a retry of an attempt an agent claimed, or a first attempt an agent holds) is
-neither, as it was taken in once already; `done`, a first attempt whose placement ended or
-went on as a retry, is decided at once."""
+(`_standing`): `new` work is judged by its tenant's budget and quotas, and charged, and a
+later attempt judged so is queued as a first attempt (`Pending.retry`); work that `ran` (a
+retry of an attempt an agent claimed, or a first attempt an agent holds) is neither, as it
+was taken in once already, and a retry that ran keeps a retry's place in line; `done`, a
+first attempt whose placement ended or went on as a retry, is decided at once."""
 
 
 @dataclass(frozen=True)
@@ -639,9 +640,10 @@ class SchedulingEngine:
                 self._retried.pop(request.request_id, None)  # queued now: counted there
             item = waiting  # a redelivery of work still pending keeps its item
             if item is None:
+                # a later attempt judged new keeps none of a retry's privileges: its record
+                # only says it is one
                 item = Pending(request, carrier, now, charged=charged,
-                               waiting_since_ms=min(now, request.created_at_ms)
-                               if request.requeued is not None else None)
+                               retry=bool(request.attempt) and standing == "ran")
                 self.queue.push(item)
             if request.request_id in self._cancelled:  # its cancel came first
                 self._to_cancel.add(request.request_id)
@@ -1397,10 +1399,12 @@ class SchedulingEngine:
         A later attempt is a retry only where its previous attempt was claimed by an agent
         (which hands it back) or fenced by a scheduler (which retries it): a record produced
         straight to Kafka that only says it is a retry skipped its tenant's budget, its
-        requests in flight and its tokens per minute. A first attempt read again (an earlier
-        record held its offset back) may have been placed by a leader before: ended, it was
-        charged again, counted in flight and placed again for nothing. Without a claim, a
-        record is taken as it says: a first attempt as new, a retry as one."""
+        requests in flight and its tokens per minute, and, judged new but queued by its own
+        fields, still waited from its `created_at_ms` (aged at once), went to the front of
+        its class and never expired. A first attempt read again (an earlier record held its
+        offset back) may have been placed by a leader before: ended, it was charged again,
+        counted in flight and placed again for nothing. Without a claim, a record is taken
+        as it says: a first attempt as new, a retry as one."""
         attempt = request.attempt
         placement_id = _placement_id(request.request_id, max(0, attempt - 1))
         if self._gone(placement_id):  # it ended, or was retried, here (maybe during the batch)
@@ -1414,15 +1418,16 @@ class SchedulingEngine:
     def _take_expired(self, now_ms: int) -> list[tuple[Pending, Outgoing]]:
         """The requests still waiting for their first placement past their queue time limit
         (their own `max_queue_ms` or their class's, the lower), out of the queue, each with
-        its terminal 503 rejection (nothing ran, nothing is billed). Retries of placed work
-        never expire: they ran once already."""
+        its terminal 503 rejection (nothing ran, nothing is billed). Confirmed retries
+        (`Pending.retry`) never expire: they ran once already; a later attempt judged new
+        work expires as a first attempt does."""
         out: list[tuple[Pending, Outgoing]] = []
         if not self._max_queue_ms and not self.queue.limited:
             return out  # no limit applies to anything waiting
         for item in list(self.queue.in_order()):
             request = item.request
             limit_ms, source = self.queue_limit(request)
-            if item.placed_once or not _past(limit_ms, request, now_ms):
+            if item.placed_once or item.retry or not _past(limit_ms, request, now_ms):
                 continue
             waited_ms = now_ms - request.created_at_ms
             self.queue.remove(item)
@@ -2051,10 +2056,9 @@ def _first(chunks: list[Chunk], limit: int) -> list[Chunk]:
 
 
 def _past(limit_ms: float | None, request: InferenceRequest, now_ms: int) -> bool:
-    """Whether `request` has waited past `limit_ms` for its first placement (retries of
-    work placed once never expire)."""
-    return limit_ms is not None and request.attempt == 0 \
-        and now_ms - request.created_at_ms > limit_ms
+    """Whether `request` was created more than `limit_ms` ago (whether a request waiting
+    for its first placement is past its queue time limit; a confirmed retry never is)."""
+    return limit_ms is not None and now_ms - request.created_at_ms > limit_ms
 
 
 def _within_contract(retry_after_s: int | None) -> int | None:

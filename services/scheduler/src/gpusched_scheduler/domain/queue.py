@@ -32,14 +32,21 @@ class Pending:
     term that sent it no longer led, or that term was deposed before saving it): it may
     run, so it never expires; it is planned again, and run once by its agent's claim.
     (Under the term that sent it, a refused placement is sent again unchanged instead.)"""
-    waiting_since_ms: int | None = None
-    """Since when it counts as waiting for ageing, where not `enqueued_ms`: a preempted or
-    lost attempt goes on waiting from its request's creation, so its clock does not start
-    again at every hand-back."""
+    retry: bool = False
+    """A later attempt the scheduler confirmed as a retry of work it took in (its standing
+    `ran`: its previous attempt was claimed by an agent or fenced by a scheduler, or ran
+    here). Only such a retry waits on from its request's creation, goes to the front of its
+    class when preempted or lost, and never expires. A later attempt judged new work (a
+    record produced straight to Kafka that only says it is a retry) is queued as a first
+    attempt: its `created_at_ms` is the producer's word."""
 
     @property
     def aging_from_ms(self) -> int:
-        return self.enqueued_ms if self.waiting_since_ms is None else self.waiting_since_ms
+        """Since when it counts as waiting for ageing: when it was queued, or, a confirmed
+        retry, its request's creation (when it was queued, where that is earlier), so its
+        clock does not start again at every hand-back."""
+        return min(self.enqueued_ms, self.request.created_at_ms) if self.retry \
+            else self.enqueued_ms
 
     @property
     def key(self) -> Key:
@@ -60,8 +67,9 @@ class PendingQueue:
     cycle skips looking for expired work."""
 
     def push(self, item: Pending) -> bool:
-        """Queue at the back of its class, or at the front when it was preempted or lost
-        with its node; False when the same (request id, attempt) is already waiting."""
+        """Queue at the back of its class, or at the front when it is a confirmed retry
+        (`Pending.retry`) that was preempted or lost with its node; False when the same
+        (request id, attempt) is already waiting."""
         queue = self.by_class[item.request.priority_class]
         if item.key in queue:
             return False
@@ -69,7 +77,7 @@ class PendingQueue:
         self.by_tenant[item.request.tenant] += 1
         self.by_request.setdefault(item.request.request_id, []).append(item.key)
         self.limited += item.request.max_queue_ms is not None
-        if item.request.requeued in ("preempted", "node_lost"):
+        if item.retry and item.request.requeued in ("preempted", "node_lost"):
             # it waited its turn once already
             self.by_class[item.request.priority_class] = {item.key: item, **{
                 k: v for k, v in queue.items() if k != item.key}}
