@@ -490,26 +490,34 @@ def test_preemption_prices_each_earlier_attempt_of_a_victims_request(
     """Cheapest by progress alone, a hand-back placed just now was the next victim again
     and again: a simulation saw a borrower's request stopped 79 times in 700 s by a tenant
     reclaiming its guarantee, each stop one of its 100 attempts. Each earlier attempt now
-    counts EARLIER_ATTEMPT_GPU_S (30) GPU-seconds more."""
+    counts EARLIER_ATTEMPT_GPU_S (30) GPU-seconds more, where the scheduler confirmed the
+    retry (`RunningPlacement.retry`)."""
     view = ClusterView()
     view.apply_node_state(node("a", [0], models=(SMALL.name,)), 0, NODE_TIMEOUT_MS)
     victims = [RunningPlacement(placement_id=f"u{i}#{attempt}", node_id="a", gpu_indices=(0,),
                                 memory_mib_per_gpu=SMALL.kv_cache_mib(8100),
                                 kv_cache_mib=SMALL.kv_cache_mib(8100),
-                                estimate_gpu_s=1.0, placed_at_ms=at,
+                                estimate_gpu_s=1.0, placed_at_ms=at, retry=bool(attempt) or None,
                                 request=req(f"u{i}", victim_class, tenant="umbrella",
                                             max_tokens=8000).model_copy(
                                                 update={"attempt": attempt, "requeued":
                                                         "preempted" if attempt else None}))
                for i, (attempt, at) in enumerate(((3, 9_900), (0, 1_000), (0, 5_000)))]
-    decisions = plan(view, [req("p", preemptor, tenant=tenant, max_tokens=100)],
-                     now=10_000, running=victims, may_preempt={"p": 1 if preemptor ==
-                                                               "interactive" else 0},
-                     reclaiming={"p"} if preemptor == "batch" else (),
-                     borrowed=[v.placement_id for v in victims])
-    [pre] = decisions.preemptions
-    assert [v.placement_id for v in pre.victims] == ["u2#0"]  # not u0#3, placed 0.1 s ago
-    assert pre.gpu_seconds_lost == 5.0
+
+    def victims_of(running: list[RunningPlacement]) -> tuple[list[str], float]:
+        decisions = plan(view, [req("p", preemptor, tenant=tenant, max_tokens=100)],
+                         now=10_000, running=running, may_preempt={"p": 1 if preemptor ==
+                                                                   "interactive" else 0},
+                         reclaiming={"p"} if preemptor == "batch" else (),
+                         borrowed=[v.placement_id for v in running])
+        [pre] = decisions.preemptions
+        return [v.placement_id for v in pre.victims], pre.gpu_seconds_lost
+
+    assert victims_of(victims) == (["u2#0"], 5.0)  # not u0#3, placed 0.1 s ago
+    # a later attempt the scheduler judged new work (its record only says it is a retry)
+    # is priced as a first attempt: `"attempt": 99` made it the last victim of every plan
+    judged_new = [victims[0].model_copy(update={"retry": None}), *victims[1:]]
+    assert victims_of(judged_new) == (["u0#3"], pytest.approx(0.1))
 
 
 def test_borrowed_work_is_no_victim_of_its_own_tenant() -> None:
@@ -2113,7 +2121,8 @@ async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_r
     """That release decided whether work is borrowed at placement, and requires the mark on
     each placement it takes over (forbidding fields it does not know); this one judges it
     afresh each cycle and reads no mark: saved with it (false), read back without it, as a
-    placement that release saved with its own."""
+    placement that release saved with its own. This release's own marks (placed as aged, as
+    a confirmed retry) are not saved: that release forbids them."""
     placement = RunningPlacement(
         placement_id="r#0", node_id="n1", gpu_indices=(0,), memory_mib_per_gpu=4000,
         kv_cache_mib=1000, estimate_gpu_s=1.0, placed_at_ms=500,
@@ -2122,7 +2131,7 @@ async def test_placements_in_flight_are_saved_with_the_mark_the_release_before_r
                                  created_at_ms=0))
     store = RunningStore(redis)
     await redis.set(SCHEDULER_EPOCH_KEY, 3)
-    assert await store.save([placement], 3)
+    assert await store.save([placement.model_copy(update={"aged": True, "retry": True})], 3)
     saved = (await redis.hget(SCHEDULER_RUNNING_KEY, "r#0")).decode()
     assert set(json.loads(saved)) == set(placement.model_dump(
         exclude_none=True, exclude={"trace_carrier"})) | {"borrowed"}
@@ -4810,6 +4819,39 @@ async def test_a_record_posing_as_a_retry_is_placed_as_a_first_attempt_and_may_b
     await engine.admit([_retry_record(0, "i", "acme", "interactive", prompt_tokens=20000)])
     await engine.cycle()
     assert ("b#1" in engine._victims) == (not confirmed)
+
+
+@pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "judged-new"])
+async def test_a_record_posing_as_attempt_99_is_priced_as_a_first_attempt_by_a_plan(
+        confirmed: bool) -> None:
+    """Each earlier attempt of a victim costs a plan 30 GPU-seconds, so a record that only
+    said `"attempt": 99` was the last victim any plan picked, and others' work, running
+    longer, was stopped instead. Judged new work, it is priced as a first attempt now: of
+    two batch placements, the one placed last (least progress lost) stops for an
+    interactive request; a confirmed retry on its 99th attempt is spared."""
+    ledger = _SavesLedger({"posing#98": "held"} if confirmed else {})
+    now = [_NOW_MS]
+    engine, _ = leading_engine(lambda: now[0], store=ledger)
+    engine.view.apply_node_state(node("n1", [SMALL.weight_memory_mib + 2 * 600]), now[0],
+                                 NODE_TIMEOUT_MS)
+    await engine.admit([_retry_record(0, "first", "globex", "batch", prompt_tokens=20000)])
+    await engine.cycle()
+    now[0] += 10_000
+    free = SMALL.weight_memory_mib + 2 * 600 - engine.running["first#0"].memory_mib_per_gpu
+    engine.view.apply_node_state(node("n1", [free], models=(SMALL.name,), active=("first#0",),
+                                      seq=2), now[0], NODE_TIMEOUT_MS)
+    await engine.admit([_retry_record(1, "posing", "initech", "batch", prompt_tokens=20000,
+                                      attempt=99, requeued="handback", created_at_ms=now[0])])
+    await engine.cycle()
+    now[0] += 1000
+    free -= engine.running["posing#99"].memory_mib_per_gpu
+    engine.view.apply_node_state(node("n1", [free], models=(SMALL.name,),
+                                      active=("first#0", "posing#99"), seq=3), now[0],
+                                 NODE_TIMEOUT_MS)
+    await engine.admit([_retry_record(0, "i", "acme", "interactive", prompt_tokens=20000)])
+    await engine.cycle()
+    assert list(engine._victims) == ["first#0" if confirmed else "posing#99"]
+    assert engine.running["posing#99"].retry == (True if confirmed else None)
 
 
 @pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "judged-new"])

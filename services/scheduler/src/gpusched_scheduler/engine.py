@@ -970,6 +970,7 @@ class SchedulingEngine:
                 memory_mib_per_gpu=place.memory_mib_per_gpu, kv_cache_mib=place.kv_cache_mib,
                 estimate_gpu_s=self._estimate_request(request), placed_at_ms=now,
                 request=request, aged=True if self._aged(place.item, now) else None,
+                retry=True if place.item.retry else None,
                 trace_carrier=place.item.trace_carrier)
             self.view.reserve(self._reservation(running))
             self.running[pid] = running
@@ -1401,10 +1402,11 @@ class SchedulingEngine:
         straight to Kafka that only says it is a retry skipped its tenant's budget, its
         requests in flight and its tokens per minute, and, judged new but queued by its own
         fields, still waited from its `created_at_ms` (aged at once), went to the front of
-        its class and never expired. A first attempt read again (an earlier record held its
-        offset back) may have been placed by a leader before: ended, it was charged again,
-        counted in flight and placed again for nothing. Without a claim, a record is taken
-        as it says: a first attempt as new, a retry as one."""
+        its class, never expired and was priced by its `attempt` as a victim. A first
+        attempt read again (an earlier record held its offset back) may have been placed by
+        a leader before: ended, it was charged again, counted in flight and placed again for
+        nothing. Without a claim, a record is taken as it says: a first attempt as new, a
+        retry as one."""
         attempt = request.attempt
         placement_id = _placement_id(request.request_id, max(0, attempt - 1))
         if self._gone(placement_id):  # it ended, or was retried, here (maybe during the batch)

@@ -161,11 +161,12 @@ class RunningStore:
         traces: list[str] = []
         for p in placements:
             # readable by a scheduler one release behind: unset optional fields left out, as
-            # in Message.to_bytes, and `aged` and `trace_carrier` (it forbids fields it does
-            # not know; the trace context goes to TRACES_KEY), and the `borrowed` mark it
-            # requires, false (this release reads no mark: it judges what is borrowed afresh
-            # each cycle; that one reclaims none of the work it inherits)
-            saved = p.model_dump_json(exclude_none=True, exclude={"aged", "trace_carrier"})
+            # in Message.to_bytes, and `aged`, `retry` and `trace_carrier` (it forbids fields
+            # it does not know; the trace context goes to TRACES_KEY), and the `borrowed`
+            # mark it requires, false (this release reads no mark: it judges what is borrowed
+            # afresh each cycle; that one reclaims none of the work it inherits)
+            saved = p.model_dump_json(exclude_none=True,
+                                      exclude={"aged", "retry", "trace_carrier"})
             fields += (p.placement_id, saved[:-1] + ',"borrowed":false}')
             if p.trace_carrier:
                 traces += (p.placement_id, json.dumps(p.trace_carrier))

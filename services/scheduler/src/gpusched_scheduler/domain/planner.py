@@ -75,9 +75,11 @@ EARLIER_ATTEMPT_GPU_S = 30.0
 """What each earlier attempt of a victim's request (any requeue: preempted, its node lost or
 drained, handed back) adds to the progress a preemption plan loses by stopping it, in
 GPU-seconds: a rough price of one more restart (the prompt and the tokens so far prefilled
-again, maybe a model load, the queue). By progress alone, a borrower's hand-back was the
-cheapest victim of a tenant reclaiming its guarantee again and again; docs/ARCHITECTURE.md
-(Preemption) gives the simulation's numbers and the trade-off."""
+again, maybe a model load, the queue). Only a retry the scheduler confirmed is priced so
+(`RunningPlacement.retry`): a record that only says `"attempt": 99` was the last victim any
+plan picked. By progress alone, a borrower's hand-back was the cheapest victim of a tenant
+reclaiming its guarantee again and again; docs/ARCHITECTURE.md (Preemption) gives the
+simulation's numbers and the trade-off."""
 
 Evictable = tuple[tuple[int, int, frozenset[str]], ...]
 """A node's GPUs with idle models: (GPU index, MiB its agent would free by unloading them,
@@ -933,7 +935,8 @@ def _plan(state: ClusterState, snap: Snapshot, item: Pending, catalog: ModelCata
     borrowed = 0, batch = 1), not already being preempted, not `guarded` from a preemptor
     that `borrows` (would be borrowed once placed), and not placed as aged work unless
     `borrowed` and taken back by work that `reclaims` its tenant's guarantee; cost =
-    GPU-seconds of progress lost, `EARLIER_ATTEMPT_GPU_S` more per earlier attempt.
+    GPU-seconds of progress lost, `EARLIER_ATTEMPT_GPU_S` more per earlier attempt of a
+    confirmed retry (`RunningPlacement.retry`; any other is priced as a first attempt).
 
     Stopping a victim frees its KV cache; its model stays loaded. Only when that finds no
     plan is it planned again with the weights too: where every user of a whole model on a
@@ -1008,8 +1011,8 @@ def _cheapest(state: ClusterState, snap: Snapshot, catalog: ModelCatalog, unit: 
     victims.model_weight_mib[:] = 0
     lost = np.array([sum(max(0.0, now_ms - r.placed_at_ms) / 1000 * len(r.gpu_indices)
                          for r in v.members) for v in candidates], np.float64)
-    attempts = np.array([sum(r.request.attempt for r in v.members) for v in candidates],
-                        np.float64)
+    attempts = np.array([sum(r.request.attempt for r in v.members if r.retry)
+                         for v in candidates], np.float64)
     work = RunningWork(
         batch=victims, node=np.array([snap.node_index[v.members[0].node_id]
                                       for v in candidates], np.int64), gpus=gpus,

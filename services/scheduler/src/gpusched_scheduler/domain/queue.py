@@ -36,9 +36,10 @@ class Pending:
     """A later attempt the scheduler confirmed as a retry of work it took in (its standing
     `ran`: its previous attempt was claimed by an agent or fenced by a scheduler, or ran
     here). Only such a retry waits on from its request's creation, goes to the front of its
-    class when preempted or lost, and never expires. A later attempt judged new work (a
-    record produced straight to Kafka that only says it is a retry) is queued as a first
-    attempt: its `created_at_ms` is the producer's word."""
+    class when preempted or lost, never expires, and is priced by its earlier attempts as a
+    preemption victim (`RunningPlacement.retry`). A later attempt judged new work (a record
+    produced straight to Kafka that only says it is a retry) is queued as a first attempt:
+    its `created_at_ms` and `attempt` are the producer's word."""
 
     @property
     def aging_from_ms(self) -> int:

@@ -31,6 +31,12 @@ class RunningPlacement(BaseModel):
     next cycle and aged work never ran. A tenant reclaiming its guarantee still may. None
     otherwise. Not saved in Redis (a standby of an earlier version, which forbids fields it
     does not know, reads what is saved): a next leader does not know it."""
+    retry: bool | None = None
+    """True: placed as a retry the scheduler confirmed (`Pending.retry`): a preemption plan
+    prices it by its earlier attempts. None otherwise: priced as a first attempt, whatever
+    its request's `attempt` says (a producer's word where the retry was judged new work).
+    Not saved in Redis, as `aged`: a next leader prices the work it inherits as first
+    attempts."""
     trace_carrier: dict[str, str] = Field(default_factory=dict)
     """Its request's W3C trace context (`Pending.trace_carrier`): what is sent for it once
     placed (sent again, its retry, its end on its node's behalf) goes on in its request's
