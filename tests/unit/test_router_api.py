@@ -484,7 +484,7 @@ def test_a_chat_request_carries_its_conversation_for_the_engines_template() -> N
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]}, ACME, {}, CATALOG, "req-c", 0)
     assert [(t.role, t.content) for t in parsed.request.messages] == [
-        ("system", "be brief"), ("user", "ab")]
+        ("system", "be brief"), ("user", "a\nb")]
 
 
 def test_chat_messages_render_to_one_prompt() -> None:
@@ -502,13 +502,18 @@ def test_chat_without_messages_is_rejected() -> None:
     assert isinstance(parsed, ApiError) and "messages" in parsed.message
 
 
-def test_chat_text_parts_are_joined_and_other_parts_refused_not_dropped() -> None:
+def test_chat_text_parts_are_joined_as_vllm_joins_them_and_other_parts_refused() -> None:
+    """Text parts were joined with nothing between them: "Summarize:" and "The cat sat."
+    reached the engine as "Summarize:The cat sat."; vLLM joins them one per line
+    (`_parse_chat_message_content_parts`), as the engine's own chat API would."""
     def chat(content: list) -> object:
         return parse_chat({"model": "qwen2.5-1.5b", "messages": [
             {"role": "user", "content": content}]}, ACME, {}, CATALOG, "r", 1)
 
-    parsed = chat([{"type": "text", "text": "look "}, {"type": "text", "text": "here"}])
-    assert parsed.request.prompt == "user: look here\nassistant:"
+    parsed = chat([{"type": "text", "text": "Summarize:"},
+                   {"type": "text", "text": "The cat sat."}])
+    assert parsed.request.messages[0].content == "Summarize:\nThe cat sat."
+    assert parsed.request.prompt == "user: Summarize:\nThe cat sat.\nassistant:"
     refused = chat([{"type": "text", "text": "what is this?"},
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
     assert isinstance(refused, ApiError) and refused.status_code == 400

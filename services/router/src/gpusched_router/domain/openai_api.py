@@ -302,8 +302,11 @@ def render_chat(turns: tuple[ChatTurn, ...]) -> str:
 
 
 def _text_of(message: ChatMessage) -> str:
-    if isinstance(message.content, list):  # text parts only (parse_chat refuses the others)
-        return "".join(p["text"] for p in message.content)
+    """A message's text: its text parts (parse_chat refuses the others) one per line, as
+    vLLM joins them for the model's template (`"Summarize:"` and `"The cat sat."` are not
+    `"Summarize:The cat sat."`)."""
+    if isinstance(message.content, list):
+        return "\n".join(p["text"] for p in message.content)
     return message.content or ""
 
 
