@@ -404,12 +404,16 @@ async def test_a_request_too_large_for_a_kafka_record_is_a_413_not_a_500(router_
      "a text part needs its text as a string"),
     ({"role": "user", "content": []}, "messages.1.content",
      "the list of content parts is empty; send one text part at least"),
+    ({"role": "tool", "content": "22C", "tool_call_id": "c1"}, "messages.1.role",
+     "tool calling is not supported"),
 ], ids=["tool-calls", "function-call", "no-content", "null-content", "text-part-no-text",
-        "no-content-parts"])
+        "no-content-parts", "tool-result"])
 def test_chat_turns_that_would_lose_something_are_refused(message, param, needle) -> None:
     """Each was taken: the tool call dropped (published as an empty assistant turn), a user
     turn without content, or with an empty list of parts (which OpenAI refuses), rendered
-    as 'user: ', and a text part without text was called a part of an unsupported type."""
+    as 'user: ', and a text part without text was called a part of an unsupported type. A
+    tool result was taken without its tool_call_id, and with no tool call before it (those
+    are refused): an orphan, which OpenAI answers 400."""
     parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
         {"role": "user", "content": "hi"}, message]}, ACME, {}, CATALOG, "r", 1)
     assert isinstance(parsed, ApiError) and parsed.status_code == 400

@@ -265,6 +265,11 @@ def parse_chat(
     if isinstance(parsed, ApiError):
         return parsed
     for i, message in enumerate(parsed.messages):
+        if message.role == "tool":  # it answers a tool call, which is refused: it has none
+            where = f"messages.{i}.role"
+            return ApiError(400, f"{where}: a 'tool' message answers a tool call, and tool "
+                            "calling is not supported; leave tool results out, or send them "
+                            "as a user message", param=where)
         if message.tool_calls or message.function_call:
             where = f"messages.{i}.{'tool_calls' if message.tool_calls else 'function_call'}"
             return ApiError(400, f"{where}: tool calls are not supported, so a conversation "
