@@ -375,8 +375,10 @@ async def test_openai_executor_can_leave_stream_options_out() -> None:
 async def test_a_chat_request_goes_to_the_chat_api_and_a_resumed_one_continues_its_reply(
 ) -> None:
     """The engine applies the model's chat template (before, it got the plain rendering
-    on /v1/completions); a resumed reply is continued, not begun again."""
-    turns = (ChatTurn(role="system", content="be brief"), ChatTurn(role="user", content="hi"))
+    on /v1/completions), with each message's name where the client gave one (no "name":
+    null where it did not); a resumed reply is continued, not begun again."""
+    turns = (ChatTurn(role="system", content="be brief"),
+             ChatTurn(role="user", content="hi", name="alice"))
     async with LocalServer() as server:
         ex = OpenAIExecutor(server.url)
         chat = job("o3", max_tokens=3, messages=turns)
@@ -386,7 +388,9 @@ async def test_a_chat_request_goes_to_the_chat_api_and_a_resumed_one_continues_i
         assert await collect(ex.generate(resumed)) == [" c0", " c1"]
         await ex.close()
     first, again = server.bodies
-    assert first["messages"] == [t.model_dump() for t in turns] and "prompt" not in first
+    assert first["messages"] == [{"role": "system", "content": "be brief"},
+                                 {"role": "user", "content": "hi", "name": "alice"}]
+    assert "prompt" not in first
     assert again["messages"][-1] == {"role": "assistant", "content": " c0 c1"}
     assert again["continue_final_message"] is True and again["add_generation_prompt"] is False
 

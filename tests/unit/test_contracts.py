@@ -12,6 +12,7 @@ from gpusched_common.contracts import (
     PLACEMENT,
     REQUEST,
     RESULT_EVENT,
+    ChatTurn,
     InferenceRequest,
     LoadFailure,
     NestedTooDeep,
@@ -166,6 +167,34 @@ def test_a_resume_without_what_its_engine_told_reads_and_writes_as_a_release_bef
     told = request.model_copy(update={"resume": request.resume.model_copy(
         update={"prompt_tokens": 1_000, "ttft_ms": 120.0})})
     assert REQUEST.validate_json(told.to_bytes()) == told
+
+
+def test_chat_turns_without_a_name_read_and_write_as_a_release_before() -> None:
+    """A chat turn's `name` is newer than the turn: a turn without one leaves it out, so a
+    reader a release behind (which refuses fields it does not know) still takes the request,
+    and makes the same asks digest of it (agents compare theirs to tell a redelivery from
+    another request under the same id); a named turn carries its name unchanged."""
+    class OlderTurn(ChatTurn):  # a release before names
+        model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=None)
+
+    OlderTurn.model_fields.pop("name")
+    OlderTurn.model_rebuild(force=True)
+
+    class OlderRequest(InferenceRequest):
+        model_config = ConfigDict(extra="forbid", json_schema_extra=None)
+        messages: tuple[OlderTurn, ...] | None = None
+
+    plain = InferenceRequest(request_id="r", tenant="t", model="m", prompt="p",
+                             created_at_ms=5, messages=(ChatTurn(role="user", content="hi"),))
+    assert json.loads(plain.to_bytes())["messages"] == [{"role": "user", "content": "hi"}]
+    older = OlderRequest.model_validate_json(plain.to_bytes())
+    assert older.asks_digest() == plain.asks_digest()
+    named = plain.model_copy(update={"messages": (
+        ChatTurn(role="user", content="hi", name="alice"),)})
+    assert REQUEST.validate_json(named.to_bytes()) == named
+    assert named.asks_digest() != plain.asks_digest()
+    with pytest.raises(ValidationError, match="name"):  # the new feature needs the new reader
+        OlderRequest.model_validate_json(named.to_bytes())
 
 
 def resumed(resume: Resume | None, max_tokens: int = 32_000) -> InferenceRequest:

@@ -525,6 +525,45 @@ def test_chat_text_parts_are_joined_as_vllm_joins_them_and_other_parts_refused()
         refused.message)
 
 
+def test_a_messages_name_reaches_the_engine_and_the_rendered_prompt() -> None:
+    """`name` (who wrote the message: multi-agent clients such as AutoGen send it) was
+    dropped: two assistants of a group chat reached the engine as one. It is carried in the
+    turn, so the engine's chat template gets it, and in the prompt rendered from the turns,
+    which sizes and bills the request and is what the torch and simulated executors run; an
+    unnamed turn's record has no `name`, as a release before wrote it."""
+    body = {"model": "qwen2.5-1.5b", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "assistant", "content": "I'd say yes.", "name": "planner"},
+        {"role": "assistant", "content": "No.", "name": "critic-2"}]}
+    parsed = parse_chat(body, ACME, {}, CATALOG, "r", 1)
+    assert [t.name for t in parsed.request.messages] == [None, "planner", "critic-2"]
+    assert json.loads(parsed.request.to_bytes())["messages"] == body["messages"]
+    assert parsed.request.prompt == ("system: be brief\nassistant (planner): I'd say yes.\n"
+                                     "assistant (critic-2): No.\nassistant:")
+    # an Idempotency-Key stands for the body: a retry naming another participant is another
+    renamed = json.loads(json.dumps(body))
+    renamed["messages"][2]["name"] = "critic-3"
+    assert request_digest("/v1/chat/completions", body) != \
+        request_digest("/v1/chat/completions", renamed)
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("Ada Lovelace", "' ' is not allowed in a name"),
+    ("<|im_start|>system", "'<' is not allowed in a name"),
+    ("", "at least 1 character"),
+    ("a" * 65, "at most 64 characters"),
+    (7, "a valid string"),
+], ids=["space", "special-token", "empty", "too-long", "number"])
+def test_a_name_openai_refuses_is_a_400_naming_it(name, needle) -> None:
+    """As OpenAI takes a name: 1 to 64 characters, no whitespace nor any of < | \\ / > (a
+    name is rendered into the model's prompt, and chat templates make their special tokens
+    of those)."""
+    parsed = parse_chat({"model": "qwen2.5-1.5b", "messages": [
+        {"role": "user", "content": "hi", "name": name}]}, ACME, {}, CATALOG, "r", 1)
+    assert isinstance(parsed, ApiError) and parsed.status_code == 400
+    assert parsed.param == "messages.0.name" and needle in parsed.message
+
+
 def test_chat_features_gpusched_lacks_are_refused_and_their_off_values_pass() -> None:
     def chat(**extra: object) -> object:
         return parse_chat({"model": "qwen2.5-1.5b", "messages": [

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -127,12 +129,38 @@ class Message(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
+MAX_CHAT_NAME_CHARS = 64
+"""Longest `ChatTurn.name`: the limit OpenAI documented and enforced (`^[a-zA-Z0-9_-]{1,64}$`),
+which clients still cut names to."""
+
+_NOT_IN_A_NAME = re.compile(r"[\s<|\\/>]")
+r"""What OpenAI refuses in a chat message's name now (`^[^\s<|\\/>]+$`): whitespace, and
+the characters chat templates make their special tokens of (`<|im_start|>`)."""
+
+
+def _chat_name(name: str) -> str:
+    if (bad := _NOT_IN_A_NAME.search(name)) is not None:
+        raise ValueError(f"{bad.group()!r} is not allowed in a name, as in OpenAI's API: no "
+                         "whitespace nor any of < | \\ / > (use _ or - instead)")
+    return name
+
+
+ChatName = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_NAME_CHARS),
+                     AfterValidator(_chat_name)]
+
+
 class ChatTurn(BaseModel):
-    """One message of a chat request's conversation (text only)."""
+    """One message of a chat request's conversation (text only), and who wrote it where the
+    client named them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str = Field(max_length=MAX_PROMPT_CHARS)
+    # newer than the turn: None is left out of the record (`Message.to_bytes`), so a reader
+    # one release behind takes every turn without one
+    name: ChatName | None = Field(
+        default=None, description="The participant who wrote it, to tell apart participants "
+        "of the same role (OpenAI's `name`; multi-agent clients send it).")
 
 
 class Resume(BaseModel):
@@ -161,7 +189,9 @@ class Resume(BaseModel):
 
 
 ASKS_VERSION = 1
-"""Of `InferenceRequest.asks_digest`: raised when `asks()` or a chat turn's fields change."""
+"""Of `InferenceRequest.asks_digest`: raised when `asks()` or a chat turn's fields change
+what the digest of a request already made is (a new optional field, left out while unset,
+does not)."""
 
 
 def asks_differ(digest: str, other: str) -> bool:
@@ -250,7 +280,9 @@ class InferenceRequest(Message):
         """`asks()` as a digest that is the same in every process (Python's `hash` is not),
         `<ASKS_VERSION>:<hex>`: digests of two versions (a release that asks for more) are
         not compared (`asks_differ`)."""
-        asked = [*self.asks()[:-1], [m.model_dump() for m in self.messages or ()]]
+        # a turn without a name digests as it did before turns had one
+        asked = [*self.asks()[:-1], [m.model_dump(exclude_none=True)
+                                     for m in self.messages or ()]]
         text = json.dumps(asked, ensure_ascii=False, separators=(",", ":"))
         digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:32]
         return f"{ASKS_VERSION}:{digest}"

@@ -139,7 +139,8 @@ class OpenAIExecutor:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         if request.messages is not None:  # the engine applies the model's chat template
             path = "/v1/chat/completions"
-            messages = [m.model_dump() for m in request.messages]
+            # as the client sent them: a name where it gave one, no "name": null
+            messages = [m.model_dump(exclude_none=True) for m in request.messages]
             if job.prefix:  # vLLM's way to go on with the reply it had begun
                 messages.append({"role": "assistant", "content": job.prefix})
                 body |= {"continue_final_message": True, "add_generation_prompt": False}

@@ -162,6 +162,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: Any = None  # checked as the turn's own (`ChatTurn.name`)
     tool_calls: list[Any] | None = None  # refused when not empty: passing on without them
     function_call: dict[str, Any] | None = None  # would change the conversation
 
@@ -293,7 +294,8 @@ def parse_chat(
     turns: list[ChatTurn] = []
     for i, message in enumerate(parsed.messages):
         try:  # the turn's own limits: its joined text parts are one content
-            turns.append(ChatTurn(role=message.role, content=_text_of(message)))
+            turns.append(ChatTurn(role=message.role, content=_text_of(message),
+                                  name=message.name))
         except ValidationError as exc:
             return _invalid(exc, within=("messages", i))
     conversation = tuple(turns)
@@ -302,8 +304,11 @@ def parse_chat(
 
 
 def render_chat(turns: tuple[ChatTurn, ...]) -> str:
-    """A plain chat template: one `role: text` line per message, then `assistant:`."""
-    return "\n".join([*(f"{t.role}: {t.content}" for t in turns), "assistant:"])
+    """A plain chat template: one `role: text` line per message (`role (name): text` for a
+    named one), then `assistant:`. It sizes and bills the request, and is what the torch and
+    simulated executors run."""
+    return "\n".join([*(f"{t.role} ({t.name}): {t.content}" if t.name else
+                        f"{t.role}: {t.content}" for t in turns), "assistant:"])
 
 
 def _text_of(message: ChatMessage) -> str:
