@@ -19,8 +19,9 @@ from redis.exceptions import RedisError
 
 from gpusched_common.catalog import load_models, load_tenants
 from gpusched_common.contracts import InferenceRequest, Rejection, RequestResult, TokenChunk
+from gpusched_common.redis_keys import BUDGET_EXHAUSTED_KEY
 from gpusched_common.settings import RedisSettings, TelemetrySettings
-from gpusched_common.topics import REQUESTS
+from gpusched_common.topics import CONTROL, REQUESTS
 from gpusched_router.adapters.results import STATUS_KEY, ResultsHub
 from gpusched_router.domain.idempotency import FirstUse, check_key, request_digest
 from gpusched_router.domain.openai_api import (
@@ -1026,6 +1027,75 @@ async def test_a_503_for_kafka_away_says_when_to_retry(monkeypatch) -> None:
     for reply in (taken, cancel):
         assert (reply.status_code, reply.headers.get("retry-after")) == (503, "1")
         assert reply.json()["error"]["message"].startswith("Kafka did not take")
+
+
+class DoorRedis(NoBudgetSpent):
+    """Redis as a request's way in reads it, with a budget spent for the tenants in `spent`,
+    or away altogether (`away`); a cancel's flag is taken and dropped."""
+
+    def __init__(self) -> None:
+        self.spent: set[str] = set()
+        self.away = False
+
+    async def get(self, key: str) -> bytes | None:
+        if self.away:
+            raise RedisError("connection refused")
+        spent = key in {BUDGET_EXHAUSTED_KEY.format(t) for t in self.spent}
+        return b'{"reason": "tenant acme has spent its day budget"}' if spent else None
+
+    async def pttl(self, key: str) -> int:
+        return 60_000
+
+    async def set(self, key: str, value: str, **options: object) -> None:
+        return None
+
+
+async def test_every_answer_at_the_door_names_its_request(monkeypatch) -> None:
+    """The answers refused at the door (400, 401, 404, 413, the spent budget's 429, Kafka's
+    and Redis's 503, a 500) had no `x-request-id`: the openai SDK's `e.request_id` was None,
+    though Kafka's 503 had made a request id and sent its cancel under it. Each names its
+    request now: the one it had, else a fresh one."""
+    redis = DoorRedis()
+    monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: redis)
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                                    max_body_bytes=2048))
+    cancelled: list[str] = []
+
+    async def publish(message: bytes, topic: str, **options: object) -> None:
+        if topic != CONTROL.name:
+            raise KafkaTimeoutError  # as aiokafka gives up
+        cancelled.append(json.loads(message)["request_id"])
+
+    monkeypatch.setattr(app.state.broker, "publish", publish)
+    hi = {"model": "qwen2.5-1.5b", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def answer(body: dict | str, status: int, **headers: str) -> str:
+        reply = await post(app, "/v1/chat/completions",
+                           body if isinstance(body, str) else json.dumps(body), **headers)
+        assert reply.status_code == status, reply.text
+        assert re.fullmatch(r"req-[0-9a-f]{32}", reply.headers.get("x-request-id", "")), status
+        return reply.headers["x-request-id"]
+
+    named = [
+        await answer(hi, 401, authorization="Bearer sk-nobody"),
+        await answer("{", 400),
+        await answer({**hi, "model": "gpt-17"}, 404),
+        await answer({**hi, "stop": "x" * 4000}, 413),
+    ]
+    redis.spent.add("acme")
+    named.append(await answer(hi, 429))
+    redis.spent.clear()
+    redis.away = True
+    named.append(await answer(hi, 503))
+    redis.away = False
+    with monkeypatch.context() as broken:
+        broken.setattr("gpusched_router.main.parse_chat", lambda *args: 1 / 0)
+        named.append(await answer(hi, 500))
+    kafka_away = await answer(hi, 503)
+    for _ in range(10):  # the cancel goes out on its own
+        await asyncio.sleep(0)
+    assert cancelled == [kafka_away]  # the id its cancel went out under
+    assert len({*named, kafka_away}) == len(named) + 1
 
 
 async def test_the_schedulers_429_for_a_spent_budget_is_not_retried_by_the_sdk(

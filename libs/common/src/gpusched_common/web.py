@@ -74,18 +74,22 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, ready: Callable[[]
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def unavailable_without_redis(app: FastAPI,
-                              body: Callable[[Request, str], dict[str, Any]]) -> None:
+def unavailable_without_redis(
+    app: FastAPI, body: Callable[[Request, str], dict[str, Any]],
+    headers: Callable[[Request], dict[str, str]] = lambda request: {},
+) -> None:
     """A request that needs Redis while it is down or stalled (after the client's retries)
-    gets 503 with the reason and `Retry-After`, shaped by `body(request, reason)`, instead of
-    a bare 500: clients retry a 503, and the operator reads what is missing."""
+    gets 503 with the reason and `Retry-After`, shaped by `body(request, reason)` and with
+    `headers(request)`, instead of a bare 500: clients retry a 503, and the operator reads
+    what is missing."""
 
     @app.exception_handler(RedisError)
     async def redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
         # the client reads what failed; where Redis lives is for the operator's log
         reason = f"Redis is unavailable ({type(exc).__name__}); nothing was done, retry shortly"
         log.warning("%s %s: Redis is unavailable: %r", request.method, request.url.path, exc)
-        return JSONResponse(body(request, reason), status_code=503, headers=retry_shortly())
+        return JSONResponse(body(request, reason), status_code=503,
+                            headers=headers(request) | retry_shortly())
 
 
 Settings = TypeVar("Settings", bound=ServiceSettings)

@@ -215,7 +215,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             accepted.labels("unknown", "http_503").inc()
         return ApiError(503, reason).body()
 
-    unavailable_without_redis(app, redis_away)
+    unavailable_without_redis(app, redis_away, headers=lambda request: {
+        "x-request-id": _request_id_of(request)} if request.url.path in DOOR_PATHS else {})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -228,19 +229,21 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         failed = ApiError(500, f"internal error ({type(exc).__name__}); the router's log has "
                           "the details")
-        return refused(failed) if request.url.path in DOOR_PATHS else error(failed)
+        return refused(failed, _request_id_of(request)) if request.url.path in DOOR_PATHS \
+            else error(failed)
 
     def error(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
 
-    def refused(err: ApiError, priority_class: str = "unknown",
+    def refused(err: ApiError, request_id: str, priority_class: str = "unknown",
                 headers: dict[str, str] | None = None) -> JSONResponse:
         """An error answered at the door, counted by its status: a request refused before it
         was taken in, or a 500 (which may come after it was). A status read, a cancel or a
         model lookup is no request at the door: their 404s and 503s counted there inflated
-        the server-errors alert's ratio."""
+        the server-errors alert's ratio. It names the request (`x-request-id`, the openai
+        SDK's `e.request_id`): the one a 503 from Kafka was cancelled under."""
         accepted.labels(priority_class, f"http_{err.status_code}").inc()
-        return error(err, headers)
+        return error(err, {"x-request-id": request_id, **(headers or {})})
 
     async def authenticate(request: Request) -> Any:
         header = request.headers.get("authorization", "")
@@ -299,29 +302,30 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         return task
 
     async def handle(request: Request, parse: Any, kind: str) -> Response:
+        # made first, so that every answer names the request: a refusal too, and a 500
+        request_id = request.state.request_id = _new_request_id()
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
-            return refused(tenant)
+            return refused(tenant, request_id)
         if (twice := repeated_header(request.headers.getlist)) is not None:
-            return refused(twice)
+            return refused(twice, request_id)
         body = await read_json(request)
         if isinstance(body, ApiError):
-            return refused(body)
-        request_id = f"req-{uuid.uuid4().hex}"
+            return refused(body, request_id)
         parsed = parse(body, tenant, request.headers, catalog, request_id, clock())
         if isinstance(parsed, ApiError):
-            return refused(parsed)
+            return refused(parsed, request_id)
         req = parsed.request
         key = request.headers.get(IDEMPOTENCY_HEADER)
         use: FirstUse | None = None
         if key is not None:
             if (bad := check_key(key)) is not None:
-                return refused(bad, req.priority_class)
+                return refused(bad, request_id, req.priority_class)
             use = FirstUse(request_id, request_digest(request.url.path, body), clock())
             holder = await idempotency.claim(tenant.name, key, use)
             if holder is not None:
                 if holder.digest != use.digest:
-                    return refused(reused(key), req.priority_class)
+                    return refused(reused(key), request_id, req.priority_class)
                 stored = (await hub.status(holder.request_id) or {}).get("result")
                 if stored is None or not passes_later(stored) or \
                         not await idempotency.take_over(tenant.name, key, holder, use):
@@ -348,10 +352,10 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             headers = {"x-should-retry": "false"}
             if left_ms > 0:
                 headers["retry-after"] = str(-(-left_ms // 1000))
-            return refused(_budget_error(spent), req.priority_class, headers)
+            return refused(_budget_error(spent), request_id, req.priority_class, headers)
         if hub.stopped:  # its body came in after the drain: it would run, its client told 503
             await free_key()
-            return refused(_not_sent(), req.priority_class, retry_shortly())
+            return refused(_not_sent(), request_id, req.priority_class, retry_shortly())
         queue = hub.open(request_id)
         try:
             trace_id = await take_in(req, kind)
@@ -363,8 +367,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
             await free_key()
             return refused(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
-                                       "it is cancelled, send it again"), req.priority_class,
-                         retry_shortly())
+                                         "it is cancelled, send it again"), request_id,
+                           req.priority_class, retry_shortly())
         except Exception:
             hub.close(request_id, queue)
             await free_key()
@@ -406,7 +410,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         """Answer a retry with an Idempotency-Key already used for the same request: the
         first use's outcome, once it has one; nothing runs again. If the first use's request
         was never taken in (its router died first), the retry sends it, under its id."""
-        request_id = holder.request_id
+        request_id = request.state.request_id = holder.request_id  # what a 500 names too
         queue = hub.open(request_id)  # before reading the status: no outcome falls between
         try:
             status = await hub.status(request_id) or {}
@@ -525,7 +529,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             observe("client_gone")
             if abandoned is not None:
                 abandoned()
-            return Response(status_code=499)  # nobody reads it
+            return Response(status_code=499, headers=headers)  # nobody reads it
         failed = _error_of(first)
         if failed is not None:
             observe(_answered(first) if was_taken_in() else None)
@@ -605,6 +609,15 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     app.state.broker = broker
     app.state.hub = hub
     return app
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def _request_id_of(request: Request) -> str:
+    """The id `handle` made for a request at the door; a fresh one where it made none."""
+    return getattr(request.state, "request_id", None) or _new_request_id()
 
 
 def _budget_error(flag: bytes) -> ApiError:
