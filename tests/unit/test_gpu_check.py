@@ -41,14 +41,25 @@ def nvmlDeviceGetMemoryInfo(h):
     if h.get("lost"):
         raise NVMLError("GPU is lost")
     return SimpleNamespace(total=h["mib"] * MIB, used=615 * MIB)
-def nvmlDeviceGetUtilizationRates(h): return SimpleNamespace(gpu=0, memory=0)
+def nvmlDeviceGetUtilizationRates(h):
+    if "mig" in h:  # NVML: not supported on a GPU in MIG mode
+        raise NVMLError_NotSupported()
+    return SimpleNamespace(gpu=0, memory=0)
 def nvmlDeviceGetTemperature(h, sensor): return 36
 def nvmlDeviceGetPowerUsage(h):
     if h.get("no_power"):
         raise NVMLError_NotSupported()
     return 81241
 def nvmlDeviceGetTotalEccErrors(h, kind, counter): return 0
-def nvmlDeviceGetMigMode(h): raise NVMLError_NotSupported()
+def nvmlDeviceGetMigMode(h):
+    if "mig" not in h:
+        raise NVMLError_NotSupported()
+    return (1, 1)
+def nvmlDeviceGetMaxMigDeviceCount(h): return 7
+def nvmlDeviceGetMigDeviceHandleByIndex(h, i):
+    if i >= len(h["mig"]):
+        raise NVMLError("Not Found")
+    return h["mig"][i]
 '''
 
 
@@ -87,6 +98,16 @@ def test_a_gpu_nvml_cannot_read_fails_it_with_the_reason(tmp_path: Path) -> None
     assert "no healthy GPU: nothing to run work on" in only_lost.stdout, only_lost.stdout
     assert "GPU 0 is unhealthy: NVML cannot read it" in only_lost.stdout
     assert only_lost.returncode == 6
+
+
+def test_a_gpu_in_mig_mode_passes_its_nvml_part(tmp_path: Path) -> None:
+    """NVML gives no utilization in MIG mode: that is no failure of its instances."""
+    instances = [{"uuid": f"MIG-{j}", "name": "NVIDIA H200 MIG 3g.71gb", "mib": 71680}
+                 for j in range(2)]
+    done = gpu_check(tmp_path, [h200(0, mig=instances)])
+    assert "2 schedulable devices" in done.stdout, done.stdout + done.stderr
+    assert "MIG of GPU-9af514ac-0" in done.stdout
+    assert done.returncode == 3 and "  - " not in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("gpus", [[]])

@@ -19,7 +19,8 @@ class AccountingSettings(ServiceSettings):
         "usage topic; instances in one group share its partitions.")
     dedup_ttl_s: int = Field(
         default=DEDUP_TTL_S, ge=MIN_DEDUP_TTL_S, description="How long a request's applied "
-        "event ids are remembered after its last record. Records that ended longer ago are "
+        "event ids are remembered after its last record (5 minutes more: DEDUP_MARGIN_S). "
+        "Records that ended longer ago are "
         "refused (dead letter), so it must exceed the longest redelivery (a consumer down this "
         "long needs `gpusched reconcile`).")
     minute_retention_s: int = Field(

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 
-def _bare(uuid: object) -> str:
+def bare_uuid(uuid: object) -> str:
     """A GPU UUID as CUDA and NVML both can write it (NVML adds 'GPU-')."""
     return str(uuid).lower().removeprefix("gpu-")
 
@@ -95,9 +95,9 @@ class TorchExecutor:
         if any(g.mig_parent_uuid for g in gpus):
             log.warning("MIG is on: the torch executor runs GPU i's work on cuda:i unchecked")
             return None
-        cuda = [_bare(torch.cuda.get_device_properties(i).uuid)
+        cuda = [bare_uuid(torch.cuda.get_device_properties(i).uuid)
                 for i in range(torch.cuda.device_count())]
-        nvml = [_bare(g.uuid) for g in gpus]
+        nvml = [bare_uuid(g.uuid) for g in gpus]
         unread = [g.uuid.startswith(UNREADABLE_UUID_PREFIX) for g in gpus]
         if len(cuda) == len(nvml) and all(
                 c == n or skip for c, n, skip in zip(cuda, nvml, unread, strict=True)):
