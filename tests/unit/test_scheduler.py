@@ -737,6 +737,26 @@ async def test_a_cycle_span_links_every_request_it_decided() -> None:
     assert sorted(link.context.trace_id for link in cycle.links) == list(range(1, 301))
 
 
+async def test_a_cycle_that_decides_nothing_records_no_span() -> None:
+    """While work waited and nothing fit, every cycle (each node's report wakes one, at
+    least one a second) recorded a `scheduling cycle` span with nothing placed, each a
+    trace of its own, crowding requests' traces out of Jaeger's store. Only a cycle that
+    sends something records one."""
+    engine, spans, records = traced_engine()
+    engine.view.apply_node_state(node("n1", [100]), 1000, NODE_TIMEOUT_MS)  # too small
+    await engine.admit([traced_record(0, "r0", trace_id=5)])
+    for _ in range(10):
+        assert await engine.cycle() == 0
+    assert len(engine.queue) == 1 and not records
+    assert not [s for s in spans.get_finished_spans() if s.name == "scheduling cycle"]
+
+    engine.view.apply_node_state(node("n1", [80000], seq=2), 1000, NODE_TIMEOUT_MS)
+    assert await engine.cycle() == 1
+    [cycle] = [s for s in spans.get_finished_spans() if s.name == "scheduling cycle"]
+    assert cycle.attributes["gpusched.placed"] == 1
+    assert [link.context.trace_id for link in cycle.links] == [5]
+
+
 def trace_of(headers: dict[str, bytes]) -> int:
     """The trace id a record's traceparent names."""
     return int(headers["traceparent"].split(b"-")[1], 16)

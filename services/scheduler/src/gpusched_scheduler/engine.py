@@ -1009,8 +1009,11 @@ class SchedulingEngine:
                     preemptor=pre.item.request)))
 
         # Not the current span: each record goes in its own request's trace, never the
-        # cycle's (those of requests produced straight to Kafka all did)
-        cycle_span = self._tracer.start_span(
+        # cycle's (those of requests produced straight to Kafka all did). A cycle that
+        # sends nothing (work waits and nothing fits, woken by each node's report) records
+        # none: a root span each, at least one a second, crowded requests' traces out of
+        # Jaeger's store, as heartbeats did
+        cycle_span = trace.INVALID_SPAN if not messages else self._tracer.start_span(
             "scheduling cycle",
             # one link per request (a preempting one sends a record per victim)
             links=[trace.Link(carried_span(item.trace_carrier))
