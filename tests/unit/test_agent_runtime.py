@@ -1027,13 +1027,16 @@ async def test_a_run_is_a_span_of_its_requests_trace_saying_how_it_ended(
             } == {"gpusched.request_id": "done", "gpusched.placement_id": "done#0",
                   "gpusched.node_id": "n1", "gpusched.tenant": "acme", "gpusched.model": MODEL,
                   "gpusched.attempt": 0, "gpusched.gpu_indices": (0,),
-                  "gpusched.status": "completed", "gpusched.completion_tokens": 3}
+                  "gpusched.status": "completed", "gpusched.completion_tokens": 3,
+                  "gpusched.token_chunks": 2}
     moved = runs["moved"].attributes
     assert (moved["gpusched.status"], moved["gpusched.finish_reason"]) == (
         "handed_back", "preempted")
     assert moved["gpusched.completion_tokens"] == usage_sum(sink, "moved")[1] > 0
-    # every record a run published went under its span
-    assert {ctx.span_id for _, ctx in sink.under} == {s.context.span_id for s in runs.values()}
+    # every record a run published went under its span, but its token chunks: untraced
+    assert {ctx.span_id for kind, ctx in sink.under if kind is not TokenChunk} == {
+        s.context.span_id for s in runs.values()}
+    assert not any(ctx.trace_flags.sampled for kind, ctx in sink.under if kind is TokenChunk)
 
 
 async def test_node_state_reports_start_no_trace(
@@ -1051,6 +1054,34 @@ async def test_node_state_reports_start_no_trace(
         for _ in range(3):
             await runtime.report()
     assert span_exporter.get_finished_spans() == ()
+
+
+async def test_token_chunks_are_counted_on_the_run_span_not_spans_of_their_own(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """Each token chunk went through FastStream's publish under the `run` span, a create
+    and a publish span each: a long reply made thousands of spans in its trace. Chunks go
+    out untraced now, and the `run` span says how many were sent."""
+    broker = make_broker(KafkaSettings(), "gpu-agent", tracer_provider, None)
+    chunks: list[TokenChunk] = []
+
+    async def publish(message: Message, topic: str, key: str, wait: bool = True) -> None:
+        if isinstance(message, TokenChunk):
+            chunks.append(message)
+        await broker.publish(message.to_bytes(), topic, key=key.encode())
+
+    runtime, _, _ = make(sink=publish, tracer=tracer_provider.get_tracer("gpu-agent"))
+    async with TestKafkaBroker(broker):
+        with in_trace(5):
+            await runtime.command(placement("long", max_tokens=200))
+        await settle(runtime)
+    spans = span_exporter.get_finished_spans()
+    [run] = [s for s in spans if s.name == "run"]
+    assert len(chunks) > 40 and run.attributes["gpusched.token_chunks"] == len(chunks)
+    # the result's, and the final usage's: a create and a publish span each
+    assert sorted(s.name for s in spans if s.name != "run") == [
+        "gpusched.results create", "gpusched.results publish",
+        "gpusched.usage create", "gpusched.usage publish"]
+    assert {s.context.trace_id for s in spans} == {5}
 
 
 @pytest.mark.parametrize("spec", ["1xL4-24GB"])

@@ -142,6 +142,9 @@ class _Running:
     billed_prompt: int = 0
     billed_completion: int = 0
     partials: int = 0
+    chunks_sent: int = 0
+    """Token chunks of this attempt handed to Kafka. They go out untraced (a span or two
+    each made thousands in a long reply's trace): its `run` span says how many."""
     unsent: list[outbox.Final] = field(default_factory=list)
     """Partial usage records Kafka refused: sent (and filed) with the final ones."""
     last_billed_ms: int = 0
@@ -548,8 +551,9 @@ class AgentRuntime:
     @contextlib.contextmanager
     def _run_span(self, run: _Running) -> Iterator[None]:
         """The `run` span of `run`, from its start to its final records, in its placement's
-        trace: current while it lasts (the run's records go out under it), and saying at
-        its end how the run ended (`_how_it_ended`)."""
+        trace: current while it lasts (the run's records go out under it, but for its token
+        chunks, untraced), and saying at its end how the run ended (`_how_it_ended`) and
+        how many token chunks it streamed (`gpusched.token_chunks`)."""
         placement, request = run.placement, run.placement.request
         what = {"gpusched.request_id": request.request_id,
                 "gpusched.placement_id": placement.placement_id,
@@ -561,7 +565,8 @@ class AgentRuntime:
             try:
                 yield
             finally:
-                span.set_attributes(_how_it_ended(run.ended))
+                span.set_attributes({**_how_it_ended(run.ended),
+                                     "gpusched.token_chunks": run.chunks_sent})
 
     async def _attempt(self, run: _Running) -> None:
         placement = run.placement
@@ -807,10 +812,12 @@ class AgentRuntime:
                         if streamable:
                             text = "".join(chunk[:streamable])
                             try:
-                                await self._publish(
-                                    TokenChunk(request_id=request.request_id, seq=seq,
-                                               text=text, token_count=streamable),
-                                    topics.RESULTS.name, request.request_id, wait=False)
+                                with untraced():  # counted on the run's span instead
+                                    await self._publish(
+                                        TokenChunk(request_id=request.request_id, seq=seq,
+                                                   text=text, token_count=streamable),
+                                        topics.RESULTS.name, request.request_id, wait=False)
+                                run.chunks_sent += 1
                             except Exception:  # Kafka away (buffer full, no metadata): as
                                 # a chunk it drops, its text goes with the result
                                 log.warning("token chunk %d of %s not sent", seq,
@@ -920,7 +927,9 @@ class AgentRuntime:
                           token_count=len(chunk))
         if chunk and len(last.to_bytes()) <= MAX_RECORD_BYTES:  # else Kafka refuses it for
             # ever; the result is too large then too, and ends failed (below)
-            await self._publish_until_sent(last, topics.RESULTS.name, request.request_id)
+            with untraced():
+                await self._publish_until_sent(last, topics.RESULTS.name, request.request_id)
+            run.chunks_sent += 1
         ended_ms = self._clock()
         result = RequestResult(
             request_id=request.request_id, tenant=request.tenant, model=model.name,
