@@ -17,6 +17,7 @@ from faststream.kafka import KafkaMessage, TestKafkaBroker
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry, Counter
 
 from gpusched_agent import handlers
@@ -32,6 +33,7 @@ from gpusched_common.catalog import load_models
 from gpusched_common.contracts import (
     CANCEL,
     DEAD_LETTER,
+    LAST_ATTEMPT,
     MAX_USAGE_GPU_SECONDS,
     PLACEMENT_COMMAND,
     REASON_CHARS,
@@ -1082,6 +1084,44 @@ async def test_token_chunks_are_counted_on_the_run_span_not_spans_of_their_own(
         "gpusched.results create", "gpusched.results publish",
         "gpusched.usage create", "gpusched.usage publish"]
     assert {s.context.trace_id for s in spans} == {5}
+
+
+async def test_a_run_that_ends_failed_is_a_span_with_status_error(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """No span was ever marked as an error: in Jaeger, a run whose executor failed, or one
+    that ended failed on its last attempt, looked like one that completed. Such a `run`
+    span has status ERROR now, with the reason, and the exception where one ended it; a
+    run completed or cancelled leaves it unset (OpenTelemetry: never Ok)."""
+    class YieldsBytes(SimulatedExecutor):
+        def generate(self, job):  # noqa: ANN001, ANN202
+            async def tokens():  # noqa: ANN202
+                for token in [" a", " b", b" c"]:
+                    yield token
+            return tokens()
+
+    runtime, _, _ = make(tracer=tracer_provider.get_tracer("gpu-agent"))
+    runtime.executor = YieldsBytes(0.01, seed=7)
+    with in_trace(5):
+        await runtime.command(placement("bytes"))
+    await settle(runtime)
+    runtime.executor = SimulatedExecutor(0.01, seed=7)
+    runtime.cancel(Cancel(request_id="gone", reason="client left", at_ms=1))
+    last = placement("last", attempt=LAST_ATTEMPT)  # fits nowhere here, and may not go back
+    for command in (placement("done", max_tokens=3), placement("gone"),
+                    last.model_copy(update={"kv_cache_mib": 200_000})):
+        with in_trace(6):
+            await runtime.command(command)
+    await settle(runtime)
+    runs = {s.attributes["gpusched.request_id"]: s
+            for s in span_exporter.get_finished_spans() if s.name == "run"}
+    assert {rid: (s.status.status_code, s.attributes["gpusched.status"])
+            for rid, s in runs.items()} == {
+        "bytes": (StatusCode.ERROR, "failed"), "last": (StatusCode.ERROR, "failed"),
+        "done": (StatusCode.UNSET, "completed"), "gone": (StatusCode.UNSET, "cancelled")}
+    assert "yielded bytes, not text" in runs["bytes"].status.description
+    [error] = runs["bytes"].events
+    assert (error.name, error.attributes["exception.type"]) == ("exception", "TypeError")
+    assert "was its last" in runs["last"].status.description and not runs["last"].events
 
 
 @pytest.mark.parametrize("spec", ["1xL4-24GB"])

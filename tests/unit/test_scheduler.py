@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NoOpTracer
+from opentelemetry.trace import NoOpTracer, StatusCode
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
@@ -804,6 +804,24 @@ async def test_a_rejection_goes_in_its_requests_trace() -> None:
     [admit] = [s for s in spans.get_finished_spans() if s.name == "admit"]
     assert admit.attributes["gpusched.request_id"] == "bad2"
     assert by_id["bad2"] == {admit.context.trace_id}
+
+
+async def test_a_decision_that_refuses_its_request_is_a_span_with_status_error() -> None:
+    """No span was ever marked as an error: in Jaeger a request rejected or dead-lettered
+    looked like one placed. The `schedule` span of a rejection or a dead letter has status
+    ERROR now, with its reason; a placement's stays unset (OpenTelemetry: never Ok)."""
+    engine, spans, _ = traced_engine()
+    engine.view.apply_node_state(node("n1", [80000]), 1000, NODE_TIMEOUT_MS)
+    await engine.admit([traced_record(0, "bad", trace_id=9, model="no-such-model"),
+                        traced_record(1, "good", trace_id=5)])
+    assert await engine.cycle() == 1
+    decided = {s.attributes["gpusched.decision"]: s.status
+               for s in spans.get_finished_spans() if s.name == "schedule"}
+    assert {d: status.status_code for d, status in decided.items()} == {
+        "dead_letter": StatusCode.ERROR, "rejection": StatusCode.ERROR,
+        "placement": StatusCode.UNSET}
+    assert "no-such-model" in decided["rejection"].description
+    assert "no-such-model" in decided["dead_letter"].description
 
 
 def gpusched_attributes(span) -> dict[str, object]:  # noqa: ANN001

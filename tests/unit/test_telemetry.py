@@ -3,13 +3,23 @@ in-memory broker with the telemetry middleware every service's broker has."""
 
 from __future__ import annotations
 
+import pytest
 from faststream.kafka import KafkaMessage, TestKafkaBroker
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from gpusched_common.broker import make_broker
+from gpusched_common.contracts import (
+    DeadLetter,
+    InferenceRequest,
+    Message,
+    Rejection,
+    RequestResult,
+)
 from gpusched_common.settings import KafkaSettings, TelemetrySettings
-from gpusched_common.telemetry import make_tracer_provider, untraced
+from gpusched_common.telemetry import make_tracer_provider, mark_failure, untraced
 
 TOPIC = "gpusched.test"
 
@@ -37,3 +47,41 @@ async def test_a_message_published_untraced_starts_no_trace() -> None:
         assert not int(traceparents[0][-2:], 16) & 1
         await br.publish(b"{}", TOPIC)
     assert spans.get_finished_spans()
+
+
+def result(status: str) -> RequestResult:
+    return RequestResult(request_id="r", tenant="acme", model="m", status=status,
+                         finish_reason=f"{status}: why", prompt_tokens=1, completion_tokens=0,
+                         queued_ms=0, total_ms=0)
+
+
+@pytest.mark.parametrize("ended,error", [
+    (Rejection(request_id="r", tenant="acme", status_code=422, reason="fits nowhere"),
+     "fits nowhere"),
+    (DeadLetter(source_topic="t", partition=0, offset=1, key=None, payload="{", reason="not JSON",
+                service="scheduler", at_ms=1), "not JSON"),
+    (result("failed"), "failed: why"),
+    (result("completed"), None),
+    (result("cancelled"), None),
+    (InferenceRequest(request_id="r", tenant="acme", model="m", prompt="p", max_tokens=1,
+                      created_at_ms=0, attempt=1, requeued="preempted"), None),
+    (None, None),
+])
+def test_a_span_is_marked_failed_only_where_its_request_failed(
+        ended: Message | None, error: str | None) -> None:
+    """No span was ever marked as an error, so Jaeger could not tell a failed request's
+    trace from a completed one's. A span whose record ends its request in failure (a
+    rejection, a dead letter, a failed result) has status ERROR with the reason, and the
+    exception behind it where there is one; any other is left unset, never Ok."""
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    with provider.get_tracer("test").start_as_current_span("decision") as span:
+        mark_failure(span, ended, ValueError("boom"))
+    [finished] = spans.get_finished_spans()
+    if error is None:
+        assert finished.status.status_code is StatusCode.UNSET and not finished.events
+    else:
+        assert (finished.status.status_code, finished.status.description) == (
+            StatusCode.ERROR, error)
+        assert [e.attributes["exception.type"] for e in finished.events] == ["ValueError"]

@@ -19,7 +19,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
-from gpusched_common.contracts import InferenceRequest
+from gpusched_common.contracts import (
+    DeadLetter,
+    InferenceRequest,
+    Message,
+    Rejection,
+    RequestResult,
+    cut_reason,
+)
 from gpusched_common.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,25 @@ def request_attributes(request: InferenceRequest) -> dict[str, str]:
     a request's trace by its tag `gpusched.request_id`."""
     return {"gpusched.request_id": request.request_id, "gpusched.tenant": request.tenant,
             "gpusched.priority_class": request.priority_class, "gpusched.model": request.model}
+
+
+def mark_failure(span: trace.Span, ended: Message | None,
+                 exc: BaseException | None = None) -> None:
+    """Give `span` status ERROR, with the reason, where `ended` (the record it sends, or
+    the one its work ended with) ends a request in failure: a rejection, a dead letter, a
+    failed result; and record `exc`, the exception behind it, if any. Anything else leaves
+    the status unset (OpenTelemetry: errors SHOULD set Error, success leaves it unset, and
+    only an operator's override sets Ok): a request cancelled, handed back or completed
+    did not fail."""
+    if isinstance(ended, Rejection | DeadLetter):
+        reason = ended.reason
+    elif isinstance(ended, RequestResult) and ended.status == "failed":
+        reason = cut_reason(ended.finish_reason)
+    else:
+        return
+    if exc is not None:
+        span.record_exception(exc)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
 
 
 @contextmanager

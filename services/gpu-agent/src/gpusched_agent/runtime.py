@@ -65,7 +65,7 @@ from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
-from gpusched_common.telemetry import context_from, in_trace, untraced
+from gpusched_common.telemetry import context_from, in_trace, mark_failure, untraced
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,9 @@ class _Running:
     stopped there: waiting on Kafka for its last records is no GPU time)."""
     ended: Message | None = None
     """What its final records end it with: its result, or its request handed back."""
+    fault: BaseException | None = None
+    """The executor's or the agent's error that ended the run, if one did: its `run` span
+    records it where the run ends failed."""
 
 
 @dataclass(frozen=True)
@@ -553,7 +556,8 @@ class AgentRuntime:
         """The `run` span of `run`, from its start to its final records, in its placement's
         trace: current while it lasts (the run's records go out under it, but for its token
         chunks, untraced), and saying at its end how the run ended (`_how_it_ended`) and
-        how many token chunks it streamed (`gpusched.token_chunks`)."""
+        how many token chunks it streamed (`gpusched.token_chunks`); status ERROR, with the
+        error behind it, where it ended failed (`telemetry.mark_failure`)."""
         placement, request = run.placement, run.placement.request
         what = {"gpusched.request_id": request.request_id,
                 "gpusched.placement_id": placement.placement_id,
@@ -567,6 +571,7 @@ class AgentRuntime:
             finally:
                 span.set_attributes({**_how_it_ended(run.ended),
                                      "gpusched.token_chunks": run.chunks_sent})
+                mark_failure(span, run.ended, run.fault)
 
     async def _attempt(self, run: _Running) -> None:
         placement = run.placement
@@ -842,6 +847,7 @@ class AgentRuntime:
                 finish_reason = f"{run.stop_reason}: {run.detail}"  # the why, as sent
         except (ExecutorUnavailable, ExecutorLacksModel, _LoadFailed) as exc:  # the engine's
             problem = str(exc)  # fault (or this node's setup), not the request's
+            run.fault = exc
             if isinstance(exc.__cause__ if isinstance(exc, _LoadFailed) else exc,
                           ExecutorUnavailable):
                 self._engine_down(problem)
@@ -858,6 +864,7 @@ class AgentRuntime:
             else:  # it ends here instead of bouncing between nodes forever
                 status, finish_reason = "failed", f"{last}: {problem}"
         except Exception as exc:  # an executor fault ends this request, not the agent
+            run.fault = exc
             if isinstance(exc, ExecutorRefused):  # its own fault: every engine refuses it
                 log.info("placement %s refused by the engine: %s", pid, exc)
                 self._refused(model.name, exc.status_code)
@@ -1065,6 +1072,7 @@ class AgentRuntime:
         the executor's: the request ends failed, billed for what ran (its final usage holds
         what no record has), so the scheduler frees what it reserved and the claim goes."""
         placement, request = run.placement, run.placement.request
+        run.fault = exc
         run.interruptible = False
         self.node.finish(placement)
         if run.unbilled_gpu_s is None:

@@ -5,7 +5,8 @@ cycle need not wait for it).
 This is the scheduler's hot path, so it talks to aiokafka directly (the broker's per-message
 middlewares cost more than the decision itself); each record still carries the W3C
 context of a `schedule` span opened in the request's own trace, which names the request,
-placement and node it decides for. Like the broker's, its producer is replaced once Kafka
+placement and node it decides for, with status ERROR where the record ends the request in
+failure (`telemetry.mark_failure`). Like the broker's, its producer is replaced once Kafka
 refuses it as out of order (`gpusched_common.broker.Broker`);
 the placements of the cycle whose records were refused are published again, unchanged,
 and the rest of its work is decided again.
@@ -28,7 +29,7 @@ from prometheus_client import Counter as MetricCounter
 
 from gpusched_common.broker import retire_producer
 from gpusched_common.contracts import InferenceRequest, Message, Placement, Preempt
-from gpusched_common.telemetry import request_attributes
+from gpusched_common.telemetry import mark_failure, request_attributes
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class DecisionProducer:
             span = self._tracer.start_span(
                 "schedule", context=extract(out.trace_carrier) if out.trace_carrier else None,
                 kind=trace.SpanKind.PRODUCER, attributes=decision_attributes(out))
+            mark_failure(span, out.message)  # a rejection, a dead letter, a failed end
             carrier: dict[str, str] = {}
             inject(carrier, context=trace.set_span_in_context(span))
             span.end()
