@@ -1733,6 +1733,32 @@ async def test_waiting_on_a_partial_send_after_the_run_ended_is_no_gpu_time() ->
     assert a < 0.25 and b > 0.6, (a, b)
 
 
+async def test_another_nodes_command_sharing_the_partition_makes_no_span(
+        tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
+    """An agent reads the placements partition its node id hashes to, the commands of every
+    node sharing it, and skips the others': about 17 of 100 agents read each partition, and
+    each put a `gpusched.placements process` span of every command in its request's trace.
+    Only the agent the command is for makes one now."""
+    broker = make_broker(KafkaSettings(), "gpu-agent", tracer_provider, None)
+    runtime, _, _ = make(node_id="n1", tracer=tracer_provider.get_tracer("gpu-agent"))
+    handlers.register(broker, runtime, Counter(
+        "commands", "", ["command", "outcome"], registry=CollectorRegistry()))
+    partition = topics.partition_for_key("n1", topics.PLACEMENTS.partitions)
+    other = next(f"n{i}" for i in itertools.count(2)
+                 if topics.partition_for_key(f"n{i}", topics.PLACEMENTS.partitions) == partition)
+    async with TestKafkaBroker(broker) as br:
+        for node_id, trace_id in ((other, 5), ("n1", 6)):
+            command = placement(f"for-{node_id}", max_tokens=1).model_copy(
+                update={"node_id": node_id})
+            with in_trace(trace_id):  # the scheduler's `schedule` span
+                await br.publish(command.to_bytes(), topics.PLACEMENTS.name,
+                                 key=node_id.encode(), partition=partition)
+        await settle(runtime)
+    processed = [s.context.trace_id for s in span_exporter.get_finished_spans()
+                 if s.name == f"{topics.PLACEMENTS.name} process"]
+    assert processed == [6]
+
+
 async def test_a_keyless_unreadable_command_is_dead_lettered_once_by_the_agents_sharing_it(
         ) -> None:
     """Agents whose node ids hash to one placements partition all read a record produced

@@ -108,6 +108,33 @@ class Broker(KafkaBroker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._renewing = asyncio.Lock()
+        self._traced_keys: dict[str, set[bytes]] = {}
+        """Topic -> the keys whose records are spans (`trace_only_keys`); all where absent."""
+
+    def trace_only_keys(self, topic: str, *keys: bytes) -> None:
+        """Make a span of a record of `topic` consumed alone only where it is keyless or
+        keyed by one of `keys` (or of those given before): for a subscriber that reads
+        records meant for others and skips them. An agent reads the placements partition its
+        node id hashes to, every command of the nodes that share it (about 17 of 100 agents
+        read each one), and each of them put a span of every such command in its request's
+        trace. A keyless record is every reader's (each looks at it): its spans stay."""
+        self._traced_keys.setdefault(topic, set()).update(keys)
+
+    def _spans_for(self, msg: object) -> KafkaTelemetrySettingsProvider | None:
+        """FastStream's Kafka telemetry for a record consumed alone and for a publish (`msg`
+        None); none for a batch (a tuple of records, as many requests'), nor for a record
+        meant for another reader (`trace_only_keys`). Its span of a batch went in the trace
+        of the first record, whose headers the message carries (`lean_batch_parser`), with
+        all the handler published; made from every record's headers, as FastStream would, it
+        is a new trace per fetch, several a second per consumer, crowding requests' traces
+        out of Jaeger. Batch handlers put what they do for one record in that record's
+        trace (`telemetry.record_carrier`)."""
+        if isinstance(msg, tuple):
+            return None
+        keys = self._traced_keys.get(msg.topic) if isinstance(msg, ConsumerRecord) else None
+        if keys is not None and msg.key and msg.key not in keys:  # type: ignore[union-attr]
+            return None
+        return telemetry_attributes_provider_factory(msg)
 
     async def publish(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         used = self._current_producer()
@@ -168,7 +195,8 @@ def make_broker(
     **kwargs: object,
 ) -> Broker:
     """A broker whose every publish and every record consumed alone is a span (W3C context
-    in Kafka headers), and every batch consumed none (`_spans_for`); all counted in
+    in Kafka headers), but for records meant for others (`Broker.trace_only_keys`), and
+    every batch consumed none (`Broker._spans_for`); all counted in
     `registry`. Producer waits for the leader's ack (`acks=all` on one node)
     and is idempotent, so a retried send is not duplicated by the broker (see `Broker`).
 
@@ -176,13 +204,9 @@ def make_broker(
     injection per call (it resolved the message in a worker thread, about as costly as
     handling a batch), and each handler validates the raw bytes it reads once."""
     middlewares = []
-    if tracer_provider is not None:
-        middlewares.append(TelemetryMiddleware[KafkaPublishCommand](
-            settings_provider_factory=_spans_for, tracer_provider=tracer_provider,
-            include_messages_counters=True))  # as FastStream's KafkaTelemetryMiddleware
     if registry is not None:
         middlewares.append(KafkaPrometheusMiddleware(registry=registry, app_name=service_name))
-    return Broker(
+    broker = Broker(
         settings.bootstrap,
         client_id=f"gpusched-{service_name}",
         acks="all",
@@ -196,17 +220,11 @@ def make_broker(
         log_level=logging.DEBUG,
         **kwargs,
     )
-
-
-def _spans_for(msg: object) -> KafkaTelemetrySettingsProvider | None:
-    """FastStream's Kafka telemetry for a record consumed alone and for a publish (`msg`
-    None); none for a batch (a tuple of records, as many requests'). Its span of a batch
-    went in the trace of the first record, whose headers the message carries
-    (`lean_batch_parser`), with all the handler published; made from every record's headers,
-    as FastStream would, it is a new trace per fetch, several a second per consumer, crowding
-    requests' traces out of Jaeger. Batch handlers put what they do for one record in that
-    record's trace (`telemetry.record_carrier`)."""
-    return None if isinstance(msg, tuple) else telemetry_attributes_provider_factory(msg)
+    if tracer_provider is not None:  # outermost, before the metrics, as if listed first
+        broker.insert_middleware(TelemetryMiddleware[KafkaPublishCommand](
+            settings_provider_factory=broker._spans_for, tracer_provider=tracer_provider,
+            include_messages_counters=True))  # as FastStream's KafkaTelemetryMiddleware
+    return broker
 
 
 def _is_text(value: object) -> bool:
@@ -244,8 +262,8 @@ async def lean_batch_parser(records: Any, original: Any) -> Any:
     decoding every record's headers into a dict, and its telemetry's per-record baggage
     (together about as costly as handling the record). The message is FastStream's own, made
     from the first record (its headers readable, see `_readable`) and then given the whole
-    batch; no span is made of it (`_spans_for`), so the first record's trace context goes
-    nowhere, and batch handlers read each record's own (`telemetry.record_carrier`)."""
+    batch; no span is made of it (`Broker._spans_for`), so the first record's trace context
+    goes nowhere, and batch handlers read each record's own (`telemetry.record_carrier`)."""
     msg = await original((_readable(records[0]),))
     first, last = records[0], records[-1]
     msg.raw_message = records

@@ -7,7 +7,7 @@ import logging
 
 from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
-from faststream.kafka import KafkaBroker, TopicPartition
+from faststream.kafka import TopicPartition
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.subscriber.usecase import LogicSubscriber
 from prometheus_client import Counter
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from gpusched_agent.runtime import AgentRuntime, Reused, Stale
 from gpusched_common import topics
+from gpusched_common.broker import Broker
 from gpusched_common.consumer_lag import ConsumerLag
 from gpusched_common.contracts import CANCEL, PLACEMENT_COMMAND, invalid_fields
 from gpusched_common.kafka_records import dead_letter
@@ -23,15 +24,18 @@ log = logging.getLogger(__name__)
 SERVICE = "gpu-agent"
 
 
-def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter,
+def register(broker: Broker, runtime: AgentRuntime, commands: Counter,
              lag: ConsumerLag | None = None) -> LogicSubscriber:
     """`commands` counts commands by type and outcome (started, stale, invalid, ...); the
     placements consumer is measured in `lag` (commands waiting unread: work not started, and
     work not stopped). Returns the placements subscriber, for `hold_command_position` once
     the broker runs."""
     # Placements are keyed by node id: this agent reads only the partition its id hashes
-    # to, committing offsets in its own group so a restart resumes where it stopped.
+    # to, committing offsets in its own group so a restart resumes where it stopped. The
+    # other nodes' commands there are skipped, and make no span in their requests' traces.
     partition = topics.partition_for_key(runtime.node_id, topics.PLACEMENTS.partitions)
+    ours = runtime.node_id.encode()
+    broker.trace_only_keys(topics.PLACEMENTS.name, ours)
 
     async def reject(record: ConsumerRecord, reason: str) -> None:
         await broker.publish(dead_letter(record, reason, SERVICE, runtime.now_ms()).to_bytes(),
@@ -53,7 +57,7 @@ def register(broker: KafkaBroker, runtime: AgentRuntime, commands: Counter,
     @placements
     async def on_placement(msg: KafkaMessage) -> None:
         record = msg.raw_message
-        if record.key and record.key.decode(errors="replace") != runtime.node_id:
+        if record.key and record.key != ours:
             return  # another node's command sharing this partition
         try:
             command = PLACEMENT_COMMAND.validate_json(record.value)
