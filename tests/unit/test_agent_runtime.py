@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry, Counter
 
 from gpusched_agent import handlers
+from gpusched_agent import main as agent_main
 from gpusched_agent.adapters.executor import ExecutorUnavailable, PromptTokens
 from gpusched_agent.adapters.ledger import MemoryLedger
 from gpusched_agent.adapters.simulated import SimulatedExecutor
 from gpusched_agent.domain.inventory import parse_simulated
 from gpusched_agent.domain.node import NodeModel
 from gpusched_agent.runtime import AgentRuntime, Ignored, Reused, Stale, Started, Stopping
+from gpusched_agent.settings import AgentSettings
 from gpusched_common import topics
 from gpusched_common.broker import make_broker
 from gpusched_common.catalog import load_models
@@ -48,7 +51,7 @@ from gpusched_common.contracts import (
     TokenChunk,
     UsageRecord,
 )
-from gpusched_common.settings import KafkaSettings
+from gpusched_common.settings import KafkaSettings, RedisSettings, TelemetrySettings
 
 CATALOG = load_models(Path(__file__).resolve().parents[2] / "config")
 MODEL = "qwen2.5-1.5b"
@@ -1009,8 +1012,8 @@ async def test_a_run_is_a_span_of_its_requests_trace_saying_how_it_ended(
         tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
     """Nothing showed the inference itself: the agent's span of a placement ended as its
     run began. Each run is now a span in the placement's trace, under which its records
-    go out, naming the request, placement, node, model and GPUs, and at its end how it
-    ended and the reply's tokens."""
+    go out, naming the request (its class too, as the router's and scheduler's spans do),
+    placement, node, model and GPUs, and at its end how it ended and the reply's tokens."""
     runtime, sink, _ = make(time_scale=1.0, sink=TracedSink(),
                             tracer=tracer_provider.get_tracer("gpu-agent"))
     with in_trace(5):
@@ -1028,7 +1031,8 @@ async def test_a_run_is_a_span_of_its_requests_trace_saying_how_it_ended(
     assert {k: v for k, v in runs["done"].attributes.items() if k != "gpusched.finish_reason"
             } == {"gpusched.request_id": "done", "gpusched.placement_id": "done#0",
                   "gpusched.node_id": "n1", "gpusched.tenant": "acme", "gpusched.model": MODEL,
-                  "gpusched.attempt": 0, "gpusched.gpu_indices": (0,),
+                  "gpusched.priority_class": "standard", "gpusched.attempt": 0,
+                  "gpusched.gpu_indices": (0,),
                   "gpusched.status": "completed", "gpusched.completion_tokens": 3,
                   "gpusched.token_chunks": 2}
     moved = runs["moved"].attributes
@@ -1039,6 +1043,19 @@ async def test_a_run_is_a_span_of_its_requests_trace_saying_how_it_ended(
     assert {ctx.span_id for kind, ctx in sink.under if kind is not TokenChunk} == {
         s.context.span_id for s in runs.values()}
     assert not any(ctx.trace_flags.sampled for kind, ctx in sink.under if kind is TokenChunk)
+
+
+def test_an_agents_spans_name_its_node_as_their_instance() -> None:
+    """Every agent's spans said only `service.name` gpu-agent and an id made up per
+    process: in Jaeger, one agent could not be told from the other 99. Its node id is its
+    `service.instance.id` now, beside the release it runs as `service.version`."""
+    app = agent_main.create_app(AgentSettings(
+        telemetry=TelemetrySettings(otlp_endpoint=""), simulate="1xH100-80GB",
+        node_id="gpu-node-7", redis=RedisSettings(url="redis://127.0.0.1:1/0")))
+    resource = app.state.runtime._tracer.resource.attributes
+    assert (resource["service.name"], resource["service.instance.id"]) == (
+        "gpu-agent", "gpu-node-7")
+    assert resource["service.version"] == metadata.version("gpusched-common")
 
 
 async def test_node_state_reports_start_no_trace(

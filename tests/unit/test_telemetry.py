@@ -3,6 +3,8 @@ in-memory broker with the telemetry middleware every service's broker has."""
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 from faststream.kafka import KafkaMessage, TestKafkaBroker
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,7 +21,7 @@ from gpusched_common.contracts import (
     RequestResult,
 )
 from gpusched_common.settings import KafkaSettings, TelemetrySettings
-from gpusched_common.telemetry import make_tracer_provider, mark_failure, untraced
+from gpusched_common.telemetry import make_tracer_provider, mark_failure, release, untraced
 
 TOPIC = "gpusched.test"
 
@@ -85,3 +87,16 @@ def test_a_span_is_marked_failed_only_where_its_request_failed(
         assert (finished.status.status_code, finished.status.description) == (
             StatusCode.ERROR, error)
         assert [e.attributes["exception.type"] for e in finished.events] == ["ValueError"]
+
+
+def test_spans_name_the_release_and_the_instance_given() -> None:
+    """Spans named their service alone: in Jaeger, neither the release a service ran nor
+    (for agents) the node could be told. `service.version` is the release; an instance id
+    given (an agent's node id) is `service.instance.id`, else the SDK makes one up."""
+    settings = TelemetrySettings(otlp_endpoint="")
+    named = make_tracer_provider("gpu-agent", settings, instance_id="node-7").resource
+    assert (named.attributes["service.instance.id"], named.attributes["service.version"]) == (
+        "node-7", metadata.version("gpusched-common"))
+    assert release() == metadata.version("gpusched-common")
+    unnamed = make_tracer_provider("router", settings).resource.attributes
+    assert unnamed["service.instance.id"] and unnamed["service.version"] == release()

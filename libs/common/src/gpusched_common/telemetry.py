@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from importlib import metadata
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -39,10 +40,27 @@ the placements it sends again and the work it ends (cancelled, expired)."""
 _IDS = RandomIdGenerator()
 
 
-def make_tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
-    """A provider exporting to `settings.otlp_endpoint`; call `.shutdown()` on exit to flush."""
+def release() -> str:
+    """The gpusched release this process runs, its spans' `service.version`: the version of
+    gpusched-common, which every service has, installed with it from one source tree
+    (`unknown` run from a tree not installed)."""
+    try:
+        return metadata.version("gpusched-common")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def make_tracer_provider(service_name: str, settings: TelemetrySettings,
+                         instance_id: str | None = None) -> TracerProvider:
+    """A provider exporting to `settings.otlp_endpoint`; call `.shutdown()` on exit to flush.
+    Its spans name the service, its `release()` and, as `service.instance.id`, the instance
+    (`instance_id`: an agent's node id, which tells its spans from other agents' in Jaeger;
+    else one the SDK makes up per process)."""
+    identity = {"service.name": service_name, "service.version": release()}
+    if instance_id is not None:
+        identity["service.instance.id"] = instance_id
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name}),
+        resource=Resource.create(identity),
         sampler=ParentBasedTraceIdRatio(settings.trace_sample_ratio),
         span_limits=SpanLimits(max_links=MAX_SPAN_LINKS),
     )

@@ -130,7 +130,7 @@ def create_app(settings: AgentSettings, clock: WallClockMs = wall_clock_ms) -> F
     inventory, read_inventory = discover_inventory(settings)
     executor = make_executor(settings, inventory)
     registry = CollectorRegistry()
-    provider = make_tracer_provider(SERVICE, settings.telemetry)
+    provider = make_tracer_provider(SERVICE, settings.telemetry, instance_id=settings.node_id)
     broker = make_broker(settings.kafka, SERVICE, provider, registry)
     redis = make_redis(settings.redis)
     dropped_total = Counter(

@@ -65,7 +65,13 @@ from gpusched_common.kafka_records import WallClockMs
 from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
-from gpusched_common.telemetry import context_from, in_trace, mark_failure, untraced
+from gpusched_common.telemetry import (
+    context_from,
+    in_trace,
+    mark_failure,
+    request_attributes,
+    untraced,
+)
 
 log = logging.getLogger(__name__)
 
@@ -559,10 +565,8 @@ class AgentRuntime:
         how many token chunks it streamed (`gpusched.token_chunks`); status ERROR, with the
         error behind it, where it ended failed (`telemetry.mark_failure`)."""
         placement, request = run.placement, run.placement.request
-        what = {"gpusched.request_id": request.request_id,
-                "gpusched.placement_id": placement.placement_id,
-                "gpusched.node_id": self.node_id, "gpusched.tenant": request.tenant,
-                "gpusched.model": request.model, "gpusched.attempt": request.attempt,
+        what = {**request_attributes(request), "gpusched.placement_id": placement.placement_id,
+                "gpusched.node_id": self.node_id, "gpusched.attempt": request.attempt,
                 "gpusched.gpu_indices": placement.gpu_indices}
         with self._tracer.start_as_current_span("run", context=context_from(run.carrier),
                                                 attributes=what) as span:
