@@ -15,6 +15,9 @@ import httpx
 import pytest
 from aiokafka.errors import KafkaTimeoutError
 from fastapi import FastAPI
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 from redis.exceptions import RedisError
 
 from gpusched_common.catalog import load_models, load_tenants
@@ -91,13 +94,16 @@ def answering(monkeypatch,
               trace_sample_ratio: float = 1.0, **settings: object
               ) -> tuple[FastAPI, list[InferenceRequest]]:
     """A router whose requests Kafka takes in and that end in `outcome(request)` (None:
-    they never end); and the list of the requests it publishes."""
+    they never end), and whose cancels it takes; and the list of the requests it
+    publishes."""
     monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
     app = create_app(RouterSettings(telemetry=TelemetrySettings(
         otlp_endpoint="", trace_sample_ratio=trace_sample_ratio), **settings))
     published: list[InferenceRequest] = []
 
     async def publish(message: bytes, topic: str, **options: object) -> None:
+        if topic == CONTROL.name:
+            return  # a cancel: taken
         request = InferenceRequest.model_validate_json(message)
         published.append(request)
         if (event := outcome(request)) is not None:
@@ -1485,3 +1491,164 @@ async def test_only_requests_at_the_door_are_counted_there() -> None:
         assert await served(app, "gpusched_router_requests_total") == {}
         await client.post("/v1/completions", headers=key, json={"model": "nope"})
     assert await served(app, "gpusched_router_requests_total") == {("unknown", "http_400"): 1}
+
+
+def traced(monkeypatch, tracer_provider: TracerProvider) -> None:
+    """Routers made from now on send their spans to `tracer_provider` (the test's
+    `span_exporter`)."""
+    monkeypatch.setattr("gpusched_router.main.make_tracer_provider",
+                        lambda service, settings: tracer_provider)
+
+
+def server_span(span_exporter: InMemorySpanExporter) -> ReadableSpan:
+    """The one server span ended: the request's."""
+    [span] = [s for s in span_exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    return span
+
+
+async def test_a_requests_server_span_lasts_until_its_answer(
+        monkeypatch, tracer_provider: TracerProvider,
+        span_exporter: InMemorySpanExporter) -> None:
+    """The router's server span ended once Kafka had the request, without the HTTP
+    attributes OpenTelemetry's conventions require: the wait for the result and how it
+    ended never reached Jaeger. It lasts until the answer has gone out now, and says it."""
+    traced(monkeypatch, tracer_provider)
+    app, published = answering(monkeypatch, lambda request: None)
+    replying = asyncio.create_task(post(app, "/v1/completions", json.dumps(
+        {"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3})))
+    while not published:
+        await asyncio.sleep(0.01)
+    [request] = published
+    result_at_ns = time.time_ns()
+    app.state.hub.dispatch([SimpleNamespace(value=_result(
+        "completed", "length", request.request_id).to_bytes())])
+    reply = await replying
+    assert reply.status_code == 200
+    span = server_span(span_exporter)
+    assert span.name == "POST /v1/completions" and span.end_time >= result_at_ns
+    assert format(span.context.trace_id, "032x") == reply.headers["x-trace-id"]
+    assert dict(span.attributes) == {
+        "http.request.method": "POST", "http.route": "/v1/completions",
+        "url.path": "/v1/completions", "url.scheme": "http",
+        "http.response.status_code": 200, "gpusched.request_id": request.request_id,
+        "gpusched.tenant": "acme", "gpusched.priority_class": request.priority_class,
+        "gpusched.model": "qwen2.5-1.5b", "gpusched.outcome": "completed"}
+    assert span.status.status_code is StatusCode.UNSET
+
+
+@pytest.mark.parametrize("outcome,status,error", [
+    (lambda r: None, 504, True),
+    (lambda r: _result("failed", "executor error: boom", r.request_id), 502, True),
+    (lambda r: Rejection(request_id=r.request_id, status_code=429, reason="over quota"), 429,
+     False),
+    (lambda r: _result("cancelled", "cancelled: by its client", r.request_id), 409, False),
+], ids=["504", "502", "429", "409"])
+async def test_a_server_error_marks_its_requests_span_an_error_and_a_client_error_does_not(
+        monkeypatch, tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter,
+        outcome, status: int, error: bool) -> None:
+    """As OpenTelemetry's conventions say of a server span: a 5xx sets its status ERROR
+    (Jaeger shows it failed), a 4xx is the client's and leaves it unset."""
+    traced(monkeypatch, tracer_provider)
+    app, _ = answering(monkeypatch, outcome, request_timeout_s=0.2)
+    reply = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert reply.status_code == status
+    span = server_span(span_exporter)
+    assert span.attributes["http.response.status_code"] == status
+    assert span.attributes["gpusched.request_id"] == reply.headers["x-request-id"]
+    assert span.status.status_code is (StatusCode.ERROR if error else StatusCode.UNSET)
+    assert span.attributes.get("error.type") == (str(status) if error else None)
+
+
+async def test_a_request_refused_at_the_door_has_its_span_with_its_status(
+        monkeypatch, tracer_provider: TracerProvider,
+        span_exporter: InMemorySpanExporter) -> None:
+    """A refusal at the door (a bad body: 400) made no span at all, nor did a fault (500)."""
+    traced(monkeypatch, tracer_provider)
+    app, published = answering(monkeypatch, lambda request: None)
+    reply = await post(app, "/v1/chat/completions", json.dumps({"model": "qwen2.5-1.5b"}))
+    assert reply.status_code == 400 and published == []
+    span = server_span(span_exporter)
+    assert span.name == "POST /v1/chat/completions"
+    assert span.attributes["http.route"] == "/v1/chat/completions"
+    assert span.attributes["http.response.status_code"] == 400
+    assert span.attributes["gpusched.request_id"] == reply.headers["x-request-id"]
+    assert span.status.status_code is StatusCode.UNSET
+    span_exporter.clear()
+    monkeypatch.setattr("gpusched_router.main.parse_chat", lambda *args: 1 / 0)
+    reply = await post(app, "/v1/chat/completions", json.dumps({"model": "qwen2.5-1.5b"}))
+    assert reply.status_code == 500
+    span = server_span(span_exporter)
+    assert span.attributes["http.response.status_code"] == 500
+    assert span.attributes["error.type"] == "ZeroDivisionError"
+    assert span.status.status_code is StatusCode.ERROR
+    assert [e.name for e in span.events] == ["exception"]
+
+
+async def test_a_stream_that_fails_marks_its_requests_span_an_error(
+        monkeypatch, tracer_provider: TracerProvider,
+        span_exporter: InMemorySpanExporter) -> None:
+    """A stream's 200 goes out with its first token: a failure after it is told in an error
+    event, and is the server's error all the same."""
+    traced(monkeypatch, tracer_provider)
+
+    def fails_midway(request: InferenceRequest) -> RequestResult:
+        app.state.hub.dispatch([SimpleNamespace(value=_chunk(0, " partial").model_copy(
+            update={"request_id": request.request_id}).to_bytes())])
+        return _result("failed", "executor error: boom", request.request_id)
+
+    app, _ = answering(monkeypatch, fails_midway)
+    reply = await post(app, "/v1/completions", json.dumps(
+        {"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3, "stream": True}))
+    assert reply.status_code == 200 and '"error"' in reply.text
+    span = server_span(span_exporter)
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.attributes["gpusched.outcome"] == "failed"
+    assert span.status.status_code is StatusCode.ERROR
+    assert "executor error: boom" in span.status.description
+
+
+async def test_a_stream_its_client_leaves_ends_its_span_having_said_so(
+        monkeypatch, tracer_provider: TracerProvider,
+        span_exporter: InMemorySpanExporter) -> None:
+    """A client that leaves while a chunk is being sent to it (held up: it read slowly)
+    interrupts the send, which left the stream's generator unclosed at its yield: how the
+    request ended, and its cancel, waited for the garbage collector, after the request's
+    span had ended. The stream is closed as its answer ends now: the span ends saying the
+    client has gone."""
+    traced(monkeypatch, tracer_provider)
+
+    def two_chunks(request: InferenceRequest) -> None:
+        app.state.hub.dispatch([SimpleNamespace(value=_chunk(seq, text).model_copy(
+            update={"request_id": request.request_id}).to_bytes())
+            for seq, text in enumerate((" a", " b"))])
+
+    app, _ = answering(monkeypatch, two_chunks)
+    body = json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "stream": True}).encode()
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+    held_up = asyncio.Event()
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop()
+        await held_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if sum(m["type"] == "http.response.body" for m in sent) == 2:
+            held_up.set()  # the second chunk waits on the client, which leaves
+            await asyncio.Event().wait()
+
+    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+               "method": "POST", "scheme": "http", "path": "/v1/completions",
+               "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+               "headers": [(b"authorization", b"Bearer sk-acme-demo"),
+                           (b"content-type", b"application/json")],
+               "client": ("127.0.0.1", 1), "server": ("router", 80)}, receive, send)
+    span = server_span(span_exporter)  # ended as the answer did
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.attributes["gpusched.outcome"] == "client_gone"
+    headers = dict(sent[0]["headers"])
+    assert format(span.context.trace_id, "032x") == headers[b"x-trace-id"].decode()

@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from faststream import AckPolicy
 from faststream.kafka.annotations import KafkaMessage
 from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from gpusched_common import topics
 from gpusched_common.broker import RAW_BATCH, make_broker
@@ -58,6 +60,7 @@ from gpusched_common.web import (
 )
 from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub, Waited
+from gpusched_router.adapters.server_spans import ServerSpans
 from gpusched_router.domain.idempotency import (
     FirstUse,
     check_key,
@@ -195,6 +198,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     lifespan, ready = broker_lifespan(settings.kafka, broker, provider, [redis.aclose],
                                       starting=[start_measuring], stopping=[stop_measuring])
     app = FastAPI(title="gpusched router", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(ServerSpans, tracer=tracer, routes=DOOR_PATHS)
     add_ops_routes(app, registry, ready)
 
     def drain() -> None:
@@ -304,9 +308,12 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
     async def handle(request: Request, parse: Any, kind: str) -> Response:
         # made first, so that every answer names the request: a refusal too, and a 500
         request_id = request.state.request_id = _new_request_id()
+        span = trace.get_current_span()  # the request's server span (ServerSpans)
+        span.set_attribute("gpusched.request_id", request_id)
         tenant = await authenticate(request)
         if isinstance(tenant, ApiError):
             return refused(tenant, request_id)
+        span.set_attribute("gpusched.tenant", tenant.name)
         if (twice := repeated_header(request.headers.getlist)) is not None:
             return refused(twice, request_id)
         body = await read_json(request)
@@ -316,6 +323,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if isinstance(parsed, ApiError):
             return refused(parsed, request_id)
         req = parsed.request
+        span.set_attributes(request_attributes(req))
         key = request.headers.get(IDEMPOTENCY_HEADER)
         use: FirstUse | None = None
         if key is not None:
@@ -358,7 +366,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return refused(_not_sent(), request_id, req.priority_class, retry_shortly())
         queue = hub.open(request_id)
         try:
-            trace_id = await take_in(req, kind)
+            trace_id = await take_in(req)
         except (TimeoutError, KafkaError):  # aiokafka gives up on its own after 40 s
             # The producer may still deliver the record once Kafka is back; its cancel,
             # queued behind it, then reaches the scheduler and the agents first, so the
@@ -384,19 +392,18 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
 
         return await answer(request, parsed, kind, queue, lambda: trace_id, abandoned)
 
-    async def take_in(req: InferenceRequest, kind: str) -> str:
-        """Publish `req` to its priority class's topic and store its queued status; its
-        trace id. Raises TimeoutError when Kafka did not take it within the publish
-        time-out (KafkaError when aiokafka gave up first)."""
-        with tracer.start_as_current_span(
-            f"POST /v1/{kind}", kind=trace.SpanKind.SERVER,
-            attributes=request_attributes(req),
-        ) as span:
-            trace_id = trace_id_hex(span) or ""  # unsampled: Jaeger never gets the trace
-            async with asyncio.timeout(settings.publish_timeout_s):
-                await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
-                                     key=req.request_id.encode(),
-                                     headers={"content-type": "application/json"})
+    async def take_in(req: InferenceRequest) -> str:
+        """Publish `req` to its priority class's topic, in the trace of the current span
+        (the server span of the request that brings it in), and store its queued status;
+        the trace's id.
+        Raises TimeoutError when Kafka did not take it within the publish time-out
+        (KafkaError when aiokafka gave up first)."""
+        span = trace.get_current_span()
+        trace_id = trace_id_hex(span) or ""  # unsampled: Jaeger never gets the trace
+        async with asyncio.timeout(settings.publish_timeout_s):
+            await broker.publish(req.to_bytes(), topics.REQUESTS[req.priority_class].name,
+                                 key=req.request_id.encode(),
+                                 headers={"content-type": "application/json"})
         try:
             await hub.accepted(req, trace_id)
         except RedisError as exc:  # published: the request runs, and the routers' group on
@@ -411,6 +418,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         first use's outcome, once it has one; nothing runs again. If the first use's request
         was never taken in (its router died first), the retry sends it, under its id."""
         request_id = request.state.request_id = holder.request_id  # what a 500 names too
+        trace.get_current_span().set_attribute("gpusched.request_id", request_id)
         queue = hub.open(request_id)  # before reading the status: no outcome falls between
         try:
             status = await hub.status(request_id) or {}
@@ -447,7 +455,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                         "again (a copy Kafka did take is skipped as a redelivery)", request_id,
                         (now_ms - current.claimed_at_ms) / 1000)
             try:
-                trace_id = await take_in(original, kind)
+                trace_id = await take_in(original)
             except (TimeoutError, KafkaError):
                 return _not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                      "send it again")
@@ -500,14 +508,17 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         req = parsed.request
         started_s = time.monotonic()
         deadline_s = asyncio.get_running_loop().time() + settings.request_timeout_s
+        span = trace.get_current_span()  # the request's server span (ServerSpans)
 
         def observe(outcome: Answered | None) -> None:
             """The wait is over: count how it ended (None: nothing to count here, a
-            replay's 503 counted at the door or a fault the 500 handler counts)."""
+            replay's 503 counted at the door or a fault the 500 handler counts), and say it
+            on the request's server span (`gpusched.outcome`)."""
             hub.close(req.request_id, queue)
             if outcome is not None:
                 latency.labels(req.priority_class).observe(time.monotonic() - started_s)
                 answers.labels(req.priority_class, outcome).inc()
+                span.set_attribute("gpusched.outcome", outcome)
 
         # Wait for the first event before answering, streamed or not: a rejection (429 over
         # quota, 422 fits nowhere) or a failure is then an HTTP status the client acts on.
@@ -542,7 +553,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 headers["x-should-retry"] = "false"  # the openai SDK retries 409 and 5xx
             return JSONResponse(failed.body(), status_code=failed.status_code, headers=headers)
         if parsed.stream:  # its first token, or its whole (empty) completion
-            return StreamingResponse(
+            return _ClosingStream(
                 _sse(parsed, kind, queue, deadline_s, observe, abandoned, first),
                 media_type="text/event-stream", headers=headers)
         observe("completed")
@@ -834,7 +845,7 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
                 # what the new attempt generates (a preempted one goes on instead). Not
                 # ended: the new attempt is cancelled.
                 started_over, outcome = True, "started_over"
-                yield _data(_started_over(req.request_id).body())
+                yield _error_event(_started_over(req.request_id))
                 break
             if isinstance(ev, TokenChunk):
                 # Chunks are sent without waiting for Kafka's answer (the request's end
@@ -850,14 +861,14 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
             outcome = _answered(ev)
             err = _error_of(ev)
             if err is not None:
-                yield _data(err.body())
+                yield _error_event(err)
                 break
             sent = "".join(streamed)  # ev is a completed RequestResult from here
             if not ev.text.startswith(sent):
                 # a start-over whose chunks Kafka dropped, or that began with the same first
                 # chunk: what was streamed is not this text
                 outcome = "started_over"
-                yield _data(_started_over(req.request_id).body())
+                yield _error_event(_started_over(req.request_id))
                 break
             if len(ev.text) > len(sent):
                 yield event(ev.text[len(sent):], None)  # what lost chunks held
@@ -868,13 +879,36 @@ async def _sse(parsed: ParsedRequest, kind: str, queue: asyncio.Queue[Waited],
         yield b"data: [DONE]\n\n"
     except TimeoutError:  # the request runs on: its client is told to poll for it
         ended, outcome = True, "timed_out"
-        yield _data(_timed_out(req.request_id).body())
+        yield _error_event(_timed_out(req.request_id))
         yield b"data: [DONE]\n\n"
     finally:
         done(outcome)
         if not ended and abandoned is not None:
             abandoned("its stream started over: the client was told to send it again"
                       if started_over else "client disconnected")
+
+
+class _ClosingStream(StreamingResponse):
+    """A streamed answer that closes its stream as it ends, however it ends: its client
+    gone included, whose leaving interrupts the send (the stream's generator then waits,
+    unclosed, at its yield, until the garbage collector closes it). What the stream does
+    at its end (say how the request ended, cancel it) thus runs before the request's
+    server span ends, and in its trace."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our _sse
+
+
+def _error_event(err: ApiError) -> bytes:
+    """A stream's error event, its last before [DONE]. A server error (5xx) sets the status
+    of the current span ERROR, as an answer with its status would have (ServerSpans): the
+    stream is sent under the request's server span, whose 200 went out first."""
+    if err.status_code >= 500:
+        trace.get_current_span().set_status(StatusCode.ERROR, err.message)
+    return _data(err.body())
 
 
 def _started_over(request_id: str) -> ApiError:
