@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 from aiokafka.structs import ConsumerRecord
+from opentelemetry import trace
 
 from gpusched_common import topics
 from gpusched_common.contracts import (
@@ -20,6 +21,7 @@ from gpusched_common.contracts import (
 )
 from gpusched_common.redis_client import make_redis
 from gpusched_common.settings import RedisSettings
+from gpusched_common.telemetry import carried
 from gpusched_router.adapters.idempotency import IdempotencyKeys
 from gpusched_router.adapters.results import ResultsHub
 from gpusched_router.domain.idempotency import FirstUse, request_digest
@@ -48,7 +50,7 @@ async def test_the_first_outcome_stays_and_any_chunk_marks_a_request_running(sta
         for rid in (first, second):
             await hub.accepted(InferenceRequest(request_id=rid, tenant="acme",
                                                 model="qwen2.5-1.5b", prompt="hi",
-                                                created_at_ms=1), None)
+                                                created_at_ms=1), trace.INVALID_SPAN)
         await hub.store_finished(records(
             TokenChunk(request_id=first, seq=3, text=" late", token_count=1)))
         assert (await hub.status(first))["status"] == "running"
@@ -88,7 +90,7 @@ async def test_a_keys_retry_runs_past_a_refusal_that_may_pass_later(stack) -> No
                 rid, request_digest("/v1/completions", body), int(time.time() * 1000))) is None
             await hub.accepted(InferenceRequest(request_id=rid, tenant="acme",
                                                 model="qwen2.5-1.5b", prompt="x",
-                                                created_at_ms=1), None)
+                                                created_at_ms=1), trace.INVALID_SPAN)
             await hub.store_finished(records(Rejection(
                 request_id=rid, tenant="acme", status_code=status, reason="refused",
                 retry_after_s=1 if status == 429 else None)))
@@ -146,7 +148,8 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
     try:
         await hub.accepted(InferenceRequest(request_id=taken_in, tenant="globex",
                                             model="qwen2.5-1.5b", prompt="hi",
-                                            created_at_ms=5), "a" * 32)
+                                            created_at_ms=5),
+                          carried({"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"}))
         await hub.store_finished(records(result(ended, "done")))
         # its first chunk stored before its record was read: running, then its tenant added
         await hub.store_finished(records(TokenChunk(request_id=started, seq=0, text="a",
@@ -162,11 +165,13 @@ async def test_a_request_read_on_its_topic_is_queued_unless_it_has_a_status(stac
         status = await hub.status(produced)
         assert status == {"request_id": produced, "status": "queued", "tenant": "globex",
                           "model": "qwen2.5-1.5b", "priority_class": "batch",
-                          "created_at_ms": now_ms, "trace_id": trace_id}
+                          "created_at_ms": now_ms, "trace_id": trace_id,
+                          "traceparent": traceparent.decode()}
         assert 0 < await redis.ttl(f"gpusched:request:{produced}") <= 60
         assert (await hub.status(unnamed))["status"] == "queued"
         kept = await hub.status(taken_in)
         assert kept["trace_id"] == "a" * 32 and kept["created_at_ms"] == 5
+        assert kept["traceparent"] == f"00-{'a' * 32}-{'b' * 16}-01"  # its cancel's parent
         assert (await hub.status(ended))["status"] == "completed"
         assert await hub.status(old) is None
         assert (await hub.status(miskeyed))["status"] == "queued"

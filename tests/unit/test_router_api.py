@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,8 @@ import httpx
 import pytest
 from aiokafka.errors import KafkaTimeoutError
 from fastapi import FastAPI
+from faststream.kafka import TestKafkaBroker
+from faststream.kafka.annotations import KafkaMessage
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -1614,8 +1617,8 @@ async def test_a_stream_its_client_leaves_ends_its_span_having_said_so(
     """A client that leaves while a chunk is being sent to it (held up: it read slowly)
     interrupts the send, which left the stream's generator unclosed at its yield: how the
     request ended, and its cancel, waited for the garbage collector, after the request's
-    span had ended. The stream is closed as its answer ends now: the span ends saying the
-    client has gone."""
+    span had ended. The stream is closed as its answer ends now: the span ends, once,
+    saying the client has gone, and the cancel goes out in the request's trace."""
     traced(monkeypatch, tracer_provider)
 
     def two_chunks(request: InferenceRequest) -> None:
@@ -1652,3 +1655,71 @@ async def test_a_stream_its_client_leaves_ends_its_span_having_said_so(
     assert span.attributes["gpusched.outcome"] == "client_gone"
     headers = dict(sent[0]["headers"])
     assert format(span.context.trace_id, "032x") == headers[b"x-trace-id"].decode()
+    for _ in range(10):  # the cancel goes out on its own
+        await asyncio.sleep(0)
+    [cancel] = [s for s in span_exporter.get_finished_spans() if s.name == "cancel"]
+    assert cancel.parent.span_id == span.context.span_id
+    assert dict(cancel.attributes) == {"gpusched.request_id": headers[b"x-request-id"].decode(),
+                                       "gpusched.cancel_reason": "client disconnected"}
+
+
+async def test_the_cancel_of_a_request_kafka_did_not_take_goes_in_its_trace(
+        monkeypatch, tracer_provider: TracerProvider,
+        span_exporter: InMemorySpanExporter) -> None:
+    """The router's cancels were published with no span open: FastStream began a trace of
+    its own with each, which named no request, and which every agent's span of the cancel
+    joined; the request's trace showed it ended for no cause."""
+    traced(monkeypatch, tracer_provider)
+    monkeypatch.setattr("gpusched_router.main.make_redis", lambda settings: NoBudgetSpent())
+    app = create_app(RouterSettings(telemetry=TelemetrySettings(otlp_endpoint="")))
+
+    async def publish(message: bytes, topic: str, **options: object) -> None:
+        if topic != CONTROL.name:
+            raise KafkaTimeoutError  # as aiokafka gives up
+
+    monkeypatch.setattr(app.state.broker, "publish", publish)
+    reply = await post(app, "/v1/completions",
+                       json.dumps({"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3}))
+    assert reply.status_code == 503
+    for _ in range(10):  # the cancel goes out on its own
+        await asyncio.sleep(0)
+    span = server_span(span_exporter)
+    assert span.attributes["http.response.status_code"] == 503
+    assert span.status.status_code is StatusCode.ERROR
+    [cancel] = [s for s in span_exporter.get_finished_spans() if s.name == "cancel"]
+    assert cancel.context.trace_id == span.context.trace_id
+    assert cancel.parent.span_id == span.context.span_id
+    assert cancel.attributes["gpusched.request_id"] == reply.headers["x-request-id"]
+
+
+async def test_a_cancel_over_http_goes_in_its_requests_trace_from_any_router(
+        monkeypatch, redis_url: str) -> None:
+    """`POST /v1/requests/{id}/cancel` published its cancel in a trace of its own, apart
+    from the request's. The request's status names the span it was taken in under, and
+    the cancel goes out under it, from the router that took it in or any other."""
+    request_id = f"req-{uuid.uuid4().hex}"
+    monkeypatch.setattr("gpusched_router.main._new_request_id", lambda: request_id)
+    settings = RouterSettings(telemetry=TelemetrySettings(otlp_endpoint=""),
+                              redis=RedisSettings(url=redis_url))
+    taking, cancelling = create_app(settings), create_app(settings)
+    cancels: list[dict] = []
+
+    @cancelling.state.broker.subscriber(CONTROL.name)
+    async def on_cancel(msg: KafkaMessage) -> None:
+        cancels.append(msg.headers)
+
+    async with TestKafkaBroker(taking.state.broker), TestKafkaBroker(
+            cancelling.state.broker):
+        replying = asyncio.create_task(post(taking, "/v1/completions", json.dumps(
+            {"model": "qwen2.5-1.5b", "prompt": "hi", "max_tokens": 3})))
+        async with asyncio.timeout(5):
+            while await taking.state.hub.status(request_id) is None:
+                await asyncio.sleep(0.01)
+        cancel = await post(cancelling, f"/v1/requests/{request_id}/cancel", "")
+        assert cancel.status_code == 202
+        taking.state.hub.dispatch([SimpleNamespace(value=_result(
+            "cancelled", "cancelled: by its client", request_id).to_bytes())])
+        reply = await replying
+    assert reply.status_code == 409
+    [headers] = cancels
+    assert headers["traceparent"].split("-")[1] == reply.headers["x-trace-id"]

@@ -59,7 +59,7 @@ from gpusched_common.web import (
     unavailable_without_redis,
 )
 from gpusched_router.adapters.idempotency import IdempotencyKeys
-from gpusched_router.adapters.results import ResultsHub, Waited
+from gpusched_router.adapters.results import ResultsHub, Waited, status_span
 from gpusched_router.adapters.server_spans import ServerSpans
 from gpusched_router.domain.idempotency import (
     FirstUse,
@@ -279,11 +279,16 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             return ApiError(499, "the client disconnected before its request body was read")
         return decode_body(body)
 
-    def send_cancel(request_id: str, reason: str) -> asyncio.Task[bool]:
+    def send_cancel(request_id: str, reason: str, request_span: trace.Span
+                    ) -> asyncio.Task[bool]:
         """Cancel a request wherever it waits or runs: the scheduler ends it if it waits,
         the agent running it stops it; agents remember cancels that come before the
         placement, and one that was down when this went out finds it in Redis. Runs on its
-        own (the caller may be answering already); the task says whether Kafka took it."""
+        own (the caller may be answering already); the task says whether Kafka took it.
+        It goes out under a `cancel` span naming the request and why, a child of
+        `request_span` (the request's server span, or the one its status names), so that
+        the request's trace shows what ended it and the spans the cancel makes downstream
+        (every agent reads it); an invalid one (no trace known) begins a trace of its own."""
         cancel = Cancel(request_id=request_id, reason=reason, at_ms=clock())
 
         async def publish() -> bool:
@@ -291,13 +296,19 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                 await redis.set(CANCELLED_KEY.format(request_id), reason, ex=CANCELLED_TTL_S)
             except RedisError as exc:  # the agents running now still read it from Kafka
                 log.warning("cancel of request %s not kept in Redis: %r", request_id, exc)
-            try:
-                await broker.publish(cancel.to_bytes(), topics.CONTROL.name,
-                                     key=request_id.encode(),
-                                     headers={"content-type": "application/json"})
-            except Exception:  # noqa: BLE001 - nobody may await it: say so in the log
-                log.exception("cancel of request %s (%s) not sent", request_id, reason)
-                return False
+            with tracer.start_as_current_span(
+                    "cancel", context=trace.set_span_in_context(request_span), attributes={
+                        "gpusched.request_id": request_id, "gpusched.cancel_reason": reason},
+                    record_exception=False, set_status_on_exception=False) as span:
+                try:
+                    await broker.publish(cancel.to_bytes(), topics.CONTROL.name,
+                                         key=request_id.encode(),
+                                         headers={"content-type": "application/json"})
+                except Exception as exc:  # noqa: BLE001 - nobody may await it: say so in the log
+                    span.record_exception(exc)
+                    span.set_status(StatusCode.ERROR, f"not sent: {exc!r}")
+                    log.exception("cancel of request %s (%s) not sent", request_id, reason)
+                    return False
             return True
 
         task = asyncio.create_task(publish())
@@ -372,7 +383,8 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             # queued behind it, then reaches the scheduler and the agents first, so the
             # request ends unrun and a client's retry is not run twice.
             hub.close(request_id, queue)
-            send_cancel(request_id, "the router answered 503: Kafka did not take it in time")
+            send_cancel(request_id, "the router answered 503: Kafka did not take it in time",
+                        span)
             await free_key()
             return refused(_not_taken_in(f"request {request_id}", settings.publish_timeout_s,
                                          "it is cancelled, send it again"), request_id,
@@ -388,14 +400,14 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
             # what was produced), so a client's retry does not run it twice. With a key, the
             # retry gets this request's outcome instead: it runs on.
             if key is None:
-                send_cancel(request_id, why)
+                send_cancel(request_id, why, span)
 
         return await answer(request, parsed, kind, queue, lambda: trace_id, abandoned)
 
     async def take_in(req: InferenceRequest) -> str:
         """Publish `req` to its priority class's topic, in the trace of the current span
-        (the server span of the request that brings it in), and store its queued status;
-        the trace's id.
+        (the server span of the request that brings it in), and store its queued status,
+        which names that span (a cancel from any router goes in its trace); the trace's id.
         Raises TimeoutError when Kafka did not take it within the publish time-out
         (KafkaError when aiokafka gave up first)."""
         span = trace.get_current_span()
@@ -405,7 +417,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
                                  key=req.request_id.encode(),
                                  headers={"content-type": "application/json"})
         try:
-            await hub.accepted(req, trace_id)
+            await hub.accepted(req, span)
         except RedisError as exc:  # published: the request runs, and the routers' group on
             # the request topics stores its status once Redis is back
             log.warning("request %s accepted, its queued status not stored yet: %r",
@@ -609,7 +621,7 @@ def create_app(settings: RouterSettings, clock: WallClockMs = wall_clock_ms) -> 
         if "result" in status:
             return error(ApiError(409, f"request '{request_id}' has ended already: "
                                   f"{status['status']}", code="request_ended"))
-        sent = send_cancel(request_id, "cancelled by its client")
+        sent = send_cancel(request_id, "cancelled by its client", status_span(status))
         done, _ = await asyncio.wait({sent}, timeout=settings.publish_timeout_s)
         if not done or not sent.result():
             return error(_not_taken_in(f"the cancel of request '{request_id}'",

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka.structs import ConsumerRecord
+from opentelemetry import trace
+from opentelemetry.propagate import inject
 from redis.asyncio import Redis
 
 from gpusched_common.contracts import (
@@ -113,10 +115,11 @@ class ResultsHub:
         if not queues:
             self._waiters.pop(request_id, None)
 
-    async def accepted(self, request: InferenceRequest, trace_id: str | None) -> None:
+    async def accepted(self, request: InferenceRequest, span: trace.Span) -> None:
+        """Store the queued status of `request`, taken in under `span` (its server span)."""
         key = STATUS_KEY.format(request.request_id)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping=_queued_fields(request, trace_id))
+            pipe.hset(key, mapping=_queued_fields(request, span))
             pipe.hsetnx(key, "status", "queued")  # a result stored first stays
             pipe.expire(key, self._ttl_s)
             await pipe.execute()
@@ -149,8 +152,8 @@ class ResultsHub:
                 request = REQUEST.validate_python(request_payload(record))
             except ValueError:
                 continue
-            trace = carried(record_carrier(record.headers))
-            fields = {**_queued_fields(request, trace_id_hex(trace)), "status": "queued"}
+            span = carried(record_carrier(record.headers))  # its producer's, if it says
+            fields = {**_queued_fields(request, span), "status": "queued"}
             seen.append((request.request_id, _flat(fields)))
         if not seen:
             return
@@ -222,12 +225,24 @@ def _flat(fields: dict[str, Any]) -> list[Any]:
     return [x for pair in fields.items() for x in pair]
 
 
-def _queued_fields(request: InferenceRequest, trace_id: str | None) -> dict[str, str | int]:
-    """What a request's status tells of it before its outcome; `trace_id` None: unsampled,
-    or unknown (a record produced without a trace context)."""
+def _queued_fields(request: InferenceRequest, span: trace.Span) -> dict[str, str | int]:
+    """What a request's status tells of it before its outcome; `span` is the one it came in
+    under (an invalid one where none is known: a record produced without a trace context).
+    `trace_id` names its trace for Jaeger (empty: unsampled, or unknown); `traceparent`
+    is the span's W3C context, sampled or not (empty: unknown), which its cancel goes out
+    under (`status_span`)."""
+    carrier: dict[str, str] = {}
+    inject(carrier, context=trace.set_span_in_context(span))
     return {"tenant": request.tenant, "model": request.model,
             "priority_class": request.priority_class,
-            "created_at_ms": request.created_at_ms, "trace_id": trace_id or ""}
+            "created_at_ms": request.created_at_ms, "trace_id": trace_id_hex(span) or "",
+            "traceparent": carrier.get("traceparent", "")}
+
+
+def status_span(status: dict[str, Any]) -> trace.Span:
+    """The span a request's status names (`_queued_fields`), as a parent; an invalid one
+    where it names none (stored by a release before, or unknown)."""
+    return carried({"traceparent": status.get("traceparent") or ""})
 
 
 def _status_fields(event: RequestResult | Rejection) -> dict[str, str]:
