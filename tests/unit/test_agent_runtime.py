@@ -1103,19 +1103,22 @@ async def test_token_chunks_are_counted_on_the_run_span_not_spans_of_their_own(
     assert {s.context.trace_id for s in spans} == {5}
 
 
+class YieldsBytes(SimulatedExecutor):
+    """An executor whose third token is bytes, not text: its run fails."""
+
+    def generate(self, job):  # noqa: ANN001, ANN202
+        async def tokens():  # noqa: ANN202
+            for token in [" a", " b", b" c"]:
+                yield token
+        return tokens()
+
+
 async def test_a_run_that_ends_failed_is_a_span_with_status_error(
         tracer_provider: TracerProvider, span_exporter: InMemorySpanExporter) -> None:
     """No span was ever marked as an error: in Jaeger, a run whose executor failed, or one
     that ended failed on its last attempt, looked like one that completed. Such a `run`
     span has status ERROR now, with the reason, and the exception where one ended it; a
     run completed or cancelled leaves it unset (OpenTelemetry: never Ok)."""
-    class YieldsBytes(SimulatedExecutor):
-        def generate(self, job):  # noqa: ANN001, ANN202
-            async def tokens():  # noqa: ANN202
-                for token in [" a", " b", b" c"]:
-                    yield token
-            return tokens()
-
     runtime, _, _ = make(tracer=tracer_provider.get_tracer("gpu-agent"))
     runtime.executor = YieldsBytes(0.01, seed=7)
     with in_trace(5):
@@ -1302,13 +1305,6 @@ async def test_a_placement_beyond_its_models_context_is_handed_back_unrun(change
 async def test_an_executor_yielding_bytes_fails_its_request_billed_for_its_text() -> None:
     """bytes passed as a token until the result's text was joined, which raised: the run
     ended with no result, no usage and its claim held until the agent restarted."""
-    class YieldsBytes(SimulatedExecutor):
-        def generate(self, job):  # noqa: ANN001, ANN202
-            async def tokens():  # noqa: ANN202
-                for token in [" a", " b", b" c"]:
-                    yield token
-            return tokens()
-
     runtime, sink, ledger = make()
     runtime.executor = YieldsBytes(0.01, seed=7)
     await runtime.command(placement("b"))
