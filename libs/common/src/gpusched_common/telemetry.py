@@ -13,7 +13,7 @@ from importlib import metadata
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagate import extract
+from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -86,6 +86,14 @@ def in_trace(carrier: dict[str, str]) -> AbstractContextManager[trace.Span]:
     """What is published within goes in the trace `carrier` names (W3C trace headers), as
     if under the span they name; with none, in a new trace each."""
     return trace.use_span(carried(carrier))
+
+
+def carrier_of(span: trace.Span) -> dict[str, str]:
+    """The W3C carrier (trace headers) naming `span`, sampled or not, for a record or a
+    stored status; empty where `span` is invalid. The inverse of `carried`."""
+    carrier: dict[str, str] = {}
+    inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 def carried_span(carrier: dict[str, str]) -> trace.SpanContext:

@@ -22,7 +22,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Seque
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
-from opentelemetry.propagate import inject
 
 from gpusched_agent.adapters.executor import (
     EngineFinished,
@@ -66,6 +65,7 @@ from gpusched_common.recent import Recent
 from gpusched_common.redis_keys import CLAIM_TTL_S, NODE_ALIVE_TTL_S
 from gpusched_common.tasks import cancelled
 from gpusched_common.telemetry import (
+    carrier_of,
     context_from,
     in_trace,
     mark_failure,
@@ -450,8 +450,7 @@ class AgentRuntime:
         if isinstance(cmd, Preempt):
             return self._stop(cmd.placement_id, "preempted", cmd.reason)
         asks = cmd.request.asks_digest()
-        carrier: dict[str, str] = {}
-        inject(carrier)  # the span of the command (FastStream's, from its record)
+        carrier = carrier_of(trace.get_current_span())  # the command's (FastStream's span)
         running = self._running.get(cmd.placement_id)
         claim = Taken(running.placement.request.asks_digest()) if running is not None \
             else await self._ledger.claim(

@@ -16,7 +16,6 @@ from typing import Literal
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagate import inject
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -49,6 +48,7 @@ from gpusched_common.kafka_records import WallClockMs, dead_letter, request_payl
 from gpusched_common.recent import Recent
 from gpusched_common.telemetry import (
     carried_span,
+    carrier_of,
     record_carrier,
     request_attributes,
     untraced,
@@ -678,9 +678,7 @@ class SchedulingEngine:
             "admit", context=Context(), kind=trace.SpanKind.CONSUMER,
             attributes={"messaging.destination.name": record.topic, **attributes()})
         span.end()
-        own: dict[str, str] = {}
-        inject(own, context=trace.set_span_in_context(span))
-        return own
+        return carrier_of(span)
 
     async def _answer_429(self, record: ConsumerRecord, answer: Outgoing) -> None:
         await self._publish([answer])

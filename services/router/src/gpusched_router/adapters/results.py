@@ -11,7 +11,6 @@ from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
-from opentelemetry.propagate import inject
 from redis.asyncio import Redis
 
 from gpusched_common.contracts import (
@@ -24,7 +23,7 @@ from gpusched_common.contracts import (
     TokenChunk,
 )
 from gpusched_common.kafka_records import request_payload
-from gpusched_common.telemetry import carried, record_carrier, trace_id_hex
+from gpusched_common.telemetry import carried, carrier_of, record_carrier, trace_id_hex
 from gpusched_router.domain.openai_api import ApiError
 
 STATUS_KEY = "gpusched:request:{}"
@@ -231,12 +230,10 @@ def _queued_fields(request: InferenceRequest, span: trace.Span) -> dict[str, str
     `trace_id` names its trace for Jaeger (empty: unsampled, or unknown); `traceparent`
     is the span's W3C context, sampled or not (empty: unknown), which its cancel goes out
     under (`status_span`)."""
-    carrier: dict[str, str] = {}
-    inject(carrier, context=trace.set_span_in_context(span))
     return {"tenant": request.tenant, "model": request.model,
             "priority_class": request.priority_class,
             "created_at_ms": request.created_at_ms, "trace_id": trace_id_hex(span) or "",
-            "traceparent": carrier.get("traceparent", "")}
+            "traceparent": carrier_of(span).get("traceparent", "")}
 
 
 def status_span(status: dict[str, Any]) -> trace.Span:

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import OutOfOrderSequenceNumber
 from opentelemetry import trace
-from opentelemetry.propagate import extract, inject
+from opentelemetry.propagate import extract
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
 from gpusched_common.broker import retire_producer
 from gpusched_common.contracts import InferenceRequest, Message, Placement, Preempt
-from gpusched_common.telemetry import mark_failure, request_attributes
+from gpusched_common.telemetry import carrier_of, mark_failure, request_attributes
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ class DecisionProducer:
                 "schedule", context=extract(out.trace_carrier) if out.trace_carrier else None,
                 kind=trace.SpanKind.PRODUCER, attributes=decision_attributes(out))
             mark_failure(span, out.message)  # a rejection, a dead letter, a failed end
-            carrier: dict[str, str] = {}
-            inject(carrier, context=trace.set_span_in_context(span))
+            carrier = carrier_of(span)
             span.end()
             headers = [("content-type", b"application/json")] + [
                 (k, v.encode()) for k, v in carrier.items()]
