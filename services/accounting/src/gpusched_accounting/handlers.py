@@ -119,7 +119,7 @@ def register(broker: KafkaBroker, store: UsageStore, prices: PriceTable, budgets
 
     async def refuse(record: ConsumerRecord, reason: str, now_ms: int) -> None:
         """Dead-letter `record` in the trace of the request it bills (a batch has none of
-        its own: `broker._spans_for`)."""
+        its own: `Broker._spans_for` in gpusched_common.broker)."""
         with in_trace(record_carrier(record.headers)):
             await publish(dead_letter(record, reason, SERVICE, now_ms), topics.DEAD_LETTERS.name,
                           record.topic)
